@@ -1,0 +1,1 @@
+"""Exact and semantic response caches on Redis."""

@@ -1,0 +1,152 @@
+"""The async facade: submit a request, iterate its deltas; the step loop runs on its own thread.
+
+Only the step thread touches the `LLMEngine`. Other threads talk to it through a command queue
+(add, abort) and receive deltas through each request's `asyncio.Queue`, fed with
+`call_soon_threadsafe`. A consumer that stops iterating (a client that disconnected) aborts
+its request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.errors import EngineOverloadedError, EngineStoppedError
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineRequest, EngineStats, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: EngineRequest
+    prompt_ids: list[int]
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self._stopping = False
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        return cls(LLMEngine(config))
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="loramux-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._commands.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def tokenizer(self) -> object:
+        return self.engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Validate (raising before anything is queued), then yield the request's deltas."""
+        if self._failure is not None or self._stopping:
+            raise EngineStoppedError("the engine is not running") from self._failure
+        prompt_ids = self.engine.validate(request)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request.request_id in self._streams:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            if (
+                len(self._streams)
+                >= self.engine.config.max_waiting + self.engine.config.max_num_seqs
+            ):
+                raise EngineOverloadedError("the engine queue is full; retry later")
+            self._streams[request.request_id] = stream
+        self.start()
+        self._commands.put(_Add(request, prompt_ids))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+            if not finished:
+                self._commands.put(_Abort(request.request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    # -- the step thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_work
+                if not self._drain_commands(block):
+                    return
+                if self.engine.has_work:
+                    self._deliver(self.engine.step())
+        except BaseException as exc:
+            log.exception("engine step loop failed")
+            self._failure = exc
+            with self._lock:
+                streams = list(self._streams.values())
+            for stream in streams:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued commands; wait for one when idle. False once shutdown was asked."""
+        while True:
+            try:
+                cmd = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if cmd is None:
+                return False
+            if isinstance(cmd, _Add):
+                with self._lock:
+                    if cmd.request.request_id not in self._streams:
+                        continue  # consumer already gone
+                self.engine.add_request(cmd.request, cmd.prompt_ids)
+            else:
+                final = self.engine.abort(cmd.request_id)
+                if final is not None:
+                    self._deliver([final])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            targets = [(self._streams.get(o.request_id), o) for o in outputs]
+        for stream, out in targets:
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)

@@ -1,0 +1,172 @@
+"""Paged KV-cache bookkeeping: block allocation, reference counts and the prefix cache.
+
+A block holds `block_size` consecutive tokens of one sequence. A *full* block is also
+identified by a `PrefixHash`: a chained hash of the previous block's hash, the adapter
+identity and this block's token ids, so equal hashes mean equal prefixes under the same
+adapter. A cache hit is re-checked against the tokens stored with the block.
+
+Free blocks are kept in least-recently-freed order. A freed block that carries a hash stays
+findable in the prefix cache until it is handed out again (evicted) — hash-less free blocks
+are handed out first, then hashed ones oldest first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from engine.sequence import Sequence
+
+PrefixHash = bytes
+
+
+def prefix_hash(parent: PrefixHash | None, adapter_id: str, token_ids: list[int]) -> PrefixHash:
+    """Chained block hash: parent hash, adapter identity and token ids."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"root")
+    h.update(adapter_id.encode())
+    h.update(b"|")
+    h.update(",".join(map(str, token_ids)).encode())
+    return h.digest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: PrefixHash | None = None
+    token_ids: tuple[int, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class BlockStats:
+    total: int
+    used: int
+    free: int
+    cached_free: int
+    """Free blocks that still hold a reusable prefix."""
+
+
+class BlockManager:
+    """Owns the pool of KV blocks and each sequence's block table.
+
+    Methods come in pairs: `can_allocate`/`allocate` admit a sequence (matching its prefix),
+    `can_append`/`append` grow it for the tokens of the next step. `free` releases a sequence's
+    blocks; `seal_full_blocks` publishes newly full blocks in the prefix cache.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._by_hash: dict[PrefixHash, int] = {}
+        # Hash of each sequence's last sealed block, so sealing stays O(new blocks).
+        self._seq_hashes: dict[str, list[PrefixHash]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def stats(self) -> BlockStats:
+        cached = sum(1 for i in self._free if self.blocks[i].hash is not None)
+        free = len(self._free)
+        return BlockStats(len(self.blocks), len(self.blocks) - free, free, cached)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- admission -------------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of `seq`, leaving at least one token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        matched: list[int] = []
+        parent: PrefixHash | None = None
+        max_blocks = (len(seq) - 1) // self.block_size
+        for i in range(max_blocks):
+            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            parent = prefix_hash(parent, seq.adapter_id, tokens)
+            block_id = self._by_hash.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+                break
+            matched.append(block_id)
+        return matched
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether `seq` can be admitted to compute its first `num_new_tokens` uncached tokens."""
+        matched = self.match_prefix(seq)
+        reclaimed = sum(1 for b in matched if self.blocks[b].ref_count == 0)
+        cached_tokens = len(matched) * self.block_size
+        needed = self.blocks_needed(cached_tokens + num_new_tokens) - len(matched)
+        return needed <= self.num_free_blocks - reclaimed
+
+    def allocate(self, seq: Sequence) -> int:
+        """Attach the cached prefix to `seq`; returns the number of tokens it covers."""
+        assert not seq.block_table, "sequence already holds blocks"
+        matched = self.match_prefix(seq)
+        hashes: list[PrefixHash] = []
+        for block_id in matched:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+            assert block.hash is not None
+            hashes.append(block.hash)
+        seq.block_table = list(matched)
+        self._seq_hashes[seq.request_id] = hashes
+        cached = len(matched) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens = cached
+        return cached
+
+    # -- growth ------------------------------------------------------------------------------
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        return needed - len(seq.block_table) <= self.num_free_blocks
+
+    def append(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Give `seq` enough blocks to hold `num_new_tokens` more computed tokens."""
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        while len(seq.block_table) < needed:
+            seq.block_table.append(self._take_free_block())
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict: this prefix is no longer findable
+            if self._by_hash.get(block.hash) == block_id:
+                del self._by_hash[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def seal_full_blocks(self, seq: Sequence) -> None:
+        """Publish every full, computed block of `seq` not yet in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._seq_hashes.setdefault(seq.request_id, [])
+        num_full = seq.num_computed_tokens // self.block_size
+        for i in range(len(hashes), num_full):
+            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            h = prefix_hash(hashes[-1] if hashes else None, seq.adapter_id, tokens)
+            hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self._by_hash:
+                block.hash, block.token_ids = h, tuple(tokens)
+                self._by_hash[h] = block.block_id
+
+    # -- release -----------------------------------------------------------------------------
+    def free(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks; hashed ones stay findable until evicted. Newest last in LRU."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, "block freed twice"
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.hash is None:
+                    self._free.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        self._seq_hashes.pop(seq.request_id, None)

@@ -1,0 +1,50 @@
+"""Engine configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: Path
+    """A local Hugging Face folder of a Llama-family model."""
+    dtype: str = "float32"
+    """Weights and activations: float32, float16 or bfloat16."""
+    device: str = "cpu"
+    """torch device; CUDA uses the Triton kernels, CPU the torch twins."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    """Memory budget for the KV-cache pool (keys and values of every layer)."""
+    num_kv_blocks: int | None = None
+    """Exact pool size in blocks; overrides `kv_cache_bytes` (tests use it to force preemption)."""
+    max_num_seqs: int = 64
+    """Cap on sequences running in one step."""
+    max_num_batched_tokens: int = 512
+    """Token budget per step, shared by decode tokens and prefill chunks."""
+    max_model_len: int | None = None
+    """Longest prompt plus completion; defaults to the model's context length."""
+    max_waiting: int = 4096
+    """Requests queued beyond this are refused with EngineOverloadedError."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prefixes (same tokens, same adapter)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, not {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, not {self.block_size}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be at least 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

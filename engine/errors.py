@@ -1,0 +1,28 @@
+"""The engine's error hierarchy. Each error is a user-facing refusal with a clear message;
+callers (the gateway) map the classes to HTTP statuses in one place."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """The request cannot be served as given; nothing was queued."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """Prompt plus requested completion does not fit in the model's context."""
+
+
+class UnsupportedModelError(EngineError):
+    """The checkpoint is not a model this engine can serve."""
+
+
+class EngineOverloadedError(EngineError):
+    """The waiting queue is full; retry later."""
+
+
+class EngineStoppedError(EngineError):
+    """The engine has been shut down."""

@@ -1,0 +1,231 @@
+"""The synchronous engine: admit requests, then `step()` until done.
+
+    schedule → prepare inputs → run the model → sample → postprocess
+
+Not thread-safe: one thread owns an LLMEngine (the async facade runs it off the event loop).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.model.config import ModelConfig
+from engine.model.llama import LlamaModel
+from engine.model.loader import load_model
+from engine.model_runner import ModelRunner, kv_bytes_per_block
+from engine.outputs import EngineRequest, EngineStats, RequestOutput, Usage
+from engine.sampler import sample
+from engine.scheduler import ScheduledChunk, Scheduler
+from engine.sequence import BASE_ADAPTER, FinishReason, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Counters:
+    prefix_cache_hit_tokens: int = 0
+    prompt_tokens_computed: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+
+
+@dataclass
+class _Active:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    stop_ids: frozenset[int] = field(default_factory=frozenset)
+    cached_prompt_tokens: int = 0
+    """Prompt tokens found in the prefix cache at first admission (reported in usage)."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        torch.manual_seed(0)
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(config.model))
+        # validate() runs on callers' threads while the step thread detokenizes: a Rust tokenizer
+        # must not be used from two threads at once ("Already borrowed"), so each side has its own.
+        self.request_tokenizer: Any = AutoTokenizer.from_pretrained(str(config.model))
+        self.max_model_len = _max_model_len(config)
+        self.model: LlamaModel = load_model(
+            config.model, config.torch_dtype, config.device, self.max_model_len
+        )
+        self.model_config = self.model.config
+        num_blocks = self._num_blocks()
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.runner = ModelRunner(config, self.model, num_blocks)
+        self.eos_ids = frozenset(self.model_config.eos_token_ids)
+        self._active: dict[str, _Active] = {}
+        self._arrivals = 0
+        self._counters = _Counters()
+
+    def _num_blocks(self) -> int:
+        c = self.config
+        per_block = kv_bytes_per_block(self.model_config, c.block_size, c.torch_dtype)
+        num_blocks = c.num_kv_blocks or c.kv_cache_bytes // per_block
+        needed = -(-self.max_model_len // c.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV pool ({num_blocks} blocks of {c.block_size}) cannot hold one sequence of "
+                f"max_model_len {self.max_model_len}; raise the KV budget or lower max_model_len"
+            )
+        return num_blocks
+
+    # -- requests ---------------------------------------------------------------------------
+    def validate(self, request: EngineRequest) -> list[int]:
+        """Token ids of the request's prompt; raises InvalidRequestError and queues nothing."""
+        forms = [request.prompt, request.prompt_token_ids, request.messages]
+        if sum(f is not None for f in forms) != 1:
+            raise InvalidRequestError("give exactly one of prompt, prompt_token_ids or messages")
+        if request.messages is not None:
+            if not request.messages:
+                raise InvalidRequestError("messages must not be empty")
+            ids = list(
+                self.tokenizer.apply_chat_template(
+                    request.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
+        elif request.prompt is not None:
+            ids = self.request_tokenizer.encode(request.prompt, add_special_tokens=False)
+        else:
+            ids = list(request.prompt_token_ids or [])
+            vocab = self.model_config.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        total = len(ids) + request.params.max_tokens
+        if total > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request has "
+                f"{len(ids)} prompt tokens and asks for {request.params.max_tokens} completion tokens"
+            )
+        return ids
+
+    def add_request(self, request: EngineRequest, prompt_ids: list[int] | None = None) -> None:
+        if request.request_id in self._active:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        ids = prompt_ids if prompt_ids is not None else self.validate(request)
+        self._arrivals += 1
+        seq = Sequence(
+            request.request_id,
+            list(ids),
+            request.params,
+            self._arrivals,
+            adapter_id=request.adapter or BASE_ADAPTER,
+        )
+        detok = IncrementalDetokenizer(self.tokenizer, stop=request.params.stop)
+        stop_ids = frozenset(request.params.stop_token_ids) | (
+            frozenset() if request.params.ignore_eos else self.eos_ids
+        )
+        self._active[seq.request_id] = _Active(seq, detok, stop_ids)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and free its blocks; its final output, or None if unknown."""
+        active = self._active.pop(request_id, None)
+        if active is None:
+            return None
+        self.scheduler.finish(active.seq)
+        return self._final(active, FinishReason.ABORT, "")
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        self._counters.preemptions += len(batch.preempted)
+        if not batch.chunks:
+            return []
+        inputs = self.runner.prepare(batch.chunks)
+        logits = self.runner.run(inputs)
+        sampling = [c.seq for c in batch.chunks if c.samples]
+        tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        return self._postprocess(batch.chunks, tokens)
+
+    def _postprocess(self, chunks: list[ScheduledChunk], tokens: list[int]) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        next_token = iter(tokens)
+        self._counters.steps += 1
+        for chunk in chunks:
+            seq, samples = chunk.seq, chunk.samples
+            prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+            self._counters.prompt_tokens_computed += min(prompt_left, chunk.num_tokens)
+            if seq.num_computed_tokens == seq.num_cached_tokens and seq.num_completion_tokens == 0:
+                # First chunk since admission: count the prefix-cache hit once.
+                self._counters.prefix_cache_hit_tokens += seq.num_cached_tokens
+                self._active[seq.request_id].cached_prompt_tokens = seq.num_cached_tokens
+            seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.seal_full_blocks(seq)
+            if samples:
+                outputs.append(self._append_token(self._active[seq.request_id], next(next_token)))
+        return outputs
+
+    def _append_token(self, active: _Active, token: int) -> RequestOutput:
+        seq = active.seq
+        seq.token_ids.append(token)
+        self._counters.generated_tokens += 1
+        reason: FinishReason | None = None
+        text = ""
+        if token in active.stop_ids:
+            reason = FinishReason.STOP
+        else:
+            text = active.detok.add(token)
+            if active.detok.stopped:
+                reason = FinishReason.STOP
+        if reason is None and (
+            seq.num_completion_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len
+        ):
+            reason = FinishReason.LENGTH
+        if reason is None:
+            return RequestOutput(seq.request_id, text, [token])
+        del self._active[seq.request_id]
+        self.scheduler.finish(seq)
+        return self._final(active, reason, text, [token])
+
+    def _final(
+        self, active: _Active, reason: FinishReason, text: str, token_ids: list[int] | None = None
+    ) -> RequestOutput:
+        seq = active.seq
+        usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, active.cached_prompt_tokens)
+        text += active.detok.flush()
+        return RequestOutput(seq.request_id, text, token_ids or [], reason, usage)
+
+    def stats(self) -> EngineStats:
+        blocks = self.block_manager.stats()
+        c = self._counters
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_total=blocks.total,
+            kv_blocks_used=blocks.used,
+            kv_blocks_free=blocks.free,
+            prefix_cache_hit_tokens=c.prefix_cache_hit_tokens,
+            prompt_tokens_computed=c.prompt_tokens_computed,
+            generated_tokens=c.generated_tokens,
+            preemptions=c.preemptions,
+            steps=c.steps,
+        )
+
+
+def _max_model_len(config: EngineConfig) -> int:
+    mc = ModelConfig.from_folder(config.model)
+    limit = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    return limit if mc.sliding_window is None else min(limit, mc.sliding_window)

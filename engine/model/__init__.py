@@ -1,0 +1,1 @@
+"""Llama-family model: config, loading from Hugging Face folders, and the forward pass."""

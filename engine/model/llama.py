@@ -1,0 +1,143 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2) over the paged KV cache.
+
+Tokens of every sequence in a step are flattened into one `[T]` batch; attention finds each
+token's context through the block tables in `StepContext.attention`. Projections are fused
+(q|k|v and gate|up) so one GEMM — and one LoRA kernel call — serves each group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.config import ModelConfig
+from engine.model.rope import RotaryEmbedding
+from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv_cache
+
+
+class LoraApplier(Protocol):
+    """Adds the LoRA delta of each token's adapter to a projection's output, in place."""
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None: ...
+
+
+@dataclass
+class StepContext:
+    """Everything a forward pass needs besides the token ids, built once per step."""
+
+    positions: torch.Tensor
+    """[T] int64 absolute position of each token."""
+    slot_mapping: torch.Tensor
+    """[T] int64 KV slot (block * block_size + offset) each token's K/V is written to."""
+    attention: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    lora: LoraApplier | None = None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, rope: RotaryEmbedding):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, config.o_bias)
+        self.rope = rope
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        if ctx.lora is not None:
+            ctx.lora.apply(self.layer, "qkv", x, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(ctx.positions, q, k)
+        k_cache, v_cache = ctx.kv_caches[self.layer]
+        write_kv_cache(k_cache, v_cache, k, v, ctx.slot_mapping)
+        attn = paged_attention(q, k_cache, v_cache, ctx.attention, self.scale)
+        attn = attn.reshape(-1, self.q_size)
+        out = self.o_proj(attn)
+        if ctx.lora is not None:
+            ctx.lora.apply(self.layer, "o", attn, out)
+        return out
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, config.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, config.mlp_bias)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if ctx.lora is not None:
+            ctx.lora.apply(self.layer, "gate_up", x, gate_up)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        h = F.silu(gate) * up
+        out = self.down_proj(h)
+        if ctx.lora is not None:
+            ctx.lora.apply(self.layer, "down", h, out)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, rope: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer, rope)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, layer)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x), ctx)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.config = config
+        self.rope = rope
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.rope) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """input_ids: [T] → final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] → float32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,38 @@
+"""Token selection: greedy, or temperature / top-k / top-p sampling with per-request seeds.
+
+Each seeded request draws its randomness from its own `torch.Generator`, so its output does not
+depend on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int]:
+    """logits: float32 [N, vocab], one row per sampling sequence → one token id per row."""
+    tokens = logits.argmax(dim=-1).tolist()
+    for i, p in enumerate(params):
+        if not p.greedy:
+            tokens[i] = _sample_row(logits[i], p, generators[i])
+    return tokens
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    logits = logits.float().cpu() / p.temperature
+    if p.top_k > 0 and p.top_k < logits.numel():
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        cumulative = sorted_probs.cumsum(0)
+        # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
+        drop = cumulative - sorted_probs >= p.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -1,0 +1,118 @@
+"""Iteration-level scheduling: which sequences compute how many tokens in the next step.
+
+One token budget per step is shared by decode tokens and prefill chunks. Running sequences
+are served first, oldest first; then waiting ones are admitted in arrival order while budget,
+sequence slots and KV blocks last. The head of the queue is never skipped, so no request
+starves. When blocks run out for a running sequence, the newest running sequence is
+preempted (its blocks freed, to be recomputed later — usually largely from the prefix cache).
+The oldest running sequence can always proceed, since the pool holds at least one full
+context, so the scheduler never deadlocks and never runs out of memory.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int
+    """First position computed this step (the sequence's `num_computed_tokens` when scheduled)."""
+    num_tokens: int
+    samples: bool
+    """This chunk reaches the end of the sequence, so its last logit is sampled."""
+
+    @classmethod
+    def of(cls, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        assert num_tokens > 0, "a scheduled chunk computes at least one token"
+        start = seq.num_computed_tokens
+        return cls(seq, start, num_tokens, start + num_tokens == len(seq))
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        """Running sequences in admission order: the last is the newest, preempted first."""
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_append(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    return budget
+            self.block_manager.append(seq, n)
+            out.chunks.append(ScheduledChunk.of(seq, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            uncached = (
+                len(seq) - len(self.block_manager.match_prefix(seq)) * self.block_manager.block_size
+            )
+            n = min(uncached, budget)
+            if out.preempted or not self.block_manager.can_allocate(seq, n):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            self.block_manager.append(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.chunks.append(ScheduledChunk.of(seq, n))
+            budget -= n
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Free `seq`'s blocks and put it back at the head of the queue, to be recomputed."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED

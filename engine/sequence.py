@@ -1,0 +1,75 @@
+"""Per-request state as the scheduler and runner see it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+BASE_ADAPTER = "base"
+"""Adapter identity of requests served by the base model alone (prefix-cache key part)."""
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's tokens and progress.
+
+    Invariants: `num_computed_tokens <= len(token_ids)`; positions `[0, num_computed_tokens)` have
+    their K/V in the blocks of `block_table`; `num_cached_tokens` of them came from the prefix cache.
+    A sequence samples a token in a step only when that step computes its last token.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    """Monotonic admission ticket: lower is older (first come, first served)."""
+    adapter_id: str = BASE_ADAPTER
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,1 @@
+"""The loramux gateway and command-line interface."""

@@ -1,0 +1,112 @@
+"""The `loramux` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from gateway.settings import Settings
+
+log = logging.getLogger("loramux")
+
+
+def _demo_model(args: argparse.Namespace) -> None:
+    from engine.demo_model import build_demo_model
+
+    out = build_demo_model(Path(args.dir), seed=args.seed)
+    print(out)
+
+
+def _demo_adapters(args: argparse.Namespace) -> None:
+    from adapters.demo import build_demo_adapters
+
+    for path in build_demo_adapters(
+        Path(args.model_dir), Path(args.out_dir), args.count, seed=args.seed
+    ):
+        print(path)
+
+
+def ensure_model(settings: Settings) -> Path:
+    """The configured model folder; the demo model is built there on first start."""
+    from engine.demo_model import build_demo_model
+
+    folder = settings.model_dir
+    if settings.model is None and not (folder / "config.json").is_file():
+        log.info("building the demo model in %s", folder)
+        build_demo_model(folder, seed=0)
+    return folder
+
+
+def _chat(args: argparse.Namespace) -> None:
+    """Stream one chat reply from the engine, in-process."""
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.outputs import EngineRequest
+    from engine.sampling import SamplingParams
+
+    settings = Settings()
+    s = settings.engine
+    config = EngineConfig(
+        model=ensure_model(settings),
+        dtype=s.dtype,
+        device=s.device,
+        kv_cache_bytes=s.kv_cache_mb << 20,
+        max_model_len=s.max_model_len,
+    )
+    engine = AsyncEngine.from_config(config)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    )
+    request = EngineRequest("cli", params, messages=[{"role": "user", "content": args.message}])
+
+    async def stream() -> None:
+        async for delta in engine.generate(request):
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            if delta.usage is not None:
+                u = delta.usage
+                sys.stdout.write(
+                    f"\n[{delta.finish_reason}: {u.prompt_tokens} prompt + "
+                    f"{u.completion_tokens} completion tokens]\n"
+                )
+
+    try:
+        asyncio.run(stream())
+    finally:
+        engine.shutdown()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loramux", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo-model", help="write the small demo Llama checkpoint into DIR")
+    p.add_argument("dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_demo_model)
+
+    p = sub.add_parser("demo-adapters", help="make N PEFT LoRA adapters for MODEL_DIR in OUT_DIR")
+    p.add_argument("model_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--count", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_demo_adapters)
+
+    p = sub.add_parser("chat", help="stream one chat reply from the in-process engine")
+    p.add_argument("message", nargs="?", default="Write a Python function that reverses a list.")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    args = build_parser().parse_args(argv)
+    args.func(args)

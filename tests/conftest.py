@@ -1,0 +1,37 @@
+"""Shared fixtures: the demo model is built once per test session into a temporary folder."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Triton kernels run under the interpreter on machines without a CUDA device. This must be set
+# before any module decorates a kernel with @triton.jit, hence here, before test modules import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from pathlib import Path
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A demo-model checkpoint (seed 0), built once per session."""
+    from engine.demo_model import build_demo_model
+
+    out = tmp_path_factory.mktemp("demo-model")
+    build_demo_model(out, seed=0)
+    return out

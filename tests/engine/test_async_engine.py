@@ -1,0 +1,144 @@
+"""The async facade: streams, aborts that free every block, seeded sampling, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.outputs import EngineRequest, RequestOutput
+from engine.sampling import SamplingParams
+from tests.engine.conftest import make_engine
+
+
+@pytest.fixture
+async def engine(demo_model_dir: Path) -> AsyncIterator[AsyncEngine]:
+    eng = AsyncEngine(make_engine(demo_model_dir, num_kv_blocks=128, max_num_batched_tokens=128))
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+async def _collect(engine: AsyncEngine, request: EngineRequest) -> list[RequestOutput]:
+    return [out async for out in engine.generate(request)]
+
+
+async def _wait_idle(engine: AsyncEngine) -> None:
+    for _ in range(500):
+        stats = engine.stats()
+        if stats.running == 0 and stats.waiting == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine never went idle: {engine.stats()}")
+
+
+async def test_streamed_deltas_concatenate_and_end_with_usage(engine: AsyncEngine) -> None:
+    messages = [{"role": "user", "content": "Write a haiku about paging."}]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    outs = await _collect(engine, EngineRequest("chat", params, messages=messages))
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert outs[-1].usage is not None and outs[-1].usage.completion_tokens == 20
+    assert sum(len(o.token_ids) for o in outs) == 20
+    assert "".join(o.text for o in outs) == engine.engine.tokenizer.decode(
+        [t for o in outs for t in o.token_ids], skip_special_tokens=True
+    )
+
+
+async def test_aborted_requests_free_every_block(engine: AsyncEngine) -> None:
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    async def consume(i: int, stop_after: int | None) -> int:
+        seen = 0
+        stream = engine.generate(
+            EngineRequest(f"a{i}", params, prompt=f"def function_{i}(x):" * (i + 1))
+        )
+        async for _ in stream:
+            seen += 1
+            if stop_after is not None and seen >= stop_after:
+                break  # the client went away mid-stream
+        await stream.aclose()
+        return seen
+
+    tasks = [consume(i, stop_after=3 + i if i % 2 else None) for i in range(8)]
+    seen = await asyncio.gather(*tasks)
+    assert [s for i, s in enumerate(seen) if i % 2 == 0] == [200] * 4
+    engine.abort("a-request-that-never-existed")
+    await _wait_idle(engine)
+    stats = engine.stats()
+    assert stats.kv_blocks_used == 0 and stats.kv_blocks_free == stats.kv_blocks_total
+
+
+async def test_same_seed_same_output_alone_and_in_a_busy_batch(engine: AsyncEngine) -> None:
+    params = SamplingParams(
+        max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True
+    )
+    prompt = "import collections\n\nclass Counter"
+
+    def tokens(outs: list[RequestOutput]) -> list[int]:
+        return [t for o in outs for t in o.token_ids]
+
+    alone = tokens(await _collect(engine, EngineRequest("alone", params, prompt=prompt)))
+    noise = [
+        _collect(
+            engine,
+            EngineRequest(
+                f"n{i}", SamplingParams(max_tokens=30, temperature=1.0), prompt=f"x{i} = " * i
+            ),
+        )
+        for i in range(1, 12)
+    ]
+    busy, *_ = await asyncio.gather(
+        _collect(engine, EngineRequest("busy", params, prompt=prompt)), *noise
+    )
+    assert tokens(busy) == alone
+    other = tokens(
+        await _collect(
+            engine,
+            EngineRequest(
+                "other", SamplingParams(**{**params.__dict__, "seed": 99}), prompt=prompt
+            ),
+        )
+    )
+    assert other != alone
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "error"),
+    [
+        ({"prompt": "x" * 10, "params": SamplingParams(max_tokens=10_000)}, PromptTooLongError),
+        ({"prompt_token_ids": list(range(600))}, PromptTooLongError),
+        ({"prompt": ""}, InvalidRequestError),
+        ({"prompt_token_ids": []}, InvalidRequestError),
+        ({"messages": []}, InvalidRequestError),
+        ({"prompt_token_ids": [1, 2, 10**9]}, InvalidRequestError),
+        ({}, InvalidRequestError),
+        ({"prompt": "a", "prompt_token_ids": [1]}, InvalidRequestError),
+    ],
+)
+async def test_bad_requests_are_refused_and_nothing_is_queued(
+    engine: AsyncEngine, request_kwargs: dict[str, object], error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        await _collect(engine, EngineRequest("bad", **request_kwargs))  # type: ignore[arg-type]
+    stats = engine.stats()
+    assert stats.waiting == 0 and stats.running == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_tokens": 0},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"temperature": -0.1},
+        {"top_k": -1},
+        {"stop": ("",)},
+    ],
+)
+def test_bad_sampling_parameters_are_refused(kwargs: dict[str, object]) -> None:
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
