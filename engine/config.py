@@ -34,6 +34,14 @@ class EngineConfig:
     """Requests queued beyond this are refused with EngineOverloadedError."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prefixes (same tokens, same adapter)."""
+    enable_lora: bool = True
+    """Serve LoRA adapters; False allocates no adapter slots."""
+    max_loras: int = 8
+    """Device slots: distinct adapters in one step at most."""
+    max_cpu_loras: int = 64
+    """Adapters kept parsed in host memory (the tier between disk and device slots)."""
+    max_lora_rank: int = 64
+    """Largest adapter rank accepted (up to 256); slots are sized for it."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -44,6 +52,10 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be at least 1")
+        if self.max_loras < 1 or self.max_cpu_loras < 1:
+            raise ValueError("max_loras and max_cpu_loras must be at least 1")
+        if not 1 <= self.max_lora_rank <= 256:
+            raise ValueError(f"max_lora_rank must be within 1..256, not {self.max_lora_rank}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

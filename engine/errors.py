@@ -16,6 +16,10 @@ class PromptTooLongError(InvalidRequestError):
     """Prompt plus requested completion does not fit in the model's context."""
 
 
+class UnknownAdapterError(InvalidRequestError):
+    """The request names an adapter the engine does not serve (never registered, or retired)."""
+
+
 class UnsupportedModelError(EngineError):
     """The checkpoint is not a model this engine can serve."""
 

@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoTokenizer
 
+from adapters.base_spec import BaseModelSpec
+from adapters.peft_format import AdapterLimits
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.errors import InvalidRequestError, PromptTooLongError, UnknownAdapterError
+from engine.lora.batch import LoraBatch
+from engine.lora.manager import AdapterStats, LoraManager
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaModel
 from engine.model.loader import load_model
@@ -26,6 +31,7 @@ from engine.outputs import EngineRequest, EngineStats, RequestOutput, Usage
 from engine.sampler import sample
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.sequence import BASE_ADAPTER, FinishReason, Sequence
+from kernels.lora_meta import LoraMetaBuffers
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +71,12 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
+        self.lora = self._lora_manager()
+        self._lora_buffers = LoraMetaBuffers(
+            config.max_num_batched_tokens, torch.device(config.device)
+        )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.lora
         )
         self.runner = ModelRunner(config, self.model, num_blocks)
         self.eos_ids = frozenset(self.model_config.eos_token_ids)
@@ -86,9 +96,41 @@ class LLMEngine:
             )
         return num_blocks
 
+    def _lora_manager(self) -> LoraManager | None:
+        c = self.config
+        if not c.enable_lora:
+            return None
+        return LoraManager(
+            BaseModelSpec.from_model_dir(c.model),
+            c.max_loras,
+            c.max_cpu_loras,
+            AdapterLimits(max_rank=c.max_lora_rank),
+            c.torch_dtype,
+            c.device,
+        )
+
+    # -- adapters -----------------------------------------------------------------------------
+    def register_adapter(self, folder: Path) -> str:
+        """Validate and register the PEFT adapter in `folder`; its digest names it in requests.
+        Safe from any thread. Raises adapters.errors.AdapterError for a bad adapter."""
+        if self.lora is None:
+            raise InvalidRequestError("this engine was started without LoRA support")
+        return self.lora.register(folder)
+
+    def retire_adapter(self, digest: str) -> bool:
+        """New requests for `digest` are refused at once; it is dropped when its last one ends."""
+        return self.lora.retire(digest) if self.lora is not None else False
+
+    def adapter_stats(self) -> dict[str, AdapterStats]:
+        return dict(self.lora.stats) if self.lora is not None else {}
+
     # -- requests ---------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> list[int]:
         """Token ids of the request's prompt; raises InvalidRequestError and queues nothing."""
+        if request.adapter is not None and (
+            self.lora is None or not self.lora.is_servable(request.adapter)
+        ):
+            raise UnknownAdapterError(f"adapter {request.adapter!r} is not loaded")
         forms = [request.prompt, request.prompt_token_ids, request.messages]
         if sum(f is not None for f in forms) != 1:
             raise InvalidRequestError("give exactly one of prompt, prompt_token_ids or messages")
@@ -134,6 +176,8 @@ class LLMEngine:
             frozenset() if request.params.ignore_eos else self.eos_ids
         )
         self._active[seq.request_id] = _Active(seq, detok, stop_ids)
+        if self.lora is not None:
+            self.lora.add_user(seq)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -141,8 +185,13 @@ class LLMEngine:
         active = self._active.pop(request_id, None)
         if active is None:
             return None
-        self.scheduler.finish(active.seq)
+        self._finish(active.seq)
         return self._final(active, FinishReason.ABORT, "")
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        if self.lora is not None:
+            self.lora.remove_user(seq)
 
     @property
     def has_work(self) -> bool:
@@ -150,15 +199,31 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.lora is not None:
+            self.lora.sweep()
         batch = self.scheduler.schedule()
         self._counters.preemptions += len(batch.preempted)
         if not batch.chunks:
             return []
-        inputs = self.runner.prepare(batch.chunks)
+        chunks, lora = self._lora_batch(batch.chunks)
+        inputs = self.runner.prepare(chunks, lora)
         logits = self.runner.run(inputs)
-        sampling = [c.seq for c in batch.chunks if c.samples]
+        sampling = [c.seq for c in chunks if c.samples]
         tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
-        return self._postprocess(batch.chunks, tokens)
+        return self._postprocess(chunks, tokens)
+
+    def _lora_batch(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[list[ScheduledChunk], LoraBatch | None]:
+        """Order chunks by adapter slot (one segment per adapter) and build the step's LoRA work."""
+        if self.lora is None:
+            return chunks, None
+        lora = self.lora
+        slots = {id(c): lora.slot_of(c.seq.adapter_id) for c in chunks}
+        chunks = sorted(chunks, key=lambda c: (slots[id(c)] is None, slots[id(c)] or 0))
+        token_slots = [slots[id(c)] for c in chunks for _ in range(c.num_tokens)]
+        per_token = all(c.num_tokens == 1 for c in chunks)
+        return chunks, LoraBatch.build(lora.stack, self._lora_buffers, token_slots, per_token)
 
     def _postprocess(self, chunks: list[ScheduledChunk], tokens: list[int]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -176,6 +241,8 @@ class LLMEngine:
             self.block_manager.seal_full_blocks(seq)
             if samples:
                 outputs.append(self._append_token(self._active[seq.request_id], next(next_token)))
+                if self.lora is not None:
+                    self.lora.count_tokens(seq.adapter_id, 1)
         return outputs
 
     def _append_token(self, active: _Active, token: int) -> RequestOutput:
@@ -197,7 +264,7 @@ class LLMEngine:
         if reason is None:
             return RequestOutput(seq.request_id, text, [token])
         del self._active[seq.request_id]
-        self.scheduler.finish(seq)
+        self._finish(seq)
         return self._final(active, reason, text, [token])
 
     def _final(

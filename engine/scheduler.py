@@ -2,20 +2,39 @@
 
 One token budget per step is shared by decode tokens and prefill chunks. Running sequences
 are served first, oldest first; then waiting ones are admitted in arrival order while budget,
-sequence slots and KV blocks last. The head of the queue is never skipped, so no request
-starves. When blocks run out for a running sequence, the newest running sequence is
-preempted (its blocks freed, to be recomputed later — usually largely from the prefix cache).
+sequence slots, adapter slots and KV blocks last. The head of the queue is never overtaken by
+a request that needs a resource it is waiting for, so no request starves (only a request whose
+adapter is still being read from disk is passed over, and it keeps its place). When blocks run
+out for a running sequence, the newest running sequence is preempted (its blocks freed, to be
+recomputed later — usually largely from the prefix cache).
 The oldest running sequence can always proceed, since the pool holds at least one full
 context, so the scheduler never deadlocks and never runs out of memory.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.block_manager import BlockManager
+from engine.lora.manager import Readiness
 from engine.sequence import Sequence, SequenceStatus
+
+
+class AdapterGate(Protocol):
+    """Admission control for adapters: a running sequence's adapter is always in a device slot.
+
+    `acquire` pins the slot of an admitted sequence (after `readiness` said READY); `release`
+    unpins it when the sequence is preempted or finishes. Slots are the limit on distinct
+    adapters in one step.
+    """
+
+    def readiness(self, seq: Sequence) -> Readiness: ...
+    def acquire(self, seq: Sequence) -> None: ...
+    def release(self, seq: Sequence) -> None: ...
+    def prefetch(self, seq: Sequence) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -45,8 +64,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    prefetch_depth = 16
+    """Waiting requests whose adapters are fetched from disk ahead of their turn."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        adapters: AdapterGate | None = None,
+    ):
         self.block_manager = block_manager
+        self.adapters = adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -83,26 +112,42 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit in arrival order. A request whose adapter is still loading from disk is passed
+        over (it loads off the step loop and keeps its place); any other obstacle stops
+        admission, so the oldest request is never overtaken by one that needs the same resource."""
+        if out.preempted:
+            return
+        if self.adapters is not None:
+            for seq in itertools.islice(self.waiting, self.prefetch_depth):
+                self.adapters.prefetch(seq)
+        skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            uncached = (
-                len(seq) - len(self.block_manager.match_prefix(seq)) * self.block_manager.block_size
-            )
-            n = min(uncached, budget)
-            if out.preempted or not self.block_manager.can_allocate(seq, n):
+            readiness = self.adapters.readiness(seq) if self.adapters else Readiness.READY
+            if readiness is Readiness.LOADING:
+                skipped.append(self.waiting.popleft())
+                continue
+            cached = len(self.block_manager.match_prefix(seq)) * self.block_manager.block_size
+            n = min(len(seq) - cached, budget)
+            if readiness is Readiness.NO_SLOT or not self.block_manager.can_allocate(seq, n):
                 break
             self.waiting.popleft()
+            if self.adapters is not None:
+                self.adapters.acquire(seq)
             self.block_manager.allocate(seq)
             self.block_manager.append(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.chunks.append(ScheduledChunk.of(seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free `seq`'s blocks and put it back at the head of the queue, to be recomputed."""
         self.running.remove(seq)
         self.block_manager.free(seq)
+        if self.adapters is not None:
+            self.adapters.release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -112,6 +157,8 @@ class Scheduler:
         """Remove a finished or aborted sequence wherever it is and free its blocks."""
         if seq in self.running:
             self.running.remove(seq)
+            if self.adapters is not None:
+                self.adapters.release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)

@@ -35,3 +35,11 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("demo-model")
     build_demo_model(out, seed=0)
     return out
+
+
+@pytest.fixture(scope="session")
+def demo_adapter_dirs(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """40 genuine PEFT adapters for the demo model (mixed ranks and targets), built once."""
+    from adapters.demo import build_demo_adapters
+
+    return build_demo_adapters(demo_model_dir, tmp_path_factory.mktemp("demo-adapters"), 40, seed=0)

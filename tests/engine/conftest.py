@@ -25,12 +25,14 @@ def tokenizer(demo_model_dir: Path) -> Any:
 
 
 def hf_greedy(hf_model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy continuation of `prompt`, EOS ignored (exactly max_new_tokens)."""
+    """transformers' greedy continuation of `prompt`, ending at EOS (included) or max_new_tokens.
+
+    (No `min_new_tokens`: transformers enforces it by masking EOS logits, which is not greedy.)"""
     with torch.inference_mode():
         out = hf_model.generate(
             torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
             do_sample=False,
         )
     return out[0, len(prompt) :].tolist()

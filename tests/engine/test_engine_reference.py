@@ -44,7 +44,7 @@ def test_greedy_equals_transformers_under_preemption_and_chunked_prefill(
     while pending or engine.has_work:
         if pending and step % 3 == 0:  # arrivals spread over time
             i, prompt = pending.pop(0)
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            params = SamplingParams(max_tokens=max_tokens)
             engine.add_request(EngineRequest(f"r{i}", params, prompt_token_ids=prompt))
         for out in engine.step():
             outputs[out.request_id].extend(out.token_ids)
@@ -67,7 +67,7 @@ def test_shared_prefix_computes_only_the_suffix(
     prefix = [t for p in base for t in p][:48]  # exactly 3 blocks of 16
     first = prefix + base[0][:5]
     second = prefix + base[1][:11]
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    params = SamplingParams(max_tokens=8)
 
     run_to_completion(engine, [EngineRequest("first", params, prompt_token_ids=first)])
     computed_before = engine.stats().prompt_tokens_computed

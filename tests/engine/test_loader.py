@@ -63,11 +63,7 @@ def test_family_greedy_equals_transformers(kind: str, demo_model_dir: Path, tmp_
     engine = make_engine(tmp_path, max_model_len=128, num_kv_blocks=32)
     out = run_to_completion(
         engine,
-        [
-            EngineRequest(
-                "r", SamplingParams(max_tokens=12, ignore_eos=True), prompt_token_ids=prompt
-            )
-        ],
+        [EngineRequest("r", SamplingParams(max_tokens=12), prompt_token_ids=prompt)],
     )
     assert [t for o in out["r"] for t in o.token_ids] == hf_greedy(model.eval(), prompt, 12)
 

@@ -1,0 +1,202 @@
+"""Safe extraction of an uploaded adapter archive (.zip or .tar.gz).
+
+An archive is untrusted input. The rules, checked on the archive's own listing before a
+byte is extracted and again while extracting:
+- at most `max_entries` entries; only regular files and folders (no symbolic or hard
+  links, devices, FIFOs, encrypted zip entries);
+- names are relative POSIX paths without `..`, backslashes or drive letters;
+- files are only adapter_config.json, adapter_model.safetensors and README.md, each at most
+  once, all at the top level or all inside one top-level folder;
+- the total extracted size stays under `max_total_bytes` (counted while streaming, so a
+  lying header cannot exceed it) and the expansion over the archive size under `max_ratio`
+  once past a megabyte (a zip bomb is refused early, whatever its declared sizes).
+Files are written under the destination by their allowed base name only: an archive path
+never becomes a filesystem path.
+"""
+
+from __future__ import annotations
+
+import stat
+import tarfile
+import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path, PurePosixPath
+from typing import IO
+
+from adapters.errors import FileTooLarge, InvalidArchive, UnsafeArchive
+
+ALLOWED_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors", "README.md"})
+_RATIO_FLOOR_BYTES = 1 << 20
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class ArchiveLimits:
+    """Bounds on an uploaded archive's content."""
+
+    max_entries: int = 8
+    """Files and folders together."""
+    max_total_bytes: int = (1 << 30) + (1 << 20)
+    """Extracted bytes over all files: the largest adapter file plus room for the rest."""
+    max_ratio: float = 200.0
+    """Extracted bytes per archive byte, enforced once past a megabyte extracted."""
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One archive member that passed the listing checks."""
+
+    name: str
+    is_dir: bool
+    size: int
+    open: Callable[[], IO[bytes]]
+
+
+def extract_adapter_archive(archive: Path, dest: Path, limits: ArchiveLimits | None = None) -> Path:
+    """Extract the adapter files of `archive` into the existing empty folder `dest`; return `dest`.
+
+    Raises UnsafeArchive, FileTooLarge or InvalidArchive; on error `dest` may hold partial
+    files, so callers extract into a temporary folder they remove.
+    """
+    limits = limits or ArchiveLimits()
+    budget = _Budget(limits, archive.stat().st_size)
+    with _entries(archive, limits.max_entries) as entries:
+        files = _check_listing(entries)
+        for entry in files:
+            budget.declare(entry.size)
+        for entry in files:
+            target = dest / PurePosixPath(entry.name).name
+            with entry.open() as source, target.open("xb") as sink:
+                _copy_limited(source, sink, budget)
+    return dest
+
+
+@contextmanager
+def _entries(archive: Path, max_entries: int) -> Iterator[list[_Entry]]:
+    """The members of a zip or gzip'ed tar, refusing early when there are too many."""
+    with archive.open("rb") as handle:
+        magic = handle.read(4)
+    try:
+        if magic[:2] == b"PK":
+            with zipfile.ZipFile(archive) as zipped:
+                yield _zip_entries(zipped, max_entries)
+        elif magic[:2] == b"\x1f\x8b":
+            with tarfile.open(archive, mode="r:gz") as tarred:
+                yield _tar_entries(tarred, max_entries)
+        else:
+            raise InvalidArchive("the archive must be a .zip or a .tar.gz")
+    except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError) as error:
+        raise InvalidArchive(f"the archive cannot be read: {error}") from None
+
+
+def _zip_entries(zipped: zipfile.ZipFile, max_entries: int) -> list[_Entry]:
+    infos = zipped.infolist()
+    _check_count(len(infos), max_entries)
+    entries = []
+    for info in infos:
+        kind = stat.S_IFMT(info.external_attr >> 16)  # 0 when the zip was made without one
+        if kind not in (0, stat.S_IFREG, stat.S_IFDIR):
+            raise UnsafeArchive(f"{info.filename!r} is a link or special file")
+        if info.flag_bits & 0x1:
+            raise UnsafeArchive(f"{info.filename!r} is encrypted")
+        entries.append(
+            _Entry(info.filename, info.is_dir(), info.file_size, partial(zipped.open, info))
+        )
+    return entries
+
+
+def _tar_entries(tarred: tarfile.TarFile, max_entries: int) -> list[_Entry]:
+    entries: list[_Entry] = []
+    while (member := tarred.next()) is not None:
+        _check_count(len(entries) + 1, max_entries)
+        if not (member.isreg() or member.isdir()):
+            raise UnsafeArchive(f"{member.name!r} is a link or special file")
+        opener = partial(_tar_open, tarred, member)
+        entries.append(_Entry(member.name, member.isdir(), member.size, opener))
+    return entries
+
+
+def _tar_open(tarred: tarfile.TarFile, member: tarfile.TarInfo) -> IO[bytes]:
+    source = tarred.extractfile(member)
+    assert source is not None, "regular members always have content"
+    return source
+
+
+def _check_count(count: int, max_entries: int) -> None:
+    if count > max_entries:
+        raise UnsafeArchive(f"the archive has more than {max_entries} entries")
+
+
+def _check_listing(entries: list[_Entry]) -> list[_Entry]:
+    """The file entries, after checking names, the allowed set and the single-folder rule."""
+    files, parents, seen = [], set(), set()
+    for entry in entries:
+        path = _safe_path(entry.name)
+        if entry.is_dir:
+            if len(path.parts) > 1:
+                raise UnsafeArchive(f"{entry.name!r}: only one top-level folder is allowed")
+            continue
+        if path.name not in ALLOWED_FILES:
+            raise UnsafeArchive(
+                f"{entry.name!r} is not an adapter file; an archive may hold only "
+                f"{', '.join(sorted(ALLOWED_FILES))}"
+            )
+        if path.name in seen:
+            raise UnsafeArchive(f"{path.name} appears twice in the archive")
+        if len(path.parts) > 2:
+            raise UnsafeArchive(f"{entry.name!r} is nested too deep")
+        seen.add(path.name)
+        parents.add(path.parent)
+        files.append(entry)
+    if len(parents) > 1:
+        raise UnsafeArchive("the adapter files must all be in the same folder")
+    return files
+
+
+def _safe_path(name: str) -> PurePosixPath:
+    """A relative path inside the archive's root, or UnsafeArchive."""
+    if not name or "\\" in name or "\x00" in name or name.startswith("/") or ":" in name:
+        raise UnsafeArchive(f"{name!r} is not a safe relative path")
+    path = PurePosixPath(name)  # drops "." components, as in "./adapter_config.json"
+    if ".." in path.parts:
+        raise UnsafeArchive(f"{name!r} leaves the archive's folder")
+    return path
+
+
+class _Budget:
+    """Extracted bytes so far against the size and expansion-ratio limits."""
+
+    def __init__(self, limits: ArchiveLimits, archive_bytes: int) -> None:
+        self.limits = limits
+        self.archive_bytes = max(archive_bytes, 1)
+        self.declared = 0
+        self.extracted = 0
+
+    def declare(self, size: int) -> None:
+        self.declared += size
+        self._check(self.declared)
+
+    def spend(self, size: int) -> None:
+        self.extracted += size
+        self._check(self.extracted)
+
+    def _check(self, total: int) -> None:
+        if total > self.limits.max_total_bytes:
+            raise FileTooLarge(
+                f"the archive expands to more than {self.limits.max_total_bytes} bytes"
+            )
+        ratio = total / self.archive_bytes
+        if total > _RATIO_FLOOR_BYTES and ratio > self.limits.max_ratio:
+            raise FileTooLarge(
+                f"the archive expands {ratio:.0f}-fold, over {self.limits.max_ratio}"
+            )
+
+
+def _copy_limited(source: IO[bytes], sink: IO[bytes], budget: _Budget) -> None:
+    """Copy, counting every byte against the budget (headers can lie; the stream cannot)."""
+    while chunk := source.read(_CHUNK):
+        budget.spend(len(chunk))
+        sink.write(chunk)

@@ -1,0 +1,239 @@
+"""Parse and validate a PEFT `adapter_config.json` against the base model.
+
+The result, `LoraSettings`, is everything in the config that changes the math: the rank,
+the scaling and the exact set of (layer, projection) modules the adapter adapts, resolved
+the way PEFT resolves `target_modules` / `exclude_modules` / `layers_to_transform` against
+the module names of a Hugging Face `LlamaForCausalLM`.
+
+Policy for the many other PEFT fields: a known option the engine cannot honour is refused
+with its own error; fields that only matter at training time are ignored; any other field
+(a PEFT release newer than this code) is refused when it is set to something other than
+its "off" value (null, false, empty), so a new LoRA variant is never served as plain LoRA.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from adapters.base_spec import PROJECTIONS, BaseModelSpec
+from adapters.errors import (
+    BiasUnsupported,
+    DoraUnsupported,
+    EmbeddingTargetUnsupported,
+    InvalidAdapterConfig,
+    ModulesToSaveUnsupported,
+    NotLoraAdapter,
+    RankOverLimit,
+    TargetPatternUnsupported,
+    UnknownTargetModule,
+    UnsupportedOption,
+)
+
+PARENT_MODULE = {
+    "q": "self_attn",
+    "k": "self_attn",
+    "v": "self_attn",
+    "o": "self_attn",
+    "gate": "mlp",
+    "up": "mlp",
+    "down": "mlp",
+}
+"""The Llama submodule holding each projection; its PEFT name is `<projection>_proj`."""
+
+EMBEDDING_MODULES = ("model.embed_tokens", "lm_head")
+
+# Fields read only while training or creating the adapter, or metadata: no effect on inference.
+_IGNORED_FIELDS = frozenset(
+    {
+        "auto_mapping", "base_model_name_or_path", "corda_config", "ensure_weight_tying",
+        "eva_config", "fan_in_fan_out", "inference_mode", "init_lora_weights", "loftq_config",
+        "lora_dropout", "lora_ga_config", "megatron_core", "peft_version", "qalora_group_size",
+        "revision", "task_type",
+    }
+)  # fmt: skip
+_HANDLED_FIELDS = frozenset(
+    {
+        "peft_type", "r", "lora_alpha", "use_rslora", "target_modules", "exclude_modules",
+        "layers_to_transform", "layers_pattern", "bias", "lora_bias", "use_dora",
+        "modules_to_save", "rank_pattern", "alpha_pattern",
+    }
+)  # fmt: skip
+_MAX_TARGET_ENTRIES = 4096
+_ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The math of a plain LoRA adapter: delta_W[m] = scaling * B[m] @ A[m] for m in modules."""
+
+    rank: int
+    alpha: float
+    use_rslora: bool
+    modules: frozenset[tuple[int, str]]
+    """(layer index, projection) pairs that carry a LoRA pair; never empty."""
+
+    @property
+    def scaling(self) -> float:
+        """alpha / sqrt(r) with rsLoRA, alpha / r otherwise (PEFT's definition)."""
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    def canonical(self) -> dict[str, Any]:
+        """The normalized config that enters the digest: only fields that change the math."""
+        return {
+            "format": "peft-lora",
+            "r": self.rank,
+            "lora_alpha": float(self.alpha),
+            "use_rslora": self.use_rslora,
+            "modules": sorted(f"{layer}.{proj}" for layer, proj in self.modules),
+        }
+
+
+def parse_lora_config(config: Any, base: BaseModelSpec, max_rank: int) -> LoraSettings:
+    """Validate a decoded adapter_config.json; raise the matching AdapterError on refusal."""
+    if not isinstance(config, dict):
+        raise InvalidAdapterConfig("adapter_config.json must hold a JSON object")
+    peft_type = config.get("peft_type")
+    if peft_type != "LORA":
+        raise NotLoraAdapter(f"peft_type is {_brief(peft_type)}; only LORA adapters are accepted")
+    _refuse_unsupported_features(config)
+    rank = _required_int(config, "r")
+    if rank < 1:
+        raise InvalidAdapterConfig(f"r must be at least 1, not {rank}")
+    if rank > max_rank:
+        raise RankOverLimit(f"rank {rank} is over this server's limit of {max_rank}")
+    alpha = config.get("lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise InvalidAdapterConfig(f"lora_alpha must be a finite number, not {_brief(alpha)}")
+    use_rslora = config.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise InvalidAdapterConfig(f"use_rslora must be true or false, not {_brief(use_rslora)}")
+    modules = _resolve_modules(config, base)
+    return LoraSettings(rank=rank, alpha=float(alpha), use_rslora=use_rslora, modules=modules)
+
+
+def _refuse_unsupported_features(config: dict[str, Any]) -> None:
+    """Refuse every option that would make the adapter more than plain LoRA on linear layers."""
+    if config.get("use_dora"):
+        raise DoraUnsupported("DoRA adapters (use_dora: true) are not supported")
+    if config.get("modules_to_save"):
+        raise ModulesToSaveUnsupported(
+            f"modules_to_save {_brief(config['modules_to_save'])} would replace base-model modules; "
+            "only LoRA deltas are served"
+        )
+    if config.get("bias", "none") != "none" or config.get("lora_bias"):
+        raise BiasUnsupported(
+            f"adapters may not train biases (bias={_brief(config.get('bias'))}, "
+            f"lora_bias={_brief(config.get('lora_bias'))}); use bias: none"
+        )
+    for name in ("rank_pattern", "alpha_pattern"):
+        if config.get(name):
+            raise UnsupportedOption(f"{name} (per-module rank or alpha) is not supported")
+    for name, value in config.items():
+        if name in _IGNORED_FIELDS or name in _HANDLED_FIELDS or value in (None, False, "", [], {}):
+            continue
+        raise UnsupportedOption(f"the PEFT option {name[:60]}={_brief(value)} is not supported")
+
+
+def _brief(value: Any) -> str:
+    """A user-supplied value for an error message, cut short: messages stay readable."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _required_int(config: dict[str, Any], name: str) -> int:
+    value = config.get(name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidAdapterConfig(f"{name} must be an integer, not {_brief(value)}")
+    return value
+
+
+def _resolve_modules(config: dict[str, Any], base: BaseModelSpec) -> frozenset[tuple[int, str]]:
+    """Apply PEFT's module matching to the base model's module names.
+
+    A list entry t matches module name n when n == t or n ends with "." + t (so "q_proj",
+    "self_attn.q_proj" and "model.layers.3.self_attn.q_proj" all work); "all-linear" means
+    every projection's full name, as PEFT expands it. Entries matching nothing, or an
+    embedding, are refused.
+    """
+    names = {
+        f"model.layers.{layer}.{PARENT_MODULE[proj]}.{proj}_proj": (layer, proj)
+        for layer in range(base.num_layers)
+        for proj in PROJECTIONS
+    }
+    raw_targets = config.get("target_modules")
+    if isinstance(raw_targets, str) and raw_targets.lower() == _ALL_LINEAR:
+        raw_targets = list(names)
+    targets = _target_list(raw_targets, "target_modules")
+    if not targets:
+        raise InvalidAdapterConfig("target_modules is required")
+    excludes = _target_list(config.get("exclude_modules"), "exclude_modules")
+    for target in targets:
+        if any(_matches(embedding, target) for embedding in EMBEDDING_MODULES):
+            raise EmbeddingTargetUnsupported(
+                f"target {_brief(target)} is the token embedding or lm_head; only q/k/v/o/gate/up/down "
+                "projections may be adapted"
+            )
+        if not any(_matches(name, target) for name in names):
+            raise UnknownTargetModule(
+                f"target {_brief(target)} names no q/k/v/o/gate/up/down projection of the base model"
+            )
+    layers = _layers_to_transform(config)
+    modules = frozenset(
+        module
+        for name, module in names.items()
+        if not any(_matches(name, exclude) for exclude in excludes)
+        and _is_targeted(name, module[0], targets, layers)
+    )
+    if not modules:
+        raise InvalidAdapterConfig("target_modules selects no module of the base model")
+    return modules
+
+
+def _target_list(value: Any, field: str) -> list[str]:
+    """A list of module-name suffixes (empty when unset); a string is a regex: refused."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        raise TargetPatternUnsupported(
+            f"{field} is the regular expression {_brief(value)}; list the module names instead"
+        )
+    if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
+        raise InvalidAdapterConfig(f"{field} must be a list of module names")
+    if len(value) > _MAX_TARGET_ENTRIES:
+        raise InvalidAdapterConfig(f"{field} has more than {_MAX_TARGET_ENTRIES} entries")
+    return value
+
+
+def _matches(name: str, target: str) -> bool:
+    return name == target or name.endswith("." + target)
+
+
+def _is_targeted(name: str, layer: int, targets: list[str], layers: frozenset[int] | None) -> bool:
+    """PEFT's rule: an exact name always counts; a suffix match only within layers_to_transform."""
+    if name in targets:
+        return True
+    in_layers = layers is None or layer in layers
+    return in_layers and any(name.endswith("." + target) for target in targets)
+
+
+def _layers_to_transform(config: dict[str, Any]) -> frozenset[int] | None:
+    """The layer indices a suffix match is restricted to, or None for every layer."""
+    value = config.get("layers_to_transform")
+    pattern = config.get("layers_pattern")
+    if pattern not in (None, "", [], "layers", ["layers"]):
+        raise UnsupportedOption(
+            f"layers_pattern {_brief(pattern)} is not supported (only 'layers')"
+        )
+    if value is None or value == []:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return frozenset({value})
+    if isinstance(value, list) and all(
+        isinstance(item, int) and not isinstance(item, bool) for item in value
+    ):
+        return frozenset(value)
+    raise InvalidAdapterConfig(
+        f"layers_to_transform must be an integer or a list, not {_brief(value)}"
+    )

@@ -1,0 +1,243 @@
+"""Load a PEFT LoRA adapter folder into a validated, digested `LoraAdapter`.
+
+Only two files are read: `adapter_config.json` (JSON) and `adapter_model.safetensors`
+(safetensors: a JSON header plus raw bytes, so nothing is ever unpickled). Everything is
+checked before a tensor is used: the config (see `peft_config`), file sizes, then the
+safetensors header (names, dtypes, shapes) against the config and the base model, then the
+values (finite). Any refusal raises an `AdapterError` subclass.
+
+PEFT names each weight `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`
+(`base_model.model.layers…` when the adapter was made on the bare `LlamaModel`); inside
+loramux a weight is `layers.{i}.{projection}.lora_{A|B}`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from adapters.base_spec import PROJECTIONS, BaseModelSpec
+from adapters.digest import adapter_digest
+from adapters.errors import (
+    FileTooLarge,
+    InvalidAdapterConfig,
+    InvalidWeightsFile,
+    MissingAdapterConfig,
+    MissingTensors,
+    MissingWeights,
+    NonFiniteWeights,
+    PickledWeights,
+    ShapeMismatch,
+    UnexpectedTensors,
+    UnsafeFile,
+    UnsupportedDtype,
+)
+from adapters.peft_config import PARENT_MODULE, LoraSettings, parse_lora_config
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 1 << 20
+MAX_RANK_CEILING = 256
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_KEY = re.compile(
+    r"base_model\.model\.(?:model\.)?layers\.(0|[1-9][0-9]*)\."
+    r"(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.lora_(A|B)\.weight"
+)
+
+ModuleKey = tuple[int, str]
+"""(layer index, projection name)."""
+
+
+@dataclass(frozen=True)
+class AdapterLimits:
+    """What an uploaded adapter may be at most; enforced before any weight is read."""
+
+    max_rank: int = 64
+    """Largest accepted `r` (at most 256): the engine's slots are sized for it."""
+    max_file_bytes: int = 1 << 30
+    """Largest accepted adapter_model.safetensors."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_rank <= MAX_RANK_CEILING:
+            raise ValueError(f"max_rank must be within 1..{MAX_RANK_CEILING}, not {self.max_rank}")
+        if self.max_file_bytes < 1:
+            raise ValueError("max_file_bytes must be positive")
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """One adapted projection: delta_W = b @ a, scaling already folded into `b`.
+
+    Both are float32, whatever the file's dtype (float16 and bfloat16 convert exactly, and
+    the fold then rounds once in float32); the engine casts to its own dtype when it copies
+    them into a device slot.
+    """
+
+    a: torch.Tensor
+    """[rank, in_features] float32."""
+    b: torch.Tensor
+    """[out_features, rank] float32, equal to the file's lora_B times the adapter's scaling."""
+
+
+@dataclass(frozen=True, eq=False)
+class LoraAdapter:
+    """A validated LoRA adapter for one base model. Treat it as immutable (tensors included);
+    compare adapters by `digest`."""
+
+    digest: str
+    """Hex sha256 of the normalized config and the weights as stored (see adapters.digest)."""
+    rank: int
+    alpha: float
+    use_rslora: bool
+    scaling: float
+    """alpha / r, or alpha / sqrt(r) with rsLoRA; already folded into every `b`."""
+    modules: Mapping[ModuleKey, LoraWeights]
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The projections adapted in at least one layer, in canonical order."""
+        adapted = {proj for _, proj in self.modules}
+        return tuple(proj for proj in PROJECTIONS if proj in adapted)
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held by the weights."""
+        return sum(w.a.nbytes + w.b.nbytes for w in self.modules.values())
+
+
+def load_peft_adapter(
+    folder: Path, base: BaseModelSpec, limits: AdapterLimits | None = None
+) -> LoraAdapter:
+    """Read, validate and convert the PEFT adapter in `folder` for the base model `base`."""
+    limits = limits or AdapterLimits()
+    config_path, weights_path = adapter_files(Path(folder), limits)
+    settings = parse_lora_config(_read_config(config_path), base, limits.max_rank)
+    raw = _read_weights(weights_path, settings, base)
+    digest = adapter_digest(settings.canonical(), raw)
+    modules = {module: _fold(raw, module, settings.scaling) for module in sorted(settings.modules)}
+    return LoraAdapter(
+        digest=digest,
+        rank=settings.rank,
+        alpha=settings.alpha,
+        use_rslora=settings.use_rslora,
+        scaling=settings.scaling,
+        modules=modules,
+    )
+
+
+def weight_name(module: ModuleKey, half: str) -> str:
+    """loramux's name of a LoRA weight, e.g. `layers.3.q.lora_A`."""
+    layer, proj = module
+    return f"layers.{layer}.{proj}.lora_{half}"
+
+
+def adapter_files(folder: Path, limits: AdapterLimits) -> tuple[Path, Path]:
+    """The config and weights files of an adapter folder, after refusing pickles (anywhere in
+    the folder), missing files, links and files over the limits. Reads no content."""
+    if not folder.is_dir():
+        raise MissingAdapterConfig(f"{folder.name} is not an adapter folder")
+    pickles = sorted(p.name for p in folder.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise PickledWeights(
+            f"pickled weights ({', '.join(pickles)}) are refused; save with safetensors "
+            "(PEFT's save_pretrained does by default)"
+        )
+    config_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+    if not config_path.exists() and not config_path.is_symlink():
+        raise MissingAdapterConfig(f"the adapter has no {CONFIG_FILE}")
+    if not weights_path.exists() and not weights_path.is_symlink():
+        raise MissingWeights(f"the adapter has no {WEIGHTS_FILE}")
+    for path, limit in ((config_path, MAX_CONFIG_BYTES), (weights_path, limits.max_file_bytes)):
+        if path.is_symlink() or not path.is_file():
+            raise UnsafeFile(f"{path.name} must be a regular file, not a link or a folder")
+        size = path.stat().st_size
+        if size > limit:
+            raise FileTooLarge(f"{path.name} is {size} bytes, over the limit of {limit}")
+    return config_path, weights_path
+
+
+def _read_config(path: Path) -> object:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InvalidAdapterConfig(f"{CONFIG_FILE} is not valid JSON: {error}") from None
+
+
+def _read_weights(
+    path: Path, settings: LoraSettings, base: BaseModelSpec
+) -> dict[str, torch.Tensor]:
+    """Every LoRA weight by loramux name, as stored, after checking the header and values."""
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            keys = _match_keys(list(file.keys()), settings.modules)
+            for (module, half), key in keys.items():
+                tensor_slice = file.get_slice(key)
+                _check_dtype(weight_name(module, half), tensor_slice.get_dtype())
+                _check_shape(module, half, list(tensor_slice.get_shape()), settings.rank, base)
+            weights = {weight_name(*weight): file.get_tensor(key) for weight, key in keys.items()}
+    except SafetensorError as error:
+        raise InvalidWeightsFile(
+            f"{WEIGHTS_FILE} is not a valid safetensors file: {error}"
+        ) from None
+    return weights
+
+
+def _match_keys(keys: list[str], modules: frozenset[ModuleKey]) -> dict[tuple[ModuleKey, str], str]:
+    """Map (module, "A" | "B") to file keys: one A and one B per targeted module, nothing else."""
+    found: dict[tuple[ModuleKey, str], str] = {}
+    unexpected: list[str] = []
+    for key in sorted(keys):
+        match = _KEY.fullmatch(key)
+        if match is None or match[2] != PARENT_MODULE[match[3]]:
+            unexpected.append(key)
+            continue
+        module = (int(match[1]), match[3])
+        if module not in modules or (module, match[4]) in found:
+            unexpected.append(key)
+            continue
+        found[module, match[4]] = key
+    if unexpected:
+        raise UnexpectedTensors(
+            f"{len(unexpected)} tensor(s) the config does not explain, e.g. {unexpected[:3]}"
+        )
+    missing = [
+        weight_name(m, half) for m in sorted(modules) for half in "AB" if (m, half) not in found
+    ]
+    if missing:
+        raise MissingTensors(f"{len(missing)} targeted weight(s) are missing, e.g. {missing[:3]}")
+    return found
+
+
+def _check_dtype(name: str, dtype: str) -> None:
+    if dtype not in _DTYPES:
+        raise UnsupportedDtype(f"{name} is {dtype}; weights must be F32, F16 or BF16")
+
+
+def _check_shape(
+    module: ModuleKey, half: str, shape: list[int], rank: int, base: BaseModelSpec
+) -> None:
+    """lora_A is [r, in_features], lora_B is [out_features, r]."""
+    in_features, out_features = base.projection_shape(module[1])
+    expected = [rank, in_features] if half == "A" else [out_features, rank]
+    if shape != expected:
+        raise ShapeMismatch(
+            f"{weight_name(module, half)} has shape {shape}; "
+            f"rank {rank} on this base model needs {expected}"
+        )
+
+
+def _fold(raw: dict[str, torch.Tensor], module: ModuleKey, scaling: float) -> LoraWeights:
+    """float32 A and scaling * B, refusing NaN or infinity (also from an overflowing fold)."""
+    a = raw[weight_name(module, "A")].to(torch.float32).contiguous()
+    b = (raw[weight_name(module, "B")].to(torch.float32) * scaling).contiguous()
+    for half, tensor in (("A", a), ("B", b)):
+        if not bool(torch.isfinite(tensor).all()):
+            raise NonFiniteWeights(f"{weight_name(module, half)} holds NaN or infinite values")
+    return LoraWeights(a=a, b=b)

@@ -1,0 +1,76 @@
+"""One step's LoRA work: which tokens use which slot, and the kernel calls that add the deltas.
+
+The runner orders a step's chunks by adapter slot, so each adapter's tokens form one segment.
+Decode-only steps use the per-token kernels (BGMV), others the segmented ones (SGMV). On CUDA
+these are the Triton kernels; elsewhere their torch twins, which are the CPU serving path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from adapters.layout import LoraStack
+from kernels.lora_expand import bgmv_expand, sgmv_expand
+from kernels.lora_meta import LoraBatchMeta, LoraMetaBuffers
+from kernels.lora_ref import bgmv_expand_ref, bgmv_shrink_ref, sgmv_expand_ref, sgmv_shrink_ref
+from kernels.lora_shrink import bgmv_shrink, sgmv_shrink
+
+
+class LoraBatch:
+    """Implements the model's `LoraApplier` for one step."""
+
+    def __init__(self, stack: LoraStack, meta: LoraBatchMeta, per_token: bool):
+        self.stack = stack
+        self.meta = meta
+        self.per_token = per_token
+
+    @classmethod
+    def build(
+        cls,
+        stack: LoraStack,
+        buffers: LoraMetaBuffers,
+        token_slots: Sequence[int | None],
+        per_token: bool,
+    ) -> LoraBatch | None:
+        """None when no token of the step uses an adapter: the step then costs no LoRA work."""
+        if all(s is None for s in token_slots):
+            return None
+        return cls(stack, buffers.build(token_slots), per_token)
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        stacked = self.stack[layer, group]
+        num_slices = stacked.lora_a.shape[1]
+        t = torch.zeros(
+            num_slices, x.shape[0], stacked.max_rank, dtype=torch.float32, device=x.device
+        )
+        m = self.meta
+        on_gpu = x.is_cuda
+        if self.per_token:
+            shrink = bgmv_shrink if on_gpu else bgmv_shrink_ref
+            expand = bgmv_expand if on_gpu else bgmv_expand_ref
+            shrink(x, stacked.lora_a, stacked.ranks, m.token_indices, m.token_slots, t)
+            expand(
+                t,
+                stacked.lora_b,
+                stacked.slice_offsets,
+                stacked.ranks,
+                m.token_indices,
+                m.token_slots,
+                y,
+            )
+        else:
+            seg_shrink = sgmv_shrink if on_gpu else sgmv_shrink_ref
+            seg_expand = sgmv_expand if on_gpu else sgmv_expand_ref
+            seg_shrink(x, stacked.lora_a, stacked.ranks, m.seg_starts, m.seg_lens, m.seg_slots, t)
+            seg_expand(
+                t,
+                stacked.lora_b,
+                stacked.slice_offsets,
+                stacked.ranks,
+                m.seg_starts,
+                m.seg_lens,
+                m.seg_slots,
+                y,
+            )

@@ -1,0 +1,259 @@
+"""Where each adapter lives: device slots ◀ host tier ◀ its folder on disk.
+
+- A *registered* adapter is known by its content digest and its folder; requests name it by
+  digest. Registration validates it (and leaves it in the host tier).
+- The *host tier* (`max_cpu_loras`) holds parsed adapters, least recently used out first. Loads
+  from disk happen on a background thread, never on the step loop; waiting requests prefetch.
+- A *device slot* (`max_loras`) holds an adapter's weights in the stacked layout the kernels
+  read. A slot is pinned while any running sequence uses it; unpinned slots are reused least
+  recently used first.
+- *Retiring* an adapter refuses new requests at once and drops it when its last request ends.
+
+Threads: `register`/`retire`/`is_servable` may be called from any thread; everything else runs on
+the engine's step thread. `_lock` guards the registry and the host tier.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from adapters.base_spec import BaseModelSpec
+from adapters.layout import LoraStack
+from adapters.peft_format import AdapterLimits, LoraAdapter, load_peft_adapter
+from engine.sequence import BASE_ADAPTER, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class Readiness(enum.Enum):
+    READY = "ready"
+    """The adapter is in a slot, or can be put in one now."""
+    LOADING = "loading"
+    """Its weights are still on their way from disk: skip the request for now, it will be back."""
+    NO_SLOT = "no_slot"
+    """Every slot is pinned by running sequences: admit nothing after this request."""
+
+
+@dataclass
+class AdapterStats:
+    requests: int = 0
+    tokens: int = 0
+    loads: int = 0
+    """Times its weights were read from disk into the host tier."""
+    slot_loads: int = 0
+    evictions: int = 0
+    """Times it lost its device slot to another adapter."""
+    load_seconds: float = 0.0
+    resident_since: float | None = None
+    """time.monotonic() when it last entered a device slot; None when not in one."""
+
+
+@dataclass
+class _Slot:
+    digest: str | None = None
+    pins: int = 0
+    last_used: int = 0
+
+
+class LoraManager:
+    def __init__(
+        self,
+        base: BaseModelSpec,
+        max_loras: int,
+        max_cpu_loras: int,
+        limits: AdapterLimits,
+        dtype: torch.dtype,
+        device: str,
+    ):
+        self.base = base
+        self.limits = limits
+        self.max_cpu_loras = max(max_cpu_loras, max_loras)
+        self.stack = LoraStack.allocate(base, max_loras, limits.max_rank, dtype, device)
+        self.slots = [_Slot() for _ in range(max_loras)]
+        self._slot_of: dict[str, int] = {}
+        self._folders: dict[str, Path] = {}
+        self._retired: set[str] = set()
+        self._users: dict[str, int] = {}
+        self._host: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self._loading: dict[str, Future[None]] = {}
+        self._lock = threading.Lock()
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loramux-lora-load")
+        self._clock = 0
+        self.stats: dict[str, AdapterStats] = {}
+
+    # -- registry (any thread) ---------------------------------------------------------------
+    def register(self, folder: Path) -> str:
+        """Validate the adapter in `folder`; returns its digest. Raises adapters.errors.AdapterError."""
+        started = time.monotonic()
+        adapter = load_peft_adapter(folder, self.base, self.limits)
+        with self._lock:
+            self._folders[adapter.digest] = Path(folder)
+            self._retired.discard(adapter.digest)
+            stats = self.stats.setdefault(adapter.digest, AdapterStats())
+            stats.loads += 1
+            stats.load_seconds += time.monotonic() - started
+            self._put_host(adapter)
+        return adapter.digest
+
+    def retire(self, digest: str) -> bool:
+        """Refuse new requests for `digest`; it is dropped once its last request ends."""
+        with self._lock:
+            if digest not in self._folders:
+                return False
+            self._retired.add(digest)
+        return True
+
+    def is_servable(self, digest: str) -> bool:
+        with self._lock:
+            return digest in self._folders and digest not in self._retired
+
+    # -- sequences (step thread) -------------------------------------------------------------
+    def add_user(self, seq: Sequence) -> None:
+        if seq.adapter_id != BASE_ADAPTER:
+            self._users[seq.adapter_id] = self._users.get(seq.adapter_id, 0) + 1
+            self.stats.setdefault(seq.adapter_id, AdapterStats()).requests += 1
+
+    def remove_user(self, seq: Sequence) -> None:
+        digest = seq.adapter_id
+        if digest == BASE_ADAPTER:
+            return
+        self._users[digest] -= 1
+        if self._users[digest] == 0:
+            del self._users[digest]
+
+    def sweep(self) -> None:
+        """Drop retired adapters that no request uses any more (step thread, between steps)."""
+        with self._lock:
+            for digest in [d for d in self._retired if d not in self._users]:
+                self._drop(digest)
+
+    def readiness(self, seq: Sequence) -> Readiness:
+        digest = seq.adapter_id
+        if digest == BASE_ADAPTER or digest in self._slot_of:
+            return Readiness.READY
+        with self._lock:
+            in_host = digest in self._host
+        if not in_host:
+            self.prefetch(seq)
+            return Readiness.LOADING
+        return Readiness.READY if self._free_slot() is not None else Readiness.NO_SLOT
+
+    def acquire(self, seq: Sequence) -> None:
+        """Pin `seq`'s adapter in a slot (loading it there first); requires readiness READY."""
+        digest = seq.adapter_id
+        if digest == BASE_ADAPTER:
+            return
+        slot = self._slot_of.get(digest)
+        if slot is None:
+            slot = self._load_into_slot(digest)
+        self.slots[slot].pins += 1
+
+    def release(self, seq: Sequence) -> None:
+        slot = self._slot_of.get(seq.adapter_id)
+        if slot is not None:
+            self.slots[slot].pins -= 1
+            assert self.slots[slot].pins >= 0, "slot released more often than acquired"
+
+    def slot_of(self, digest: str) -> int | None:
+        """The device slot of a running sequence's adapter; None for the base model."""
+        if digest == BASE_ADAPTER:
+            return None
+        slot = self._slot_of[digest]
+        self._clock += 1
+        self.slots[slot].last_used = self._clock
+        return slot
+
+    def prefetch(self, seq: Sequence) -> None:
+        """Start reading `seq`'s adapter from disk into the host tier unless it is there or coming."""
+        digest = seq.adapter_id
+        if digest == BASE_ADAPTER:
+            return
+        with self._lock:
+            if digest in self._host or digest in self._loading or digest not in self._folders:
+                return
+            self._loading[digest] = self._loader.submit(
+                self._load_host, digest, self._folders[digest]
+            )
+
+    def count_tokens(self, digest: str, tokens: int) -> None:
+        if digest != BASE_ADAPTER:
+            self.stats.setdefault(digest, AdapterStats()).tokens += tokens
+
+    def shutdown(self) -> None:
+        self._loader.shutdown(wait=False, cancel_futures=True)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _load_host(self, digest: str, folder: Path) -> None:
+        started = time.monotonic()
+        try:
+            adapter = load_peft_adapter(folder, self.base, self.limits)
+        except Exception:
+            log.exception("adapter %s could not be reloaded from %s", digest[:12], folder)
+            with self._lock:
+                self._loading.pop(digest, None)
+            return
+        with self._lock:
+            self._loading.pop(digest, None)
+            if adapter.digest != digest:
+                log.error(
+                    "adapter folder %s changed on disk: digest %s", folder, adapter.digest[:12]
+                )
+                return
+            stats = self.stats.setdefault(digest, AdapterStats())
+            stats.loads += 1
+            stats.load_seconds += time.monotonic() - started
+            self._put_host(adapter)
+
+    def _put_host(self, adapter: LoraAdapter) -> None:
+        """Insert into the host tier (lock held), evicting least recently used beyond capacity."""
+        self._host[adapter.digest] = adapter
+        self._host.move_to_end(adapter.digest)
+        while len(self._host) > self.max_cpu_loras:
+            self._host.popitem(last=False)
+
+    def _free_slot(self) -> int | None:
+        """An empty slot, else the least recently used unpinned one; None if all are pinned."""
+        candidates = [i for i, s in enumerate(self.slots) if s.pins == 0]
+        if not candidates:
+            return None
+        empty = [i for i in candidates if self.slots[i].digest is None]
+        return empty[0] if empty else min(candidates, key=lambda i: self.slots[i].last_used)
+
+    def _load_into_slot(self, digest: str) -> int:
+        slot = self._free_slot()
+        assert slot is not None, "acquire() without a free slot"
+        with self._lock:
+            adapter = self._host[digest]
+            self._host.move_to_end(digest)
+        old = self.slots[slot].digest
+        if old is not None:
+            del self._slot_of[old]
+            old_stats = self.stats[old]
+            old_stats.evictions += 1
+            old_stats.resident_since = None
+        self.stack.write_slot(slot, adapter)
+        self.slots[slot] = _Slot(digest, 0, self._clock)
+        self._slot_of[digest] = slot
+        stats = self.stats.setdefault(digest, AdapterStats())
+        stats.slot_loads += 1
+        stats.resident_since = time.monotonic()
+        return slot
+
+    def _drop(self, digest: str) -> None:
+        """Forget a retired adapter nobody uses any more (lock held)."""
+        self._folders.pop(digest, None)
+        self._retired.discard(digest)
+        self._host.pop(digest, None)
+        slot = self._slot_of.pop(digest, None)
+        if slot is not None:
+            self.stack.clear_slot(slot)
+            self.slots[slot] = _Slot()

@@ -1,0 +1,272 @@
+"""LoRA expand kernels: ``y[i, cols(l)] += t[l, i, :r] @ B[slot(i), cols(l), :r].T`` for every
+token i that uses an adapter and every slice l of the projection group, where cols(l) is the
+slice's range of output columns and r = ranks[slot, l].
+
+SGMV (segments) tiles each segment's tokens and runs tl.dot; BGMV (per token) runs one
+matrix-vector product per token. Both grid over the group's L slices in one launch, loop over
+the rank only up to the slot's rank, and skip slices of rank 0. Every element of y is owned by
+one program, so y is updated with a plain read-add-write (deterministic, no atomics).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lora_meta import (
+    INTERPRET,
+    locate_segment_tile,
+    pow2_clamp,
+    segment_block_m,
+    segment_tile_bound,
+    segments_pad,
+)
+
+
+@dataclass(frozen=True)
+class ExpandTiles:
+    """Block sizes of one expand launch: tokens x output columns x rank."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+
+
+def sgmv_expand_tiles(num_tokens: int, num_segs: int, max_width: int, rank: int) -> ExpandTiles:
+    """Tiles for ``sgmv_expand``: block_m follows the mean segment length, 128 output columns
+    and up to 64 ranks per step on a GPU; most of a slice's width interpreted."""
+    block_n = pow2_clamp(max_width, 16, 1024) if INTERPRET else 128
+    block_k = pow2_clamp(rank, 16, 128 if INTERPRET else 64)
+    return ExpandTiles(segment_block_m(num_tokens, num_segs), block_n, block_k)
+
+
+def bgmv_expand_tiles(num_tokens: int, max_width: int, rank: int) -> ExpandTiles:
+    """Tiles for ``bgmv_expand``, block_m tokens per program: on a GPU one token, 64 output
+    columns and up to 64 ranks per step; interpreted, up to 16 tokens and the whole rank with
+    about a million elements per step."""
+    if not INTERPRET:
+        return ExpandTiles(1, 64, pow2_clamp(rank, 16, 64))
+    block_m = pow2_clamp(num_tokens, 1, 16)
+    block_k = pow2_clamp(rank, 16, 128)
+    return ExpandTiles(
+        block_m, pow2_clamp(max_width, 16, (1 << 20) // (block_m * block_k)), block_k
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _offsets_on(slice_offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Slice offsets as an int32 device tensor, made once per (layout, device)."""
+    return torch.tensor(slice_offsets, dtype=torch.int32, device=device)
+
+
+def _check(
+    t: torch.Tensor,
+    lora_b: torch.Tensor,
+    offsets: tuple[int, ...],
+    ranks: torch.Tensor,
+    y: torch.Tensor,
+) -> None:
+    num_slots, n_total, max_rank = lora_b.shape
+    num_slices = len(offsets) - 1
+    assert offsets[0] == 0 and offsets[-1] == n_total
+    assert all(a < b for a, b in itertools.pairwise(offsets))
+    assert ranks.shape == (num_slots, num_slices) and ranks.dtype == torch.int32
+    assert t.shape == (num_slices, y.shape[0], max_rank) and t.dtype == torch.float32
+    assert y.shape[1] == n_total and y.dtype == lora_b.dtype
+
+
+def sgmv_expand(
+    t: torch.Tensor,
+    lora_b: torch.Tensor,
+    slice_offsets: Sequence[int],
+    ranks: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_lens: torch.Tensor,
+    seg_slots: torch.Tensor,
+    y: torch.Tensor,
+) -> None:
+    """Segmented LoRA expand, all slices of a projection group in one launch, added into y.
+
+    Semantics (t float32 [L, T, R]; lora_b [S, N, R] y's dtype; slice_offsets L+1 host ints,
+    0 = off[0] < ... < off[L] = N; ranks int32 [S, L]; seg_* int32 [G]; y [T, N]):
+        for g in range(G):
+            s0, n, slot = seg_starts[g], seg_lens[g], seg_slots[g]
+            for l in range(L):
+                r, c0, c1 = ranks[slot, l], off[l], off[l+1]   # r == 0: no work
+                y[s0:s0+n, c0:c1] += t[l, s0:s0+n, :r] @ lora_b[slot, c0:c1, :r].T
+    accumulated in fp32 and rounded once into y's dtype (on a GPU the product's inputs are
+    t rounded to y's dtype and B, as tf32 when fp32). Rows outside every segment are untouched.
+    """
+    offsets = tuple(slice_offsets)
+    _check(t, lora_b, offsets, ranks, y)
+    num_segs = seg_starts.shape[0]
+    if num_segs == 0:
+        return
+    max_width = max(b - a for a, b in itertools.pairwise(offsets))
+    tiles = sgmv_expand_tiles(y.shape[0], num_segs, max_width, lora_b.shape[2])
+    grid = (
+        segment_tile_bound(y.shape[0], num_segs, tiles.block_m),
+        len(offsets) - 1,
+        triton.cdiv(max_width, tiles.block_n),
+    )
+    _sgmv_expand_kernel[grid](
+        t, lora_b, _offsets_on(offsets, y.device), ranks, seg_starts, seg_lens, seg_slots, y,
+        num_segs,
+        t.stride(0), t.stride(1), t.stride(2),
+        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
+        ranks.stride(0), ranks.stride(1),
+        y.stride(0), y.stride(1),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        SEGS_PAD=segments_pad(num_segs), DOT_F32=INTERPRET,
+    )  # fmt: skip
+
+
+@triton.jit
+def _sgmv_expand_kernel(
+    t_ptr, b_ptr, offsets_ptr, ranks_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, y_ptr,
+    num_segs,
+    stride_tl, stride_tm, stride_tk,
+    stride_bs, stride_bn, stride_bk,
+    stride_rs, stride_rl,
+    stride_ym, stride_yn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SEGS_PAD: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """Program (segment tile, slice l, column tile): a [BLOCK_M, BLOCK_N] tile of y's slice l,
+    summed over the slot's rank in BLOCK_K steps."""
+    slice_id = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    g, tile_m, seg_len = locate_segment_tile(
+        seg_lens_ptr, num_segs, tl.program_id(0), BLOCK_M, SEGS_PAD
+    )
+    if g >= num_segs:
+        return
+    col_begin = tl.load(offsets_ptr + slice_id)
+    width = tl.load(offsets_ptr + slice_id + 1) - col_begin
+    slot = tl.load(seg_slots_ptr + g).to(tl.int64)
+    rank = tl.load(ranks_ptr + slot * stride_rs + slice_id * stride_rl)
+    if (pid_n * BLOCK_N >= width) | (rank == 0):
+        return
+    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.load(seg_starts_ptr + g).to(tl.int64) + offs_m
+    cols = col_begin + offs_n
+    m_mask = offs_m < seg_len
+    n_mask = offs_n < width
+    offs_k = tl.arange(0, BLOCK_K)
+    t_ptrs = t_ptr + slice_id * stride_tl + rows[:, None] * stride_tm + offs_k[None, :] * stride_tk
+    b_ptrs = b_ptr + slot * stride_bs + cols[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, rank, BLOCK_K):
+        k_mask = offs_k < rank
+        tt = tl.load(t_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        bt = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_F32:
+            bt = bt.to(tl.float32)
+        else:
+            tt = tt.to(bt.dtype)
+        acc = tl.dot(tt, bt, acc)
+        offs_k += BLOCK_K
+        t_ptrs += BLOCK_K * stride_tk
+        b_ptrs += BLOCK_K * stride_bk
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    out = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32) + acc
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def bgmv_expand(
+    t: torch.Tensor,
+    lora_b: torch.Tensor,
+    slice_offsets: Sequence[int],
+    ranks: torch.Tensor,
+    token_indices: torch.Tensor,
+    token_slots: torch.Tensor,
+    y: torch.Tensor,
+) -> None:
+    """Per-token LoRA expand, all slices of a projection group in one launch, added into y.
+
+    Semantics (t float32 [L, T, R]; lora_b [S, N, R] y's dtype; slice_offsets L+1 host ints,
+    0 = off[0] < ... < off[L] = N; ranks int32 [S, L]; token_indices, token_slots int32 [T'],
+    indices distinct; y [T, N]):
+        for p in range(T'):
+            i, slot = token_indices[p], token_slots[p]
+            for l in range(L):
+                r, c0, c1 = ranks[slot, l], off[l], off[l+1]   # r == 0: no work
+                y[i, c0:c1] += lora_b[slot, c0:c1, :r] @ t[l, i, :r]
+    accumulated in fp32 and rounded once into y's dtype. Rows not listed are untouched.
+    """
+    offsets = tuple(slice_offsets)
+    _check(t, lora_b, offsets, ranks, y)
+    num_active = token_indices.shape[0]
+    if num_active == 0:
+        return
+    max_width = max(b - a for a, b in itertools.pairwise(offsets))
+    tiles = bgmv_expand_tiles(num_active, max_width, lora_b.shape[2])
+    grid = (
+        triton.cdiv(num_active, tiles.block_m),
+        len(offsets) - 1,
+        triton.cdiv(max_width, tiles.block_n),
+    )
+    _bgmv_expand_kernel[grid](
+        t, lora_b, _offsets_on(offsets, y.device), ranks, token_indices, token_slots, y,
+        num_active,
+        t.stride(0), t.stride(1), t.stride(2),
+        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
+        ranks.stride(0), ranks.stride(1),
+        y.stride(0), y.stride(1),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+    )  # fmt: skip
+
+
+@triton.jit
+def _bgmv_expand_kernel(
+    t_ptr, b_ptr, offsets_ptr, ranks_ptr, token_indices_ptr, token_slots_ptr, y_ptr,
+    num_active,
+    stride_tl, stride_tm, stride_tk,
+    stride_bs, stride_bn, stride_bk,
+    stride_rs, stride_rl,
+    stride_ym, stride_yn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Program (token block, slice l, column tile): a [BLOCK_M, BLOCK_N] tile of y's slice l
+    where every token gathers its own slot's B, as multiply-and-sum in fp32 (no tl.dot), over
+    ranks up to the block's largest (the slot's own rank when BLOCK_M is 1)."""
+    slice_id = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    col_begin = tl.load(offsets_ptr + slice_id)
+    width = tl.load(offsets_ptr + slice_id + 1) - col_begin
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < num_active
+    slots = tl.load(token_slots_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    rank = tl.load(ranks_ptr + slots * stride_rs + slice_id * stride_rl, mask=m_mask, other=0)
+    max_rank = tl.max(rank, 0)
+    if (pid_n * BLOCK_N >= width) | (max_rank == 0):
+        return
+    rows = tl.load(token_indices_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = col_begin + offs_n
+    n_mask = offs_n < width
+    offs_k = tl.arange(0, BLOCK_K)
+    t_ptrs = t_ptr + slice_id * stride_tl + rows[:, None] * stride_tm + offs_k[None, :] * stride_tk
+    b_cols = b_ptr + slots[:, None] * stride_bs + cols[None, :] * stride_bn
+    b_ptrs = b_cols[:, :, None] + offs_k[None, None, :] * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, max_rank, BLOCK_K):
+        mk_mask = offs_k[None, :] < rank[:, None]
+        tt = tl.load(t_ptrs, mask=mk_mask, other=0.0)
+        bt = tl.load(b_ptrs, mask=mk_mask[:, None, :] & n_mask[None, :, None], other=0.0)
+        acc += tl.sum(bt.to(tl.float32) * tt[:, None, :], axis=2)
+        offs_k += BLOCK_K
+        t_ptrs += BLOCK_K * stride_tk
+        b_ptrs += BLOCK_K * stride_bk
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
+    y_mask = (rank > 0)[:, None] & n_mask[None, :]
+    out = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32) + acc
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)

@@ -1,0 +1,119 @@
+"""Plain-torch twins of the multi-LoRA kernels (same signatures, same semantics), and the
+engine's CPU serving path.
+
+Every adapter is computed at its own rank: A rows and B columns beyond ``ranks[slot, l]`` are
+never read, slices of rank 0 cost nothing, tokens without an adapter cost nothing. Products
+accumulate in float32; expand adds into y in place with one rounding to y's dtype.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+
+def sgmv_shrink_ref(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    ranks: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_lens: torch.Tensor,
+    seg_slots: torch.Tensor,
+    t: torch.Tensor,
+) -> None:
+    """Semantics: as ``kernels.lora_shrink.sgmv_shrink``, one matmul per segment and slice:
+    for g: for l: t[l, s0:s0+n, :r] = x[s0:s0+n] @ A[slot[g], l, :r].T  with r = ranks[slot[g], l]
+    """
+    slot_ranks = ranks.tolist()
+    for start, n, slot in zip(
+        seg_starts.tolist(), seg_lens.tolist(), seg_slots.tolist(), strict=True
+    ):
+        xs = x[start : start + n].float()
+        for slice_idx, r in enumerate(slot_ranks[slot]):
+            if r:
+                a = lora_a[slot, slice_idx, :r].float()
+                t[slice_idx, start : start + n, :r] = xs @ a.T
+
+
+def sgmv_expand_ref(
+    t: torch.Tensor,
+    lora_b: torch.Tensor,
+    slice_offsets: Sequence[int],
+    ranks: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_lens: torch.Tensor,
+    seg_slots: torch.Tensor,
+    y: torch.Tensor,
+) -> None:
+    """Semantics: as ``kernels.lora_expand.sgmv_expand``, one matmul per segment and slice:
+    for g: for l: y[s0:s0+n, c0:c1] += t[l, s0:s0+n, :r] @ B[slot[g], c0:c1, :r].T
+    """
+    slot_ranks = ranks.tolist()
+    bounds = list(itertools.pairwise(slice_offsets))
+    for start, n, slot in zip(
+        seg_starts.tolist(), seg_lens.tolist(), seg_slots.tolist(), strict=True
+    ):
+        for slice_idx, ((c0, c1), r) in enumerate(zip(bounds, slot_ranks[slot], strict=True)):
+            if r:
+                b = lora_b[slot, c0:c1, :r].float()
+                # In-place add of a float32 operand computes in float32, rounds once into y.
+                y[start : start + n, c0:c1] += t[slice_idx, start : start + n, :r] @ b.T
+
+
+def _slot_runs(
+    token_indices: torch.Tensor, token_slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The listed tokens ordered by slot: (their rows as int64, and seg_starts, seg_lens,
+    seg_slots of the runs that ordering forms, one run per distinct slot)."""
+    order = torch.argsort(token_slots, stable=True)
+    seg_slots, seg_lens = torch.unique_consecutive(token_slots[order], return_counts=True)
+    return token_indices[order].long(), torch.cumsum(seg_lens, 0) - seg_lens, seg_lens, seg_slots
+
+
+# The per-token twins order tokens by slot and run the segmented twins: one matmul per slot
+# and slice, no work on rank padding. Measured against gathering A and B per token plus bmm
+# (one thread of a busy 2-core machine; 64 decode tokens drawn over 64 slots, H 256, R 64,
+# L 3): shrink 1.8 vs 3.5 ms, expand 1.9 vs 1.7 ms; at 256 tokens 2.9 vs 45 ms and 3.2 vs
+# 7.2 ms, as gathering copies every token's weights.
+
+
+def bgmv_shrink_ref(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    ranks: torch.Tensor,
+    token_indices: torch.Tensor,
+    token_slots: torch.Tensor,
+    t: torch.Tensor,
+) -> None:
+    """Semantics: as ``kernels.lora_shrink.bgmv_shrink``; tokens grouped by slot:
+    for slot: for l: t[l, rows, :r] = x[rows] @ A[slot, l, :r].T  with r = ranks[slot, l]
+    """
+    rows, seg_starts, seg_lens, seg_slots = _slot_runs(token_indices, token_slots)
+    num_slices, _, max_rank = t.shape
+    grouped = torch.zeros(num_slices, rows.shape[0], max_rank, device=t.device)
+    sgmv_shrink_ref(x[rows], lora_a, ranks, seg_starts, seg_lens, seg_slots, grouped)
+    token_ranks = ranks[seg_slots].repeat_interleave(seg_lens, dim=0)
+    written = torch.arange(max_rank, device=t.device) < token_ranks.T[:, :, None]
+    t[:, rows] = torch.where(written, grouped, t[:, rows])
+
+
+def bgmv_expand_ref(
+    t: torch.Tensor,
+    lora_b: torch.Tensor,
+    slice_offsets: Sequence[int],
+    ranks: torch.Tensor,
+    token_indices: torch.Tensor,
+    token_slots: torch.Tensor,
+    y: torch.Tensor,
+) -> None:
+    """Semantics: as ``kernels.lora_expand.bgmv_expand``; tokens grouped by slot:
+    for slot: for l: y[rows, c0:c1] += t[l, rows, :r] @ B[slot, c0:c1, :r].T
+    """
+    rows, seg_starts, seg_lens, seg_slots = _slot_runs(token_indices, token_slots)
+    delta = torch.zeros(rows.shape[0], y.shape[1], device=y.device)
+    sgmv_expand_ref(
+        t[:, rows], lora_b, slice_offsets, ranks, seg_starts, seg_lens, seg_slots, delta
+    )
+    y[rows] += delta

@@ -1,0 +1,271 @@
+"""LoRA shrink kernels: ``t[l, i, :r] = x[i] @ A[slot(i), l, :r].T`` for every token i that uses
+an adapter, every slice l of the projection group, at the slot's own rank r = ranks[slot, l].
+
+SGMV (segments, prefill and mixed batches) tiles each segment's tokens and runs tl.dot; BGMV
+(per token, decode) runs one matrix-vector product per token. Both grid over the group's L
+slices in one launch, tile the rank dimension and skip rank tiles at or beyond the slot's rank,
+and split the hidden dimension (with atomic adds into the caller-zeroed ``t``) when too few
+programs would otherwise run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lora_meta import (
+    INTERPRET,
+    locate_segment_tile,
+    pow2_clamp,
+    segment_block_m,
+    segment_tile_bound,
+    segments_pad,
+)
+
+
+@dataclass(frozen=True)
+class ShrinkTiles:
+    """Block sizes of one shrink launch: tokens x rank x hidden, and hidden splits."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+
+
+def _split_k(programs: int, k_blocks: int) -> int:
+    """Hidden-dimension splits that bring the launch near two waves of an H100 (132 SMs), or
+    near a handful of programs under the interpreter; a power of two, at most ``k_blocks``."""
+    target = 8 if INTERPRET else 264
+    want = max(1, target // max(programs, 1))
+    split = 1
+    while split * 2 <= min(want, k_blocks):
+        split *= 2
+    return split
+
+
+def sgmv_shrink_tiles(
+    num_tokens: int, num_segs: int, hidden: int, rank: int, slices: int
+) -> ShrinkTiles:
+    """Tiles for ``sgmv_shrink``: block_m follows the mean segment length, block_n covers the
+    maximum rank up to 64 on a GPU, block_k is 64 on a GPU and most of ``hidden`` interpreted."""
+    block_m = segment_block_m(num_tokens, num_segs)
+    block_n = pow2_clamp(rank, 16, 128 if INTERPRET else 64)
+    block_k = pow2_clamp(hidden, 16, 512) if INTERPRET else 64
+    programs = (
+        segment_tile_bound(num_tokens, num_segs, block_m) * triton.cdiv(rank, block_n) * slices
+    )
+    return ShrinkTiles(block_m, block_n, block_k, _split_k(programs, triton.cdiv(hidden, block_k)))
+
+
+def bgmv_shrink_tiles(num_tokens: int, hidden: int, rank: int, slices: int) -> ShrinkTiles:
+    """Tiles for ``bgmv_shrink``, block_m tokens per program: on a GPU one token, 16 ranks x
+    256 hidden per step, so a rank-8 slot reads one 16-row tile; interpreted, up to 32 tokens,
+    the whole rank and up to 512 hidden per step."""
+    if not INTERPRET:
+        programs = num_tokens * triton.cdiv(rank, 16) * slices
+        return ShrinkTiles(1, 16, 256, _split_k(programs, triton.cdiv(hidden, 256)))
+    block_m = pow2_clamp(num_tokens, 1, 32)
+    block_n = pow2_clamp(rank, 16, 128)
+    block_k = pow2_clamp(hidden, 16, min(512, (1 << 20) // (block_m * block_n)))
+    programs = triton.cdiv(num_tokens, block_m) * triton.cdiv(rank, block_n) * slices
+    return ShrinkTiles(block_m, block_n, block_k, _split_k(programs, triton.cdiv(hidden, block_k)))
+
+
+def _check(x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, t: torch.Tensor) -> None:
+    num_slots, num_slices, max_rank, hidden = lora_a.shape
+    assert x.dim() == 2 and x.shape[1] == hidden and x.dtype == lora_a.dtype
+    assert ranks.shape == (num_slots, num_slices) and ranks.dtype == torch.int32
+    assert t.shape == (num_slices, x.shape[0], max_rank) and t.dtype == torch.float32
+
+
+def sgmv_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    ranks: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_lens: torch.Tensor,
+    seg_slots: torch.Tensor,
+    t: torch.Tensor,
+) -> None:
+    """Segmented LoRA shrink, all slices of a projection group in one launch.
+
+    Semantics (x [T, H] fp32/fp16/bf16; lora_a [S, L, R, H] x's dtype; ranks int32 [S, L];
+    seg_* int32 [G]; t float32 [L, T, R], zeroed by the caller):
+        for g in range(G):
+            s0, n, slot = seg_starts[g], seg_lens[g], seg_slots[g]
+            for l in range(L):
+                r = ranks[slot, l]                          # 0: slice not targeted, no work
+                t[l, s0:s0+n, :r] = x[s0:s0+n] @ lora_a[slot, l, :r].T     # fp32 accumulate
+    Entries of t outside every segment's rows and ranks are left as they are.
+    """
+    _check(x, lora_a, ranks, t)
+    num_segs = seg_starts.shape[0]
+    if num_segs == 0:
+        return
+    _, num_slices, max_rank, hidden = lora_a.shape
+    tiles = sgmv_shrink_tiles(x.shape[0], num_segs, hidden, max_rank, num_slices)
+    k_iters = triton.cdiv(triton.cdiv(hidden, tiles.block_k), tiles.split_k)
+    grid = (
+        segment_tile_bound(x.shape[0], num_segs, tiles.block_m),
+        num_slices,
+        triton.cdiv(max_rank, tiles.block_n) * tiles.split_k,
+    )
+    _sgmv_shrink_kernel[grid](
+        x, lora_a, ranks, seg_starts, seg_lens, seg_slots, t,
+        num_segs, hidden, k_iters,
+        x.stride(0), x.stride(1),
+        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_a.stride(3),
+        ranks.stride(0), ranks.stride(1),
+        t.stride(0), t.stride(1), t.stride(2),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        SPLIT_K=tiles.split_k, SEGS_PAD=segments_pad(num_segs), DOT_F32=INTERPRET,
+    )  # fmt: skip
+
+
+@triton.jit
+def _sgmv_shrink_kernel(
+    x_ptr, a_ptr, ranks_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, t_ptr,
+    num_segs, hidden, k_iters,
+    stride_xm, stride_xk,
+    stride_as, stride_al, stride_ar, stride_ak,
+    stride_rs, stride_rl,
+    stride_tl, stride_tm, stride_tr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, SEGS_PAD: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """Program (segment tile, slice l, rank tile x hidden split): a [BLOCK_M, BLOCK_N] tile of
+    t[l] summed over this split's share of the hidden dimension."""
+    slice_id = tl.program_id(1)
+    pid_n = tl.program_id(2) // SPLIT_K
+    pid_k = tl.program_id(2) % SPLIT_K
+    g, tile_m, seg_len = locate_segment_tile(
+        seg_lens_ptr, num_segs, tl.program_id(0), BLOCK_M, SEGS_PAD
+    )
+    if g >= num_segs:
+        return
+    slot = tl.load(seg_slots_ptr + g).to(tl.int64)
+    rank = tl.load(ranks_ptr + slot * stride_rs + slice_id * stride_rl)
+    if pid_n * BLOCK_N >= rank:
+        return
+    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.load(seg_starts_ptr + g).to(tl.int64) + offs_m
+    m_mask = offs_m < seg_len
+    n_mask = offs_n < rank
+    offs_k = pid_k * k_iters * BLOCK_K + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    a_ptrs = (
+        a_ptr
+        + slot * stride_as
+        + slice_id * stride_al
+        + offs_n[None, :] * stride_ar
+        + offs_k[:, None] * stride_ak
+    )
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(k_iters):
+        k_mask = offs_k < hidden
+        xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        at = tl.load(a_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_F32:
+            xt = xt.to(tl.float32)
+            at = at.to(tl.float32)
+        acc = tl.dot(xt, at, acc)
+        offs_k += BLOCK_K
+        x_ptrs += BLOCK_K * stride_xk
+        a_ptrs += BLOCK_K * stride_ak
+    t_ptrs = t_ptr + slice_id * stride_tl + rows[:, None] * stride_tm + offs_n[None, :] * stride_tr
+    if SPLIT_K == 1:
+        tl.store(t_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+    else:
+        tl.atomic_add(t_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+def bgmv_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    ranks: torch.Tensor,
+    token_indices: torch.Tensor,
+    token_slots: torch.Tensor,
+    t: torch.Tensor,
+) -> None:
+    """Per-token LoRA shrink, all slices of a projection group in one launch.
+
+    Semantics (x [T, H] fp32/fp16/bf16; lora_a [S, L, R, H] x's dtype; ranks int32 [S, L];
+    token_indices, token_slots int32 [T'], indices distinct; t float32 [L, T, R], zeroed):
+        for p in range(T'):
+            i, slot = token_indices[p], token_slots[p]
+            for l in range(L):
+                r = ranks[slot, l]                          # 0: slice not targeted, no work
+                t[l, i, :r] = lora_a[slot, l, :r] @ x[i]                  # fp32 accumulate
+    Entries of t outside the listed tokens' rows and ranks are left as they are.
+    """
+    _check(x, lora_a, ranks, t)
+    num_active = token_indices.shape[0]
+    if num_active == 0:
+        return
+    _, num_slices, max_rank, hidden = lora_a.shape
+    tiles = bgmv_shrink_tiles(num_active, hidden, max_rank, num_slices)
+    k_iters = triton.cdiv(triton.cdiv(hidden, tiles.block_k), tiles.split_k)
+    grid = (
+        triton.cdiv(num_active, tiles.block_m),
+        num_slices,
+        triton.cdiv(max_rank, tiles.block_n) * tiles.split_k,
+    )
+    _bgmv_shrink_kernel[grid](
+        x, lora_a, ranks, token_indices, token_slots, t,
+        num_active, hidden, k_iters,
+        x.stride(0), x.stride(1),
+        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_a.stride(3),
+        ranks.stride(0), ranks.stride(1),
+        t.stride(0), t.stride(1), t.stride(2),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k,
+    )  # fmt: skip
+
+
+@triton.jit
+def _bgmv_shrink_kernel(
+    x_ptr, a_ptr, ranks_ptr, token_indices_ptr, token_slots_ptr, t_ptr,
+    num_active, hidden, k_iters,
+    stride_xm, stride_xk,
+    stride_as, stride_al, stride_ar, stride_ak,
+    stride_rs, stride_rl,
+    stride_tl, stride_tm, stride_tr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    """Program (token block, slice l, rank tile x hidden split): a [BLOCK_M, BLOCK_N] tile of
+    t[l] where every token gathers its own slot's A, as multiply-and-sum in fp32 (no tl.dot).
+    The rank tile is skipped when it starts at or beyond every token's rank."""
+    slice_id = tl.program_id(1)
+    pid_n = tl.program_id(2) // SPLIT_K
+    pid_k = tl.program_id(2) % SPLIT_K
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < num_active
+    slots = tl.load(token_slots_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    rank = tl.load(ranks_ptr + slots * stride_rs + slice_id * stride_rl, mask=m_mask, other=0)
+    if pid_n * BLOCK_N >= tl.max(rank, 0):
+        return
+    rows = tl.load(token_indices_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn_mask = offs_n[None, :] < rank[:, None]
+    offs_k = pid_k * k_iters * BLOCK_K + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    a_rows = a_ptr + slots[:, None] * stride_as + slice_id * stride_al + offs_n[None, :] * stride_ar
+    a_ptrs = a_rows[:, :, None] + offs_k[None, None, :] * stride_ak
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(k_iters):
+        k_mask = offs_k < hidden
+        xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        at = tl.load(a_ptrs, mask=mn_mask[:, :, None] & k_mask[None, None, :], other=0.0)
+        acc += tl.sum(at.to(tl.float32) * xt[:, None, :], axis=2)
+        offs_k += BLOCK_K
+        x_ptrs += BLOCK_K * stride_xk
+        a_ptrs += BLOCK_K * stride_ak
+    t_ptrs = t_ptr + slice_id * stride_tl + rows[:, None] * stride_tm + offs_n[None, :] * stride_tr
+    if SPLIT_K == 1:
+        tl.store(t_ptrs, acc, mask=mn_mask)
+    else:
+        tl.atomic_add(t_ptrs, acc, mask=mn_mask)

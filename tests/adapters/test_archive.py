@@ -1,0 +1,167 @@
+"""Uploaded adapter archives: a well-formed one extracts, anything unsafe is refused."""
+
+from __future__ import annotations
+
+import io
+import stat
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from adapters.archive import ArchiveLimits, extract_adapter_archive
+from adapters.errors import AdapterError
+from adapters.peft_format import load_peft_adapter
+from tests.adapters.peft_adapters import make_peft_adapter, tiny_base
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md")
+
+
+@pytest.fixture(scope="module")
+def adapter_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_peft_adapter(tmp_path_factory.mktemp("peft") / "adapter")
+
+
+def members(folder: Path, prefix: str = "") -> dict[str, bytes]:
+    return {prefix + name: (folder / name).read_bytes() for name in ADAPTER_FILES}
+
+
+def write_zip(path: Path, files: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+    return path
+
+
+def write_tar(path: Path, files: dict[str, bytes], extra: list[tarfile.TarInfo] = ()) -> Path:
+    with tarfile.open(path, "w:gz") as archive:
+        for info in extra:
+            archive.addfile(info)
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return path
+
+
+def special(name: str, kind: bytes, linkname: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, linkname
+    return info
+
+
+def refusal(archive: Path, dest: Path, limits: ArchiveLimits | None = None) -> str:
+    dest.mkdir(exist_ok=True)
+    with pytest.raises(AdapterError) as raised:
+        extract_adapter_archive(archive, dest, limits)
+    return raised.value.code
+
+
+def test_zip_of_the_files_extracts_and_loads(adapter_folder: Path, tmp_path: Path) -> None:
+    archive = write_zip(tmp_path / "a.zip", members(adapter_folder))
+    (tmp_path / "out").mkdir()
+    out = extract_adapter_archive(archive, tmp_path / "out")
+    assert sorted(p.name for p in out.iterdir()) == sorted(ADAPTER_FILES)
+    expected = load_peft_adapter(adapter_folder, tiny_base()).digest
+    assert load_peft_adapter(out, tiny_base()).digest == expected
+
+
+@pytest.mark.parametrize("prefix", ["my-adapter/", "./"])
+def test_tar_gz_with_one_top_folder_extracts(
+    adapter_folder: Path, tmp_path: Path, prefix: str
+) -> None:
+    folder_entry = special(prefix.rstrip("/") or ".", tarfile.DIRTYPE)
+    archive = write_tar(tmp_path / "a.tar.gz", members(adapter_folder, prefix), [folder_entry])
+    (tmp_path / "out").mkdir()
+    out = extract_adapter_archive(archive, tmp_path / "out")
+    assert (out / "adapter_model.safetensors").read_bytes() == (
+        adapter_folder / "adapter_model.safetensors"
+    ).read_bytes()
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        special("adapter_model.safetensors", tarfile.SYMTYPE, "/etc/passwd"),
+        special("adapter_config.json", tarfile.LNKTYPE, "README.md"),
+        special("README.md", tarfile.CHRTYPE),
+        special("README.md", tarfile.FIFOTYPE),
+    ],
+    ids=["symlink", "hardlink", "device", "fifo"],
+)
+def test_tar_links_and_special_files(tmp_path: Path, entry: tarfile.TarInfo) -> None:
+    archive = write_tar(tmp_path / "a.tar.gz", {}, [entry])
+    assert refusal(archive, tmp_path / "out") == "unsafe_archive"
+
+
+def test_zip_symlink(adapter_folder: Path, tmp_path: Path) -> None:
+    archive = tmp_path / "a.zip"
+    with zipfile.ZipFile(archive, "w") as zipped:
+        link = zipfile.ZipInfo("adapter_model.safetensors")
+        link.external_attr = (stat.S_IFLNK | 0o777) << 16
+        zipped.writestr(link, "/etc/passwd")
+    assert refusal(archive, tmp_path / "out") == "unsafe_archive"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "/abs/adapter_config.json",
+        "../adapter_config.json",
+        "a/../../adapter_config.json",
+        "a\\adapter_config.json",
+        "C:adapter_config.json",
+        "a/b/adapter_config.json",
+        "adapter_model.bin",
+        "evil.py",
+        "__MACOSX/._README.md",
+    ],
+)
+def test_paths_and_names_outside_the_adapter(
+    adapter_folder: Path, tmp_path: Path, name: str
+) -> None:
+    files = members(adapter_folder)
+    files.pop(name.rsplit("/", 1)[-1], None)  # so that only the bad name can be the reason
+    files[name] = b"{}"
+    archive = write_zip(tmp_path / "a.zip", files)
+    assert refusal(archive, tmp_path / "out") == "unsafe_archive"
+    assert not any((tmp_path / "out").iterdir())
+
+
+def test_files_split_over_folders(adapter_folder: Path, tmp_path: Path) -> None:
+    files = members(adapter_folder, "one/")
+    files["two/README.md"] = files.pop("one/README.md")
+    assert refusal(write_zip(tmp_path / "a.zip", files), tmp_path / "out") == "unsafe_archive"
+
+
+def test_duplicate_files(adapter_folder: Path, tmp_path: Path) -> None:
+    files = members(adapter_folder) | {"x/README.md": b"again"}
+    assert refusal(write_tar(tmp_path / "a.tar.gz", files), tmp_path / "out") == "unsafe_archive"
+
+
+def test_too_many_entries(adapter_folder: Path, tmp_path: Path) -> None:
+    folders = [special(f"d{i}", tarfile.DIRTYPE) for i in range(6)]
+    archive = write_tar(tmp_path / "a.tar.gz", members(adapter_folder), folders)
+    assert refusal(archive, tmp_path / "out") == "unsafe_archive"
+
+
+def test_zip_bomb_is_refused_by_ratio(tmp_path: Path) -> None:
+    archive = write_zip(tmp_path / "a.zip", {"adapter_model.safetensors": bytes(4 << 20)})
+    assert refusal(archive, tmp_path / "out", ArchiveLimits(max_ratio=50)) == "file_too_large"
+
+
+def test_total_size_limit(adapter_folder: Path, tmp_path: Path) -> None:
+    archive = write_zip(tmp_path / "a.zip", members(adapter_folder))
+    assert (
+        refusal(archive, tmp_path / "out", ArchiveLimits(max_total_bytes=1000)) == "file_too_large"
+    )
+
+
+@pytest.mark.parametrize(
+    "content", [b"not an archive at all", b"PK\x03\x04broken", b"\x1f\x8bbroken"]
+)
+def test_unreadable_archives(tmp_path: Path, content: bytes) -> None:
+    archive = tmp_path / "a.zip"
+    archive.write_bytes(content)
+    assert refusal(archive, tmp_path / "out") == "invalid_archive"
