@@ -45,10 +45,12 @@ cmd=${1:-}
 shift || true
 case "$cmd" in
   serve)
+    apt_install redis-server
     python_venv
-    exec "$VENV/bin/loramux" chat "$@"
+    exec "$VENV/bin/loramux" serve "$@"
     ;;
   test)
+    apt_install postgresql  # tests/postgres.py starts a throwaway server from its binaries
     python_venv
     "$VENV/bin/ruff" check .
     "$VENV/bin/ruff" format --check .

@@ -14,10 +14,12 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.errors import EngineOverloadedError, EngineStoppedError
+from engine.errors import EngineOverloadedError, EngineStoppedError, InvalidRequestError
 from engine.llm_engine import LLMEngine
+from engine.lora.manager import AdapterStats
 from engine.outputs import EngineRequest, EngineStats, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -67,11 +69,27 @@ class AsyncEngine:
             self._thread = None
 
     @property
+    def running(self) -> bool:
+        """The step thread is alive and has not failed."""
+        return self._thread is not None and self._thread.is_alive() and self._failure is None
+
+    @property
     def tokenizer(self) -> object:
         return self.engine.tokenizer
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    async def register_adapter(self, folder: Path) -> str:
+        """Validate and register a PEFT adapter (off the event loop); returns its digest."""
+        return await asyncio.to_thread(self.engine.register_adapter, folder)
+
+    def retire_adapter(self, digest: str) -> bool:
+        """Refuse new requests for `digest`; it is unloaded once its in-flight requests end."""
+        return self.engine.retire_adapter(digest)
+
+    def adapter_stats(self) -> dict[str, AdapterStats]:
+        return self.engine.adapter_stats()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Validate (raising before anything is queued), then yield the request's deltas."""
@@ -81,7 +99,7 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request.request_id in self._streams:
-                raise ValueError(f"request id {request.request_id!r} is already in use")
+                raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
             if (
                 len(self._streams)
                 >= self.engine.config.max_waiting + self.engine.config.max_num_seqs

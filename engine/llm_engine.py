@@ -138,7 +138,7 @@ class LLMEngine:
             if not request.messages:
                 raise InvalidRequestError("messages must not be empty")
             ids = list(
-                self.tokenizer.apply_chat_template(
+                self.request_tokenizer.apply_chat_template(
                     request.messages, add_generation_prompt=True, tokenize=True, return_dict=False
                 )
             )

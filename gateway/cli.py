@@ -79,6 +79,57 @@ def _chat(args: argparse.Namespace) -> None:
         engine.shutdown()
 
 
+def _serve(args: argparse.Namespace) -> None:
+    """Everything on embedded defaults: SQLite, a private Redis, the demo model, the engine in-process."""
+    import contextlib
+
+    from gateway.db.migrate import upgrade
+    from gateway.redis_server import private_redis
+    from gateway.server import serve_forever
+
+    settings = Settings()
+    model_dir = ensure_model(settings)
+    with contextlib.ExitStack() as stack:
+        redis_url = settings.server.redis_url
+        if redis_url is None and settings.server.engine_urls == ():
+            redis_url = stack.enter_context(private_redis(settings.data_dir))
+            log.info("started a private redis-server at %s", redis_url)
+        upgrade(settings.database_url)
+        host = args.host or settings.server.host
+        port = args.port or settings.server.port
+        asyncio.run(serve_forever(settings, model_dir, redis_url, host, port))
+
+
+def _engine(args: argparse.Namespace) -> None:
+    """The engine's internal HTTP service, for gateways on other processes or machines."""
+    from engine.service import run_engine_service
+    from gateway.server import engine_config
+
+    settings = Settings()
+    run_engine_service(
+        engine_config(settings, ensure_model(settings)),
+        settings.model_name,
+        args.host,
+        args.port,
+        adapter_dir=settings.data_dir / "engine-adapters",
+        token=settings.server.engine_token,
+    )
+
+
+def _admin_token(args: argparse.Namespace) -> None:
+    from gateway.state import admin_auth
+
+    print(admin_auth(Settings()).mint(args.subject, ttl_seconds=args.ttl))
+
+
+def _migrate(args: argparse.Namespace) -> None:
+    from gateway.db.migrate import upgrade
+
+    settings = Settings()
+    upgrade(settings.database_url)
+    log.info("database at %s is up to date", settings.database_url)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loramux", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,6 +145,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--count", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_demo_adapters)
+
+    p = sub.add_parser(
+        "serve", help="run the gateway (and the engine in-process unless LORAMUX_ENGINE_URLS)"
+    )
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("engine", help="run the engine's internal HTTP service")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.set_defaults(func=_engine)
+
+    p = sub.add_parser(
+        "admin-token", help="print a fresh admin JWT signed with the configured secret"
+    )
+    p.add_argument("--subject", default="admin")
+    p.add_argument("--ttl", type=int, default=3600, help="seconds until it expires")
+    p.set_defaults(func=_admin_token)
+
+    p = sub.add_parser("migrate", help="bring the database to the current schema")
+    p.set_defaults(func=_migrate)
 
     p = sub.add_parser("chat", help="stream one chat reply from the in-process engine")
     p.add_argument("message", nargs="?", default="Write a Python function that reverses a list.")

@@ -37,6 +37,46 @@ class EngineSettings:
     """LORAMUX_MAX_BATCHED_TOKENS: token budget per step (decode tokens plus prefill chunks)."""
     max_model_len: int | None = field(default_factory=lambda: _env("MAX_MODEL_LEN", None, int))
     """LORAMUX_MAX_MODEL_LEN: longest prompt plus completion; the model's context by default."""
+    max_loras: int = field(default_factory=lambda: _env("MAX_LORAS", 8, int))
+    """LORAMUX_MAX_LORAS: adapter slots on the device (distinct adapters in one step)."""
+    max_cpu_loras: int = field(default_factory=lambda: _env("MAX_CPU_LORAS", 64, int))
+    """LORAMUX_MAX_CPU_LORAS: adapters kept parsed in host memory."""
+    max_lora_rank: int = field(default_factory=lambda: _env("MAX_LORA_RANK", 64, int))
+    """LORAMUX_MAX_LORA_RANK: largest adapter rank accepted (up to 256); uploads above are refused."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = field(default_factory=lambda: _env("HOST", "127.0.0.1"))
+    """LORAMUX_HOST: address `loramux serve` listens on."""
+    port: int = field(default_factory=lambda: _env("PORT", 8000, int))
+    """LORAMUX_PORT: port `loramux serve` listens on."""
+    database_url: str | None = field(default_factory=lambda: _env("DATABASE_URL", None))
+    """LORAMUX_DATABASE_URL: SQLAlchemy URL (sqlite:///… or postgresql://…); SQLite in the data dir by default."""
+    redis_url: str | None = field(default_factory=lambda: _env("REDIS_URL", None))
+    """LORAMUX_REDIS_URL: Redis for caches and quotas; unset: `serve` starts its own redis-server."""
+    admin_secret: str | None = field(default_factory=lambda: _env("ADMIN_SECRET", None))
+    """LORAMUX_ADMIN_SECRET: signs admin JWTs (HS256); generated and kept in the data dir when unset."""
+    admin_public_key: str | None = field(default_factory=lambda: _env("ADMIN_PUBLIC_KEY", None))
+    """LORAMUX_ADMIN_PUBLIC_KEY: PEM public key; when set, admin JWTs are RS256, minted elsewhere."""
+    engine_urls: tuple[str, ...] = field(
+        default_factory=lambda: tuple(u for u in _env("ENGINE_URLS", "").split(",") if u.strip())
+    )
+    """LORAMUX_ENGINE_URLS: comma-separated engine services; unset: the engine runs in-process."""
+    engine_token: str | None = field(default_factory=lambda: _env("ENGINE_TOKEN", None))
+    """LORAMUX_ENGINE_TOKEN: shared secret of gateways and engine services; unset: no check."""
+    model_name: str | None = field(default_factory=lambda: _env("MODEL_NAME", None))
+    """LORAMUX_MODEL_NAME: the base model's id in the API; the model folder's name by default."""
+    key_cache_seconds: float = field(default_factory=lambda: _env("KEY_CACHE_SECONDS", 2.0, float))
+    """LORAMUX_KEY_CACHE_SECONDS: how long an API-key lookup is cached (revocation delay)."""
+    max_upload_mb: int = field(default_factory=lambda: _env("MAX_UPLOAD_MB", 512, int))
+    """LORAMUX_MAX_UPLOAD_MB: largest adapter upload accepted."""
+    max_body_kb: int = field(default_factory=lambda: _env("MAX_BODY_KB", 1024, int))
+    """LORAMUX_MAX_BODY_KB: largest API request body accepted (413 beyond)."""
+    default_max_tokens: int = field(default_factory=lambda: _env("DEFAULT_MAX_TOKENS", 1024, int))
+    """LORAMUX_DEFAULT_MAX_TOKENS: completion cap when a request gives no max_tokens (and the context allows)."""
+    demo_adapters: int = field(default_factory=lambda: _env("DEMO_ADAPTERS", 4, int))
+    """LORAMUX_DEMO_ADAPTERS: shared demo adapters uploaded on first start with the demo model."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +86,20 @@ class Settings:
     model: Path | None = field(default_factory=lambda: _env("MODEL", None, Path))
     """LORAMUX_MODEL: a Hugging Face folder of a Llama-family model; the demo model when unset."""
     engine: EngineSettings = field(default_factory=EngineSettings)
+    server: ServerSettings = field(default_factory=ServerSettings)
+
+    @property
+    def database_url(self) -> str:
+        return self.server.database_url or f"sqlite:///{self.data_dir / 'loramux.db'}"
+
+    @property
+    def adapter_dir(self) -> Path:
+        """The content-addressed adapter store."""
+        return self.data_dir / "adapters"
+
+    @property
+    def model_name(self) -> str:
+        return self.server.model_name or self.model_dir.name
 
     @property
     def model_dir(self) -> Path:
@@ -56,5 +110,9 @@ class Settings:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            out[f.name] = value.__dict__ if hasattr(value, "__dataclass_fields__") else str(value)
+            out[f.name] = (
+                dict(value.__dict__) if hasattr(value, "__dataclass_fields__") else str(value)
+            )
+        out["server"].pop("admin_secret", None)
+        out["server"].pop("engine_token", None)
         return out

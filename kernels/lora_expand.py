@@ -65,13 +65,15 @@ def _offsets_on(slice_offsets: tuple[int, ...], device: torch.device) -> torch.T
     return torch.tensor(slice_offsets, dtype=torch.int32, device=device)
 
 
-def _check(
+def _slice_layout(
     t: torch.Tensor,
     lora_b: torch.Tensor,
-    offsets: tuple[int, ...],
+    slice_offsets: Sequence[int],
     ranks: torch.Tensor,
     y: torch.Tensor,
-) -> None:
+) -> tuple[tuple[int, ...], int]:
+    """Checks shapes and dtypes against ``slice_offsets``; returns (offsets, widest slice)."""
+    offsets = tuple(slice_offsets)
     num_slots, n_total, max_rank = lora_b.shape
     num_slices = len(offsets) - 1
     assert offsets[0] == 0 and offsets[-1] == n_total
@@ -79,6 +81,7 @@ def _check(
     assert ranks.shape == (num_slots, num_slices) and ranks.dtype == torch.int32
     assert t.shape == (num_slices, y.shape[0], max_rank) and t.dtype == torch.float32
     assert y.shape[1] == n_total and y.dtype == lora_b.dtype
+    return offsets, max(b - a for a, b in itertools.pairwise(offsets))
 
 
 def sgmv_expand(
@@ -103,12 +106,10 @@ def sgmv_expand(
     accumulated in fp32 and rounded once into y's dtype (on a GPU the product's inputs are
     t rounded to y's dtype and B, as tf32 when fp32). Rows outside every segment are untouched.
     """
-    offsets = tuple(slice_offsets)
-    _check(t, lora_b, offsets, ranks, y)
+    offsets, max_width = _slice_layout(t, lora_b, slice_offsets, ranks, y)
     num_segs = seg_starts.shape[0]
     if num_segs == 0:
         return
-    max_width = max(b - a for a, b in itertools.pairwise(offsets))
     tiles = sgmv_expand_tiles(y.shape[0], num_segs, max_width, lora_b.shape[2])
     grid = (
         segment_tile_bound(y.shape[0], num_segs, tiles.block_m),
@@ -202,12 +203,10 @@ def bgmv_expand(
                 y[i, c0:c1] += lora_b[slot, c0:c1, :r] @ t[l, i, :r]
     accumulated in fp32 and rounded once into y's dtype. Rows not listed are untouched.
     """
-    offsets = tuple(slice_offsets)
-    _check(t, lora_b, offsets, ranks, y)
+    offsets, max_width = _slice_layout(t, lora_b, slice_offsets, ranks, y)
     num_active = token_indices.shape[0]
     if num_active == 0:
         return
-    max_width = max(b - a for a, b in itertools.pairwise(offsets))
     tiles = bgmv_expand_tiles(num_active, max_width, lora_b.shape[2])
     grid = (
         triton.cdiv(num_active, tiles.block_m),

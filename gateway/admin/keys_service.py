@@ -1,0 +1,96 @@
+"""Tenant API keys: minted here, the secret returned once; only its hash is kept.
+
+Revoking sets `revoked_at` and drops the key from this process's cache, so it fails here at
+once; other gateway processes notice within LORAMUX_KEY_CACHE_SECONDS. Revoking twice keeps
+the first time.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import msgspec
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.admin.schemas import KeyCreate, KeyOut, NewKeyOut, utc, utc_or_none
+from gateway.admin.tenants_service import get_tenant
+from gateway.auth.api_keys import mint_key
+from gateway.db import ApiKey
+from gateway.db.base import utcnow
+from gateway.errors import BadRequest, NotFound
+from gateway.state import GatewayState
+
+
+def key_out(key: ApiKey) -> KeyOut:
+    return KeyOut(
+        id=key.id,
+        tenant_id=key.tenant_id,
+        prefix=key.prefix,
+        name=key.name,
+        allowed_models=list(key.allowed_models) if key.allowed_models is not None else None,
+        created_at=utc(key.created_at),
+        expires_at=utc_or_none(key.expires_at),
+        revoked_at=utc_or_none(key.revoked_at),
+    )
+
+
+async def get_key(session: AsyncSession, key_id: str) -> ApiKey:
+    key = await session.get(ApiKey, key_id)
+    if key is None:
+        raise NotFound(f"no API key {key_id!r}", param="id", code="key_not_found")
+    return key
+
+
+async def create(gw: GatewayState, tenant_id: str, body: KeyCreate) -> NewKeyOut:
+    expires_at = _expiry(body)
+    new = mint_key()
+    async with gw.sessions() as session:
+        await get_tenant(session, tenant_id)
+        key = ApiKey(
+            id=new.id,
+            tenant_id=tenant_id,
+            name=body.name,
+            secret_hash=new.secret_hash,
+            allowed_models=body.allowed_models,
+            expires_at=expires_at,
+        )
+        session.add(key)
+        await session.commit()
+    return NewKeyOut(**msgspec.structs.asdict(key_out(key)), key=new.key)
+
+
+async def list_for_tenant(gw: GatewayState, tenant_id: str) -> list[KeyOut]:
+    """Every key of the tenant, revoked and expired ones included, oldest first."""
+    async with gw.sessions() as session:
+        await get_tenant(session, tenant_id)
+        rows = await session.scalars(
+            select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.created_at)
+        )
+        return [key_out(k) for k in rows]
+
+
+async def revoke(gw: GatewayState, key_id: str) -> KeyOut:
+    async with gw.sessions() as session:
+        key = await get_key(session, key_id)
+        if key.revoked_at is None:
+            key.revoked_at = utcnow()
+            await session.commit()
+    gw.keys.forget(key_id)
+    return key_out(key)
+
+
+def _expiry(body: KeyCreate) -> datetime | None:
+    """`expires_at` or now + `expires_in`; a time already past is refused."""
+    if body.expires_at is not None and body.expires_in is not None:
+        raise BadRequest(
+            "give expires_at or expires_in, not both", param="expires_in", code="invalid_request"
+        )
+    if body.expires_in is not None:
+        return utcnow() + timedelta(seconds=body.expires_in)
+    if body.expires_at is None:
+        return None
+    expires_at = utc(body.expires_at)
+    if expires_at <= datetime.now(UTC):
+        raise BadRequest("expires_at is in the past", param="expires_at", code="invalid_request")
+    return expires_at

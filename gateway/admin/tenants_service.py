@@ -1,0 +1,101 @@
+"""Tenants: names are unique; deleting one removes its keys, quotas and private adapters.
+
+Keys and quotas go with the tenant's row (foreign keys cascade); its adapter versions are
+soft-deleted and their digests retired in the engine (requests in flight finish). Usage and
+audit rows stay: they are history. Disabling a tenant or deleting it drops its keys from this
+process's key cache at once; other gateway processes notice within LORAMUX_KEY_CACHE_SECONDS.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.admin import adapters_service
+from gateway.admin.schemas import Deleted, TenantCreate, TenantOut, TenantUpdate, utc
+from gateway.db import ApiKey, Tenant
+from gateway.errors import Conflict, NotFound
+from gateway.state import GatewayState
+
+
+def tenant_out(tenant: Tenant) -> TenantOut:
+    return TenantOut(tenant.id, tenant.name, tenant.disabled, utc(tenant.created_at))
+
+
+async def get_tenant(session: AsyncSession, tenant_id: str) -> Tenant:
+    tenant = await session.get(Tenant, tenant_id)
+    if tenant is None:
+        raise NotFound(f"no tenant {tenant_id!r}", param="id", code="tenant_not_found")
+    return tenant
+
+
+async def create(gw: GatewayState, body: TenantCreate) -> TenantOut:
+    async with gw.sessions() as session:
+        await _ensure_name_free(session, body.name)
+        tenant = Tenant(name=body.name, disabled=False, settings={})
+        session.add(tenant)
+        await _commit_unique(session, body.name)
+        return tenant_out(tenant)
+
+
+async def list_all(gw: GatewayState) -> list[TenantOut]:
+    async with gw.sessions() as session:
+        rows = await session.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.id))
+        return [tenant_out(t) for t in rows]
+
+
+async def get(gw: GatewayState, tenant_id: str) -> TenantOut:
+    async with gw.sessions() as session:
+        return tenant_out(await get_tenant(session, tenant_id))
+
+
+async def update(gw: GatewayState, tenant_id: str, body: TenantUpdate) -> TenantOut:
+    async with gw.sessions() as session:
+        tenant = await get_tenant(session, tenant_id)
+        if isinstance(body.name, str) and body.name != tenant.name:
+            await _ensure_name_free(session, body.name)
+            tenant.name = body.name
+        if isinstance(body.disabled, bool):
+            tenant.disabled = body.disabled
+        await _commit_unique(session, tenant.name)
+        key_ids = await _key_ids(session, tenant_id)
+    for key_id in key_ids:
+        gw.keys.forget(key_id)
+    return tenant_out(tenant)
+
+
+async def delete(gw: GatewayState, tenant_id: str) -> Deleted:
+    async with gw.sessions() as session:
+        tenant = await get_tenant(session, tenant_id)
+        key_ids = await _key_ids(session, tenant_id)
+        versions, digests = await adapters_service.soft_delete_owned_by(session, tenant_id)
+        await session.delete(tenant)
+        await session.commit()
+    for key_id in key_ids:
+        gw.keys.forget(key_id)
+    await adapters_service.retire_unused(gw, digests)
+    gw.catalog.invalidate()
+    return Deleted(tenant_id, detail={"keys": len(key_ids), "adapter_versions": versions})
+
+
+async def _key_ids(session: AsyncSession, tenant_id: str) -> list[str]:
+    return list(await session.scalars(select(ApiKey.id).where(ApiKey.tenant_id == tenant_id)))
+
+
+async def _ensure_name_free(session: AsyncSession, name: str) -> None:
+    if await session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
+        raise _name_taken(name)
+
+
+async def _commit_unique(session: AsyncSession, name: str) -> None:
+    """Commit; a concurrent writer that took the name first makes this a 409 too."""
+    try:
+        await session.commit()
+    except IntegrityError:
+        await session.rollback()
+        raise _name_taken(name) from None
+
+
+def _name_taken(name: str) -> Conflict:
+    return Conflict(f"a tenant named {name!r} already exists", param="name", code="name_taken")

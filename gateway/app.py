@@ -1,0 +1,72 @@
+"""The Litestar application: routes, dependencies, the one error handler, request ids."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from litestar import Litestar, Request
+from litestar.datastructures import MutableScopeHeaders
+from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.admin import admin_routes
+from gateway.auth.admin_jwt import AdminIdentity
+from gateway.auth.api_keys import Principal
+from gateway.errors import exception_handler
+from gateway.health import health, metrics, ready
+from gateway.openai import openai_routes
+from gateway.state import GatewayState
+
+
+def request_id_middleware(app: ASGIApp) -> ASGIApp:
+    """Give every request an id (`x-request-id` in, or a new one) and echo it on the response."""
+
+    async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        incoming = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = (
+            incoming
+            if 0 < len(incoming) <= 64 and incoming.isprintable()
+            else f"req_{secrets.token_hex(12)}"
+        )
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableScopeHeaders.from_message(message)["x-request-id"] = request_id
+            await send(message)
+
+        await app(scope, receive, send_with_id)
+
+    return middleware
+
+
+def create_app(gw: GatewayState) -> Litestar:
+    async def provide_state() -> GatewayState:
+        return gw
+
+    async def provide_principal(request: Request[Any, Any, Any]) -> Principal:
+        return await gw.keys.authenticate(request.headers.get("authorization"))
+
+    async def provide_admin(request: Request[Any, Any, Any]) -> AdminIdentity:
+        return gw.admin.verify(request.headers.get("authorization"))
+
+    return Litestar(
+        route_handlers=[health, ready, metrics, *openai_routes, *admin_routes],
+        dependencies={
+            "gw": Provide(provide_state),
+            "principal": Provide(provide_principal),
+            "admin_identity": Provide(provide_admin),
+        },
+        exception_handlers={Exception: exception_handler},
+        middleware=[request_id_middleware],
+        openapi_config=OpenAPIConfig(title="loramux", version="0.1.0", path="/schema"),
+        request_max_body_size=gw.settings.server.max_body_kb << 10,
+        on_startup=[gw.start],
+        on_shutdown=[gw.close],
+        debug=False,
+    )

@@ -1,0 +1,1 @@
+"""Authentication: tenant API keys and admin JWTs."""

@@ -1,0 +1,129 @@
+"""Which model a request names: the base model, or an adapter version the tenant may use.
+
+`model` resolves to the tenant's own adapter, then a shared one, then `owner/name` (owner being
+the tenant itself or `shared`), then the base model's id. Another tenant's private adapter
+resolves exactly like a name that does not exist. Lookups are cached for a moment; uploads and
+deletes in this process invalidate at once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.auth.api_keys import Principal
+from gateway.db import AdapterVersion
+from gateway.db.adapter import SHARED_OWNER
+from gateway.errors import NotFound, PermissionDenied
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    name: str
+    """The name as the request gave it (echoed back as `model`)."""
+    digest: str | None
+    """Adapter content digest; None for the base model."""
+    owner: str | None = None
+    version: int | None = None
+
+
+class ModelCatalog:
+    def __init__(
+        self, sessions: async_sessionmaker[AsyncSession], base_model: str, ttl: float = 2.0
+    ):
+        self.sessions = sessions
+        self.base_model = base_model
+        self.ttl = ttl
+        self._cache: dict[tuple[str, str], tuple[float, AdapterVersion | None]] = {}
+
+    def invalidate(self) -> None:
+        self._cache.clear()
+
+    async def resolve(self, principal: Principal, model: str) -> ResolvedModel:
+        """Raises NotFound for unknown (or foreign private) models, PermissionDenied for models the
+        key is not allowed to use."""
+        if model == self.base_model:
+            resolved = ResolvedModel(model, None)
+        else:
+            row = await self._find(principal.tenant_id, model)
+            if row is None:
+                raise NotFound(
+                    f"The model '{model}' does not exist or you do not have access to it.",
+                    param="model",
+                )
+            resolved = ResolvedModel(model, row.digest, row.owner, row.version)
+        if not principal.may_use(model):
+            raise PermissionDenied(
+                f"this API key may not use the model '{model}'",
+                param="model",
+                code="model_not_allowed",
+            )
+        return resolved
+
+    async def _find(self, tenant_id: str, model: str) -> AdapterVersion | None:
+        key = (tenant_id, model)
+        cached = self._cache.get(key)
+        now = time.monotonic()
+        if cached is not None and now - cached[0] < self.ttl:
+            return cached[1]
+        if "/" in model:
+            owner, name = model.split("/", 1)
+            candidates = [owner] if owner in (tenant_id, SHARED_OWNER) else []
+        else:
+            name, candidates = model, [tenant_id, SHARED_OWNER]
+        row = None
+        async with self.sessions() as session:
+            for owner in candidates:
+                row = await latest_version(session, owner, name)
+                if row is not None:
+                    break
+        if len(self._cache) > 100_000:
+            self._cache.clear()
+        self._cache[key] = (now, row)
+        return row
+
+    async def visible(self, tenant_id: str) -> list[AdapterVersion]:
+        """The latest live version of every adapter the tenant may use: its own, then shared."""
+        async with self.sessions() as session:
+            rows = await latest_versions(session, [tenant_id, SHARED_OWNER])
+        return sorted(rows, key=lambda r: (r.owner != tenant_id, r.name))
+
+
+async def latest_versions(
+    session: AsyncSession, owners: list[str] | None = None
+) -> list[AdapterVersion]:
+    """The newest live version of every adapter (of `owners`, when given), by owner and name."""
+    newest = select(
+        AdapterVersion.owner, AdapterVersion.name, func.max(AdapterVersion.version).label("v")
+    ).where(AdapterVersion.deleted_at.is_(None))
+    if owners is not None:
+        newest = newest.where(AdapterVersion.owner.in_(owners))
+    latest = newest.group_by(AdapterVersion.owner, AdapterVersion.name).subquery()
+    rows = await session.scalars(
+        select(AdapterVersion)
+        .join(
+            latest,
+            (AdapterVersion.owner == latest.c.owner)
+            & (AdapterVersion.name == latest.c.name)
+            & (AdapterVersion.version == latest.c.v),
+        )
+        .order_by(AdapterVersion.owner, AdapterVersion.name)
+    )
+    return list(rows)
+
+
+async def latest_version(session: AsyncSession, owner: str, name: str) -> AdapterVersion | None:
+    """The newest live version of `owner/name`."""
+    return await session.scalar(
+        select(AdapterVersion)
+        .where(
+            AdapterVersion.owner == owner,
+            AdapterVersion.name == name,
+            AdapterVersion.deleted_at.is_(None),
+        )
+        .order_by(AdapterVersion.version.desc())
+        .limit(1)
+    )

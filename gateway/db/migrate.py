@@ -1,0 +1,73 @@
+"""Bring a database to the models' schema with the Alembic revisions in `migrations/`.
+
+Alembic is configured in code (no alembic.ini), so these work from any working directory. They
+run their own event loop: call them from synchronous code, before the gateway's loop starts, and
+from one thread at a time (Alembic's migration context is process-global).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import pool
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.ext.asyncio import create_async_engine
+
+import migrations
+from gateway.db.session import async_url
+
+T = TypeVar("T")
+
+
+def alembic_config(url: str) -> Config:
+    """Alembic's configuration for the database at `url` (read by migrations/env.py)."""
+    config = Config()
+    config.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    config.attributes["url"] = url
+    return config
+
+
+def upgrade(url: str) -> None:
+    """Migrate to the newest revision. Idempotent: at head already, nothing changes, so this is
+    safe on every start; on PostgreSQL concurrent callers take turns (advisory lock).
+
+    A SQLite file's folder is created when missing."""
+    _make_sqlite_folder(url)
+    command.upgrade(alembic_config(url), "head")
+
+
+def downgrade(url: str, revision: str) -> None:
+    """Migrate down to `revision` (`base`: drop every table)."""
+    command.downgrade(alembic_config(url), revision)
+
+
+def current(url: str) -> str | None:
+    """The database's revision; None before the first migration."""
+    return with_connection(url, lambda c: MigrationContext.configure(c).get_current_revision())
+
+
+def with_connection(url: str, work: Callable[[Connection], T]) -> T:
+    """`work(connection)` on a synchronous facade of a fresh async connection to `url`; what
+    `work` leaves uncommitted is rolled back when the connection closes."""
+
+    async def run() -> T:
+        engine = create_async_engine(async_url(url), poolclass=pool.NullPool)
+        try:
+            async with engine.connect() as connection:
+                return await connection.run_sync(work)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(run())
+
+
+def _make_sqlite_folder(url: str) -> None:
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import BigInteger, DateTime, Float, Integer, String
+from sqlalchemy.orm import Mapped, mapped_column
+
+from gateway.db.base import Base, utcnow
+
+
+class UsageEvent(Base):
+    """One finished request (append-only)."""
+
+    __tablename__ = "usage_events"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, index=True
+    )
+    request_id: Mapped[str] = mapped_column(String(64))
+    tenant_id: Mapped[str] = mapped_column(String(32), index=True)
+    key_id: Mapped[str] = mapped_column(String(32))
+    model: Mapped[str] = mapped_column(String(200))
+    """The model name the request asked for (adapter name or the base model id)."""
+    adapter_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cache: Mapped[str] = mapped_column(String(16), default="miss")
+    status: Mapped[int] = mapped_column(Integer)
+    latency_ms: Mapped[float] = mapped_column(Float, default=0.0)
+    ttft_ms: Mapped[float | None] = mapped_column(Float, nullable=True)

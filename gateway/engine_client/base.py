@@ -1,0 +1,52 @@
+"""The engine client interface shared by the in-process and remote clients."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from engine.outputs import EngineRequest, EngineStats, RequestOutput
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_name: str
+    """The base model's id, as `GET /v1/models` lists it."""
+    max_model_len: int
+    vocab_size: int
+
+
+class EngineClient(Protocol):
+    """A connection to one or more engines.
+
+    `generate` raises the engine's typed errors (engine.errors) before it yields anything, so a
+    refused request never starts a response; once it yields, deltas concatenate to the text and
+    the last one carries the finish reason and usage. Closing the iterator early (a client that
+    disconnected) aborts the engine's sequence and frees its KV blocks.
+    """
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def info(self) -> EngineInfo: ...
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]: ...
+
+    async def count_tokens(self, request: EngineRequest) -> int:
+        """Prompt tokens of `request` as the engine's tokenizer counts them (chat template included)."""
+        ...
+
+    async def ensure_adapter(self, digest: str, folder: Path) -> None:
+        """Make the engine(s) serve the adapter whose files are in `folder`, named by `digest`."""
+        ...
+
+    async def retire_adapter(self, digest: str) -> None:
+        """New requests for `digest` are refused; in-flight ones finish on it."""
+        ...
+
+    async def stats(self) -> list[EngineStats]: ...
+
+    async def ready(self) -> bool: ...

@@ -1,0 +1,51 @@
+"""The in-process engine client: the engine runs on a thread of this process."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from engine.async_engine import AsyncEngine
+from engine.outputs import EngineRequest, EngineStats, RequestOutput
+from gateway.engine_client.base import EngineInfo
+
+
+class LocalEngineClient:
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    async def start(self) -> None:
+        self.engine.start()
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.engine.shutdown)
+
+    async def info(self) -> EngineInfo:
+        llm = self.engine.engine
+        return EngineInfo(self.model_name, llm.max_model_len, llm.model_config.vocab_size)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        async for out in self.engine.generate(request):
+            yield out
+
+    async def count_tokens(self, request: EngineRequest) -> int:
+        return len(self.engine.engine.validate(request))
+
+    async def ensure_adapter(self, digest: str, folder: Path) -> None:
+        llm = self.engine.engine
+        if llm.lora is not None and llm.lora.is_servable(digest):
+            return
+        registered = await self.engine.register_adapter(folder)
+        if registered != digest:
+            raise RuntimeError(f"adapter files in {folder} have digest {registered}, not {digest}")
+
+    async def retire_adapter(self, digest: str) -> None:
+        self.engine.retire_adapter(digest)
+
+    async def stats(self) -> list[EngineStats]:
+        return [self.engine.stats()]
+
+    async def ready(self) -> bool:
+        return self.engine.running

@@ -1,0 +1,162 @@
+"""One error hierarchy for the gateway, mapped to OpenAI-shaped HTTP responses in one place.
+
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+
+with the status an OpenAI client maps to its exception classes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, NotFoundException, ValidationException
+
+from adapters.errors import AdapterError, FileTooLarge
+from engine.errors import (
+    EngineOverloadedError,
+    EngineStoppedError,
+    InvalidRequestError,
+    PromptTooLongError,
+    UnknownAdapterError,
+)
+
+log = logging.getLogger(__name__)
+
+
+class GatewayError(Exception):
+    status: ClassVar[int] = 400
+    type: ClassVar[str] = "invalid_request_error"
+    default_code: ClassVar[str | None] = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code or self.default_code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class BadRequest(GatewayError):
+    status = 400
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    default_code = "invalid_api_key"
+
+
+class PermissionDenied(GatewayError):
+    status = 403
+    type = "permission_error"
+
+
+class NotFound(GatewayError):
+    status = 404
+    default_code = "model_not_found"
+
+
+class Conflict(GatewayError):
+    status = 409
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+
+
+class Unprocessable(GatewayError):
+    status = 422
+
+
+class RateLimited(GatewayError):
+    """429 `rate_limit_exceeded`; `type` is `requests` or `tokens` as OpenAI writes it."""
+
+    status = 429
+    default_code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, limit_type: str, headers: dict[str, str] | None = None):
+        super().__init__(message, headers=headers)
+        self.limit_type = limit_type
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        body["error"]["type"] = self.limit_type
+        return body
+
+
+class InsufficientQuota(GatewayError):
+    status = 429
+    type = "insufficient_quota"
+    default_code = "insufficient_quota"
+
+
+class ServiceUnavailable(GatewayError):
+    status = 503
+    type = "server_error"
+    default_code = "engine_unavailable"
+
+
+def to_gateway_error(exc: Exception) -> GatewayError | None:
+    """The gateway error for an engine, adapter or framework error; None if it is unexpected."""
+    match exc:
+        case GatewayError():
+            return exc
+        case PromptTooLongError():
+            return BadRequest(str(exc), param="messages", code="context_length_exceeded")
+        case UnknownAdapterError():
+            return NotFound(str(exc), param="model")
+        case InvalidRequestError():
+            return BadRequest(str(exc))
+        case EngineOverloadedError():
+            return ServiceUnavailable(str(exc), code="engine_overloaded")
+        case EngineStoppedError():
+            return ServiceUnavailable(str(exc))
+        case FileTooLarge():
+            return PayloadTooLarge(exc.message, code=exc.code)
+        case AdapterError():
+            return BadRequest(exc.message, code=exc.code)
+        case ValidationException():
+            return BadRequest(_validation_message(exc), code="invalid_request")
+        case NotFoundException():
+            return NotFound(exc.detail, code="not_found")
+        case HTTPException():
+            err = GatewayError(exc.detail, code=None)
+            err.status = exc.status_code  # type: ignore[misc]
+            return err
+    return None
+
+
+def _validation_message(exc: ValidationException) -> str:
+    extra = exc.extra if isinstance(exc.extra, list) else []
+    parts = [f"{e.get('key') or 'body'}: {e.get('message')}" for e in extra if isinstance(e, dict)]
+    return "invalid request body" + (": " + "; ".join(parts) if parts else f": {exc.detail}")
+
+
+def exception_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    err = to_gateway_error(exc)
+    if err is None:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        err = GatewayError("internal error", code="internal_error")
+        err.status = 500  # type: ignore[misc]
+        err.type = "server_error"  # type: ignore[misc]
+    return Response(
+        err.body(), status_code=err.status, headers=err.headers, media_type="application/json"
+    )

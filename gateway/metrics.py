@@ -1,0 +1,49 @@
+"""Prometheus metrics of one gateway process. Labels stay bounded as tenants and adapters grow:
+routes, status classes and model kinds (base or adapter) — never tenant, key or adapter names."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("loramux_requests", "API requests", ["route", "status"], registry=r)
+        self.latency = Histogram(
+            "loramux_request_seconds",
+            "Request latency",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "loramux_time_to_first_token_seconds",
+            "Time to first token",
+            ["kind"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter(
+            "loramux_tokens", "Tokens processed", ["kind", "direction"], registry=r
+        )
+        self.engine_running = Gauge(
+            "loramux_engine_running_sequences", "Sequences running", registry=r
+        )
+        self.engine_waiting = Gauge(
+            "loramux_engine_waiting_sequences", "Sequences waiting", registry=r
+        )
+        self.kv_used = Gauge("loramux_engine_kv_blocks_used", "KV blocks in use", registry=r)
+        self.kv_total = Gauge("loramux_engine_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.prefix_hits = Gauge(
+            "loramux_engine_prefix_cache_hit_tokens", "Prefix-cache hit tokens", registry=r
+        )
+        self.adapter_loads = Counter(
+            "loramux_adapter_uploads", "Adapter uploads", ["outcome"], registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,99 @@
+"""Compose a gateway process: engine client, state, app — used by `loramux serve` and tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import uvicorn
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.service.runner import start_in_thread
+from gateway.app import create_app
+from gateway.engine_client.base import EngineClient
+from gateway.engine_client.local import LocalEngineClient
+from gateway.settings import Settings
+from gateway.state import GatewayState, build_state
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
+    s = settings.engine
+    return EngineConfig(
+        model=model_dir,
+        dtype=s.dtype,
+        device=s.device,
+        kv_cache_bytes=s.kv_cache_mb << 20,
+        max_num_seqs=s.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        max_model_len=s.max_model_len,
+        max_loras=s.max_loras,
+        max_cpu_loras=s.max_cpu_loras,
+        max_lora_rank=s.max_lora_rank,
+    )
+
+
+def engine_client(settings: Settings, model_dir: Path) -> EngineClient:
+    """The in-process engine, or the remote engines named by LORAMUX_ENGINE_URLS."""
+    if settings.server.engine_urls:
+        from gateway.engine_client.remote import RemoteEngineClient
+
+        return RemoteEngineClient(list(settings.server.engine_urls), settings.server.engine_token)
+    return LocalEngineClient(
+        AsyncEngine.from_config(engine_config(settings, model_dir)), settings.model_name
+    )
+
+
+async def serve_forever(
+    settings: Settings, model_dir: Path, redis_url: str | None, host: str, port: int
+) -> None:
+    """Run one gateway process until interrupted."""
+    from gateway.demo_setup import first_start
+
+    state = await build_state(settings, engine_client(settings, model_dir), model_dir, redis_url)
+    await first_start(state, model_dir)
+    config = uvicorn.Config(
+        create_app(state), host=host, port=port, log_level="info", lifespan="on"
+    )
+    await uvicorn.Server(config).serve()
+
+
+@dataclass
+class RunningServer:
+    url: str
+    state: GatewayState
+    server: uvicorn.Server
+    thread: threading.Thread
+    loop: asyncio.AbstractEventLoop
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine on the server's event loop (for tests that touch the state)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
+
+
+@contextlib.contextmanager
+def serve_in_thread(
+    settings: Settings, client: EngineClient, model_dir: Path, port: int = 0
+) -> Iterator[RunningServer]:
+    """Start a gateway on 127.0.0.1 in a background thread; stop it on exit."""
+    loop = asyncio.new_event_loop()
+    state = loop.run_until_complete(build_state(settings, client, model_dir))
+    config = uvicorn.Config(
+        create_app(state), host="127.0.0.1", port=port, log_level="warning", lifespan="on"
+    )
+    server = uvicorn.Server(config)
+    thread, port = start_in_thread(server, loop)
+    try:
+        yield RunningServer(f"http://127.0.0.1:{port}", state, server, thread, loop)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -1,0 +1,104 @@
+"""Everything a gateway process holds: settings, database, engine client, auth, catalog, metrics."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from redis.asyncio import Redis
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from adapters.base_spec import BaseModelSpec
+from adapters.peft_format import AdapterLimits
+from adapters.store import AdapterStore
+from gateway.auth.admin_jwt import AdminAuth
+from gateway.auth.api_keys import ApiKeyAuth
+from gateway.catalog import ModelCatalog
+from gateway.db.session import create_engine, session_factory
+from gateway.engine_client.base import EngineClient
+from gateway.metrics import Metrics
+from gateway.settings import Settings
+from gateway.usage import UsageRecorder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GatewayState:
+    settings: Settings
+    db: AsyncEngine
+    sessions: async_sessionmaker[AsyncSession]
+    engine: EngineClient
+    keys: ApiKeyAuth
+    admin: AdminAuth
+    catalog: ModelCatalog
+    store: AdapterStore
+    metrics: Metrics
+    usage: UsageRecorder
+    model_name: str
+    max_model_len: int
+    redis: Redis | None = None
+
+    async def start(self) -> None:
+        """Start background tasks (on the serving event loop)."""
+        self.usage.start()
+
+    async def close(self) -> None:
+        await self.usage.close()
+        await self.engine.close()
+        if self.redis is not None:
+            await self.redis.aclose()
+        await self.db.dispose()
+
+
+def admin_secret(settings: Settings) -> str:
+    """LORAMUX_ADMIN_SECRET, else a secret generated once and kept in the data directory."""
+    if settings.server.admin_secret:
+        return settings.server.admin_secret
+    path = settings.data_dir / "admin_secret"
+    if not path.is_file():
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(48))
+    return path.read_text().strip()
+
+
+def admin_auth(settings: Settings) -> AdminAuth:
+    if settings.server.admin_public_key:
+        key = settings.server.admin_public_key
+        pem = Path(key).read_text() if Path(key).is_file() else key
+        return AdminAuth(None, "RS256", pem)
+    return AdminAuth(admin_secret(settings), "HS256")
+
+
+async def build_state(
+    settings: Settings, engine: EngineClient, model_dir: Path, redis_url: str | None = None
+) -> GatewayState:
+    """Connect everything; the database must already be migrated (`loramux migrate`)."""
+    db = create_engine(settings.database_url)
+    sessions = session_factory(db)
+    await engine.start()
+    info = await engine.info()
+    base = BaseModelSpec.from_model_dir(model_dir)
+    limits = AdapterLimits(
+        max_rank=settings.engine.max_lora_rank, max_file_bytes=settings.server.max_upload_mb << 20
+    )
+    return GatewayState(
+        settings=settings,
+        db=db,
+        sessions=sessions,
+        engine=engine,
+        keys=ApiKeyAuth(sessions, ttl=settings.server.key_cache_seconds),
+        admin=admin_auth(settings),
+        catalog=ModelCatalog(sessions, info.model_name),
+        store=AdapterStore(settings.adapter_dir, base, limits),
+        metrics=Metrics(),
+        usage=UsageRecorder(sessions),
+        model_name=info.model_name,
+        max_model_len=info.max_model_len,
+        redis=Redis.from_url(redis_url) if redis_url else None,
+    )

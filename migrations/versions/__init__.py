@@ -1,0 +1,1 @@
+"""Revisions, one file each, named `<date>_<slug>.py`, oldest first."""

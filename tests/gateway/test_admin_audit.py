@@ -1,0 +1,63 @@
+"""Every admin change leaves an audit entry: who, what, on what, and how it ended."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import httpx
+
+from tests.gateway.conftest import json_of
+
+
+def test_changes_and_failures_are_audited(
+    admin: httpx.Client, demo_adapter_dirs: list[Path]
+) -> None:
+    name = f"audit-{uuid.uuid4().hex[:8]}"
+    tenant = json_of(admin.post("/admin/tenants", json={"name": name}))
+    tid = tenant["id"]
+    assert admin.post("/admin/tenants", json={"name": name}).status_code == 409
+    admin.patch(f"/admin/tenants/{tid}", json={"disabled": True})
+    key = json_of(admin.post(f"/admin/tenants/{tid}/keys", json={"name": "k"}))
+    admin.put(f"/admin/tenants/{tid}/quotas", json={"rpm": 5, "tpm": None})
+    admin.put(f"/admin/keys/{key['id']}/quotas", json={"rpm": -1})
+    admin.delete(f"/admin/keys/{key['id']}")
+    folder = demo_adapter_dirs[10]
+    admin.post(
+        "/admin/adapters",
+        data={"name": "a1", "owner": tid},
+        files={
+            "adapter_config": ("c", (folder / "adapter_config.json").read_bytes()),
+            "adapter_model": ("m", (folder / "adapter_model.safetensors").read_bytes()),
+        },
+    )
+    admin.delete(f"/admin/adapters/{tid}/a1")
+    admin.delete(f"/admin/tenants/{tid}")
+
+    entries = json_of(admin.get("/admin/audit", params={"limit": 12}))
+    seen = [(e["action"], e["target"], e["outcome"]) for e in reversed(entries)]
+    assert seen[-10:] == [
+        ("tenant.create", tid, "ok"),
+        ("tenant.create", None, "name_taken"),
+        ("tenant.update", tid, "ok"),
+        ("key.create", key["id"], "ok"),
+        ("quota.tenant.set", tid, "ok"),
+        ("quota.key.set", key["id"], "invalid_request"),
+        ("key.revoke", key["id"], "ok"),
+        ("adapter.upload", f"{tid}/a1", "ok"),
+        ("adapter.delete", f"{tid}/a1", "ok"),
+        ("tenant.delete", tid, "ok"),
+    ]
+    by_action = {e["action"]: e for e in entries if e["target"] in (tid, f"{tid}/a1", None)}
+    assert by_action["tenant.update"]["detail"] == {"disabled": True}
+    assert by_action["quota.tenant.set"]["detail"] == {"rpm": 5, "tpm": None}
+    assert set(by_action["adapter.upload"]["detail"]) == {"version", "digest"}
+    assert by_action["tenant.delete"]["detail"] == {"keys": 1, "adapter_versions": 0}
+    assert {e["actor"] for e in entries[:10]} == {"test-admin"}
+    assert all(e["created_at"].endswith("Z") for e in entries)
+
+
+def test_limit(admin: httpx.Client) -> None:
+    assert len(json_of(admin.get("/admin/audit", params={"limit": 1}))) == 1
+    assert admin.get("/admin/audit", params={"limit": 0}).status_code == 400
+    assert admin.get("/admin/audit", params={"limit": 5000}).status_code == 400

@@ -1,0 +1,192 @@
+"""Tenants and their API keys: create, read, rename, disable, delete; keys issued once, listed
+without secrets, revoked at once, refused when expired."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import httpx
+import pytest
+from sqlalchemy import update
+
+from gateway.auth.api_keys import Principal
+from gateway.db import ApiKey
+from gateway.errors import Unauthorized
+from gateway.server import RunningServer
+from tests.gateway.conftest import json_of
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def new_tenant(admin: httpx.Client) -> dict:
+    response = admin.post("/admin/tenants", json={"name": unique("tenant")})
+    assert response.status_code == 201, response.text
+    return json_of(response)
+
+
+def new_key(admin: httpx.Client, tenant_id: str, **body: object) -> dict:
+    response = admin.post(f"/admin/tenants/{tenant_id}/keys", json=body or None)
+    assert response.status_code == 201, response.text
+    return json_of(response)
+
+
+def authenticate(gateway: RunningServer, key: str) -> Principal:
+    return gateway.run(gateway.state.keys.authenticate(f"Bearer {key}"))
+
+
+def refused(gateway: RunningServer, key: str) -> str:
+    with pytest.raises(Unauthorized) as raised:
+        authenticate(gateway, key)
+    return raised.value.message
+
+
+def test_tenant_lifecycle(admin: httpx.Client) -> None:
+    tenant = new_tenant(admin)
+    assert tenant["id"].startswith("tnt_") and tenant["disabled"] is False
+    assert json_of(admin.get(f"/admin/tenants/{tenant['id']}")) == tenant
+    assert tenant["id"] in {t["id"] for t in json_of(admin.get("/admin/tenants"))}
+
+    renamed = unique("renamed")
+    patched = json_of(admin.patch(f"/admin/tenants/{tenant['id']}", json={"name": renamed}))
+    assert (patched["name"], patched["disabled"]) == (renamed, False)
+    patched = json_of(admin.patch(f"/admin/tenants/{tenant['id']}", json={"disabled": True}))
+    assert (patched["name"], patched["disabled"]) == (renamed, True)
+
+    deleted = admin.delete(f"/admin/tenants/{tenant['id']}")
+    assert deleted.status_code == 200 and json_of(deleted)["deleted"] is True
+    assert admin.get(f"/admin/tenants/{tenant['id']}").status_code == 404
+    assert admin.delete(f"/admin/tenants/{tenant['id']}").status_code == 404
+
+
+def test_tenant_names_are_unique(admin: httpx.Client) -> None:
+    first, second = new_tenant(admin), new_tenant(admin)
+    clash = admin.post("/admin/tenants", json={"name": first["name"]})
+    assert clash.status_code == 409 and json_of(clash)["error"]["code"] == "name_taken"
+    rename = admin.patch(f"/admin/tenants/{second['id']}", json={"name": first["name"]})
+    assert rename.status_code == 409
+    assert json_of(admin.get(f"/admin/tenants/{second['id']}"))["name"] == second["name"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        b"[]",
+        b'{"name": ""}',
+        b'{"name": "  padded  "}',
+        b'{"name": 7}',
+        b'{"name": "ok", "colour": "blue"}',
+        b"{}",
+    ],
+)
+def test_malformed_tenant_bodies_are_400(admin: httpx.Client, body: bytes) -> None:
+    response = admin.post(
+        "/admin/tenants", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    assert json_of(response)["error"]["code"] == "invalid_request"
+
+
+def test_patch_validates_types(admin: httpx.Client) -> None:
+    tenant = new_tenant(admin)
+    response = admin.patch(f"/admin/tenants/{tenant['id']}", json={"disabled": "yes"})
+    assert response.status_code == 400
+    assert json_of(admin.get(f"/admin/tenants/{tenant['id']}"))["disabled"] is False
+
+
+def test_a_new_key_is_shown_once_and_authenticates(
+    gateway: RunningServer, admin: httpx.Client
+) -> None:
+    tenant = new_tenant(admin)
+    key = new_key(admin, tenant["id"], name="ci", allowed_models=["demo-model"])
+    assert key["key"].startswith(key["prefix"] + ".") and key["prefix"] == f"lmx-{key['id']}"
+    assert (key["name"], key["allowed_models"], key["revoked_at"]) == ("ci", ["demo-model"], None)
+
+    principal = authenticate(gateway, key["key"])
+    assert (principal.tenant_id, principal.key_id) == (tenant["id"], key["id"])
+    assert principal.allowed_models == ("demo-model",)
+
+    listed = json_of(admin.get(f"/admin/tenants/{tenant['id']}/keys"))
+    assert [k["id"] for k in listed] == [key["id"]]
+    assert "key" not in listed[0] and key["key"] not in str(listed)
+    assert listed[0]["prefix"] == key["prefix"]
+
+
+def test_a_revoked_key_fails_at_once(gateway: RunningServer, admin: httpx.Client) -> None:
+    tenant = new_tenant(admin)
+    key = new_key(admin, tenant["id"])
+    authenticate(gateway, key["key"])  # now cached in this process
+    revoked = json_of(admin.delete(f"/admin/keys/{key['id']}"))
+    assert revoked["revoked_at"] is not None
+    assert "revoked" in refused(gateway, key["key"])
+    again = json_of(admin.delete(f"/admin/keys/{key['id']}"))
+    assert again["revoked_at"] == revoked["revoked_at"]
+    listed = json_of(admin.get(f"/admin/tenants/{tenant['id']}/keys"))
+    assert listed[0]["revoked_at"] == revoked["revoked_at"]
+    assert admin.delete("/admin/keys/nosuchkey").status_code == 404
+
+
+def test_expiry(gateway: RunningServer, admin: httpx.Client) -> None:
+    tenant = new_tenant(admin)
+    soon = datetime.now(UTC) + timedelta(hours=1)
+    at = new_key(admin, tenant["id"], expires_at=soon.isoformat())
+    assert datetime.fromisoformat(at["expires_at"]) == soon
+    within = new_key(admin, tenant["id"], expires_in=3600)
+    assert datetime.fromisoformat(within["expires_at"]) > datetime.now(UTC)
+    authenticate(gateway, within["key"])
+
+    async def backdate() -> None:
+        async with gateway.state.sessions() as session:
+            past = datetime.now(UTC) - timedelta(seconds=1)
+            await session.execute(
+                update(ApiKey).where(ApiKey.id == within["id"]).values(expires_at=past)
+            )
+            await session.commit()
+        gateway.state.keys.forget(within["id"])
+
+    gateway.run(backdate())
+    assert "expired" in refused(gateway, within["key"])
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"expires_in": 0},
+        {"expires_in": 60, "expires_at": "2099-01-01T00:00:00Z"},
+        {"expires_at": "2001-01-01T00:00:00Z"},
+        {"expires_at": "tomorrow"},
+        {"allowed_models": "demo-model"},
+        {"allowed_models": [""]},
+        {"scopes": ["all"]},
+    ],
+)
+def test_bad_key_requests_are_400(admin: httpx.Client, body: dict) -> None:
+    tenant = new_tenant(admin)
+    response = admin.post(f"/admin/tenants/{tenant['id']}/keys", json=body)
+    assert response.status_code == 400, response.text
+    assert json_of(admin.get(f"/admin/tenants/{tenant['id']}/keys")) == []
+
+
+def test_keys_of_a_missing_tenant_are_404(admin: httpx.Client) -> None:
+    assert admin.post("/admin/tenants/tnt_nope/keys").status_code == 404
+    assert admin.get("/admin/tenants/tnt_nope/keys").status_code == 404
+
+
+def test_disabling_or_deleting_a_tenant_stops_its_keys_at_once(
+    gateway: RunningServer, admin: httpx.Client
+) -> None:
+    tenant = new_tenant(admin)
+    key = new_key(admin, tenant["id"])
+    authenticate(gateway, key["key"])
+    admin.patch(f"/admin/tenants/{tenant['id']}", json={"disabled": True})
+    assert "disabled" in refused(gateway, key["key"])
+    admin.patch(f"/admin/tenants/{tenant['id']}", json={"disabled": False})
+    authenticate(gateway, key["key"])
+
+    deleted = json_of(admin.delete(f"/admin/tenants/{tenant['id']}"))
+    assert deleted["detail"]["keys"] == 1
+    assert refused(gateway, key["key"]) == "invalid API key"
+    assert admin.get(f"/admin/keys/{key['id']}/quotas").status_code == 404

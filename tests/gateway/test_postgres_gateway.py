@@ -1,0 +1,104 @@
+"""The gateway's SQL works on PostgreSQL: a second gateway on a real server, migrated by Alembic,
+serves an operator's and a tenant's whole flow over HTTP."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.db.migrate import upgrade
+from gateway.server import RunningServer, engine_client, serve_in_thread
+from gateway.settings import EngineSettings, ServerSettings, Settings
+from tests.gateway.conftest import json_of
+from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
+
+
+@pytest.fixture(scope="module")
+def pg_gateway(
+    postgres_url: str, demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    upgrade(postgres_url)
+    settings = Settings(
+        data_dir=tmp_path_factory.mktemp("postgres-gateway-data"),
+        model=demo_model_dir,
+        engine=EngineSettings(max_model_len=512, kv_cache_mb=32),
+        server=ServerSettings(database_url=postgres_url, model_name="demo-model"),
+    )
+    client = engine_client(settings, demo_model_dir)
+    with serve_in_thread(settings, client, demo_model_dir) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def pg_admin(pg_gateway: RunningServer) -> Iterator[httpx.Client]:
+    token = pg_gateway.state.admin.mint("test-admin", ttl_seconds=3600)
+    headers = {"authorization": f"Bearer {token}"}
+    with httpx.Client(base_url=pg_gateway.url, headers=headers, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tenant(pg_admin: httpx.Client) -> TenantKey:
+    return new_tenant(pg_admin, "pg")
+
+
+def as_tenant(pg_gateway: RunningServer, tenant: TenantKey) -> httpx.Client:
+    headers = {"authorization": f"Bearer {tenant.key}"}
+    return httpx.Client(base_url=pg_gateway.url, headers=headers, timeout=120)
+
+
+def usage_rows(pg_admin: httpx.Client, tenant_id: str, group_by: str) -> list[dict[str, Any]]:
+    """The tenant's usage report, once the metering batch that holds its requests is written."""
+    deadline = time.monotonic() + 30
+    while True:
+        response = pg_admin.get("/admin/usage", params={"tenant": tenant_id, "group_by": group_by})
+        rows: list[dict[str, Any]] = json_of(response)["rows"]
+        if rows or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.1)
+
+
+def test_the_gateway_runs_on_the_migrated_postgresql_schema(pg_gateway: RunningServer) -> None:
+    assert pg_gateway.state.db.dialect.name == "postgresql"
+
+
+def test_a_new_key_lists_the_models_and_the_creation_is_audited(
+    pg_gateway: RunningServer, pg_admin: httpx.Client, tenant: TenantKey
+) -> None:
+    with as_tenant(pg_gateway, tenant) as api:
+        models = json_of(api.get("/v1/models"))
+    assert "demo-model" in {m["id"] for m in models["data"]}
+    audit = json_of(pg_admin.get("/admin/audit", params={"limit": 50}))
+    assert {("tenant.create", tenant.tenant_id), ("key.create", tenant.key_id)} <= {
+        (e["action"], e["target"]) for e in audit
+    }
+
+
+def test_a_completion_with_a_private_adapter_is_metered(
+    pg_gateway: RunningServer,
+    pg_admin: httpx.Client,
+    tenant: TenantKey,
+    demo_adapter_dirs: list[Path],
+) -> None:
+    adapter = upload_adapter(pg_admin, tenant.tenant_id, "pg-support", demo_adapter_dirs[3])
+    assert (adapter["owner"], adapter["version"]) == (tenant.tenant_id, 1)
+    body = {"model": "pg-support", "messages": [{"role": "user", "content": "Hi"}]}
+    with as_tenant(pg_gateway, tenant) as api:
+        response = api.post("/v1/chat/completions", json=body | {"max_tokens": 4})
+    assert response.status_code == 200, response.text
+    by_adapter = usage_rows(pg_admin, tenant.tenant_id, "adapter")
+    assert [(r["group"], r["requests"]) for r in by_adapter] == [("pg-support", 1)]
+    by_day = usage_rows(pg_admin, tenant.tenant_id, "day")
+    assert [r["requests"] for r in by_day] == [1]
+
+
+def test_a_revoked_key_is_refused(pg_gateway: RunningServer, pg_admin: httpx.Client) -> None:
+    doomed = new_tenant(pg_admin, "pg-revoked")
+    assert pg_admin.delete(f"/admin/keys/{doomed.key_id}").status_code == 200
+    with as_tenant(pg_gateway, doomed) as api:
+        assert api.get("/v1/models").status_code == 401

@@ -1,0 +1,260 @@
+"""The remote engine client against real engine services on loopback: the same output as the
+local engine, typed errors across the wire, adapters uploaded on demand, aborts that free KV
+blocks, adapter affinity and failover between two engines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.errors import (
+    InvalidRequestError,
+    PromptTooLongError,
+    UnknownAdapterError,
+)
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineRequest, RequestOutput
+from engine.sampling import SamplingParams
+from engine.service import serve_engine_in_thread
+from engine.service.runner import RunningEngineService
+from engine.service.wire import UnauthorizedError
+from gateway.engine_client.remote import RemoteEngineClient
+from gateway.engine_client.routing import Endpoint, route
+from tests.engine.conftest import make_engine, run_to_completion
+
+TOKEN = "shared-secret"
+PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+@contextlib.contextmanager
+def engine_service(model_dir: Path, adapter_dir: Path) -> Iterator[RunningEngineService]:
+    config = EngineConfig(model=model_dir, max_model_len=512, kv_cache_bytes=16 << 20)
+    engine = AsyncEngine(LLMEngine(config))
+    with serve_engine_in_thread(engine, "demo", adapter_dir=adapter_dir, token=TOKEN) as service:
+        yield service
+
+
+@pytest.fixture(scope="module")
+def services(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[RunningEngineService]]:
+    with (
+        engine_service(demo_model_dir, tmp_path_factory.mktemp("engine-a")) as a,
+        engine_service(demo_model_dir, tmp_path_factory.mktemp("engine-b")) as b,
+    ):
+        yield [a, b]
+
+
+@pytest.fixture(scope="module")
+async def client(services: list[RunningEngineService]) -> AsyncIterator[RemoteEngineClient]:
+    """A client of the first engine only."""
+    remote = RemoteEngineClient([services[0].url], TOKEN)
+    await remote.start()
+    yield remote
+    await remote.close()
+
+
+@pytest.fixture(scope="module")
+def local(demo_model_dir: Path) -> LLMEngine:
+    return make_engine(demo_model_dir)
+
+
+async def _collect(client: RemoteEngineClient, request: EngineRequest) -> list[RequestOutput]:
+    return [out async for out in client.generate(request)]
+
+
+def _local(local: LLMEngine, request: EngineRequest) -> list[RequestOutput]:
+    return run_to_completion(local, [request])[request.request_id]
+
+
+def _tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [t for o in outputs for t in o.token_ids]
+
+
+def _served_by(services: list[RunningEngineService], digest: str) -> list[int]:
+    """Indexes of the engines that ran requests for `digest`."""
+    stats = [s.engine.adapter_stats().get(digest) for s in services]
+    return [i for i, st in enumerate(stats) if st is not None and st.requests > 0]
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        {"prompt": "def tokenize(source):"},
+        {"prompt_token_ids": [5, 17, 300, 41, 9, 2000, 7]},
+        {"messages": [{"role": "user", "content": "Explain paging."}]},
+    ],
+)
+async def test_remote_generate_equals_local_token_for_token(
+    client: RemoteEngineClient, local: LLMEngine, form: dict[str, Any]
+) -> None:
+    remote = await _collect(
+        client, EngineRequest(f"eq-{len(form)}-{next(iter(form))}", PARAMS, **form)
+    )
+    reference = _local(local, EngineRequest("eq-local", PARAMS, **form))
+    assert _tokens(remote) == _tokens(reference)
+    assert "".join(o.text for o in remote) == "".join(o.text for o in reference)
+    assert remote[-1].finish_reason == reference[-1].finish_reason == "length"
+    assert remote[-1].usage is not None and reference[-1].usage is not None
+    assert remote[-1].usage.prompt_tokens == reference[-1].usage.prompt_tokens
+    assert all(not o.finished for o in remote[:-1])
+    assert await client.count_tokens(EngineRequest("eq-count", PARAMS, **form)) == (
+        reference[-1].usage.prompt_tokens
+    )
+
+
+@pytest.mark.parametrize(
+    ("request_", "error"),
+    [
+        (EngineRequest("e1", PARAMS, prompt="x " * 600), PromptTooLongError),
+        (EngineRequest("e2", PARAMS, prompt="x", adapter="0" * 64), UnknownAdapterError),
+        (EngineRequest("e3", PARAMS, prompt="x", prompt_token_ids=[1]), InvalidRequestError),
+    ],
+)
+async def test_typed_errors_cross_the_wire_before_any_delta(
+    client: RemoteEngineClient, request_: EngineRequest, error: type[Exception]
+) -> None:
+    with pytest.raises(error) as raised:
+        await anext(client.generate(request_))
+    assert type(raised.value) is error
+    with pytest.raises(error):
+        await client.count_tokens(request_)
+
+
+async def test_info_ready_and_stats(client: RemoteEngineClient) -> None:
+    info = await client.info()
+    assert (info.model_name, info.max_model_len, info.vocab_size) == ("demo", 512, 4096)
+    assert await client.ready()
+    [stats] = await client.stats()
+    assert stats.kv_blocks_total > 0
+
+
+async def test_a_wrong_token_is_refused(services: list[RunningEngineService]) -> None:
+    intruder = RemoteEngineClient([services[0].url], "wrong")
+    try:
+        with pytest.raises(UnauthorizedError):
+            await intruder.info()
+    finally:
+        await intruder.close()
+
+
+async def test_adapter_given_by_ensure_adapter_serves_like_the_local_engine(
+    client: RemoteEngineClient, local: LLMEngine, demo_adapter_dirs: list[Path]
+) -> None:
+    folder = demo_adapter_dirs[3]
+    digest = local.register_adapter(folder)
+    await client.ensure_adapter(digest, folder)
+    request = EngineRequest("lora-1", PARAMS, prompt="import os\n", adapter=digest)
+    remote = await _collect(client, request)
+    assert _tokens(remote) == _tokens(_local(local, request))
+    base = _local(local, EngineRequest("lora-base", PARAMS, prompt="import os\n"))
+    assert _tokens(remote) != _tokens(base)  # the adapter changed the output
+
+
+async def test_an_engine_that_lost_an_adapter_gets_it_again(
+    client: RemoteEngineClient, services: list[RunningEngineService], demo_adapter_dirs: list[Path]
+) -> None:
+    folder = demo_adapter_dirs[4]
+    digest = await services[0].engine.register_adapter(folder)
+    await client.ensure_adapter(digest, folder)
+    services[0].engine.retire_adapter(digest)  # as if the engine restarted without it
+    outputs = await _collect(client, EngineRequest("lost-1", PARAMS, prompt="x", adapter=digest))
+    assert outputs[-1].finish_reason == "length"
+
+
+async def test_closing_the_stream_midway_aborts_and_frees_every_block(
+    client: RemoteEngineClient,
+) -> None:
+    params = SamplingParams(max_tokens=490, ignore_eos=True)
+    stream = client.generate(EngineRequest("abort-1", params, prompt="class Tree:"))
+    for _ in range(3):
+        assert not (await anext(stream)).finished
+    await stream.aclose()  # type: ignore[attr-defined]
+    for _ in range(1000):
+        [stats] = await client.stats()
+        if stats.running == stats.waiting == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert stats.running == stats.waiting == 0
+    assert stats.kv_blocks_used == 0 and stats.kv_blocks_free == stats.kv_blocks_total
+
+
+async def test_requests_for_one_adapter_land_on_one_engine(
+    services: list[RunningEngineService], local: LLMEngine, demo_adapter_dirs: list[Path]
+) -> None:
+    both = RemoteEngineClient([s.url for s in services], TOKEN)
+    await both.start()
+    try:
+        digests = []
+        for folder in demo_adapter_dirs[10:16]:
+            digest = local.register_adapter(folder)
+            digests.append(digest)
+            await both.ensure_adapter(digest, folder)
+        requests = [
+            EngineRequest(f"aff-{i}-{j}", PARAMS, prompt=f"def f{j}():", adapter=d)
+            for i, d in enumerate(digests)
+            for j in range(3)
+        ]
+        await asyncio.gather(*(_collect(both, r) for r in requests))
+        assert all(len(_served_by(services, d)) == 1 for d in digests)
+        assert len(await both.stats()) == 2
+    finally:
+        await both.close()
+
+
+async def test_when_an_engine_stops_requests_go_to_the_other(
+    demo_model_dir: Path, demo_adapter_dirs: list[Path], local: LLMEngine, tmp_path: Path
+) -> None:
+    folder = demo_adapter_dirs[5]
+    digest = local.register_adapter(folder)
+    request = EngineRequest("fo-1", PARAMS, prompt="while True:", adapter=digest)
+    with (
+        engine_service(demo_model_dir, tmp_path / "a") as a,
+        engine_service(demo_model_dir, tmp_path / "b") as b,
+    ):
+        pair = RemoteEngineClient([a.url, b.url], TOKEN)
+        await pair.start()
+        try:
+            await pair.ensure_adapter(digest, folder)
+            first = await _collect(pair, request)
+            [preferred] = _served_by([a, b], digest)
+            [a, b][preferred].stop()
+            again = await _collect(
+                pair, EngineRequest("fo-2", PARAMS, prompt="while True:", adapter=digest)
+            )
+            assert _served_by([a, b], digest) == [0, 1]
+            assert _tokens(again) == _tokens(first) == _tokens(_local(local, request))
+            base = await _collect(pair, EngineRequest("fo-3", PARAMS, prompt="x = 1"))
+            assert base[-1].finish_reason == "length"
+            assert await pair.ready()
+            assert len(await pair.stats()) == 1
+        finally:
+            await pair.close()
+
+
+def test_routing_prefers_the_affine_engine_unless_it_is_down_or_much_busier() -> None:
+    endpoints = [Endpoint(f"http://engine-{i}") for i in range(4)]
+    order = route(endpoints, "adapter:abc")
+    preferred = order[0]
+    assert route(endpoints, "adapter:abc")[0] is preferred  # stable
+    assert {route(endpoints, f"adapter:{k}")[0].url for k in range(64)} == {
+        e.url for e in endpoints
+    }
+
+    preferred.load = 3
+    assert route(endpoints, "adapter:abc")[0] is preferred  # a little busier: keep affinity
+    preferred.load = 50
+    assert route(endpoints, "adapter:abc")[0] is not preferred
+    assert route(endpoints, "adapter:abc")[1] is preferred
+
+    preferred.load = 0
+    preferred.mark_down()
+    order = route(endpoints, "adapter:abc")
+    assert order[0] is not preferred and order[-1] is preferred

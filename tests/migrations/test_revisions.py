@@ -1,0 +1,126 @@
+"""The Alembic revisions build exactly the models' schema, on SQLite and on a real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import insert, inspect, pool, select, text
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from gateway.db import Base, Tenant
+from gateway.db.migrate import alembic_config, current, downgrade, upgrade, with_connection
+from gateway.db.session import async_url
+
+REPO = Path(__file__).parents[2]
+HEAD = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def empty_database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The URL of a database with no tables: a new SQLite file, or a new PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'loramux.db'}"
+    return new_postgres_database(request.getfixturevalue("postgres_url"))
+
+
+def new_postgres_database(server: str) -> str:
+    """Create an empty database on the server of `server` (a URL) and return its URL."""
+    name = f"migrations_{secrets.token_hex(4)}"
+    asyncio.run(create_database(server, name))
+    return make_url(server).set(database=name).render_as_string(hide_password=False)
+
+
+async def create_database(server: str, name: str) -> None:
+    engine = create_async_engine(
+        async_url(server), isolation_level="AUTOCOMMIT", poolclass=pool.NullPool
+    )
+    try:
+        async with engine.connect() as connection:
+            await connection.execute(text(f'CREATE DATABASE "{name}"'))
+    finally:
+        await engine.dispose()
+
+
+def schema_diff(url: str) -> list[object]:
+    """What autogenerate would change to make the database match the models; [] when they agree."""
+    return with_connection(
+        url, lambda c: compare_metadata(MigrationContext.configure(c), Base.metadata)
+    )
+
+
+def table_names(url: str) -> set[str]:
+    return with_connection(url, lambda c: set(inspect(c).get_table_names()))
+
+
+def add_tenant(connection: Connection, name: str) -> None:
+    connection.execute(insert(Tenant).values(id=f"tnt_{name}", name=name))
+    connection.commit()
+
+
+def tenant_names(connection: Connection) -> list[str]:
+    return list(connection.scalars(select(Tenant.name)))
+
+
+def test_the_revisions_form_one_line_of_dated_files() -> None:
+    scripts = ScriptDirectory.from_config(alembic_config("sqlite://"))
+    assert len(scripts.get_heads()) == 1
+    for script in scripts.walk_revisions():
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}_[a-z0-9_]+\.py", Path(script.path).name)
+
+
+def test_upgrade_builds_exactly_the_models_schema(empty_database: str) -> None:
+    assert current(empty_database) is None
+    upgrade(empty_database)
+    assert current(empty_database) == HEAD
+    assert table_names(empty_database) == {*Base.metadata.tables, "alembic_version"}
+    assert schema_diff(empty_database) == []
+
+
+def test_upgrade_at_head_changes_nothing_and_keeps_the_data(empty_database: str) -> None:
+    upgrade(empty_database)
+    with_connection(empty_database, lambda c: add_tenant(c, "kept"))
+    upgrade(empty_database)
+    assert current(empty_database) == HEAD
+    assert with_connection(empty_database, tenant_names) == ["kept"]
+    assert schema_diff(empty_database) == []
+
+
+def test_downgrade_to_base_drops_every_table_and_upgrade_rebuilds_them(
+    empty_database: str,
+) -> None:
+    upgrade(empty_database)
+    downgrade(empty_database, "base")
+    assert current(empty_database) is None
+    assert table_names(empty_database) == {"alembic_version"}
+    upgrade(empty_database)
+    assert schema_diff(empty_database) == []
+
+
+def test_gateways_starting_together_on_postgresql_migrate_one_at_a_time(
+    postgres_url: str,
+) -> None:
+    url = new_postgres_database(postgres_url)
+    migrate = [sys.executable, "-c", f"from gateway.db.migrate import upgrade; upgrade({url!r})"]
+    processes = [subprocess.Popen(migrate, cwd=REPO) for _ in range(3)]
+    assert [p.wait(timeout=120) for p in processes] == [0, 0, 0]
+    assert current(url) == HEAD
+    assert schema_diff(url) == []
+
+
+def test_upgrade_works_from_any_directory_and_creates_the_sqlite_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    url = f"sqlite:///{tmp_path / 'new' / 'data' / 'loramux.db'}"
+    upgrade(url)
+    assert current(url) == HEAD

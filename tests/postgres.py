@@ -1,0 +1,105 @@
+"""A throwaway PostgreSQL server for the tests that need a real one (fixture `postgres_url`).
+
+The server is started from the installed binaries (`./bootstrap.sh test` installs Debian's
+`postgresql`): a fresh cluster in a temporary folder, trust authentication, listening on
+127.0.0.1 at a free port with its socket in that folder, durability off (fsync) for speed.
+PostgreSQL refuses to run as root, so under root the cluster belongs to the `postgres` OS user.
+Without PostgreSQL the tests that use it are skipped, or fail when `CI` is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+DATABASE = "loramux_test"
+INITDB_OPTIONS = ["-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync"]
+SERVER_OPTIONS = "-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+
+
+def postgres_bin_dir() -> Path | None:
+    """The folder of `initdb`/`pg_ctl`: on the PATH, else Debian's newest /usr/lib/postgresql/N/bin."""
+    found = shutil.which("pg_ctl")
+    if found and shutil.which("initdb"):
+        return Path(found).resolve().parent
+    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"), key=_major_version)
+    return Path(candidates[-1]).parent if candidates else None
+
+
+def _major_version(pg_ctl: str) -> int:
+    name = Path(pg_ctl).parent.parent.name
+    return int(name) if name.isdigit() else 0
+
+
+def server_user() -> list[str]:
+    """The command prefix that runs a PostgreSQL binary: as `postgres` under root, else as is."""
+    if os.geteuid() != 0:
+        return []
+    if subprocess.run(["id", "-u", "postgres"], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--system", "--no-create-home", "postgres"], check=True)
+    return ["runuser", "-u", "postgres", "--"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(command: list[str], cwd: Path) -> None:
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
+
+
+@contextlib.contextmanager
+def running_postgres(bin_dir: Path) -> Iterator[str]:
+    """Start a server on a fresh cluster with database `loramux_test`; stop and delete it on exit."""
+    as_user = server_user()
+    # Not under pytest's tmp_path (nor $TMPDIR, under root): its root is mode 0700 and root's,
+    # closed to the postgres user. /tmp also keeps the socket path short (107 bytes at most).
+    root = Path(tempfile.mkdtemp(prefix="loramux-postgres-", dir="/tmp" if as_user else None))
+    if as_user:
+        shutil.chown(root, "postgres", "postgres")
+    data, port = root / "data", free_port()
+    pg_ctl = [*as_user, str(bin_dir / "pg_ctl"), "-D", str(data)]
+    try:
+        _run([*as_user, str(bin_dir / "initdb"), "-D", str(data), *INITDB_OPTIONS], root)
+        options = f"-c listen_addresses=127.0.0.1 -p {port} -k {root} {SERVER_OPTIONS}"
+        log = root / "server.log"
+        try:
+            _run([*pg_ctl, "-l", str(log), "-o", options, "-w", "start"], root)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}\nserver log:\n{log.read_text(errors='replace')}") from None
+        try:
+            createdb = [str(bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(port)]
+            _run([*createdb, "-U", "postgres", DATABASE], root)
+            yield f"postgresql://postgres@127.0.0.1:{port}/{DATABASE}"
+        finally:
+            _run([*pg_ctl, "-m", "fast", "-w", "stop"], root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """`postgresql://postgres@127.0.0.1:PORT/loramux_test` on a server that lives for the session."""
+    bin_dir = postgres_bin_dir()
+    if bin_dir is None:
+        message = (
+            "PostgreSQL is not installed (apt-get install postgresql; ./bootstrap.sh test does)"
+        )
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    with running_postgres(bin_dir) as url:
+        yield url
