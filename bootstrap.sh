@@ -50,7 +50,8 @@ case "$cmd" in
     exec "$VENV/bin/loramux" serve "$@"
     ;;
   test)
-    apt_install postgresql  # tests/postgres.py starts a throwaway server from its binaries
+    # tests start throwaway PostgreSQL and Redis servers from these binaries; Chromium for the dashboard
+    apt_install postgresql redis-server chromium
     python_venv
     "$VENV/bin/ruff" check .
     "$VENV/bin/ruff" format --check .

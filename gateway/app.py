@@ -14,14 +14,26 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.admin import admin_routes
 from gateway.auth.admin_jwt import AdminIdentity
 from gateway.auth.api_keys import Principal
+from gateway.dashboard import dashboard_routes
 from gateway.errors import exception_handler
 from gateway.health import health, metrics, ready
+from gateway.metrics import Metrics
 from gateway.openai import openai_routes
 from gateway.state import GatewayState
 
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics")
 
-def request_id_middleware(app: ASGIApp) -> ASGIApp:
-    """Give every request an id (`x-request-id` in, or a new one) and echo it on the response."""
+
+def route_label(path: str) -> str:
+    """A bounded metric label for a request path (never ids or names)."""
+    if path in _ROUTES:
+        return path
+    return "/admin" if path.startswith("/admin") else "other"
+
+
+def request_id_middleware(app: ASGIApp, metrics: Metrics) -> ASGIApp:
+    """Give every request an id (`x-request-id` in, or a new one), echo it on the response, and
+    count the request by route and status class."""
 
     async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -38,6 +50,8 @@ def request_id_middleware(app: ASGIApp) -> ASGIApp:
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 MutableScopeHeaders.from_message(message)["x-request-id"] = request_id
+                status = f"{message['status'] // 100}xx"
+                metrics.requests.labels(route_label(scope["path"]), status).inc()
             await send(message)
 
         await app(scope, receive, send_with_id)
@@ -56,14 +70,14 @@ def create_app(gw: GatewayState) -> Litestar:
         return gw.admin.verify(request.headers.get("authorization"))
 
     return Litestar(
-        route_handlers=[health, ready, metrics, *openai_routes, *admin_routes],
+        route_handlers=[health, ready, metrics, *openai_routes, *admin_routes, *dashboard_routes],
         dependencies={
             "gw": Provide(provide_state),
             "principal": Provide(provide_principal),
             "admin_identity": Provide(provide_admin),
         },
         exception_handlers={Exception: exception_handler},
-        middleware=[request_id_middleware],
+        middleware=[lambda app: request_id_middleware(app, gw.metrics)],
         openapi_config=OpenAPIConfig(title="loramux", version="0.1.0", path="/schema"),
         request_max_body_size=gw.settings.server.max_body_kb << 10,
         on_startup=[gw.start],

@@ -91,7 +91,7 @@ def _serve(args: argparse.Namespace) -> None:
     model_dir = ensure_model(settings)
     with contextlib.ExitStack() as stack:
         redis_url = settings.server.redis_url
-        if redis_url is None and settings.server.engine_urls == ():
+        if redis_url is None:
             redis_url = stack.enter_context(private_redis(settings.data_dir))
             log.info("started a private redis-server at %s", redis_url)
         upgrade(settings.database_url)

@@ -30,17 +30,17 @@ async def ready(gw: GW) -> Response[dict[str, Any]]:
     except Exception:
         checks["database"] = False
     checks["engine"] = await gw.engine.ready()
-    if gw.redis is not None:
-        try:
-            checks["redis"] = bool(await gw.redis.ping())
-        except Exception:
-            checks["redis"] = False
+    try:
+        checks["redis"] = bool(await gw.redis.ping())
+    except Exception:
+        checks["redis"] = False
     ok = all(checks.values())
     return Response({"ready": ok, "checks": checks}, status_code=200 if ok else 503)
 
 
 @get("/metrics", include_in_schema=False)
 async def metrics(gw: GW) -> Response[bytes]:
+    gw.metrics.observe_degradation(gw.cache.errors, gw.quotas.redis_down)
     for stats in (await gw.engine.stats())[:1]:
         gw.metrics.engine_running.set(stats.running)
         gw.metrics.engine_waiting.set(stats.waiting)

@@ -3,6 +3,8 @@ routes, status classes and model kinds (base or adapter) — never tenant, key o
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -41,9 +43,26 @@ class Metrics:
         self.prefix_hits = Gauge(
             "loramux_engine_prefix_cache_hit_tokens", "Prefix-cache hit tokens", registry=r
         )
+        self.cache = Counter(
+            "loramux_response_cache", "Response-cache outcomes", ["outcome"], registry=r
+        )
+        self.cache_errors = Gauge(
+            "loramux_response_cache_errors",
+            "Cache operations skipped because Redis failed",
+            registry=r,
+        )
+        self.quota_redis_down = Gauge(
+            "loramux_quota_redis_down", "Admissions decided without Redis", ["outcome"], registry=r
+        )
         self.adapter_loads = Counter(
             "loramux_adapter_uploads", "Adapter uploads", ["outcome"], registry=r
         )
+
+    def observe_degradation(self, cache_errors: int, quota_redis_down: Mapping[str, int]) -> None:
+        """Copy the cache's and the limiter's Redis-failure counts (kept by them) into gauges."""
+        self.cache_errors.set(cache_errors)
+        for outcome, count in quota_redis_down.items():
+            self.quota_redis_down.labels(outcome).set(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

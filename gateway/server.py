@@ -54,7 +54,7 @@ def engine_client(settings: Settings, model_dir: Path) -> EngineClient:
 
 
 async def serve_forever(
-    settings: Settings, model_dir: Path, redis_url: str | None, host: str, port: int
+    settings: Settings, model_dir: Path, redis_url: str, host: str, port: int
 ) -> None:
     """Run one gateway process until interrupted."""
     from gateway.demo_setup import first_start
@@ -82,11 +82,16 @@ class RunningServer:
 
 @contextlib.contextmanager
 def serve_in_thread(
-    settings: Settings, client: EngineClient, model_dir: Path, port: int = 0
+    settings: Settings,
+    client: EngineClient,
+    model_dir: Path,
+    port: int = 0,
+    *,
+    redis_url: str,
 ) -> Iterator[RunningServer]:
     """Start a gateway on 127.0.0.1 in a background thread; stop it on exit."""
     loop = asyncio.new_event_loop()
-    state = loop.run_until_complete(build_state(settings, client, model_dir))
+    state = loop.run_until_complete(build_state(settings, client, model_dir, redis_url))
     config = uvicorn.Config(
         create_app(state), host="127.0.0.1", port=port, log_level="warning", lifespan="on"
     )

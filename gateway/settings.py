@@ -80,6 +80,38 @@ class ServerSettings:
 
 
 @dataclass(frozen=True)
+class QuotaSettings:
+    on_redis_down: str = field(default_factory=lambda: _env("QUOTA_ON_REDIS_DOWN", "reject"))
+    """LORAMUX_QUOTA_ON_REDIS_DOWN: `reject` (503 quota_unavailable) or `allow` (admit unchecked, logged and counted) when Redis cannot be reached."""
+    redis_timeout_ms: int = field(default_factory=lambda: _env("QUOTA_REDIS_TIMEOUT_MS", 1000, int))
+    """LORAMUX_QUOTA_REDIS_TIMEOUT_MS: how long an admission waits for Redis before Redis counts as down."""
+    config_cache_seconds: float = field(
+        default_factory=lambda: _env("QUOTA_CONFIG_CACHE_SECONDS", 1.0, float)
+    )
+    """LORAMUX_QUOTA_CONFIG_CACHE_SECONDS: how long a key's quota rows are cached (delay before a quota change applies)."""
+    slot_lease_seconds: float = field(
+        default_factory=lambda: _env("QUOTA_SLOT_LEASE_SECONDS", 30.0, float)
+    )
+    """LORAMUX_QUOTA_SLOT_LEASE_SECONDS: a concurrency slot not renewed for this long (its gateway died) is freed."""
+
+    def __post_init__(self) -> None:
+        if self.on_redis_down not in ("reject", "allow"):
+            raise ValueError("LORAMUX_QUOTA_ON_REDIS_DOWN must be 'reject' or 'allow'")
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    max_entries_per_bucket: int = field(
+        default_factory=lambda: _env("CACHE_MAX_ENTRIES_PER_BUCKET", 10_000, int)
+    )
+    """LORAMUX_CACHE_MAX_ENTRIES_PER_BUCKET: semantic entries kept per conversation context (least recently used out first)."""
+    mirror_mb: int = field(default_factory=lambda: _env("CACHE_MIRROR_MB", 256, int))
+    """LORAMUX_CACHE_MIRROR_MB: memory for this process's copies of the semantic buckets it searches."""
+    redis_timeout_ms: int = field(default_factory=lambda: _env("CACHE_REDIS_TIMEOUT_MS", 500, int))
+    """LORAMUX_CACHE_REDIS_TIMEOUT_MS: a cache lookup or store waiting longer on Redis is given up (served uncached)."""
+
+
+@dataclass(frozen=True)
 class Settings:
     data_dir: Path = field(default_factory=lambda: Path(_env("DATA_DIR", "./.loramux")).resolve())
     """LORAMUX_DATA_DIR: where the database, adapters, secrets and the demo model live."""
@@ -87,6 +119,8 @@ class Settings:
     """LORAMUX_MODEL: a Hugging Face folder of a Llama-family model; the demo model when unset."""
     engine: EngineSettings = field(default_factory=EngineSettings)
     server: ServerSettings = field(default_factory=ServerSettings)
+    quotas: QuotaSettings = field(default_factory=QuotaSettings)
+    cache: CacheSettings = field(default_factory=CacheSettings)
 
     @property
     def database_url(self) -> str:

@@ -8,18 +8,21 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from adapters.base_spec import BaseModelSpec
 from adapters.peft_format import AdapterLimits
 from adapters.store import AdapterStore
+from cache.embedder import Embedder
+from cache.response_cache import ResponseCache
 from gateway.auth.admin_jwt import AdminAuth
 from gateway.auth.api_keys import ApiKeyAuth
 from gateway.catalog import ModelCatalog
 from gateway.db.session import create_engine, session_factory
 from gateway.engine_client.base import EngineClient
 from gateway.metrics import Metrics
+from gateway.quotas import QuotaService
 from gateway.settings import Settings
 from gateway.usage import UsageRecorder
 
@@ -40,17 +43,21 @@ class GatewayState:
     usage: UsageRecorder
     model_name: str
     max_model_len: int
-    redis: Redis | None = None
+    redis: Redis
+    cache: ResponseCache
+    quotas: QuotaService
 
     async def start(self) -> None:
         """Start background tasks (on the serving event loop)."""
         self.usage.start()
+        await self.cache.start()
 
     async def close(self) -> None:
+        await self.quotas.close()
+        await self.cache.drain()
         await self.usage.close()
         await self.engine.close()
-        if self.redis is not None:
-            await self.redis.aclose()
+        await self.redis.aclose()
         await self.db.dispose()
 
 
@@ -75,14 +82,22 @@ def admin_auth(settings: Settings) -> AdminAuth:
     return AdminAuth(admin_secret(settings), "HS256")
 
 
+def redis_client(url: str, max_connections: int = 1024) -> Redis:
+    """A shared client whose pool waits for a free connection instead of failing when many
+    requests are in flight (redis-py's default pool raises past 100)."""
+    pool = BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=5)
+    return Redis(connection_pool=pool)
+
+
 async def build_state(
-    settings: Settings, engine: EngineClient, model_dir: Path, redis_url: str | None = None
+    settings: Settings, engine: EngineClient, model_dir: Path, redis_url: str
 ) -> GatewayState:
     """Connect everything; the database must already be migrated (`loramux migrate`)."""
     db = create_engine(settings.database_url)
     sessions = session_factory(db)
     await engine.start()
     info = await engine.info()
+    redis = redis_client(redis_url)
     base = BaseModelSpec.from_model_dir(model_dir)
     limits = AdapterLimits(
         max_rank=settings.engine.max_lora_rank, max_file_bytes=settings.server.max_upload_mb << 20
@@ -100,5 +115,13 @@ async def build_state(
         usage=UsageRecorder(sessions),
         model_name=info.model_name,
         max_model_len=info.max_model_len,
-        redis=Redis.from_url(redis_url) if redis_url else None,
+        redis=redis,
+        cache=ResponseCache(
+            redis,
+            Embedder(),
+            max_entries_per_bucket=settings.cache.max_entries_per_bucket,
+            mirror_bytes=settings.cache.mirror_mb << 20,
+            redis_timeout=settings.cache.redis_timeout_ms / 1000,
+        ),
+        quotas=QuotaService(redis, sessions, settings.quotas),
     )

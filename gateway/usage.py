@@ -1,8 +1,12 @@
-"""Usage metering: append-only events, written to SQL in batches off the request path.
+"""Usage metering: append-only events, written to SQL in batches off the request path, with their
+hourly and daily rollups.
 
-`record` only appends to an in-memory buffer; a background task inserts the buffer every
-`interval` seconds (or sooner when it fills) in one transaction. `close` drains everything, so a
-clean shutdown loses nothing. A failed insert keeps the batch for the next try.
+`record` only appends to an in-memory buffer; a background task flushes the buffer every
+`interval` seconds (or sooner when it fills). One flush of a chunk is one transaction: it inserts
+the events and adds them into `usage_hourly` and `usage_daily` (aggregated here first, then one
+INSERT … ON CONFLICT DO UPDATE per table), so the rollups always equal the sums of the stored
+events. `close` drains everything, so a clean shutdown loses nothing; a failed write keeps the
+chunk for the next try. Usage never passes through Redis, so a Redis restart cannot lose any.
 """
 
 from __future__ import annotations
@@ -10,20 +14,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
 
-from sqlalchemy import insert
+from sqlalchemy import Table, insert
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.db import UsageEvent
+from gateway.db import Base, UsageEvent, UsageTotals, usage_daily, usage_hourly
 from gateway.db.base import utcnow
+from gateway.db.usage_rollup import GROUP_KEY, MEASURES, histogram_bin
+
+usage_events = Base.metadata.tables[UsageEvent.__tablename__]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class UsageRecord:
+    """One finished request. `created_at` is when it finished; `status` 400 or more is an error;
+    `cache` is `exact` or `semantic` when the response cache answered, else `miss` or `bypass`."""
+
     request_id: str
     tenant_id: str
     key_id: str
@@ -39,7 +52,86 @@ class UsageRecord:
     created_at: datetime = field(default_factory=utcnow)
 
 
+def hour_of(ts: datetime) -> datetime:
+    """The UTC start of the hour of `ts` (a naive time is taken as UTC)."""
+    return as_utc(ts).replace(minute=0, second=0, microsecond=0)
+
+
+def day_of(ts: datetime) -> datetime:
+    """The UTC start of the day of `ts`."""
+    return hour_of(ts).replace(hour=0)
+
+
+def as_utc(ts: datetime) -> datetime:
+    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
+
+
+RollupKey = tuple[str, datetime, str, str]
+"""`GROUP_KEY` values: tenant, bucket, key, model."""
+
+
+def hourly_rollup(events: Iterable[UsageRecord]) -> dict[RollupKey, UsageTotals]:
+    """The events summed per hourly rollup row."""
+    rows: dict[RollupKey, UsageTotals] = {}
+    for e in events:
+        key = (e.tenant_id, hour_of(e.created_at), e.key_id, e.model)
+        row = rows.get(key)
+        if row is None:
+            row = rows[key] = UsageTotals()
+        row.requests += 1
+        row.errors += int(e.status >= 400)
+        row.prompt_tokens += e.prompt_tokens
+        row.completion_tokens += e.completion_tokens
+        row.cached_tokens += e.cached_tokens
+        row.exact_hits += int(e.cache == "exact")
+        row.semantic_hits += int(e.cache == "semantic")
+        row.latency_ms_sum += e.latency_ms
+        row.latency_bins[histogram_bin(e.latency_ms)] += 1
+        if e.ttft_ms is not None:
+            row.ttft_count += 1
+            row.ttft_ms_sum += e.ttft_ms
+            row.ttft_bins[histogram_bin(e.ttft_ms)] += 1
+    return rows
+
+
+def daily_rollup(hourly: dict[RollupKey, UsageTotals]) -> dict[RollupKey, UsageTotals]:
+    """Hourly rollup rows summed per day (far fewer than the events they came from)."""
+    rows: dict[RollupKey, UsageTotals] = {}
+    for (tenant, hour, key, model), totals in hourly.items():
+        rows.setdefault((tenant, hour.replace(hour=0), key, model), UsageTotals()).add(totals)
+    return rows
+
+
+async def add_to_rollup(
+    session: AsyncSession, table: Table, rows: dict[RollupKey, UsageTotals]
+) -> None:
+    """Add `rows` into `table`: a new row is inserted, an existing one has every measure
+    incremented. Rows go in key order, so concurrent writers lock PostgreSQL rows in one order
+    and cannot deadlock; keys are distinct, as one multi-row ON CONFLICT statement requires."""
+    if not rows:
+        return
+    dialect = session.get_bind().dialect.name
+    insert_into = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    stmt = insert_into(table)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=list(GROUP_KEY),
+        set_={m: table.c[m] + stmt.excluded[m] for m in MEASURES},
+    )
+    params = [
+        dict(zip(GROUP_KEY, key, strict=True)) | totals.values()
+        for key, totals in sorted(rows.items())
+    ]
+    await session.execute(stmt, params)
+
+
+def event_row(e: UsageRecord) -> dict[str, Any]:
+    """The `usage_events` row of a record (a shallow copy: `asdict` deep-copies, slowly)."""
+    return {**vars(e), "created_at": as_utc(e.created_at)}
+
+
 class UsageRecorder:
+    """Buffers usage records and writes them, with their rollups, in batches of `batch`."""
+
     def __init__(
         self, sessions: async_sessionmaker[AsyncSession], interval: float = 0.5, batch: int = 2000
     ):
@@ -48,6 +140,7 @@ class UsageRecorder:
         self.batch = batch
         self._buffer: list[UsageRecord] = []
         self._wake = asyncio.Event()
+        self._writing = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -61,18 +154,27 @@ class UsageRecorder:
             self._wake.set()
 
     async def flush(self) -> int:
-        """Insert everything buffered now; returns how many events were written."""
+        """Write everything buffered; returns how many events this call wrote. When it returns,
+        every event recorded before the call is committed (a write already under way from
+        another caller is waited for)."""
         written = 0
-        while self._buffer:
-            chunk, self._buffer = self._buffer[: self.batch], self._buffer[self.batch :]
-            try:
-                async with self.sessions() as session, session.begin():
-                    await session.execute(insert(UsageEvent), [asdict(e) for e in chunk])
-            except Exception:
-                self._buffer[:0] = chunk
-                raise
-            written += len(chunk)
+        async with self._writing:
+            while self._buffer:
+                chunk, self._buffer = self._buffer[: self.batch], self._buffer[self.batch :]
+                try:
+                    await self._write(chunk)
+                except Exception:
+                    self._buffer[:0] = chunk
+                    raise
+                written += len(chunk)
         return written
+
+    async def _write(self, chunk: list[UsageRecord]) -> None:
+        async with self.sessions() as session, session.begin():
+            await session.execute(insert(usage_events), [event_row(e) for e in chunk])
+            hourly = hourly_rollup(chunk)
+            await add_to_rollup(session, usage_hourly, hourly)
+            await add_to_rollup(session, usage_daily, daily_rollup(hourly))
 
     async def close(self) -> None:
         self._closing = True

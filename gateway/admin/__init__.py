@@ -10,6 +10,7 @@ from litestar.di import Provide
 from litestar.types import ControllerRouterHandler
 
 from gateway.admin.adapters import AdapterController
+from gateway.admin.cache import CacheController
 from gateway.admin.identity import provide_admin_identity
 from gateway.admin.keys import KeyController
 from gateway.admin.quotas import QuotaController
@@ -25,6 +26,7 @@ admin_routes: list[ControllerRouterHandler] = [
             QuotaController,
             AdapterController,
             ReportController,
+            CacheController,
         ],
         dependencies={"admin_identity": Provide(provide_admin_identity)},
     )

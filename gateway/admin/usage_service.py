@@ -1,4 +1,4 @@
-"""Usage summaries over `usage_events`, aggregated in SQL (SQLite and PostgreSQL alike).
+"""Usage summaries, read from the hourly and daily rollups (see `gateway.usage_query`).
 
 Bounds: `from` is inclusive and `to` exclusive; an ISO date means midnight UTC, except that a
 date given as `to` includes that whole day; a time without an offset is UTC. Days are UTC days.
@@ -11,17 +11,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, time, timedelta
-from typing import Any, Literal
-
-from sqlalchemy import SQLColumnExpression, case, func, select
+from typing import Literal
 
 from gateway.admin.schemas import UsageReport, UsageRow, utc
-from gateway.db import UsageEvent
+from gateway.db import UsageTotals
 from gateway.errors import BadRequest
 from gateway.state import GatewayState
+from gateway.usage_query import Dimension, read_usage
 
 GroupBy = Literal["day", "adapter", "key"]
-CACHE_HITS = ("exact", "semantic")
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 
@@ -67,63 +65,36 @@ def _bound(value: str | None, param: str, whole_day: bool) -> datetime | None:
         ) from None
 
 
+_DIMENSIONS: dict[GroupBy, tuple[Dimension, ...]] = {
+    "day": ("day",),
+    "adapter": ("tenant", "model"),
+    "key": ("tenant", "key"),
+}
+
+
 async def summarize(gw: GatewayState, query: UsageQuery) -> UsageReport:
-    """One row per group, ordered by group."""
-    group = _group_columns(query.group_by, gw.db.dialect.name)
-    stmt = select(*group, *_aggregates()).group_by(*group).order_by(*group)
-    if query.tenant is not None:
-        stmt = stmt.where(UsageEvent.tenant_id == query.tenant)
-    # The bounds are UTC: SQLite compares the stored UTC digits, PostgreSQL the instants.
-    if query.start is not None:
-        stmt = stmt.where(UsageEvent.created_at >= query.start)
-    if query.end is not None:
-        stmt = stmt.where(UsageEvent.created_at < query.end)
-    async with gw.sessions() as session:
-        result = await session.execute(stmt)
-        rows = [_row(query.group_by, tuple(r)) for r in result]
+    """One row per group, ordered by group; read from the usage rollups."""
+    groups = await read_usage(
+        gw.sessions,
+        tenant=query.tenant,
+        start=query.start,
+        end=query.end,
+        by=_DIMENSIONS[query.group_by],
+    )
+    rows = [_row(query.group_by, key, totals) for key, totals in sorted(groups.items())]
     return UsageReport(query.group_by, query.tenant, query.start, query.end, rows)
 
 
-def _group_columns(group_by: GroupBy, dialect: str) -> list[SQLColumnExpression[Any]]:
-    if group_by == "adapter":
-        return [UsageEvent.tenant_id, UsageEvent.model]
-    if group_by == "key":
-        return [UsageEvent.tenant_id, UsageEvent.key_id]
-    if dialect == "postgresql":
-        utc_time = func.timezone("UTC", UsageEvent.created_at)
-        return [func.to_char(utc_time, "YYYY-MM-DD").label("day")]
-    return [func.date(UsageEvent.created_at).label("day")]
-
-
-def _aggregates() -> list[SQLColumnExpression[Any]]:
-    def total(column: SQLColumnExpression[Any]) -> SQLColumnExpression[Any]:
-        return func.coalesce(func.sum(column), 0)
-
-    return [
-        func.count(UsageEvent.id),
-        total(UsageEvent.prompt_tokens),
-        total(UsageEvent.completion_tokens),
-        total(UsageEvent.cached_tokens),
-        total(case((UsageEvent.cache.in_(CACHE_HITS), 1), else_=0)),
-        total(case((UsageEvent.status >= 400, 1), else_=0)),
-        func.coalesce(func.avg(UsageEvent.latency_ms), 0.0),
-    ]
-
-
-def _row(group_by: GroupBy, values: tuple[Any, ...]) -> UsageRow:
-    if group_by == "day":
-        (group,), tenant_id, numbers = values[:1], None, values[1:]
-    else:
-        tenant_id, group, numbers = values[0], values[1], values[2:]
-    requests, prompt, completion, cached, hits, errors, latency = numbers
+def _row(group_by: GroupBy, key: tuple[str, ...], totals: UsageTotals) -> UsageRow:
+    tenant_id, group = (None, key[0]) if group_by == "day" else key
     return UsageRow(
-        group=str(group),
+        group=group,
         tenant_id=tenant_id,
-        requests=int(requests),
-        prompt_tokens=int(prompt),
-        completion_tokens=int(completion),
-        cached_tokens=int(cached),
-        cache_hits=int(hits),
-        errors=int(errors),
-        mean_latency_ms=float(latency),
+        requests=totals.requests,
+        prompt_tokens=totals.prompt_tokens,
+        completion_tokens=totals.completion_tokens,
+        cached_tokens=totals.cached_tokens,
+        cache_hits=totals.cache_hits,
+        errors=totals.errors,
+        mean_latency_ms=totals.mean_latency_ms,
     )

@@ -7,5 +7,17 @@ from gateway.db.base import Base
 from gateway.db.quota import Quota
 from gateway.db.tenant import Tenant
 from gateway.db.usage import UsageEvent
+from gateway.db.usage_rollup import UsageTotals, usage_daily, usage_hourly
 
-__all__ = ["AdapterVersion", "ApiKey", "AuditEntry", "Base", "Quota", "Tenant", "UsageEvent"]
+__all__ = [
+    "AdapterVersion",
+    "ApiKey",
+    "AuditEntry",
+    "Base",
+    "Quota",
+    "Tenant",
+    "UsageEvent",
+    "UsageTotals",
+    "usage_daily",
+    "usage_hourly",
+]

@@ -11,22 +11,32 @@ from litestar.response import Stream
 from gateway.auth.api_keys import Principal
 from gateway.db.adapter import SHARED_OWNER
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, decode
-from gateway.openai.service import CompletionService, Prepared
+from gateway.openai.service import CompletionService
 from gateway.state import GatewayState
 
 GW = NamedDependency[GatewayState]
 Caller = NamedDependency[Principal]
 
 
-async def _respond(gw: GatewayState, prepared: Prepared) -> Response[Any]:
+async def _respond(
+    gw: GatewayState,
+    request: Request[Any, Any, Any],
+    kind: type[ChatCompletionRequest | CompletionRequest],
+    principal: Principal,
+) -> Response[Any]:
     service = CompletionService(gw)
+    body = decode(await request.body(), kind)
+    request_id = request.scope["state"]["request_id"]
+    prepared = await service.prepare(
+        principal, body, request_id, request.headers.get("cache-control")
+    )
+    headers = prepared.headers()
     if prepared.stream:
-        return Stream(
-            service.stream(prepared),
-            media_type="text/event-stream",
-            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
-        )
-    return Response(await service.complete(prepared), media_type="application/json")
+        headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
+        return Stream(service.stream(prepared), media_type="text/event-stream", headers=headers)
+    return Response(
+        await service.complete(prepared), media_type="application/json", headers=headers
+    )
 
 
 @post("/v1/chat/completions", status_code=200)
@@ -34,21 +44,13 @@ async def chat_completions(
     request: Request[Any, Any, Any], gw: GW, principal: Caller
 ) -> Response[Any]:
     """OpenAI chat completions; `model` is an adapter name, `owner/name`, or the base model id."""
-    body = decode(await request.body(), ChatCompletionRequest)
-    prepared = await CompletionService(gw).prepare(
-        principal, body, request.scope["state"]["request_id"]
-    )
-    return await _respond(gw, prepared)
+    return await _respond(gw, request, ChatCompletionRequest, principal)
 
 
 @post("/v1/completions", status_code=200)
 async def completions(request: Request[Any, Any, Any], gw: GW, principal: Caller) -> Response[Any]:
     """OpenAI text completions for a raw prompt."""
-    body = decode(await request.body(), CompletionRequest)
-    prepared = await CompletionService(gw).prepare(
-        principal, body, request.scope["state"]["request_id"]
-    )
-    return await _respond(gw, prepared)
+    return await _respond(gw, request, CompletionRequest, principal)
 
 
 @get("/v1/models")

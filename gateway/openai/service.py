@@ -1,51 +1,78 @@
-"""The rules of a completion request: resolve the model, build the engine request, run it, and
-shape the result as OpenAI does (a whole response or SSE chunks), metering as it goes."""
+"""The rules of a completion request, in the order of the request path:
+
+    resolve model → validate and count prompt tokens → admission (quotas) → response cache →
+    engine → finish (usage event, cache store, settle the reservation)
+
+`prepare` does everything that can refuse the request, before a byte of the response is sent.
+Once admitted, the reservation is settled exactly once — on success, error, or disconnect.
+
+Cache hits count as one request against request and concurrency limits but consume no tokens:
+their reservation is settled with 0, and their usage event records 0 billable tokens (the
+response's `usage` still shows the original counts, as the client expects).
+"""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
+
+from cache.types import CachedResponse, CacheHit, CachePolicy, CacheRequest
 
 from engine.errors import EngineError
 from engine.outputs import EngineRequest, Usage
 from engine.sampling import SamplingParams
 from gateway.auth.api_keys import Principal
+from gateway.cache_policy import cache_policy
 from gateway.catalog import ResolvedModel
 from gateway.errors import BadRequest, GatewayError, to_gateway_error
+from gateway.openai import shapes
 from gateway.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_messages,
     refuse_unsupported,
 )
+from gateway.openai.shapes import Kind, ResponseMeta
+from gateway.quotas import Admission
 from gateway.state import GatewayState
 from gateway.usage import UsageRecord
 
 log = logging.getLogger(__name__)
 
-Kind = Literal["chat", "text"]
+HIT_CHUNK_CHARS = 16
+"""A streamed cache hit is sent in pieces of this many characters."""
 
 
 @dataclass
 class Prepared:
-    kind: Kind
     request: EngineRequest
+    meta: ResponseMeta
     model: ResolvedModel
     principal: Principal
     prompt_tokens: int
     stream: bool
     include_usage: bool
+    admission: Admission | None
+    cache_key: CacheRequest
+    policy: CachePolicy
+    hit: CacheHit | None = None
     started: float = field(default_factory=time.perf_counter)
-    created: int = field(default_factory=lambda: int(time.time()))
 
     @property
-    def response_id(self) -> str:
-        prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
-        return f"{prefix}-{self.request.request_id.removeprefix('req_')}"
+    def cache_outcome(self) -> str:
+        if self.hit is not None:
+            return self.hit.kind
+        return "miss" if self.policy.lookup else "bypass"
+
+    def headers(self) -> dict[str, str]:
+        headers = dict(self.admission.headers) if self.admission is not None else {}
+        headers["x-cache"] = self.cache_outcome
+        if self.hit is not None and self.hit.similarity is not None:
+            headers["x-cache-similarity"] = f"{self.hit.similarity:.4f}"
+        return headers
 
 
 class CompletionService:
@@ -53,27 +80,60 @@ class CompletionService:
         self.gw = gw
 
     async def prepare(
-        self, principal: Principal, req: ChatCompletionRequest | CompletionRequest, request_id: str
+        self,
+        principal: Principal,
+        req: ChatCompletionRequest | CompletionRequest,
+        request_id: str,
+        cache_control: str | None = None,
     ) -> Prepared:
-        """Validate and resolve everything before a byte of the response is sent."""
+        """Validate, resolve, admit and look up the cache; raises before anything is sent."""
         refuse_unsupported(req)
         model = await self.gw.catalog.resolve(principal, req.model)
-        if model.digest is not None and model.owner is not None:
+        if model.digest is not None:
             await self.gw.engine.ensure_adapter(model.digest, self.gw.store.root / model.digest)
-        kind: Kind = "chat" if isinstance(req, ChatCompletionRequest) else "text"
-        max_tokens = req.max_completion_tokens if isinstance(req, ChatCompletionRequest) else None
-        max_tokens = max_tokens if max_tokens is not None else req.max_tokens
+        requested = req.max_completion_tokens if isinstance(req, ChatCompletionRequest) else None
+        requested = requested if requested is not None else req.max_tokens
         engine_request = self._engine_request(
-            req, request_id, model, 1 if max_tokens is None else max_tokens
+            req, request_id, model, 1 if requested is None else requested
         )
         prompt_tokens = await self.gw.engine.count_tokens(engine_request)
-        if max_tokens is None:
+        if requested is None:
             room = self.gw.max_model_len - prompt_tokens
             cap = self.gw.settings.server.default_max_tokens
             engine_request = self._engine_request(req, request_id, model, max(1, min(room, cap)))
+        params = engine_request.params
+        admission = await self.gw.quotas.admit(principal, prompt_tokens, params.max_tokens)
+        try:
+            deterministic = params.temperature == 0.0 or params.seed is not None
+            body_cache = (
+                {"semantic": req.cache.semantic, "ttl": req.cache.ttl} if req.cache else None
+            )
+            policy = cache_policy(
+                principal.tenant_settings, cache_control, body_cache, deterministic
+            )
+            key = self._cache_key(principal, model, engine_request)
+            hit = await self.gw.cache.lookup(key, policy) if policy.lookup else None
+        except BaseException:
+            await admission.settle(0)
+            raise
+        kind: Kind = "chat" if isinstance(req, ChatCompletionRequest) else "text"
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        meta = ResponseMeta(
+            kind, f"{prefix}-{request_id.removeprefix('req_')}", int(time.time()), model.name
+        )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Prepared(
-            kind, engine_request, model, principal, prompt_tokens, req.stream, include_usage
+            engine_request,
+            meta,
+            model,
+            principal,
+            prompt_tokens,
+            req.stream,
+            include_usage,
+            admission,
+            key,
+            policy,
+            hit,
         )
 
     def _engine_request(
@@ -104,88 +164,163 @@ class CompletionService:
             prompt = _completion_prompt(req.prompt)
         return EngineRequest(request_id, params, adapter=model.digest, **prompt)
 
+    def _cache_key(
+        self, principal: Principal, model: ResolvedModel, request: EngineRequest
+    ) -> CacheRequest:
+        p = request.params
+        params = (("max_tokens", p.max_tokens), ("seed", p.seed), ("stop", p.stop),
+                  ("temperature", p.temperature), ("top_k", p.top_k), ("top_p", p.top_p))  # fmt: skip
+        messages = (
+            tuple((m["role"], m["content"]) for m in request.messages) if request.messages else None
+        )
+        prompt = (
+            request.prompt
+            if request.prompt is not None
+            else tuple(request.prompt_token_ids or ()) or None
+        )
+        return CacheRequest(
+            tenant_id=principal.tenant_id,
+            base_model=self.gw.model_name,
+            adapter=model.digest or "base",
+            kind="chat" if messages is not None else "text",
+            messages=messages,
+            prompt=None if messages is not None else prompt,
+            params=params,
+        )
+
     # -- running ---------------------------------------------------------------------------------
     async def complete(self, p: Prepared) -> dict[str, Any]:
         """The whole response as one JSON object."""
+        if p.hit is not None:
+            return await self._complete_hit(p, p.hit)
         texts: list[str] = []
         usage: Usage | None = None
         finish: str | None = None
         ttft: float | None = None
-        async for out in self.gw.engine.generate(p.request):
-            ttft = ttft if ttft is not None else time.perf_counter() - p.started
-            texts.append(out.text)
-            usage, finish = out.usage or usage, out.finish_reason or finish
-        self._meter(p, usage, 200, ttft)
-        text = "".join(texts)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-        if p.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text, "refusal": None}
-        else:
-            choice["text"] = text
-        return {
-            "id": p.response_id,
-            "object": "chat.completion" if p.kind == "chat" else "text_completion",
-            "created": p.created,
-            "model": p.model.name,
-            "system_fingerprint": None,
-            "choices": [choice],
-            "usage": _usage_json(usage, p.prompt_tokens),
-        }
+        try:
+            async for out in self.gw.engine.generate(p.request):
+                ttft = ttft if ttft is not None else time.perf_counter() - p.started
+                texts.append(out.text)
+                usage, finish = out.usage or usage, out.finish_reason or finish
+        finally:
+            await self._finish(p, usage, "".join(texts), finish, 200 if usage else 499, ttft)
+        u = shapes.usage_json(
+            p.prompt_tokens,
+            usage.completion_tokens if usage else 0,
+            usage.cached_tokens if usage else 0,
+        )
+        return shapes.whole(p.meta, "".join(texts), finish, u)
 
     async def stream(self, p: Prepared) -> AsyncIterator[bytes]:
         """SSE chunks as OpenAI sends them, ending with `data: [DONE]`."""
+        if p.hit is not None:
+            async for piece in self._stream_hit(p, p.hit):
+                yield piece
+            return
         usage: Usage | None = None
         ttft: float | None = None
-        status = 200
+        texts: list[str] = []
+        finish: str | None = None
+        status = 499
         try:
-            if p.kind == "chat":
-                yield _sse(self._chunk(p, {"role": "assistant", "content": ""}, None))
+            if p.meta.kind == "chat":
+                yield shapes.sse(shapes.chunk(p.meta, None, None, role=True))
             async for out in self.gw.engine.generate(p.request):
                 ttft = ttft if ttft is not None else time.perf_counter() - p.started
-                usage = out.usage or usage
+                usage, finish = out.usage or usage, out.finish_reason or finish
+                texts.append(out.text)
                 if out.text or out.finish_reason:
-                    delta = {"content": out.text} if out.text or p.kind == "text" else {}
-                    yield _sse(self._chunk(p, delta, out.finish_reason))
+                    yield shapes.sse(shapes.chunk(p.meta, out.text, out.finish_reason))
+            status = 200
             if p.include_usage:
-                yield _sse(
-                    {
-                        **self._chunk(p, {}, None),
-                        "choices": [],
-                        "usage": _usage_json(usage, p.prompt_tokens),
-                    }
+                completion, cached = (
+                    (usage.completion_tokens, usage.cached_tokens) if usage else (0, 0)
                 )
-            yield b"data: [DONE]\n\n"
+                yield shapes.sse(
+                    shapes.usage_chunk(
+                        p.meta, shapes.usage_json(p.prompt_tokens, completion, cached)
+                    )
+                )
+            yield shapes.SSE_DONE
         except (EngineError, GatewayError) as exc:
             err = to_gateway_error(exc) or GatewayError(str(exc))
             status = err.status
-            yield _sse(err.body())
+            yield shapes.sse(err.body())
         finally:
-            self._meter(p, usage, status if usage is not None else 499, ttft)
+            await self._finish(p, usage, "".join(texts), finish, status, ttft)
 
-    def _chunk(self, p: Prepared, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-        if p.kind == "chat":
-            choice["delta"] = delta
-        else:
-            choice["text"] = delta.get("content", "")
-        return {
-            "id": p.response_id,
-            "object": "chat.completion.chunk" if p.kind == "chat" else "text_completion",
-            "created": p.created,
-            "model": p.model.name,
-            "system_fingerprint": None,
-            "choices": [choice],
-        }
+    async def _complete_hit(self, p: Prepared, hit: CacheHit) -> dict[str, Any]:
+        r = hit.response
+        await self._finish_hit(p, hit)
+        return shapes.whole(
+            p.meta,
+            r.text,
+            r.finish_reason,
+            shapes.usage_json(r.prompt_tokens, r.completion_tokens, 0),
+        )
 
-    def _meter(self, p: Prepared, usage: Usage | None, status: int, ttft: float | None) -> None:
+    async def _stream_hit(self, p: Prepared, hit: CacheHit) -> AsyncIterator[bytes]:
+        r = hit.response
+        try:
+            if p.meta.kind == "chat":
+                yield shapes.sse(shapes.chunk(p.meta, None, None, role=True))
+            for i in range(0, len(r.text), HIT_CHUNK_CHARS):
+                yield shapes.sse(shapes.chunk(p.meta, r.text[i : i + HIT_CHUNK_CHARS], None))
+            yield shapes.sse(shapes.chunk(p.meta, None, r.finish_reason))
+            if p.include_usage:
+                usage = shapes.usage_json(r.prompt_tokens, r.completion_tokens, 0)
+                yield shapes.sse(shapes.usage_chunk(p.meta, usage))
+            yield shapes.SSE_DONE
+        finally:
+            await self._finish_hit(p, hit)
+
+    # -- finishing -------------------------------------------------------------------------------
+    async def _finish(
+        self,
+        p: Prepared,
+        usage: Usage | None,
+        text: str,
+        finish: str | None,
+        status: int,
+        ttft: float | None,
+    ) -> None:
+        """Meter, store in the cache, and settle the reservation (exactly once)."""
+        completion = usage.completion_tokens if usage else 0
+        try:
+            if status == 200 and usage is not None and finish is not None and p.policy.store:
+                response = CachedResponse(text, finish, p.prompt_tokens, completion)
+                await self.gw.cache.store(p.cache_key, p.policy, response)
+            self._meter(
+                p, p.prompt_tokens, completion, usage.cached_tokens if usage else 0, status, ttft
+            )
+        finally:
+            if p.admission is not None:
+                await p.admission.settle(p.prompt_tokens + completion if usage else 0)
+
+    async def _finish_hit(self, p: Prepared, hit: CacheHit) -> None:
+        try:
+            self._meter(p, 0, 0, 0, 200, time.perf_counter() - p.started)
+        finally:
+            if p.admission is not None:
+                await p.admission.settle(0)
+
+    def _meter(
+        self,
+        p: Prepared,
+        prompt: int,
+        completion: int,
+        cached: int,
+        status: int,
+        ttft: float | None,
+    ) -> None:
         latency = time.perf_counter() - p.started
         kind = "adapter" if p.model.digest else "base"
         m = self.gw.metrics
-        m.latency.labels(p.kind).observe(latency)
+        m.latency.labels(p.meta.kind).observe(latency)
+        m.cache.labels(p.cache_outcome).inc()
         if ttft is not None:
             m.ttft.labels(kind).observe(ttft)
-        completion = usage.completion_tokens if usage else 0
-        m.tokens.labels(kind, "prompt").inc(p.prompt_tokens)
+        m.tokens.labels(kind, "prompt").inc(prompt)
         m.tokens.labels(kind, "completion").inc(completion)
         self.gw.usage.record(
             UsageRecord(
@@ -194,10 +329,10 @@ class CompletionService:
                 key_id=p.principal.key_id,
                 model=p.model.name,
                 adapter_digest=p.model.digest,
-                prompt_tokens=p.prompt_tokens,
+                prompt_tokens=prompt,
                 completion_tokens=completion,
-                cached_tokens=usage.cached_tokens if usage else 0,
-                cache="miss",
+                cached_tokens=cached,
+                cache=p.cache_outcome,
                 status=status,
                 latency_ms=latency * 1000,
                 ttft_ms=ttft * 1000 if ttft is not None else None,
@@ -216,17 +351,3 @@ def _completion_prompt(prompt: str | list[Any], nested: bool = False) -> dict[st
         "prompt must be a string, a list of token ids, or a list holding one of those",
         param="prompt",
     )
-
-
-def _usage_json(usage: Usage | None, prompt_tokens: int) -> dict[str, Any]:
-    completion = usage.completion_tokens if usage else 0
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens if usage else 0},
-    }
-
-
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"

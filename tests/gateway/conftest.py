@@ -17,7 +17,7 @@ from gateway.settings import Settings
 
 @pytest.fixture(scope="session")
 def gateway(
-    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_url: str
 ) -> Iterator[RunningServer]:
     data = tmp_path_factory.mktemp("gateway-data")
     env = {
@@ -33,9 +33,8 @@ def gateway(
     try:
         settings = Settings()
         upgrade(settings.database_url)
-        with serve_in_thread(
-            settings, engine_client(settings, demo_model_dir), demo_model_dir
-        ) as server:
+        client = engine_client(settings, demo_model_dir)
+        with serve_in_thread(settings, client, demo_model_dir, redis_url=redis_url) as server:
             yield server
     finally:
         for k, v in old.items():

@@ -8,28 +8,30 @@ from datetime import UTC, datetime
 import httpx
 import pytest
 
-from gateway.db import UsageEvent
 from gateway.server import RunningServer
+from gateway.usage import UsageRecord
 from tests.gateway.conftest import json_of
 
 DAY1, DAY2 = datetime(2031, 3, 1, 23, 30, tzinfo=UTC), datetime(2031, 3, 2, 0, 15, tzinfo=UTC)
 
 
-def event(tenant: str, when: datetime, **fields: object) -> UsageEvent:
+def event(tenant: str, when: datetime, **fields: object) -> UsageRecord:
     values: dict = {
         "request_id": f"req_{uuid.uuid4().hex[:12]}",
         "tenant_id": tenant,
         "key_id": "key-a",
         "model": "support",
+        "adapter_digest": None,
         "prompt_tokens": 10,
         "completion_tokens": 5,
         "cached_tokens": 0,
         "cache": "miss",
         "status": 200,
         "latency_ms": 100.0,
+        "ttft_ms": None,
         "created_at": when,
     }
-    return UsageEvent(**(values | fields))
+    return UsageRecord(**(values | fields))
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +47,12 @@ def tenant(gateway: RunningServer) -> str:
         event("tnt_someone_else", DAY1, prompt_tokens=1000),
     ]
 
-    async def insert() -> None:
-        async with gateway.state.sessions() as session:
-            session.add_all(events)
-            await session.commit()
+    async def record() -> None:
+        for e in events:
+            gateway.state.usage.record(e)
+        await gateway.state.usage.flush()
 
-    gateway.run(insert())
+    gateway.run(record())
     return tenant_id
 
 

@@ -20,7 +20,10 @@ from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 
 @pytest.fixture(scope="module")
 def pg_gateway(
-    postgres_url: str, demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    postgres_url: str,
+    demo_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    redis_url: str,
 ) -> Iterator[RunningServer]:
     upgrade(postgres_url)
     settings = Settings(
@@ -30,7 +33,7 @@ def pg_gateway(
         server=ServerSettings(database_url=postgres_url, model_name="demo-model"),
     )
     client = engine_client(settings, demo_model_dir)
-    with serve_in_thread(settings, client, demo_model_dir) as server:
+    with serve_in_thread(settings, client, demo_model_dir, redis_url=redis_url) as server:
         yield server
 
 

@@ -1,0 +1,507 @@
+"""Many adapters in one batch: the engine against PEFT, throughput as the number of distinct
+adapters grows, and time to first token when many adapters share few device slots.
+
+Requests: prompt lengths uniform in a range, prompt tokens uniform over the tokenizer's
+non-special vocabulary, exactly `output_len` new tokens each (EOS ignored), so no side wastes
+work on uneven lengths. Adapters are genuine PEFT demo adapters (ranks 8-64, five target sets).
+
+a. N requests, request i on adapter i: the engine (all submitted at once, step until idle);
+   PEFT mixed-adapter batches (`generate(adapter_names=...)`, static batches of B in submission
+   order, left-padded); PEFT one adapter at a time (`set_adapter`, then one `generate` of that
+   adapter's requests). Output tokens/s of each; goal: the engine >= 5x the better PEFT way.
+   Every adapter is loaded on both sides before timing (the engine's in its device slots).
+b. The same N requests spread round-robin over 1, 8, ... N adapters (and on the base model, for
+   context); goal: N adapters keep >= 0.85 of the single adapter's throughput.
+c. M adapters with Zipf(s) popularity; requests arrive as a Poisson process at `load` times the
+   request rate the engine sustained in (b) with N adapters (median repetition), and are added
+   before each step once their arrival time has come. Time to first token (TTFT) = arrival
+   time to the return of the step that produced the request's first token. Once with `slots`
+   device slots (and `host` adapters in host memory), once with every adapter in a device slot;
+   each engine first runs an untimed burst drawn from the same popularity (the all-resident one
+   also one request per adapter, so that every adapter is in its slot). Goal: median TTFT with
+   few slots at most 2x the all-resident one, reported as all-resident / few-slot >= 0.5. The
+   engines must keep up with the arrivals for TTFT to mean anything: see `drain_seconds`.
+Correctness: the engine's outputs in (a) equal PEFT's one-adapter-at-a-time greedy outputs token
+for token (`generate(eos_token_id=None)` disables EOS; output lengths are asserted).
+Timing: each engine case and each PEFT way runs `repeats` times, interleaved; the fastest
+counts (on a shared machine, the least disturbed run); all are in `details`.
+
+Run: `python -m bench.lora_batching [--quick] [--threads 1]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import itertools
+import math
+import random
+import tempfile
+import time
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from adapters.demo import build_demo_adapters
+from bench.common import (
+    Figure,
+    Result,
+    RunSettings,
+    configure,
+    median,
+    now,
+    parse_args,
+    prepare_model,
+    report,
+)
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineRequest
+from engine.sampling import SamplingParams
+
+NAME = "lora_batching"
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_requests: int
+    prompt_lens: tuple[int, int]
+    output_len: int
+    distinct: tuple[int, ...]
+    """(b): adapter counts; the last is num_requests, the case (a) compares with PEFT."""
+    peft_batch_sizes: tuple[int, ...]
+    repeats: int
+    num_adapters: int
+    """(c): registered adapters; adapter k has popularity weight 1 / (k + 1) ** zipf_s."""
+    slots: int
+    host: int
+    stream: int
+    """(c): timed requests per engine."""
+    burst: int
+    """(c): untimed requests run first, from the same popularity."""
+    zipf_s: float = 1.1
+    load: float = 0.5
+    seed: int = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.prompt_lens[1] + self.output_len
+
+
+WORKLOADS = {
+    "full": Workload(64, (16, 64), 32, (1, 8, 64), (16, 64), 3, 500, 16, 64, 400, 200),
+    "quick": Workload(16, (16, 48), 16, (1, 4, 16), (16,), 1, 64, 8, 16, 48, 24),
+    "smoke": Workload(4, (8, 16), 4, (1, 4), (4,), 1, 8, 2, 4, 8, 4),
+}
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: str
+    prompt: list[int]
+    adapter: int | None
+    """Index into the adapter folders; None for the base model."""
+    arrival: float = 0.0
+    """(c) only: seconds after the stream starts."""
+
+
+Run = tuple[float, list[list[int]]]
+"""Seconds taken, and each request's output tokens in request order."""
+
+
+def engine_config(
+    settings: RunSettings, model_dir: Path, w: Workload, slots: int, host: int
+) -> EngineConfig:
+    """Prefix caching off: every case reruns the same prompts, and must compute them again."""
+    return EngineConfig(
+        model=model_dir,
+        dtype=settings.dtype,
+        device=settings.device,
+        max_model_len=w.max_model_len,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048 if settings.is_cuda else 512,
+        kv_cache_bytes=(8 << 30) if settings.is_cuda else (256 << 20),
+        max_loras=slots,
+        max_cpu_loras=host,
+        enable_prefix_caching=False,
+    )
+
+
+def plain_vocab(tokenizer: Any) -> list[int]:
+    """Every token id that is not a special token."""
+    return [t for t in range(len(tokenizer)) if t not in tokenizer.all_special_ids]
+
+
+def make_prompts(w: Workload, vocab: Sequence[int], rng: random.Random, n: int) -> list[list[int]]:
+    return [[rng.choice(vocab) for _ in range(rng.randint(*w.prompt_lens))] for _ in range(n)]
+
+
+def spread(prompts: Sequence[list[int]], distinct: int | None, tag: str) -> list[Request]:
+    """Request i on adapter i % distinct (None: every request on the base model)."""
+    return [
+        Request(f"{tag}-{i}", p, None if distinct is None else i % distinct)
+        for i, p in enumerate(prompts)
+    ]
+
+
+# -- engine -----------------------------------------------------------------------------------
+def engine_request(r: Request, digests: Sequence[str], out_len: int) -> EngineRequest:
+    params = SamplingParams(max_tokens=out_len, ignore_eos=True)
+    adapter = None if r.adapter is None else digests[r.adapter]
+    return EngineRequest(r.request_id, params, prompt_token_ids=r.prompt, adapter=adapter)
+
+
+def run_engine(
+    engine: LLMEngine, requests: Sequence[Request], digests: Sequence[str], out_len: int
+) -> Run:
+    """Submit every request at once and step until idle."""
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    device = engine.config.device
+    start = now(device)
+    for r in requests:
+        engine.add_request(engine_request(r, digests, out_len))
+    while engine.has_work:
+        for out in engine.step():
+            outputs[out.request_id].extend(out.token_ids)
+    return now(device) - start, [outputs[r.request_id] for r in requests]
+
+
+def warm_slots(engine: LLMEngine, digests: Sequence[str]) -> None:
+    """One two-token request per adapter: with enough slots, every adapter is then in one."""
+    warm = [Request(f"warm-{i}", [10 + i % 50] * 4, i) for i in range(len(digests))]
+    run_engine(engine, warm, digests, 2)
+
+
+def register(engine: LLMEngine, folders: Sequence[Path]) -> list[str]:
+    return [engine.register_adapter(f) for f in folders]
+
+
+# -- PEFT -------------------------------------------------------------------------------------
+def load_peft(model_dir: Path, folders: Sequence[Path], dtype: torch.dtype, device: str) -> Any:
+    """One PeftModel holding every adapter in `folders`, each named by its folder."""
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = PeftModel.from_pretrained(base, folders[0], adapter_name=folders[0].name)
+    for folder in folders[1:]:
+        model.load_adapter(folder, adapter_name=folder.name)
+    return model.to(device).eval()
+
+
+@dataclass(frozen=True)
+class Peft:
+    model: Any
+    names: list[str]
+    """Adapter index → PEFT adapter name."""
+    out_len: int
+    pad_id: int
+
+    def generate(self, prompts: Sequence[list[int]], names: list[str] | None) -> list[list[int]]:
+        """Greedy continuations of exactly `out_len` tokens, left-padded; row i on adapter
+        `names[i]`, or every row on the active adapter when `names` is None."""
+        width = max(len(p) for p in prompts)
+        pad, device = self.pad_id, self.model.device
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        extra = {} if names is None else {"adapter_names": names}
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=self.out_len,
+                do_sample=False,
+                eos_token_id=None,  # transformers 5: None turns stopping at EOS off
+                pad_token_id=pad,
+                **extra,
+            )
+        assert out.shape[1] == width + self.out_len, "generate stopped early: EOS still on"
+        return out[:, width:].tolist()
+
+    def run_mixed(self, requests: Sequence[Request], batch: int) -> Run:
+        """Static batches of `batch` requests in submission order, each row on its adapter."""
+        outputs: list[list[int]] = []
+        start = now(str(self.model.device))
+        for i in range(0, len(requests), batch):
+            chunk = requests[i : i + batch]
+            rows = [self.names[r.adapter] if r.adapter is not None else "__base__" for r in chunk]
+            outputs += self.generate([r.prompt for r in chunk], rows)
+        return now(str(self.model.device)) - start, outputs
+
+    def run_per_adapter(self, requests: Sequence[Request]) -> Run:
+        """For each adapter in order of first use: `set_adapter`, one batch of its requests."""
+        groups: dict[int | None, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(r.adapter, []).append(i)
+        outputs: list[list[int]] = [[] for _ in requests]
+        start = now(str(self.model.device))
+        for adapter, rows in groups.items():
+            assert adapter is not None, "the per-adapter way serves adapter requests only"
+            self.model.set_adapter(self.names[adapter])
+            got = self.generate([requests[i].prompt for i in rows], None)
+            for i, tokens in zip(rows, got, strict=True):
+                outputs[i] = tokens
+        return now(str(self.model.device)) - start, outputs
+
+
+# -- (a) and (b) ------------------------------------------------------------------------------
+@dataclass
+class Timed:
+    """One case: the seconds of every repetition and the last repetition's outputs."""
+
+    tokens: int
+    seconds: list[float] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+
+    def add(self, run: Run) -> None:
+        self.seconds.append(run[0])
+        self.outputs = run[1]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / min(self.seconds)
+
+
+def engine_case(distinct: int | None) -> str:
+    """The name of an engine case in `details.cases` and the figures."""
+    if distinct is None:
+        return "engine, base model"
+    return f"engine, {distinct} adapter{'s' if distinct > 1 else ''}"
+
+
+def measure_batching(
+    settings: RunSettings, model_dir: Path, folders: Sequence[Path], w: Workload
+) -> dict[str, Timed]:
+    """Every case of (a) and (b), keyed 'engine, base model', 'engine, <d> adapters' for d in
+    w.distinct, 'peft-mixed-<B>' for B in w.peft_batch_sizes and 'peft-one'."""
+    n = w.distinct[-1]
+    engine = LLMEngine(engine_config(settings, model_dir, w, slots=n, host=n))
+    prompts = make_prompts(w, plain_vocab(engine.tokenizer), random.Random(w.seed), w.num_requests)
+    digests = register(engine, folders[:n])
+    warm_slots(engine, digests)
+    dtype = engine.config.torch_dtype
+    peft = Peft(
+        load_peft(model_dir, folders[:n], dtype, settings.device),
+        [f.name for f in folders[:n]],
+        w.output_len,
+        engine.tokenizer.pad_token_id,
+    )
+    peft.generate([prompts[0], prompts[1][:8]], peft.names[:2])  # warm-up
+    every = spread(prompts, n, "peft")
+    timed: defaultdict[str, Timed] = defaultdict(lambda: Timed(len(prompts) * w.output_len))
+    for rep in range(w.repeats):
+        for d in (None, *w.distinct):
+            run = run_engine(engine, spread(prompts, d, f"{rep}-{d}"), digests, w.output_len)
+            timed[engine_case(d)].add(run)
+        for b in w.peft_batch_sizes:
+            timed[f"peft-mixed-{b}"].add(peft.run_mixed(every, b))
+        timed["peft-one"].add(peft.run_per_adapter(every))
+    return dict(timed)
+
+
+# -- (c) --------------------------------------------------------------------------------------
+def zipf_requests(
+    w: Workload, vocab: Sequence[int], rng: random.Random, n: int, rate: float, tag: str
+) -> list[Request]:
+    """`n` requests on Zipf-popular adapters with Poisson arrivals at `rate` per second."""
+    weights = [1 / (k + 1) ** w.zipf_s for k in range(w.num_adapters)]
+    adapters = rng.choices(range(w.num_adapters), weights, k=n)
+    arrivals = itertools.accumulate(rng.expovariate(rate) for _ in range(n))
+    prompts = make_prompts(w, vocab, rng, n)
+    return [
+        Request(f"{tag}-{i}", p, a, t)
+        for i, (p, a, t) in enumerate(zip(prompts, adapters, arrivals, strict=True))
+    ]
+
+
+@dataclass(frozen=True)
+class StreamRun:
+    ttft: list[float]
+    """Seconds from arrival to first token, per request in arrival order."""
+    added_ttft: list[float]
+    """Seconds from `add_request` (the step boundary after the arrival) to first token."""
+    seconds: float
+    busy_seconds: float
+    """Time inside steps that computed tokens."""
+    drain_seconds: float
+    """From the last arrival until idle: far above one request's own time, the engine fell
+    behind the arrivals and TTFT measures its queue."""
+    slot_loads: int
+    host_loads: int
+    """Adapters read from disk during the stream (registration not counted)."""
+
+
+def run_stream(
+    engine: LLMEngine, stream: Sequence[Request], digests: Sequence[str], out_len: int
+) -> StreamRun:
+    """Replay the arrivals in real time on this thread: before each step, add every request
+    whose arrival time has come. Sleeps until the next arrival when idle, and 1 ms after a step
+    that computed nothing (its requests wait for adapters read on the loader thread)."""
+    device = engine.config.device
+    before = adapter_loads(engine)
+    pending = deque(stream)
+    added: dict[str, float] = {}
+    first: dict[str, float] = {}
+    busy = 0.0
+    start = now(device)
+    while pending or engine.has_work:
+        clock = now(device) - start
+        while pending and pending[0].arrival <= clock:
+            r = pending.popleft()
+            engine.add_request(engine_request(r, digests, out_len))
+            added[r.request_id] = clock
+        if not engine.has_work:
+            time.sleep(max(0.0, pending[0].arrival - clock))
+            continue
+        steps = engine.stats().steps
+        outputs = engine.step()
+        done = now(device) - start
+        if engine.stats().steps == steps:
+            time.sleep(1e-3)
+            continue
+        busy += done - clock
+        for out in outputs:
+            first.setdefault(out.request_id, done)
+    seconds = now(device) - start
+    after = adapter_loads(engine)
+    return StreamRun(
+        [first[r.request_id] - r.arrival for r in stream],
+        [first[r.request_id] - added[r.request_id] for r in stream],
+        seconds,
+        busy,
+        seconds - stream[-1].arrival,
+        after[0] - before[0],
+        after[1] - before[1],
+    )
+
+
+def adapter_loads(engine: LLMEngine) -> tuple[int, int]:
+    """(device-slot loads, host-tier loads) summed over every adapter so far."""
+    stats = engine.adapter_stats().values()
+    return sum(s.slot_loads for s in stats), sum(s.loads for s in stats)
+
+
+def measure_many_adapters(
+    settings: RunSettings, model_dir: Path, folders: Sequence[Path], w: Workload, rate: float
+) -> dict[str, StreamRun]:
+    """The same burst and stream through `w.slots` slots ('few') and through one slot per
+    adapter ('resident'), one engine at a time."""
+    m = w.num_adapters
+    vocab = plain_vocab(AutoTokenizer.from_pretrained(str(model_dir)))
+    rng = random.Random(w.seed + 1)
+    burst = zipf_requests(w, vocab, rng, w.burst, rate, "burst")
+    stream = zipf_requests(w, vocab, rng, w.stream, rate, "stream")
+    runs: dict[str, StreamRun] = {}
+    for case, slots, host in (("few", w.slots, w.host), ("resident", m, m)):
+        engine = LLMEngine(engine_config(settings, model_dir, w, slots, host))
+        digests = register(engine, folders[:m])
+        if case == "resident":
+            warm_slots(engine, digests)
+        run_engine(engine, burst, digests, w.output_len)
+        runs[case] = run_stream(engine, stream, digests, w.output_len)
+        del engine
+        gc.collect()
+    return runs
+
+
+# -- report -----------------------------------------------------------------------------------
+def p99(values: Sequence[float]) -> float:
+    """Nearest-rank 99th percentile."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def equal_fraction(reference: Sequence[list[int]], outputs: Sequence[list[int]]) -> float:
+    return sum(a == b for a, b in zip(reference, outputs, strict=True)) / len(reference)
+
+
+def figures(w: Workload, timed: dict[str, Timed], runs: dict[str, StreamRun]) -> list[Figure]:
+    n, d1 = w.distinct[-1], w.distinct[0]
+    ours, one = timed[engine_case(n)], timed["peft-one"]
+    b = max(w.peft_batch_sizes, key=lambda b: timed[f"peft-mixed-{b}"].tokens_per_s)
+    mixed = timed[f"peft-mixed-{b}"]
+    best_peft = max(mixed.tokens_per_s, one.tokens_per_s)
+    few, resident = median(runs["few"].ttft), median(runs["resident"].ttft)
+    streams = (
+        (f"{w.slots} slots", runs["few"]),
+        (f"all {w.num_adapters} resident", runs["resident"]),
+    )
+    return [
+        Figure(f"(a) tokens/s, {engine_case(n)}", ours.tokens_per_s, "tok/s"),
+        Figure(f"(a) tokens/s, PEFT mixed-adapter batches of {b}", mixed.tokens_per_s, "tok/s"),
+        Figure("(a) tokens/s, PEFT one adapter at a time", one.tokens_per_s, "tok/s"),
+        Figure("(a) engine / best PEFT", ours.tokens_per_s / best_peft, "x", 5.0),
+        Figure(
+            "(a) greedy outputs equal to PEFT",
+            equal_fraction(one.outputs, ours.outputs),
+            "fraction",
+            1.0,
+        ),
+        *(
+            Figure(f"(b) tokens/s, {engine_case(d)}", timed[engine_case(d)].tokens_per_s, "tok/s")
+            for d in (None, *w.distinct[:-1])
+        ),
+        Figure(
+            f"(b) tokens/s {n} adapters / {d1}",
+            ours.tokens_per_s / timed[engine_case(d1)].tokens_per_s,
+            "ratio",
+            0.85,
+        ),
+        *(
+            Figure(f"(c) TTFT {stat}, {label}", f(run.ttft) * 1e3, "ms")
+            for label, run in streams
+            for stat, f in (("median", median), ("p99", p99))
+        ),
+        Figure(f"(c) TTFT median all resident / {w.slots} slots", resident / few, "ratio", 0.5),
+    ]
+
+
+def details(
+    w: Workload, timed: dict[str, Timed], runs: dict[str, StreamRun], rate: float
+) -> dict[str, Any]:
+    """Every repetition's seconds, PEFT's agreement with the engine, and the streams."""
+    ours = timed[engine_case(w.distinct[-1])].outputs
+    cases = {case: {"seconds": t.seconds, "tokens": t.tokens} for case, t in timed.items()}
+    for case in (c for c in cases if c.startswith("peft")):
+        cases[case]["outputs_equal_to_engine"] = equal_fraction(timed[case].outputs, ours)
+    streams: dict[str, Any] = {"arrival_rate_per_s": rate}
+    for case, run in runs.items():
+        streams[case] = dataclasses.asdict(run) | {
+            "busy_fraction": run.busy_seconds / run.seconds,
+            "ttft_median_from_add_ms": median(run.added_ttft) * 1e3,
+        }
+    return {"cases": cases, "streams": streams}
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    settings = parse_args(__doc__ or NAME, argv)
+    configure(settings)
+    w = WORKLOADS[settings.mode]
+    with tempfile.TemporaryDirectory(prefix="loramux-bench-") as tmp:
+        model_dir, model = prepare_model(settings, Path(tmp))
+        count = max(w.num_adapters, w.distinct[-1])
+        folders = build_demo_adapters(model_dir, Path(tmp) / "adapters", count, seed=w.seed)
+        timed = measure_batching(settings, model_dir, folders, w)
+        rate = w.load * w.num_requests / median(timed[engine_case(w.distinct[-1])].seconds)
+        runs = measure_many_adapters(settings, model_dir, folders, w, rate)
+    workload = dataclasses.asdict(w) | {
+        "max_model_len": w.max_model_len,
+        "prompt_tokens_from": "uniform over the tokenizer's non-special vocabulary",
+        "adapters": f"adapters.demo.build_demo_adapters(seed={w.seed}): adapter i is index i",
+        "ignore_eos": True,
+    }
+    config = dataclasses.asdict(engine_config(settings, Path(), w, w.distinct[-1], w.distinct[-1]))
+    config.pop("model")
+    config["(c) max_loras, max_cpu_loras"] = {
+        "few": [w.slots, w.host],
+        "resident": [w.num_adapters] * 2,
+    }
+    figs, more = figures(w, timed, runs), details(w, timed, runs, rate)
+    return report(Result(NAME, settings, model, workload, config, figs, more))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,398 @@
+"""What the response cache buys and what it costs: exact hits end to end, semantic lookups in a
+large bucket, and how often a semantic hit is right.
+
+1. End to end, through a real gateway (uvicorn on loopback, SQLite, the in-process engine on the
+   demo model, a private redis-server), for distinct deterministic chat requests: each is sent
+   once to fill the cache, then timed twice in alternating order — uncached (`Cache-Control:
+   no-cache`, which skips the lookup and runs the engine again) and as an exact hit.
+2. Semantic lookup latency with `bucket_entries` entries in one bucket: the benchmark's stored
+   questions plus filler vectors near them (cosine ≈ 0.7, as questions on the same topics are).
+   A timed lookup is `ResponseCache.lookup` of a paraphrase whose embedding is already known
+   (exact GET, bucket sync, search, verifier, response GET); embedding one question is timed
+   apart. Also: the first search of a process (loading its copy of the bucket), and how often the
+   sign-bit prefilter keeps the entry that brute force over all vectors ranks first.
+3. Decision quality on the labelled pairs of `bench/data/semantic_pairs.jsonl` (paraphrases and
+   hard negatives): for each pair, question `a` is stored in a bucket of its own and `b` looked
+   up, with the defaults (threshold 0.92), by similarity alone and with the strict verifier.
+   Details add a threshold sweep and, per kind of pair, what each stage let through.
+
+Run: `python -m bench.response_cache [--quick]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from redis.asyncio import Redis
+
+from bench.common import Figure, Result, RunSettings, configure, parse_args, prepare_model, report
+from bench.gateway_overhead import CeilingFigure, percentile
+from cache.embedder import Embedder
+from cache.keys import semantic_question
+from cache.response_cache import ResponseCache
+from cache.types import CachedResponse, CachePolicy, CacheRequest
+from cache.verifier import verify
+from gateway.db.migrate import upgrade
+from gateway.redis_server import private_redis
+from gateway.server import engine_client, serve_in_thread
+from gateway.settings import EngineSettings, ServerSettings, Settings
+
+NAME = "response_cache"
+PAIRS = Path(__file__).parent / "data" / "semantic_pairs.jsonl"
+MODEL_NAME = "demo-model"
+DEFAULTS = CachePolicy(
+    lookup=True, store=True, semantic=True, ttl=3600, threshold=0.92, verifier="strict"
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    requests: int
+    """Distinct chat requests timed end to end (each uncached and as a hit)."""
+    max_tokens: int
+    bucket_entries: int
+    lookups: int
+    """Timed semantic lookups (paraphrases, cycling through the labelled set)."""
+    filler_noise: float = 0.05
+
+
+WORKLOADS = {
+    "full": Workload(40, 64, 100_000, 1000),
+    "quick": Workload(10, 32, 20_000, 200),
+    "smoke": Workload(2, 8, 300, 10),
+}
+
+
+@dataclass(frozen=True)
+class Pair:
+    a: str
+    b: str
+    same: bool
+    kind: str
+
+
+def load_pairs() -> list[Pair]:
+    return [Pair(**json.loads(line)) for line in PAIRS.read_text().splitlines() if line]
+
+
+def chat(question: str, tenant: str, history: str = "") -> CacheRequest:
+    params = (("max_tokens", 64), ("temperature", 0.0))
+    messages = (("system", f"You are a helpful assistant.{history}"), ("user", question))
+    return CacheRequest(tenant, MODEL_NAME, "base", "chat", messages, None, params)
+
+
+def ms(values: Sequence[float], q: float) -> float:
+    return percentile([v * 1000 for v in values], q)
+
+
+# -- 1. end to end through the gateway ----------------------------------------------------------
+def end_to_end(model_dir: Path, workdir: Path, redis_url: str, w: Workload) -> dict[str, Any]:
+    settings = Settings(
+        data_dir=workdir / "gateway",
+        model=model_dir,
+        engine=EngineSettings(max_model_len=512, kv_cache_mb=64),
+        server=ServerSettings(model_name=MODEL_NAME),
+    )
+    upgrade(settings.database_url)
+    client = engine_client(settings, model_dir)
+    with serve_in_thread(settings, client, model_dir, redis_url=redis_url) as server:
+        token = server.state.admin.mint("bench-response-cache", ttl_seconds=3600)
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            key = _tenant_key(http, token)
+            return _time_requests(http, key, w)
+
+
+def _tenant_key(http: httpx.Client, admin_token: str) -> str:
+    headers = {"authorization": f"Bearer {admin_token}"}
+    tenant = http.post(
+        "/admin/tenants", json={"name": f"bench-{uuid.uuid4().hex[:8]}"}, headers=headers
+    )
+    tenant.raise_for_status()
+    key = http.post(f"/admin/tenants/{tenant.json()['id']}/keys", json={}, headers=headers)
+    key.raise_for_status()
+    return str(key.json()["key"])
+
+
+def _time_requests(http: httpx.Client, key: str, w: Workload) -> dict[str, Any]:
+    questions = [p.a for p in load_pairs()][: w.requests]
+    auth = {"authorization": f"Bearer {key}"}
+    timings: dict[str, list[float]] = {"uncached": [], "hit": []}
+    seen: dict[str, list[str]] = {"fill": [], "uncached": [], "hit": []}
+    tokens = []
+
+    def send(question: str, arm: str, headers: dict[str, str]) -> None:
+        body = {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": question}],
+            "temperature": 0,
+            "max_tokens": w.max_tokens,
+        }
+        start = time.perf_counter()
+        r = http.post("/v1/chat/completions", json=body, headers=auth | headers)
+        elapsed = time.perf_counter() - start
+        r.raise_for_status()
+        seen[arm].append(r.headers.get("x-cache", "absent"))
+        if arm != "fill":
+            timings[arm].append(elapsed)
+        else:
+            tokens.append(r.json()["usage"]["completion_tokens"])
+
+    for i, question in enumerate(questions):
+        send(question, "fill", {})
+        arms = [("uncached", {"cache-control": "no-cache"}), ("hit", {})]
+        for arm, headers in arms if i % 2 == 0 else arms[::-1]:
+            send(question, arm, headers)
+    return {
+        "uncached_p50_ms": ms(timings["uncached"], 50),
+        "hit_p50_ms": ms(timings["hit"], 50),
+        "uncached_p90_ms": ms(timings["uncached"], 90),
+        "hit_p90_ms": ms(timings["hit"], 90),
+        "x_cache_seen": {arm: sorted(set(values)) for arm, values in seen.items()},
+        "completion_tokens_mean": float(np.mean(tokens)),
+    }
+
+
+# -- 2. semantic lookup latency in one large bucket ----------------------------------------------
+async def lookup_latency(redis_url: str, w: Workload, pairs: list[Pair]) -> dict[str, Any]:
+    redis = Redis.from_url(redis_url)
+    embedder = Embedder()
+    options = {"max_entries_per_bucket": w.bucket_entries, "mirror_bytes": 1 << 30}
+    prefix = f"bench-{uuid.uuid4().hex[:8]}"
+    cache = ResponseCache(redis, embedder, prefix=prefix, **options)
+    await cache.start()
+    stored = [p.a for p in pairs if p.same]
+    asked = [p.b for p in pairs if p.same]
+    for start in range(0, len(stored), 32):
+        batch = stored[start : start + 32]
+        await asyncio.gather(*(cache.store(chat(q, "bench"), DEFAULTS, _answer(q)) for q in batch))
+    vectors = await embedder.embed([_embedded(q) for q in stored])
+    started = time.perf_counter()
+    filler = await _fill(cache, vectors, w)
+    fill_seconds = time.perf_counter() - started
+
+    reader = ResponseCache(Redis.from_url(redis_url), embedder, prefix=prefix, **options)
+    started = time.perf_counter()
+    await reader.lookup(chat(asked[0], "bench"), DEFAULTS)
+    first_search = time.perf_counter() - started
+    # Known embeddings: what is timed below is the lookup itself.
+    await embedder.embed([_embedded(q) for q in asked])
+    seconds, hits = [], 0
+    for i in range(w.lookups):
+        started = time.perf_counter()
+        hit = await reader.lookup(chat(asked[i % len(asked)], "bench"), DEFAULTS)
+        seconds.append(time.perf_counter() - started)
+        hits += hit is not None
+    embed_seconds = await _embedding_times(asked[:50])
+    recall = await _prefilter_recall(reader, np.concatenate([vectors, filler]), asked, embedder)
+    bucket = cache.keys.bucket(chat(stored[0], "bench"), embedder.model_id)
+    entries = await redis.zcard(bucket.lru)
+    for client in (redis, reader.redis):
+        await client.aclose()
+    return {
+        "entries": entries,
+        "fill_seconds": fill_seconds,
+        "first_search_ms": first_search * 1000,
+        "lookup_p50_ms": ms(seconds, 50),
+        "lookup_p99_ms": ms(seconds, 99),
+        "lookup_hit_rate": hits / w.lookups,
+        "embed_p50_ms": ms(embed_seconds, 50),
+        "prefilter_recall": recall,
+        "errors": cache.errors + reader.errors,
+    }
+
+
+def _embedded(question: str) -> str:
+    """The text the cache embeds for a question."""
+    return semantic_question(chat(question, "bench")) or question
+
+
+def _answer(question: str) -> CachedResponse:
+    return CachedResponse(f"answer to {question}", "stop", 12, 24)
+
+
+async def _fill(cache: ResponseCache, vectors: np.ndarray, w: Workload) -> np.ndarray:
+    """Add filler entries to the bucket until it holds `bucket_entries`; returns their vectors."""
+    count = w.bucket_entries - len(vectors)
+    rng = np.random.default_rng(0)
+    base = vectors[np.arange(count) % len(vectors)]
+    filler = base + w.filler_noise * rng.standard_normal(base.shape).astype(np.float32)
+    filler /= np.linalg.norm(filler, axis=1, keepdims=True)
+    request = chat("filler", "bench")
+    bucket = cache.keys.bucket(request, cache.embedder.model_id)
+    scope = cache.keys.scope(request.tenant_id, request.adapter)
+    for start in range(0, count, 64):
+        await asyncio.gather(
+            *(
+                cache.index.add(bucket, filler[i], f"filler {i}", f"{scope}x:filler{i}", 3600)
+                for i in range(start, min(start + 64, count))
+            )
+        )
+    return filler
+
+
+async def _embedding_times(texts: list[str]) -> list[float]:
+    fresh = Embedder()  # shares the loaded model, not the remembered texts
+    seconds = []
+    for text in texts:
+        started = time.perf_counter()
+        await fresh.embed([text])
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+async def _prefilter_recall(
+    cache: ResponseCache, everything: np.ndarray, asked: list[str], embedder: Embedder
+) -> float:
+    """Of the queries whose best match (brute force over every vector) is at least 0.8 similar,
+    the share for which the index's first candidate is that match (similarity within 0.01)."""
+    bucket = cache.keys.bucket(chat(asked[0], "bench"), embedder.model_id)
+    queries = await embedder.embed([_embedded(q) for q in asked])
+    agree = counted = 0
+    for query in queries:
+        best = float((everything @ query).max())
+        if best < 0.8:
+            continue
+        counted += 1
+        found = await cache.index.search(bucket, query, threshold=0.5, limit=1)
+        agree += bool(found) and abs(found[0].similarity - best) < 0.01
+    return agree / counted if counted else 1.0
+
+
+# -- 3. decision quality on labelled pairs ------------------------------------------------------
+async def decision_quality(redis_url: str, pairs: list[Pair]) -> dict[str, Any]:
+    redis = Redis.from_url(redis_url)
+    cache = ResponseCache(redis, Embedder(), prefix=f"bench-{uuid.uuid4().hex[:8]}")
+    requests = [
+        (chat(p.a, "pairs", f" #{i}"), chat(p.b, "pairs", f" #{i}")) for i, p in enumerate(pairs)
+    ]
+    for start in range(0, len(pairs), 32):
+        batch = zip(requests[start : start + 32], pairs[start : start + 32], strict=True)
+        await asyncio.gather(*(cache.store(a, DEFAULTS, _answer(p.a)) for (a, _), p in batch))
+    similarity_only = replace(DEFAULTS, verifier="off")
+    measure = replace(similarity_only, threshold=-1.0)
+    hits: dict[str, list[bool]] = {"similarity": [], "verifier": []}
+    similarities = []
+    for _, b in requests:
+        hits["similarity"].append(await cache.lookup(b, similarity_only) is not None)
+        hits["verifier"].append(await cache.lookup(b, DEFAULTS) is not None)
+        found = await cache.lookup(b, measure)
+        similarities.append(found.similarity if found and found.similarity is not None else -1.0)
+    await redis.aclose()
+    assert cache.errors == 0, "cache operations failed: the figures would be wrong"
+    same = np.array([p.same for p in pairs])
+    verdicts = [verify(p.a, p.b) for p in pairs]
+    accepted = np.array([v.accepted for v in verdicts])
+    sims = np.array(similarities)
+    out: dict[str, Any] = {stage: _precision_recall(np.array(h), same) for stage, h in hits.items()}
+    out["sweep"] = {
+        f"{t:.2f}": {
+            "similarity": _precision_recall(sims >= t, same),
+            "verifier": _precision_recall((sims >= t) & accepted, same),
+        }
+        for t in (0.80, 0.85, 0.88, 0.90, 0.92, 0.94, 0.96, 0.98)
+    }
+    out["by_kind"] = _by_kind(pairs, hits, verdicts)
+    out["pairs"] = {"total": len(pairs), "paraphrases": int(same.sum())}
+    return out
+
+
+def _precision_recall(hit: np.ndarray, same: np.ndarray) -> dict[str, float]:
+    tp, fp = int((hit & same).sum()), int((hit & ~same).sum())
+    return {
+        "precision": tp / (tp + fp) if tp + fp else 1.0,
+        "recall": tp / int(same.sum()),
+        "false_hits": fp,
+    }
+
+
+def _by_kind(pairs: list[Pair], hits: dict[str, list[bool]], verdicts: list[Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for i, p in enumerate(pairs):
+        row = out.setdefault(
+            p.kind, {"pairs": 0, "similarity_hits": 0, "verifier_hits": 0, "refused_by": {}}
+        )
+        row["pairs"] += 1
+        row["similarity_hits"] += hits["similarity"][i]
+        row["verifier_hits"] += hits["verifier"][i]
+        if not verdicts[i].accepted:
+            row["refused_by"][verdicts[i].reason] = row["refused_by"].get(verdicts[i].reason, 0) + 1
+    return out
+
+
+# -- the run ------------------------------------------------------------------------------------
+def figures(e2e: dict[str, Any], lookup: dict[str, Any], quality: dict[str, Any]) -> list[Figure]:
+    n = lookup["entries"]
+    return [
+        Figure("end-to-end latency, uncached (p50)", e2e["uncached_p50_ms"], "ms"),
+        Figure("end-to-end latency, exact hit (p50)", e2e["hit_p50_ms"], "ms"),
+        Figure(
+            "exact hit speedup (uncached / hit, p50)",
+            e2e["uncached_p50_ms"] / e2e["hit_p50_ms"],
+            "x",
+        ),
+        CeilingFigure(
+            f"semantic lookup p50, {n:,} entries in one bucket",
+            lookup["lookup_p50_ms"],
+            "ms",
+            goal_max=5.0,
+        ),
+        Figure(f"semantic lookup p99, {n:,} entries in one bucket", lookup["lookup_p99_ms"], "ms"),
+        Figure("embedding one question (p50)", lookup["embed_p50_ms"], "ms"),
+        Figure("precision, similarity alone", quality["similarity"]["precision"], "ratio"),
+        Figure("recall, similarity alone", quality["similarity"]["recall"], "ratio"),
+        Figure(
+            "precision, similarity + verifier",
+            quality["verifier"]["precision"],
+            "ratio",
+            goal_min=0.98,
+        ),
+        Figure(
+            "recall, similarity + verifier", quality["verifier"]["recall"], "ratio", goal_min=0.5
+        ),
+    ]
+
+
+async def semantic_parts(redis_url: str, w: Workload) -> tuple[dict[str, Any], dict[str, Any]]:
+    pairs = load_pairs()
+    return await lookup_latency(redis_url, w, pairs), await decision_quality(redis_url, pairs)
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    settings: RunSettings = parse_args(__doc__ or NAME, argv)
+    configure(settings)
+    w = WORKLOADS[settings.mode]
+    with tempfile.TemporaryDirectory(prefix="bench-response-cache-") as tmp:
+        workdir = Path(tmp)
+        model_dir, model = prepare_model(settings, workdir)
+        with private_redis(workdir) as redis_url:
+            e2e = end_to_end(model_dir, workdir, redis_url, w)
+            lookup, quality = asyncio.run(semantic_parts(redis_url, w))
+    return report(
+        Result(
+            benchmark=NAME,
+            settings=settings,
+            model=model,
+            workload=asdict(w) | {"pairs": str(PAIRS.relative_to(Path(__file__).parent.parent))},
+            engine_settings={
+                "threshold": DEFAULTS.threshold,
+                "verifier": DEFAULTS.verifier,
+                "rerank": 256,
+            },
+            figures=figures(e2e, lookup, quality),
+            details={"end_to_end": e2e, "lookup": lookup, "quality": quality},
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

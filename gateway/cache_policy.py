@@ -1,0 +1,138 @@
+"""What a completion request may do with the response cache, from the tenant's settings, the
+request's `Cache-Control` header and its `cache` body extension.
+
+Rules:
+- Only deterministic requests (temperature 0, or a seed given) are cached, unless the tenant
+  sets `cache_sampled`; the cache can be turned off per tenant (`enabled`).
+- `Cache-Control: no-cache` skips the lookup but stores the fresh answer; `no-store` does
+  neither. Both are honoured whatever the tenant's settings.
+- Semantic hits need the tenant to enable them (an admin: `PUT /admin/tenants/{id}/cache`) and
+  the request not to refuse them (`"cache": {"semantic": false}`); never for sampled requests.
+- The entry's lifetime is the body's `cache.ttl` when given (1 s to 7 days), else the tenant's.
+
+The tenant's settings live in `Tenant.settings["cache"]`; absent fields take `DEFAULTS`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from cache.types import CachePolicy, CacheRequest, VerifierName
+from engine.outputs import EngineRequest
+from engine.sampling import SamplingParams
+from gateway.errors import BadRequest
+
+MAX_TTL = 7 * 86400
+"""Longest entry lifetime a tenant or a request may ask for (seconds)."""
+
+
+@dataclass(frozen=True)
+class TenantCacheSettings:
+    """A tenant's response-cache settings (`Tenant.settings["cache"]`)."""
+
+    enabled: bool = True
+    """Cache this tenant's responses at all."""
+    semantic: bool = False
+    """Serve semantic hits (similar questions in the same conversation context)."""
+    threshold: float = 0.92
+    """Cosine similarity a semantic candidate needs before the verifier looks at it."""
+    verifier: VerifierName = "strict"
+    """`strict`: numbers, entities, negations, antonyms and word order must agree; `off`."""
+    ttl: int = 3600
+    """Default entry lifetime, seconds."""
+    cache_sampled: bool = False
+    """Also cache sampled requests (temperature > 0 and no seed): exact hits only."""
+
+    @classmethod
+    def of(cls, tenant_settings: dict[str, Any]) -> TenantCacheSettings:
+        """The settings stored on a tenant, defaults for what is absent."""
+        stored = tenant_settings.get("cache")
+        if not isinstance(stored, dict):
+            return cls()
+        known = {k: v for k, v in stored.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+DEFAULTS = TenantCacheSettings().as_dict()
+
+
+def is_deterministic(params: SamplingParams) -> bool:
+    return params.greedy or params.seed is not None
+
+
+def cache_policy(
+    tenant_settings: dict[str, Any],
+    cache_control: str | None,
+    body_cache: dict[str, Any] | None,
+    deterministic: bool,
+) -> CachePolicy:
+    """The policy of one request (see the module docstring). `tenant_settings` is the whole
+    `Tenant.settings` (as `Principal.tenant_settings` carries it). BadRequest for a bad ttl."""
+    settings = TenantCacheSettings.of(tenant_settings)
+    body = body_cache or {}
+    directives = {d.strip().lower() for d in (cache_control or "").split(",")}
+    cacheable = settings.enabled and (deterministic or settings.cache_sampled)
+    ttl = body.get("ttl")
+    if ttl is None:
+        ttl = settings.ttl
+    elif isinstance(ttl, bool) or not isinstance(ttl, int) or not 1 <= ttl <= MAX_TTL:
+        raise BadRequest(f"cache.ttl must be an integer from 1 to {MAX_TTL}", param="cache.ttl")
+    return CachePolicy(
+        lookup=cacheable and "no-cache" not in directives and "no-store" not in directives,
+        store=cacheable and "no-store" not in directives,
+        semantic=settings.semantic and deterministic and body.get("semantic") is not False,
+        ttl=ttl,
+        threshold=settings.threshold,
+        verifier=settings.verifier,
+    )
+
+
+def cache_request(
+    tenant_id: str,
+    base_model: str,
+    request: EngineRequest,
+    response_format: dict[str, Any] | None = None,
+) -> CacheRequest:
+    """The cache's identity of an engine request, after the model is resolved.
+
+    Greedy requests leave out top_p, top_k and seed: greedy decoding ignores them, so requests
+    that differ only there get the same answer and share an entry.
+    """
+    p = request.params
+    params: dict[str, Any] = {
+        "max_tokens": p.max_tokens,
+        "temperature": float(p.temperature),
+        "stop": p.stop,
+        "stop_token_ids": p.stop_token_ids,
+        "ignore_eos": p.ignore_eos,
+        "response_format": _canonical(response_format),
+    }
+    if not p.greedy:
+        params |= {"top_p": float(p.top_p), "top_k": p.top_k, "seed": p.seed}
+    messages = None
+    if request.messages is not None:
+        messages = tuple((str(m["role"]), str(m["content"])) for m in request.messages)
+    prompt: str | tuple[int, ...] | None = request.prompt
+    if request.prompt_token_ids is not None:
+        prompt = tuple(request.prompt_token_ids)
+    return CacheRequest(
+        tenant_id=tenant_id,
+        base_model=base_model,
+        adapter=request.adapter or "base",
+        kind="chat" if messages is not None else "text",
+        messages=messages,
+        prompt=prompt,
+        params=tuple(sorted(params.items())),
+    )
+
+
+def _canonical(value: dict[str, Any] | None) -> str | None:
+    """`response_format` as canonical JSON; `{"type": "text"}` is the default, so it is None."""
+    if not value or value == {"type": "text"}:
+        return None
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))

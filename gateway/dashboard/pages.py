@@ -1,0 +1,270 @@
+"""The dashboard's pages: sign-in and the usage page, as HTML built by `gateway.dashboard.html`.
+
+The pages carry no script at all; forms do the rest (sign in, sign out, pick a tenant and a
+window). Numbers a test or a person may check carry `data-testid` attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+from gateway.dashboard.charts import Series, lines, stacked_bars
+from gateway.dashboard.html import Child, Html, el
+from gateway.dashboard.session import Viewer
+from gateway.dashboard.view import Breakdown, DashboardView, QuotaLine
+from gateway.db import UsageTotals
+
+WINDOWS = (1, 7, 30, 90)
+"""Windows (days) offered by the page's selector."""
+BLUE, TEAL, RED, ORANGE, GRAY = "#3867d6", "#20bf6b", "#eb3b5a", "#fa8231", "#8395a7"
+
+
+def document(title: str, *body: Child) -> Html:
+    head = el(
+        "head",
+        el("meta", charset="utf-8"),
+        el("meta", name="viewport", content="width=device-width, initial-scale=1"),
+        el("title", title),
+        el("link", rel="stylesheet", href="/dashboard/style.css"),
+    )
+    return Html("<!doctype html>" + el("html", head, el("body", *body), lang="en"))
+
+
+def sign_in_page(message: str | None = None) -> Html:
+    form = el(
+        "form",
+        el("label", "API key or admin token", for_="credential"),
+        el(
+            "input",
+            id="credential",
+            name="credential",
+            type="password",
+            required=True,
+            autocomplete="off",
+            placeholder="lmx-…",
+            data_testid="credential",
+        ),
+        el("button", "Sign in", type="submit", data_testid="sign-in"),
+        method="post",
+        action="/dashboard/login",
+        class_="sign-in",
+    )
+    notice = el("p", message, class_="error", data_testid="sign-in-error") if message else None
+    intro = el("p", "Paste an API key to see your usage, or an admin token to see every tenant.")
+    card = el("main", el("h1", "loramux usage"), intro, notice, form, class_="card narrow")
+    return document("Sign in · loramux", card)
+
+
+def dashboard_page(view: DashboardView, viewer: Viewer) -> Html:
+    name = view.tenant.name if view.tenant else "All tenants"
+    return document(
+        f"{name} · loramux usage",
+        _header(view, viewer),
+        el(
+            "main",
+            _summary(view.totals),
+            _quotas(view.quotas) if view.tenant else None,
+            _charts(view),
+            _breakdown(view),
+        ),
+    )
+
+
+def _header(view: DashboardView, viewer: Viewer) -> Html:
+    who = "admin " + viewer.subject if viewer.is_admin else f"key lmx-{viewer.subject}"
+    ends = datetime.fromtimestamp(viewer.expires_at, UTC).strftime("%H:%M UTC")
+    picker: list[Child] = []
+    if viewer.is_admin:
+        options = [el("option", "All tenants", value="", selected=view.tenant is None)]
+        options += [
+            el(
+                "option",
+                t.name,
+                value=t.id,
+                selected=view.tenant is not None and t.id == view.tenant.id,
+            )
+            for t in view.tenants
+        ]
+        picker.append(el("select", options, name="tenant", data_testid="tenant-picker"))
+    windows = [
+        el("option", f"last {d} days" if d > 1 else "today", value=d, selected=d == view.days)
+        for d in WINDOWS
+    ]
+    picker += [el("select", windows, name="days"), el("button", "Show", type="submit")]
+    end = view.daily[-1].label if view.daily else ""
+    return el(
+        "header",
+        el("h1", view.tenant.name if view.tenant else "All tenants", data_testid="tenant-name"),
+        el("p", f"{view.window_start:%Y-%m-%d} to {end} (UTC) · signed in as {who} until {ends}"),
+        el("form", picker, method="get", action="/dashboard", class_="picker"),
+        el(
+            "form",
+            el("button", "Sign out", type="submit", data_testid="sign-out"),
+            method="post",
+            action="/dashboard/logout",
+        ),
+    )
+
+
+def _number(value: int) -> str:
+    return f"{value:,}"
+
+
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.0f} ms"
+
+
+def _percent(value: float | None) -> str:
+    return "—" if value is None else f"{value * 100:.1f}%"
+
+
+def _card(label: str, value: str, testid: str, note: str | None = None) -> Html:
+    return el(
+        "div",
+        el("span", label),
+        el("strong", value, data_testid=testid),
+        el("small", note) if note else None,
+        class_="stat",
+    )
+
+
+def _summary(t: UsageTotals) -> Html:
+    hits = f"{t.exact_hits:,} exact, {t.semantic_hits:,} semantic"
+    return el(
+        "section",
+        _card("Requests", _number(t.requests), "total-requests"),
+        _card("Prompt tokens", _number(t.prompt_tokens), "total-prompt-tokens"),
+        _card("Completion tokens", _number(t.completion_tokens), "total-completion-tokens"),
+        _card("Cached tokens", _number(t.cached_tokens), "total-cached-tokens"),
+        _card("Cache hits", _number(t.cache_hits), "total-cache-hits", hits),
+        _card("Cache hit rate", _percent(t.cache_hit_rate), "cache-hit-rate"),
+        _card("Errors", _number(t.errors), "total-errors"),
+        _card(
+            "Latency p50",
+            _ms(t.latency_percentile(0.5)),
+            "latency-p50",
+            f"mean {_ms(t.mean_latency_ms if t.requests else None)}",
+        ),
+        _card("Latency p90", _ms(t.latency_percentile(0.9)), "latency-p90"),
+        _card("Latency p99", _ms(t.latency_percentile(0.99)), "latency-p99"),
+        _card("Time to first token p50", _ms(t.ttft_percentile(0.5)), "ttft-p50"),
+        _card("Time to first token p99", _ms(t.ttft_percentile(0.99)), "ttft-p99"),
+        class_="stats",
+    )
+
+
+def _quotas(quotas: Sequence[QuotaLine]) -> Html:
+    if not quotas:
+        return el("section", el("h2", "Quotas"), el("p", "No limits are set."), class_="card")
+    head = el("tr", el("th", "Applies to"), el("th", "Limit"), el("th", "Used"), el("th", ""))
+    rows = [
+        el(
+            "tr",
+            el("td", q.scope),
+            el("td", f"{q.value:,} {q.limit}", data_testid="quota-limit"),
+            el("td", _used(q)),
+            el("td", _meter(q.fraction) if q.fraction is not None else None),
+            data_testid="quota-row",
+        )
+        for q in quotas
+    ]
+    return el("section", el("h2", "Quotas"), el("table", head, rows), class_="card")
+
+
+def _used(q: QuotaLine) -> Child:
+    """Budgets show what this period used; per-minute limits are the limiter's to count."""
+    if q.used is None:
+        return "—"
+    return [el("span", _number(q.used), data_testid="budget-used"), f" this {q.period}"]
+
+
+def _meter(fraction: float) -> Html:
+    color = RED if fraction >= 0.9 else ORANGE if fraction >= 0.7 else TEAL
+    return el(
+        "svg",
+        el("rect", width=160, height=10, fill="#e3e8ee", rx=3),
+        el("rect", width=f"{160 * fraction:.1f}", height=10, fill=color, rx=3),
+        el("title", _percent(fraction)),
+        width=160,
+        height=10,
+    )
+
+
+def _charts(view: DashboardView) -> Html:
+    days = [d.label[5:] for d in view.daily]
+    hours = [h.label[11:] for h in view.hourly]
+    return el(
+        "section",
+        stacked_bars(days, _request_series(view.daily), "Requests per day", "requests"),
+        stacked_bars(days, _token_series(view.daily), "Tokens per day", "tokens"),
+        stacked_bars(hours, _request_series(view.hourly), "Requests, last 24 hours", "requests"),
+        lines(days, _latency_series(view.daily), "Latency per day", "ms"),
+        class_="charts",
+    )
+
+
+def _request_series(buckets: Sequence[Breakdown]) -> list[Series]:
+    t = [b.totals for b in buckets]
+    served = [max(x.requests - x.errors - x.cache_hits, 0) for x in t]
+    return [
+        Series("engine", BLUE, served),
+        Series("cache hits", TEAL, [x.cache_hits for x in t]),
+        Series("errors", RED, [x.errors for x in t]),
+    ]
+
+
+def _token_series(buckets: Sequence[Breakdown]) -> list[Series]:
+    t = [b.totals for b in buckets]
+    return [
+        Series("prompt", BLUE, [x.prompt_tokens for x in t]),
+        Series("completion", ORANGE, [x.completion_tokens for x in t]),
+    ]
+
+
+def _latency_series(buckets: Sequence[Breakdown]) -> list[Series]:
+    t = [b.totals for b in buckets]
+    return [
+        Series(f"p{round(q * 100)}", color, [x.latency_percentile(q) for x in t])
+        for q, color in ((0.5, TEAL), (0.9, ORANGE), (0.99, RED))
+    ]
+
+
+def _breakdown(view: DashboardView) -> Html:
+    title = "Per adapter" if view.tenant else "Per tenant"
+    columns = (
+        "Requests",
+        "Prompt tokens",
+        "Completion tokens",
+        "Cached tokens",
+        "Cache hits",
+        "Hit rate",
+        "Errors",
+        "p50",
+        "p99",
+    )
+    head = el("tr", el("th", "Model" if view.tenant else "Tenant"), [el("th", c) for c in columns])
+    rows = [_breakdown_row(b) for b in view.breakdown]
+    empty = el("tr", el("td", "No requests in this window.", colspan=10)) if not rows else None
+    return el("section", el("h2", title), el("table", head, rows, empty), class_="card")
+
+
+def _breakdown_row(b: Breakdown) -> Html:
+    t = b.totals
+    cells = (
+        ("requests", _number(t.requests)),
+        ("prompt-tokens", _number(t.prompt_tokens)),
+        ("completion-tokens", _number(t.completion_tokens)),
+        ("cached-tokens", _number(t.cached_tokens)),
+        ("cache-hits", _number(t.cache_hits)),
+        ("cache-hit-rate", _percent(t.cache_hit_rate)),
+        ("errors", _number(t.errors)),
+        ("latency-p50", _ms(t.latency_percentile(0.5))),
+        ("latency-p99", _ms(t.latency_percentile(0.99))),
+    )
+    return el(
+        "tr",
+        el("td", b.label, data_testid="group"),
+        [el("td", value, data_testid=testid) for testid, value in cells],
+        data_testid="breakdown-row",
+    )

@@ -1,0 +1,120 @@
+"""Routes: `/dashboard` (the page, or sign-in), `/dashboard/login`, `/dashboard/logout`,
+`/dashboard/data` (the page's numbers as JSON) and `/dashboard/style.css`.
+
+Without a session the page is the sign-in form; with a tampered or expired one it is the form
+again (401) and the cookie is cleared. The data endpoint answers 401 instead. Pages forbid
+scripts, framing and caching; sign-in and sign-out refuse requests sent from another origin.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+from litestar import Controller, MediaType, Request, Response, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromQuery, QueryParameter
+from litestar.response import Redirect
+
+from gateway.dashboard.html import Html
+from gateway.dashboard.pages import dashboard_page, sign_in_page
+from gateway.dashboard.session import COOKIE, current_viewer, mint, sign_in
+from gateway.dashboard.style import STYLESHEET
+from gateway.dashboard.view import chosen_tenant, load_view, view_json
+from gateway.errors import PermissionDenied, Unauthorized
+from gateway.state import GatewayState
+
+AnyRequest = Request[Any, Any, Any]
+Days = Annotated[int, QueryParameter(ge=1, le=366)]
+PAGE_HEADERS = {
+    "content-security-policy": "default-src 'none'; style-src 'self'; img-src 'self'; "
+    "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "cache-control": "no-store",
+    "referrer-policy": "same-origin",
+    "x-content-type-options": "nosniff",
+}
+
+
+def _page(markup: Html, status: int = 200) -> Response[str]:
+    return Response(markup, status_code=status, media_type=MediaType.HTML, headers=PAGE_HEADERS)
+
+
+def _refuse_other_origins(request: AnyRequest) -> None:
+    """Forms posted from another site's page carry its Origin; browsers always send one."""
+    origin = request.headers.get("origin")
+    if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
+        raise PermissionDenied("cross-origin dashboard request refused", code="bad_origin")
+
+
+class DashboardController(Controller):
+    path = "/dashboard"
+    include_in_schema = False
+
+    @get("/")
+    async def page(
+        self,
+        request: AnyRequest,
+        gw: NamedDependency[GatewayState],
+        tenant: FromQuery[str | None] = None,
+        days: Days = 30,
+    ) -> Response[str]:
+        """The usage page of the signed-in tenant (or of `tenant`, for an admin)."""
+        token = request.cookies.get(COOKIE)
+        if token is None:
+            return _page(sign_in_page())
+        try:
+            viewer = await current_viewer(gw, token)
+        except Unauthorized as exc:
+            response = _page(sign_in_page(exc.message), status=401)
+            response.delete_cookie(COOKIE, path=self.path)
+            return response
+        shown = chosen_tenant(viewer.tenant_id, tenant)
+        view = await load_view(gw, shown, days, datetime.now(UTC), viewer.is_admin)
+        return _page(dashboard_page(view, viewer))
+
+    @get("/data")
+    async def data(
+        self,
+        request: AnyRequest,
+        gw: NamedDependency[GatewayState],
+        tenant: FromQuery[str | None] = None,
+        days: Days = 30,
+    ) -> dict[str, Any]:
+        """The page's numbers as JSON; 401 without a valid session."""
+        viewer = await current_viewer(gw, request.cookies.get(COOKIE))
+        shown = chosen_tenant(viewer.tenant_id, tenant)
+        return view_json(await load_view(gw, shown, days, datetime.now(UTC), viewer.is_admin))
+
+    @post("/login", status_code=303)
+    async def login(self, request: AnyRequest, gw: NamedDependency[GatewayState]) -> Response[Any]:
+        """Form field `credential`: an API key or an admin token. On success the session cookie
+        is set and the browser is sent to the page; otherwise the form comes back (401)."""
+        _refuse_other_origins(request)
+        credential = (await request.form()).get("credential")
+        try:
+            viewer = await sign_in(gw, credential if isinstance(credential, str) else "")
+        except Unauthorized as exc:
+            return _page(sign_in_page(exc.message), status=401)
+        response = Redirect(self.path, status_code=303)
+        response.set_cookie(
+            COOKIE,
+            mint(gw, viewer),
+            max_age=max(viewer.expires_at - int(datetime.now(UTC).timestamp()), 0),
+            path=self.path,
+            secure=request.url.scheme == "https",
+            httponly=True,
+            samesite="strict",
+        )
+        return response
+
+    @post("/logout", status_code=303)
+    async def logout(self, request: AnyRequest) -> Redirect:
+        _refuse_other_origins(request)
+        response = Redirect(self.path, status_code=303)
+        response.delete_cookie(COOKIE, path=self.path)
+        return response
+
+    @get("/style.css", media_type="text/css")
+    async def stylesheet(self) -> str:
+        return STYLESHEET

@@ -1,0 +1,122 @@
+"""Dashboard sign-in: an API key or an admin token is exchanged for a short-lived session JWT,
+kept in a cookie the page's scripts cannot read (HttpOnly) and the browser never sends from
+another site (SameSite=Strict).
+
+The session token is HS256 with its own audience, signed with a key derived from the admin
+secret (HMAC of a fixed label), so it is never accepted as an admin token nor the other way
+round, and every gateway sharing the admin secret accepts it. A tenant session lasts
+`SESSION_SECONDS`; an admin session no longer than the admin token it came from. A tenant
+session also ends as soon as its key is revoked or expires or its tenant is disabled.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import jwt
+
+from gateway.db import ApiKey, Tenant
+from gateway.errors import Unauthorized
+from gateway.state import GatewayState, admin_secret
+
+COOKIE = "loramux_dashboard"
+AUDIENCE = "loramux-dashboard"
+SESSION_SECONDS = 15 * 60
+_LABEL = b"loramux dashboard session v1"
+
+
+@dataclass(frozen=True)
+class Viewer:
+    """Who is looking: a tenant through one of its keys (`tenant_id` set) or an admin (None)."""
+
+    subject: str
+    """The key id for a tenant, the admin token's subject for an admin."""
+    tenant_id: str | None
+    expires_at: int
+    """Unix time the session ends."""
+
+    @property
+    def is_admin(self) -> bool:
+        return self.tenant_id is None
+
+
+@functools.lru_cache(maxsize=4)
+def _signing_key(secret: str) -> bytes:
+    return hmac.new(secret.encode(), _LABEL, hashlib.sha256).digest()
+
+
+def signing_key(gw: GatewayState) -> bytes:
+    return _signing_key(admin_secret(gw.settings))
+
+
+def mint(gw: GatewayState, viewer: Viewer) -> str:
+    claims = {
+        "sub": viewer.subject,
+        "tenant": viewer.tenant_id,
+        "role": "admin" if viewer.is_admin else "tenant",
+        "aud": AUDIENCE,
+        "iat": int(time.time()),
+        "exp": viewer.expires_at,
+    }
+    return jwt.encode(claims, signing_key(gw), algorithm="HS256")
+
+
+def decode(gw: GatewayState, token: str | None) -> Viewer:
+    """The viewer of a session token; Unauthorized when missing, tampered with or expired."""
+    if not token:
+        raise Unauthorized("sign in to the dashboard first", code="invalid_session")
+    try:
+        claims = jwt.decode(
+            token,
+            signing_key(gw),
+            algorithms=["HS256"],
+            audience=AUDIENCE,
+            options={"require": ["exp", "iat", "aud", "sub"]},
+        )
+    except jwt.ExpiredSignatureError:
+        raise Unauthorized("the dashboard session has expired", code="invalid_session") from None
+    except jwt.PyJWTError:
+        raise Unauthorized("invalid dashboard session", code="invalid_session") from None
+    tenant = claims.get("tenant")
+    if (claims.get("role") == "admin") != (tenant is None):
+        raise Unauthorized("invalid dashboard session", code="invalid_session")
+    return Viewer(str(claims["sub"]), tenant, int(claims["exp"]))
+
+
+async def sign_in(gw: GatewayState, credential: str) -> Viewer:
+    """The viewer for a pasted API key (`lmx-…`) or admin token; Unauthorized otherwise."""
+    credential = credential.strip()
+    now = int(time.time())
+    if credential.startswith("lmx-"):
+        principal = await gw.keys.authenticate(f"Bearer {credential}")
+        return Viewer(principal.key_id, principal.tenant_id, now + SESSION_SECONDS)
+    identity = gw.admin.verify(f"Bearer {credential}")
+    expires = min(now + SESSION_SECONDS, int(identity.claims["exp"]))
+    return Viewer(identity.subject, None, expires)
+
+
+async def current_viewer(gw: GatewayState, token: str | None) -> Viewer:
+    """The viewer of the session cookie, if it is still valid and so is the key behind it."""
+    viewer = decode(gw, token)
+    if viewer.is_admin:
+        return viewer
+    async with gw.sessions() as session:
+        key = await session.get(ApiKey, viewer.subject)
+        tenant = await session.get(Tenant, key.tenant_id) if key is not None else None
+    if key is None or tenant is None or key.tenant_id != viewer.tenant_id:
+        raise Unauthorized("this API key no longer exists", code="invalid_session")
+    if key.revoked_at is not None or tenant.disabled or _expired(key.expires_at):
+        raise Unauthorized("this API key can no longer sign in", code="invalid_session")
+    return viewer
+
+
+def _expired(expires_at: datetime | None) -> bool:
+    if expires_at is None:
+        return False
+    aware = expires_at if expires_at.tzinfo is not None else expires_at.replace(tzinfo=UTC)
+    return aware <= datetime.now(UTC)

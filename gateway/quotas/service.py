@@ -1,0 +1,255 @@
+"""Admission: check and reserve a request's place in every limit of its tenant and its key, in
+one atomic Redis script, and settle the reservation once the request ends.
+
+Limits, per tenant and per key (a request must fit all of them; a refused request reserves
+nothing anywhere):
+- requests and tokens per minute, over a sliding 60-second window: at most `rpm` admissions
+  and `tpm` tokens in any 60 s, exactly, across every gateway process. A request counts for
+  `prompt_tokens + max_tokens` while it runs and for its real usage once settled (if it is still
+  in the window);
+- concurrent requests, as leased slots (gateway.quotas.leases);
+- a token budget per UTC day or month: a ledger per period that is never exceeded, since a
+  request reserves its whole `prompt_tokens + max_tokens` up front (gateway.quotas.ledger).
+
+State lives only in Redis; quota rows are read from SQL and cached per key briefly
+(gateway.quotas.config). A principal with no limits costs no Redis call and gets no headers.
+
+Redis unavailable (no connection, or no answer within LORAMUX_QUOTA_REDIS_TIMEOUT_MS): with
+LORAMUX_QUOTA_ON_REDIS_DOWN=reject (the default) a request with limits gets 503
+`quota_unavailable`; with `allow` it is admitted unchecked, without rate-limit headers. Either
+way it is counted in `QuotaService.redis_down` (`refused`, `unchecked`; `unsettled` for
+settlements that could not reach Redis) and logged at most every 10 s. There is never a
+per-process fallback limiter: limits hold across processes or are explicitly not enforced.
+(`allow` also admits unchecked when this gateway is too overloaded to hear Redis in time.) When Redis
+loses its data (a restart without persistence), windows and slots start empty and budget
+ledgers are rebuilt from SQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
+from datetime import UTC, datetime
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.auth.api_keys import Principal
+from gateway.errors import ServiceUnavailable
+from gateway.quotas.admission import Admission, Reservation
+from gateway.quotas.buckets import WINDOW_MS, Bucket, plan
+from gateway.quotas.config import QuotaConfig
+from gateway.quotas.headers import rate_limit_headers, refusal
+from gateway.quotas.leases import LeaseKeeper
+from gateway.quotas.ledger import spent_in_period
+from gateway.quotas.readings import NEEDS_SEED, REFUSED, ScriptReply, parse_reply
+from gateway.quotas.scripts import ADMIT, SETTLE
+from gateway.quotas.single_flight import SingleFlight
+from gateway.settings import QuotaSettings
+
+log = logging.getLogger(__name__)
+
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError)
+"""Errors that mean Redis cannot be reached (as opposed to a refused command)."""
+
+DOWN_LOG_INTERVAL = 10.0
+
+
+class QuotaService:
+    """Admission for every request of one gateway process (one event loop).
+
+    `clock`: seconds since the epoch, for tests; by default windows and slot leases use Redis's
+    clock (one clock for every gateway) and budget periods this machine's UTC date.
+    """
+
+    def __init__(
+        self,
+        redis: Redis,
+        sessions: async_sessionmaker[AsyncSession],
+        settings: QuotaSettings,
+        clock: Callable[[], float] | None = None,
+    ):
+        self.redis = redis
+        self.sessions = sessions
+        self.settings = settings
+        self.clock = clock
+        self.config = QuotaConfig(sessions, settings.config_cache_seconds)
+        self.timeout = settings.redis_timeout_ms / 1000
+        self.leases = LeaseKeeper(redis, int(settings.slot_lease_seconds * 1000), self._now_ms)
+        self.redis_down: Counter[str] = Counter()
+        """What Redis being unavailable did: `refused` (503), `unchecked` (admitted without a
+        check, `allow`), `unsettled` (settlements lost; their slots expire with their lease)."""
+        self._admit = redis.register_script(ADMIT)
+        self._settle = redis.register_script(SETTLE)
+        self._seeds: SingleFlight[str, int] = SingleFlight()
+        self._settling: set[asyncio.Task[None]] = set()
+        self._down_logged = -DOWN_LOG_INTERVAL
+
+    async def admit(self, principal: Principal, prompt_tokens: int, max_tokens: int) -> Admission:
+        """Reserve `prompt_tokens + max_tokens` in every limit of the principal, or refuse:
+        RateLimited / InsufficientQuota (429), or ServiceUnavailable (503) when the limits cannot
+        be read or checked. Raises nothing else."""
+        try:
+            limits = await self.config.limits(principal.tenant_id, principal.key_id)
+        except Exception:
+            log.exception("quota configuration unreadable")
+            raise ServiceUnavailable(
+                "quota configuration unavailable; try again shortly", code="quota_unavailable"
+            ) from None
+        buckets = plan(principal.tenant_id, principal.key_id, limits, self._now())
+        if not buckets:
+            return Admission.unlimited()
+        tokens = prompt_tokens + max_tokens
+        member = secrets.token_hex(8)
+        reply = await self._check(principal, buckets, member, tokens)
+        if reply is None:
+            return Admission.unlimited()
+        if reply.status == REFUSED:
+            raise refusal(reply.readings, tokens, principal.key_id)
+        reservation = Reservation(member, tokens, tuple(buckets))
+        slots = tuple(b.keys[0] for b in buckets if b.kind == "C")
+        if slots:
+            self.leases.hold(member, slots)
+        return Admission(rate_limit_headers(reply.readings), reservation, self._release)
+
+    async def close(self) -> None:
+        """Stop renewing slots and wait for settlements under way."""
+        await self.leases.close()
+        if self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
+
+    # -- Redis -------------------------------------------------------------------------------
+    async def _check(
+        self, principal: Principal, buckets: list[Bucket], member: str, tokens: int
+    ) -> ScriptReply | None:
+        """The admission script's reply; None when Redis is down and `allow` is configured."""
+        seeds: dict[int, int] = {}
+        try:
+            reply = await self._run_admit(buckets, member, tokens, seeds)
+            if reply.status == NEEDS_SEED:
+                seeds = await self._read_seeds(principal.tenant_id, buckets, reply.missing)
+                reply = await self._run_admit(buckets, member, tokens, seeds)
+        except REDIS_DOWN as exc:
+            # Had the script run and only its reply been lost, this releases what it reserved.
+            lost = Reservation(member, tokens, tuple(buckets))
+            self._spawn(self._settle_now(lost, 0, quiet=True))
+            self._redis_down(exc)
+            return None
+        except RedisError:
+            log.exception("quota admission script failed")
+            raise ServiceUnavailable(
+                "quota service error; try again shortly", code="quota_unavailable"
+            ) from None
+        assert reply.status != NEEDS_SEED, "every missing ledger was seeded"
+        return reply
+
+    async def _run_admit(
+        self, buckets: list[Bucket], member: str, tokens: int, seeds: dict[int, int]
+    ) -> ScriptReply:
+        keys = [k for b in buckets for k in b.keys]
+        args: list[int | str] = [
+            self._now_ms(),
+            member,
+            tokens,
+            WINDOW_MS,
+            self.leases.lease_ms,
+        ]
+        for index, b in enumerate(buckets):
+            args += [b.kind, b.a, b.b, seeds.get(index, -1)]
+        async with asyncio.timeout(self.timeout):
+            raw = await _once_more_on_reconnect(lambda: self._admit(keys=keys, args=args))
+        return parse_reply(raw, buckets, tokens)
+
+    async def _read_seeds(
+        self, tenant_id: str, buckets: list[Bucket], missing: list[int]
+    ) -> dict[int, int]:
+        """Spent tokens of each missing ledger's scope and period, from SQL (shared by
+        concurrent admissions that miss the same ledger)."""
+        seeds: dict[int, int] = {}
+        for index in missing:
+            b = buckets[index]
+            assert b.period is not None
+
+            async def read(b: Bucket = b) -> int:
+                assert b.period is not None
+                return await spent_in_period(self.sessions, tenant_id, b.key_id, b.period)
+
+            try:
+                seeds[index] = await self._seeds.run(b.keys[0], read)
+            except Exception:
+                log.exception("token budget ledger %s could not be read from SQL", b.keys[0])
+                raise ServiceUnavailable(
+                    "token budget unavailable; try again shortly", code="quota_unavailable"
+                ) from None
+        return seeds
+
+    def _redis_down(self, exc: BaseException) -> None:
+        """Refuse (raise), or admit unchecked, as configured; counted and logged either way."""
+        if self.settings.on_redis_down == "reject":
+            self._note_outage("refused", exc)
+            raise ServiceUnavailable(
+                "quota service unavailable (Redis cannot be reached); try again shortly",
+                code="quota_unavailable",
+                headers={"retry-after": "1"},
+            )
+        self._note_outage("unchecked", exc)
+
+    def _note_outage(self, what: str, exc: BaseException) -> None:
+        self.redis_down[what] += 1
+        now = time.monotonic()
+        if now - self._down_logged >= DOWN_LOG_INTERVAL:
+            self._down_logged = now
+            log.warning(
+                "Redis unavailable for quotas (%s): %s",
+                repr(exc) if str(exc) else f"no answer within {self.timeout:g} s",
+                ", ".join(f"{k} {v}" for k, v in sorted(self.redis_down.items())),
+            )
+
+    async def _release(self, reservation: Reservation, used_tokens: int) -> None:
+        """Settle in a task of its own, so a caller cancelled mid-way (a client disconnect)
+        still settles; waits for it unless cancelled."""
+        self.leases.release(reservation.member)
+        await asyncio.shield(self._spawn(self._settle_now(reservation, used_tokens)))
+
+    def _spawn(self, settlement: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run a settlement in a task of its own, kept until done (`close` waits for it)."""
+        task = asyncio.get_running_loop().create_task(settlement)
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+        return task
+
+    async def _settle_now(self, r: Reservation, used_tokens: int, quiet: bool = False) -> None:
+        keys = [k for b in r.buckets for k in b.keys]
+        args: list[int | str] = [r.member, used_tokens, *(b.kind for b in r.buckets)]
+        try:
+            async with asyncio.timeout(self.timeout):
+                await _once_more_on_reconnect(lambda: self._settle(keys=keys, args=args))
+        except (*REDIS_DOWN, RedisError) as exc:
+            if not quiet:
+                self._note_outage("unsettled", exc)
+
+    # -- clocks ------------------------------------------------------------------------------
+    def _now(self) -> datetime:
+        return datetime.fromtimestamp(self.clock() if self.clock else time.time(), UTC)
+
+    def _now_ms(self) -> int:
+        """The scripts' clock: the injected one, else -1 (Redis's own)."""
+        return int(self.clock() * 1000) if self.clock else -1
+
+
+async def _once_more_on_reconnect(call: Callable[[], Awaitable[Any]]) -> Any:
+    """`call()`, repeated once on a fresh connection if the first failed on its connection:
+    every pooled connection fails once after Redis restarts. The scripts are idempotent per
+    request (a repeat finds the reservation a lost reply made), so nothing counts twice."""
+    try:
+        return await call()
+    except RedisConnectionError:
+        return await call()

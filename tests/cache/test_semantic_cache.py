@@ -1,0 +1,193 @@
+"""The semantic cache: paraphrases of a question asked in the same context hit; close but
+different questions, other contexts, other tenants and other adapter versions miss."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from tests.cache.conftest import EXACT, SEMANTIC, MakeCache, answer, chat
+
+PARAPHRASES = [
+    ("How do I reset my password?", "How can I reset my password?"),
+    ("What is the capital of France?", "what is the capital of france"),
+    (
+        "Can I change my delivery address after ordering?",
+        "Is it possible to change my delivery address after ordering?",
+    ),
+]
+
+CLOSE_BUT_DIFFERENT = {
+    "another entity": ("What is the population of Tokyo?", "What is the population of Osaka?"),
+    "another number": ("Convert 5 kilometers to miles.", "Convert 50 kilometers to miles."),
+    "a negation": (
+        "My package was delivered, what should I do?",
+        "My package was not delivered, what should I do?",
+    ),
+    "an antonym": ("How do I open a file in Python?", "How do I close a file in Python?"),
+    "a reversed relation": ("Convert 10 miles to kilometers.", "Convert 10 kilometers to miles."),
+    "an added qualifier": (
+        "How long does shipping take?",
+        "How long does international shipping take?",
+    ),
+}
+
+
+@pytest.mark.parametrize(("stored", "asked"), PARAPHRASES)
+async def test_a_paraphrase_hits_with_its_similarity(
+    make_cache: MakeCache, stored: str, asked: str
+) -> None:
+    cache = make_cache()
+    await cache.store(chat(stored), SEMANTIC, answer("the answer"))
+    hit = await cache.lookup(chat(asked), SEMANTIC)
+    assert hit is not None and hit.kind == "semantic"
+    assert hit.response.text == "the answer"
+    assert hit.similarity is not None and SEMANTIC.threshold <= hit.similarity <= 1.0
+
+
+@pytest.mark.parametrize("difference", list(CLOSE_BUT_DIFFERENT))
+async def test_a_close_but_different_question_misses(
+    make_cache: MakeCache, difference: str
+) -> None:
+    stored, asked = CLOSE_BUT_DIFFERENT[difference]
+    cache = make_cache()
+    await cache.store(chat(stored), SEMANTIC, answer("the answer"))
+    assert await cache.lookup(chat(asked), SEMANTIC) is None
+
+
+async def test_similarity_alone_would_serve_the_reversed_relation(make_cache: MakeCache) -> None:
+    """Why the verifier exists: with it off, the reversed conversion is a (wrong) hit."""
+    stored, asked = CLOSE_BUT_DIFFERENT["a reversed relation"]
+    cache = make_cache()
+    await cache.store(chat(stored), SEMANTIC, answer("16.09 km"))
+    unverified = dataclasses.replace(SEMANTIC, verifier="off")
+    hit = await cache.lookup(chat(asked), unverified)
+    assert hit is not None and hit.kind == "semantic"
+    assert await cache.lookup(chat(asked), SEMANTIC) is None
+    assert cache.stats.verifier_rejections == 1
+
+
+async def test_the_same_question_after_another_conversation_misses(make_cache: MakeCache) -> None:
+    cache = make_cache()
+    about_paris = (("user", "Tell me about Paris."), ("assistant", "Paris is in France."))
+    about_rome = (("user", "Tell me about Rome."), ("assistant", "Rome is in Italy."))
+    await cache.store(
+        chat("How many people live there?", history=about_paris), SEMANTIC, answer("2.1 million")
+    )
+    assert (
+        await cache.lookup(chat("How many people live there?", history=about_rome), SEMANTIC)
+        is None
+    )
+    hit = await cache.lookup(chat("How many people live there ?", history=about_paris), SEMANTIC)
+    assert hit is not None and hit.kind == "semantic"
+
+
+async def test_another_system_prompt_or_parameter_misses(make_cache: MakeCache) -> None:
+    cache = make_cache()
+    await cache.store(chat("How do I reset my password?"), SEMANTIC, answer("Click reset."))
+    terse = (("system", "Answer in one word."),)
+    assert await cache.lookup(chat("How can I reset my password?", history=terse), SEMANTIC) is None
+    assert await cache.lookup(chat("How can I reset my password?", max_tokens=64), SEMANTIC) is None
+
+
+async def test_tenant_b_never_gets_tenant_a_entry(make_cache: MakeCache) -> None:
+    cache = make_cache()
+    question = "How do I reset my password?"
+    await cache.store(chat(question, tenant="tenant-a"), SEMANTIC, answer("A's answer"))
+    assert await cache.lookup(chat(question, tenant="tenant-b"), SEMANTIC) is None
+    assert (
+        await cache.lookup(chat("How can I reset my password?", tenant="tenant-b"), SEMANTIC)
+        is None
+    )
+    hit = await cache.lookup(chat("How can I reset my password?", tenant="tenant-a"), SEMANTIC)
+    assert hit is not None and hit.response.text == "A's answer"
+
+
+async def test_a_new_adapter_version_never_gets_the_old_versions_entries(
+    make_cache: MakeCache,
+) -> None:
+    cache = make_cache()
+    await cache.store(chat("How do I reset my password?", adapter="1" * 64), SEMANTIC, answer("v1"))
+    assert (
+        await cache.lookup(chat("How do I reset my password?", adapter="2" * 64), SEMANTIC) is None
+    )
+    assert (
+        await cache.lookup(chat("How can I reset my password?", adapter="2" * 64), SEMANTIC) is None
+    )
+
+
+async def test_entries_stored_without_semantic_are_found_only_exactly(
+    make_cache: MakeCache,
+) -> None:
+    cache = make_cache()
+    await cache.store(chat("How do I reset my password?"), EXACT, answer("Click reset."))
+    assert await cache.lookup(chat("How can I reset my password?"), SEMANTIC) is None
+    hit = await cache.lookup(chat("How do I reset my password?"), SEMANTIC)
+    assert hit is not None and hit.kind == "exact"
+
+
+async def test_text_completions_are_never_semantic(make_cache: MakeCache) -> None:
+    cache = make_cache()
+    stored = dataclasses.replace(
+        chat(""), kind="text", messages=None, prompt="How do I reset my password?"
+    )
+    await cache.store(stored, SEMANTIC, answer("Click reset."))
+    asked = dataclasses.replace(stored, prompt="How can I reset my password?")
+    assert await cache.lookup(asked, SEMANTIC) is None
+
+
+async def test_semantic_entries_expire_after_their_ttl(make_cache: MakeCache) -> None:
+    cache = make_cache()
+    await cache.store(
+        chat("How do I reset my password?"), dataclasses.replace(SEMANTIC, ttl=1), answer("x")
+    )
+    assert await cache.lookup(chat("How can I reset my password?"), SEMANTIC) is not None
+    await asyncio.sleep(1.2)
+    assert await cache.lookup(chat("How can I reset my password?"), SEMANTIC) is None
+
+
+async def test_a_full_bucket_evicts_the_least_recently_used_entry(make_cache: MakeCache) -> None:
+    cache = make_cache(max_entries_per_bucket=3)
+    questions = {
+        "How do I reset my password?": "How can I reset my password?",
+        "What is the capital of France?": "What's the capital of France?",
+        "How do I install numpy?": "How can I install numpy?",
+        "Who painted the Mona Lisa?": "who painted the mona lisa",
+    }
+    stored = list(questions)
+    for question in stored[:3]:
+        await cache.store(chat(question), SEMANTIC, answer(question))
+    # Use the first entry, so the second is now the least recently used.
+    assert await cache.lookup(chat(questions[stored[0]]), SEMANTIC) is not None
+    await cache.store(chat(stored[3]), SEMANTIC, answer(stored[3]))
+
+    evicted = await cache.lookup(chat(questions[stored[1]]), SEMANTIC)
+    assert evicted is None
+    for question in (stored[0], stored[2], stored[3]):
+        hit = await cache.lookup(chat(questions[question]), SEMANTIC)
+        assert hit is not None and hit.kind == "semantic" and hit.response.text == question
+    bucket = cache.keys.bucket(chat(stored[0]), cache.embedder.model_id)
+    assert await cache.redis.zcard(bucket.lru) == 3
+
+
+async def test_an_entry_stored_by_one_process_is_found_by_another(make_cache: MakeCache) -> None:
+    first, second = make_cache(), make_cache()
+    await first.store(chat("What is the capital of France?"), SEMANTIC, answer("Paris."))
+    assert await second.lookup(chat("What's the capital of France?"), SEMANTIC) is not None
+    # `first` now holds a copy of the bucket; an entry `second` adds must still reach it.
+    assert await first.lookup(chat("How can I reset my password?"), SEMANTIC) is None
+    await second.store(chat("How do I reset my password?"), SEMANTIC, answer("Click reset."))
+    hit = await first.lookup(chat("How can I reset my password?"), SEMANTIC)
+    assert hit is not None and hit.response.text == "Click reset."
+
+
+async def test_purge_empties_the_semantic_buckets_too(make_cache: MakeCache) -> None:
+    cache = make_cache()
+    await cache.store(chat("How do I reset my password?"), SEMANTIC, answer("Click reset."))
+    assert await cache.lookup(chat("How can I reset my password?"), SEMANTIC) is not None
+    assert await cache.purge("tenant-a", "base") == 1
+    assert await cache.lookup(chat("How can I reset my password?"), SEMANTIC) is None
+    await cache.store(chat("How do I reset my password?"), SEMANTIC, answer("Click reset."))
+    assert await cache.lookup(chat("How can I reset my password?"), SEMANTIC) is not None

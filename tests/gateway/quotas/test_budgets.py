@@ -1,0 +1,103 @@
+"""Token budgets per UTC day or month: a ledger per period that a request reserves its whole
+`prompt + max_tokens` in, never exceeded, fresh in the next period without any job, and rebuilt
+from the usage events in SQL when Redis has lost it."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime, timedelta
+
+from gateway.auth.api_keys import Principal
+from gateway.errors import InsufficientQuota
+from gateway.quotas import QuotaService
+from gateway.quotas.buckets import budget_period, scope_prefix
+from tests.gateway.quotas.rig import QuotaRig, refusal
+
+
+async def assert_budget_left(svc: QuotaService, p: Principal, left: int) -> None:
+    """Exactly `left` tokens of budget remain: they can be reserved, one more cannot."""
+    assert isinstance(await refusal(svc.admit(p, 0, left + 1)), InsufficientQuota)
+    await (await svc.admit(p, 0, left)).settle(left)
+
+
+async def test_a_spent_daily_budget_refuses_until_the_next_day(rig: QuotaRig) -> None:
+    svc = rig.service()
+    p = await rig.principal(tenant={"token_budget": 1000, "budget_period": "day"})
+    for _ in range(2):
+        await (await svc.admit(p, 100, 300)).settle(400)
+    err = await refusal(svc.admit(p, 100, 201))
+    assert isinstance(err, InsufficientQuota) and err.status == 429
+    assert err.body()["error"] == {
+        "message": err.message,
+        "type": "insufficient_quota",
+        "param": None,
+        "code": "insufficient_quota",
+    }
+    assert err.headers["x-should-retry"] == "false"
+    now = datetime.fromtimestamp(rig.clock(), UTC)
+    day_end = budget_period("day", now).end
+    assert err.headers["retry-after"] == str(math.ceil((day_end - now).total_seconds()))
+    await (await svc.admit(p, 100, 100)).settle(200)  # what is left still fits
+    rig.clock.now = day_end.timestamp()
+    await assert_budget_left(svc, p, 1000)
+
+
+async def test_a_monthly_budget_is_fresh_next_month(rig: QuotaRig) -> None:
+    svc = rig.service()
+    p = await rig.principal(key={"token_budget": 500, "budget_period": "month"})
+    await (await svc.admit(p, 200, 300)).settle(500)
+    assert isinstance(await refusal(svc.admit(p, 1, 0)), InsufficientQuota)
+    month = budget_period("month", datetime.fromtimestamp(rig.clock(), UTC))
+    rig.clock.now = (month.end - timedelta(milliseconds=1)).timestamp()
+    assert isinstance(await refusal(svc.admit(p, 1, 0)), InsufficientQuota)
+    rig.clock.now = month.end.timestamp()
+    await assert_budget_left(svc, p, 500)
+
+
+async def test_a_ledger_expires_a_day_after_its_period(rig: QuotaRig) -> None:
+    svc = rig.service()
+    p = await rig.principal(tenant={"token_budget": 1000, "budget_period": "month"})
+    await svc.admit(p, 1, 1)
+    month = budget_period("month", datetime.fromtimestamp(rig.clock(), UTC))
+    ledger = f"{scope_prefix(p.tenant_id, None)}:budget:{month.name}"
+    expires = await svc.redis.pexpiretime(ledger)
+    assert expires == int((month.end + timedelta(days=1)).timestamp() * 1000)
+
+
+async def test_settling_charges_the_real_usage(rig: QuotaRig) -> None:
+    svc = rig.service()
+    p = await rig.principal(tenant={"token_budget": 1000, "budget_period": "day"})
+    admission = await svc.admit(p, 100, 900)
+    await admission.settle(150)
+    await admission.settle(1000)  # a second settle changes nothing
+    await assert_budget_left(svc, p, 850)
+
+
+async def test_a_missing_ledger_starts_from_the_usage_in_sql(rig: QuotaRig) -> None:
+    svc = rig.service()
+    p = await rig.principal(
+        tenant={"token_budget": 1000, "budget_period": "day"},
+        key={"token_budget": 800, "budget_period": "day"},
+    )
+    now = datetime.fromtimestamp(rig.clock(), UTC)
+    day = budget_period("day", now)
+    await rig.add_usage(p, p.key_id, 300, day.start)
+    await rig.add_usage(p, "another-key", 200, now)
+    await rig.add_usage(p, p.key_id, 999, day.start - timedelta(microseconds=1))
+    # tenant: 1000 - 500 left; key: 800 - 300 left
+    await assert_budget_left(svc, p, 500)
+
+
+async def test_after_redis_loses_a_ledger_old_reservations_leave_the_new_one_alone(
+    rig: QuotaRig,
+) -> None:
+    svc = rig.service()
+    p = await rig.principal(tenant={"token_budget": 1000, "budget_period": "day"})
+    running = await svc.admit(p, 0, 400)
+    now = datetime.fromtimestamp(rig.clock(), UTC)
+    ledger = f"{scope_prefix(p.tenant_id, None)}:budget:{budget_period('day', now).name}"
+    await svc.redis.delete(ledger)
+    await rig.add_usage(p, p.key_id, 100, now)
+    await (await svc.admit(p, 0, 0)).settle(0)  # rebuilds the ledger: 100 spent
+    await running.settle(50)  # reserved in the lost ledger: not subtracted from the new one
+    await assert_budget_left(svc, p, 900)

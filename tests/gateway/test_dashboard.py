@@ -1,0 +1,243 @@
+"""The quota dashboard: a tenant signs in with its API key and sees exactly the usage API's numbers
+for itself and nothing of another tenant; an admin sees every tenant; the session cookie is
+HttpOnly, SameSite=Strict and short-lived, and a tampered or expired one is refused."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import jwt
+import pytest
+from playwright.sync_api import Locator, Page, sync_playwright
+
+from bench.usage_workload import CHROMIUM_ARGS
+from gateway.dashboard.session import COOKIE, SESSION_SECONDS, Viewer, mint, signing_key
+from gateway.server import RunningServer
+from tests.gateway.conftest import json_of
+from tests.gateway.tenants import TenantKey, new_tenant
+
+ARTIFACTS = Path(__file__).parents[2] / "test-artifacts"
+PROMPTS = ["Hello there", "What is LoRA?", "Count to three", "Hello there"]
+
+
+@dataclass(frozen=True)
+class Traffic:
+    a: TenantKey
+    b: TenantKey
+
+
+def chat(gateway: RunningServer, key: str, prompt: str) -> None:
+    body = {"model": "demo-model", "messages": [{"role": "user", "content": prompt}]}
+    headers = {"authorization": f"Bearer {key}"}
+    r = httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        json=body | {"max_tokens": 5},
+        headers=headers,
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="module")
+def operator(gateway: RunningServer, admin_token: str) -> Iterator[httpx.Client]:
+    headers = {"authorization": f"Bearer {admin_token}"}
+    with httpx.Client(base_url=gateway.url, headers=headers, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def traffic(gateway: RunningServer, operator: httpx.Client) -> Traffic:
+    """Tenant A (a daily token budget, a key limit, four chats) and tenant B (one chat)."""
+    a, b = new_tenant(operator, "dash-a"), new_tenant(operator, "dash-b")
+    quota = {"rpm": 1000, "token_budget": 1_000_000, "budget_period": "day"}
+    assert operator.put(f"/admin/tenants/{a.tenant_id}/quotas", json=quota).status_code == 200
+    assert operator.put(f"/admin/keys/{a.key_id}/quotas", json={"tpm": 50_000}).status_code == 200
+    for prompt in PROMPTS:
+        chat(gateway, a.key, prompt)
+    chat(gateway, b.key, "Tenant B's secret prompt")
+    gateway.run(gateway.state.usage.flush())
+    return Traffic(a, b)
+
+
+def usage_by_adapter(operator: httpx.Client, tenant_id: str, since: str) -> dict[str, dict]:
+    r = operator.get(
+        "/admin/usage", params={"tenant": tenant_id, "group_by": "adapter", "from": since}
+    )
+    return {row["group"]: row for row in json_of(r)["rows"]}
+
+
+@contextlib.contextmanager
+def signed_in(gateway: RunningServer, credential: str) -> Iterator[httpx.Client]:
+    """A client holding the session cookie of `credential`."""
+    with httpx.Client(base_url=gateway.url, timeout=60) as client:
+        r = client.post("/dashboard/login", data={"credential": credential})
+        assert r.status_code == 303 and r.headers["location"] == "/dashboard", r.text
+        yield client
+
+
+def number(scope: Page | Locator, selector: str) -> int:
+    """The integer shown by the element at `selector` (written with thousands separators)."""
+    return int(scope.locator(selector).inner_text().replace(",", ""))
+
+
+@pytest.mark.skipif(
+    shutil.which("chromium") is None and not os.environ.get("CI"),
+    reason="Chromium is not installed (apt-get install chromium)",
+)
+def test_a_tenant_sees_the_usage_apis_numbers_in_a_real_browser(
+    gateway: RunningServer, operator: httpx.Client, traffic: Traffic
+) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=shutil.which("chromium"), headless=True, args=CHROMIUM_ARGS
+        )
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(f"{gateway.url}/dashboard")
+        page.fill("[data-testid=credential]", traffic.a.key)
+        page.click("[data-testid=sign-in]")
+        page.wait_for_selector("[data-testid=total-requests]")
+        assert page.inner_text("[data-testid=tenant-name]") == traffic.a.tenant_name
+        since = (datetime.now(UTC) - timedelta(days=29)).strftime("%Y-%m-%d")
+        truth = usage_by_adapter(operator, traffic.a.tenant_id, since)
+        assert number(page, "[data-testid=total-requests]") == len(PROMPTS)
+        rows = page.locator("[data-testid=breakdown-row]").all()
+        assert len(rows) == len(truth)
+        fields = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "cache_hits")
+        for field in (*fields, "errors"):
+            testid = field.replace("_", "-")
+            assert number(page, f"[data-testid=total-{testid}]") == sum(
+                r[field] for r in truth.values()
+            )
+            for row in rows:
+                group = row.locator("[data-testid=group]").inner_text()
+                assert number(row, f"[data-testid={testid}]") == truth[group][field]
+        assert number(page, "[data-testid=budget-used]") == sum(
+            r["prompt_tokens"] + r["completion_tokens"] for r in truth.values()
+        )
+        cookie = next(c for c in page.context.cookies() if c["name"] == COOKIE)
+        assert (cookie["httpOnly"], cookie["sameSite"], cookie["path"]) == (
+            True,
+            "Strict",
+            "/dashboard",
+        )
+        assert traffic.b.tenant_name not in page.content()
+        page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+        refused = page.goto(f"{gateway.url}/dashboard?tenant={traffic.b.tenant_id}")
+        assert refused is not None and refused.status == 403
+        assert traffic.b.tenant_name not in page.content()
+        browser.close()
+
+
+def test_the_session_cookie_is_httponly_strict_and_short_lived(
+    gateway: RunningServer, traffic: Traffic
+) -> None:
+    r = httpx.post(f"{gateway.url}/dashboard/login", data={"credential": traffic.a.key})
+    attributes = {p.strip().split("=")[0].lower(): p for p in r.headers["set-cookie"].split(";")}
+    assert {"httponly", "samesite", "path", "max-age"} <= attributes.keys()
+    assert "secure" not in attributes  # plain http here; set over https
+    assert attributes["samesite"].split("=")[1].lower() == "strict"
+    assert 0 < int(attributes["max-age"].split("=")[1]) <= SESSION_SECONDS
+
+
+def test_a_tenant_cannot_see_another_tenants_data(gateway: RunningServer, traffic: Traffic) -> None:
+    with signed_in(gateway, traffic.a.key) as client:
+        own = json_of(client.get("/dashboard/data"))
+        assert own["tenant"]["id"] == traffic.a.tenant_id
+        assert own["totals"]["requests"] == len(PROMPTS)
+        for path in ("/dashboard/data", "/dashboard"):
+            r = client.get(path, params={"tenant": traffic.b.tenant_id})
+            assert r.status_code == 403
+            assert traffic.b.tenant_name not in r.text
+
+
+def test_an_admin_sees_every_tenant(
+    gateway: RunningServer, admin_token: str, traffic: Traffic
+) -> None:
+    with signed_in(gateway, admin_token) as client:
+        everyone = json_of(client.get("/dashboard/data"))
+        assert everyone["tenant"] is None
+        groups = {row["group"] for row in everyone["breakdown"]}
+        assert {traffic.a.tenant_name, traffic.b.tenant_name} <= groups
+        b = json_of(client.get("/dashboard/data", params={"tenant": traffic.b.tenant_id}))
+        assert b["totals"]["requests"] == 1
+        page = client.get("/dashboard", params={"tenant": traffic.a.tenant_id}).text
+        assert f'value="{traffic.b.tenant_id}"' in page  # the tenant picker
+
+
+def refused(client: httpx.Client, cookie: str) -> None:
+    client.cookies.set(COOKIE, cookie, path="/dashboard")
+    page = client.get("/dashboard")
+    assert page.status_code == 401 and 'data-testid="sign-in-error"' in page.text
+    assert "total-requests" not in page.text
+    assert client.get("/dashboard/data").status_code == 401
+
+
+def test_a_tampered_expired_or_foreign_cookie_is_refused(
+    gateway: RunningServer, admin_token: str, traffic: Traffic
+) -> None:
+    with signed_in(gateway, traffic.a.key) as client:
+        good = client.cookies[COOKIE]
+        header, claims, signature = good.split(".")
+        refused(
+            client,
+            f"{header}.{claims}.{signature[:-3]}{'AAA' if signature[-3:] != 'AAA' else 'BBB'}",
+        )
+        forged = jwt.decode(good, options={"verify_signature": False}) | {
+            "tenant": traffic.b.tenant_id
+        }
+        refused(client, jwt.encode(forged, "x" * 64, algorithm="HS256"))
+        a_viewer = Viewer(traffic.a.key_id, traffic.a.tenant_id, int(time.time()) - 5)
+        refused(client, mint(gateway.state, a_viewer))  # expired
+        refused(client, admin_token)  # an admin token is not a session
+        other_audience = jwt.decode(good, options={"verify_signature": False}) | {
+            "aud": "loramux-admin"
+        }
+        refused(client, jwt.encode(other_audience, signing_key(gateway.state), algorithm="HS256"))
+
+
+def test_a_revoked_key_ends_its_session(gateway: RunningServer, operator: httpx.Client) -> None:
+    tenant = new_tenant(operator, "dash-revoked")
+    with signed_in(gateway, tenant.key) as client:
+        assert client.get("/dashboard/data").status_code == 200
+        assert operator.delete(f"/admin/keys/{tenant.key_id}").status_code == 200
+        assert client.get("/dashboard/data").status_code == 401
+
+
+def test_sign_in_refuses_bad_credentials_and_other_origins(
+    gateway: RunningServer, traffic: Traffic
+) -> None:
+    with httpx.Client(base_url=gateway.url, timeout=60) as client:
+        bad = client.post("/dashboard/login", data={"credential": "lmx-nope"})
+        assert bad.status_code == 401 and COOKIE not in client.cookies
+        cross = client.post(
+            "/dashboard/login",
+            data={"credential": traffic.a.key},
+            headers={"origin": "https://evil.example"},
+        )
+        assert cross.status_code == 403 and COOKIE not in client.cookies
+        assert client.get("/dashboard").status_code == 200  # the sign-in form
+
+
+def test_sign_out_clears_the_session(gateway: RunningServer, traffic: Traffic) -> None:
+    with signed_in(gateway, traffic.a.key) as client:
+        r = client.post("/dashboard/logout")
+        assert r.status_code == 303 and COOKIE not in client.cookies
+        assert client.get("/dashboard/data").status_code == 401
+
+
+def test_names_are_escaped(
+    gateway: RunningServer, operator: httpx.Client, admin_token: str
+) -> None:
+    new_tenant(operator, "<img src=x onerror=alert(1)>")
+    with signed_in(gateway, admin_token) as client:
+        page = client.get("/dashboard").text
+    assert "<img src=x" not in page and "&lt;img src=x onerror=alert(1)&gt;" in page

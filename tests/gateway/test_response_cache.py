@@ -1,0 +1,255 @@
+"""The response cache through the gateway: exact and semantic hits with their headers, the
+controls (Cache-Control, the body's `cache` extension, tenant settings), isolation between
+tenants and adapter versions, purges, and a Redis restart that fails no request."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.server import RunningServer
+from tests.gateway.conftest import json_of
+from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
+from tests.redis import RedisServer
+
+QUESTION = "How do I reset my password?"
+PARAPHRASE = "How can I reset my password?"
+
+
+@pytest.fixture
+def api(gateway: RunningServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.url, timeout=120) as c:
+        yield c
+
+
+def unique(question: str) -> str:
+    """The question in a conversation of its own (tests share the gateway and its cache)."""
+    return f"{question} [{uuid.uuid4().hex[:8]}]"
+
+
+def ask(
+    api: httpx.Client,
+    tenant: TenantKey,
+    content: str,
+    *,
+    headers: dict[str, str] | None = None,
+    model: str = "demo-model",
+    system: str = "You answer briefly.",
+    **extra: Any,
+) -> httpx.Response:
+    body = {
+        "model": model,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": content}],
+        "max_tokens": 12,
+        "temperature": 0,
+    } | extra
+    auth = {"authorization": f"Bearer {tenant.key}"}
+    r = api.post("/v1/chat/completions", json=body, headers=auth | (headers or {}))
+    assert r.status_code == 200, r.text
+    return r
+
+
+def streamed(api: httpx.Client, tenant: TenantKey, content: str, **extra: Any) -> tuple[str, str]:
+    """(x-cache, the concatenated text) of a streamed request."""
+    body = {
+        "model": "demo-model",
+        "messages": [
+            {"role": "system", "content": "You answer briefly."},
+            {"role": "user", "content": content},
+        ],
+        "max_tokens": 12,
+        "temperature": 0,
+        "stream": True,
+    } | extra
+    auth = {"authorization": f"Bearer {tenant.key}"}
+    with api.stream("POST", "/v1/chat/completions", json=body, headers=auth) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        outcome = r.headers["x-cache"]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    return outcome, text
+
+
+def text_of(r: httpx.Response) -> str:
+    return str(r.json()["choices"][0]["message"]["content"])
+
+
+def semantic_tenant(admin: httpx.Client, **settings: Any) -> TenantKey:
+    tenant = new_tenant(admin, "semantic")
+    r = admin.put(f"/admin/tenants/{tenant.tenant_id}/cache", json={"semantic": True} | settings)
+    assert r.status_code == 200, r.text
+    return tenant
+
+
+def test_an_identical_request_is_an_exact_hit_with_the_same_shape(
+    admin: httpx.Client, api: httpx.Client
+) -> None:
+    tenant = new_tenant(admin, "exact")
+    question = unique(QUESTION)
+    first = ask(api, tenant, question)
+    second = ask(api, tenant, question)
+    assert first.headers["x-cache"] == "miss"
+    assert second.headers["x-cache"] == "exact"
+    assert "x-cache-similarity" not in second.headers
+    a, b = first.json(), second.json()
+    assert a.keys() == b.keys() and a["choices"][0].keys() == b["choices"][0].keys()
+    assert b["choices"][0]["message"] == a["choices"][0]["message"]
+    assert b["choices"][0]["finish_reason"] == a["choices"][0]["finish_reason"]
+    assert b["usage"]["completion_tokens"] == a["usage"]["completion_tokens"]
+    assert b["object"] == "chat.completion" and b["id"] != a["id"]
+
+
+def test_a_streamed_hit_concatenates_to_the_original_text(
+    admin: httpx.Client, api: httpx.Client
+) -> None:
+    tenant = new_tenant(admin, "stream")
+    question = unique(QUESTION)
+    original = text_of(ask(api, tenant, question))
+    outcome, text = streamed(api, tenant, question)
+    assert (outcome, text) == ("exact", original)
+
+
+def test_no_store_neither_reads_nor_writes_and_no_cache_only_writes(
+    admin: httpx.Client, api: httpx.Client
+) -> None:
+    tenant = new_tenant(admin, "control")
+    question = unique(QUESTION)
+    assert (
+        ask(api, tenant, question, headers={"cache-control": "no-store"}).headers["x-cache"]
+        == "bypass"
+    )
+    assert (
+        ask(api, tenant, question, headers={"cache-control": "no-cache"}).headers["x-cache"]
+        == "bypass"
+    )
+    assert ask(api, tenant, question).headers["x-cache"] == "exact"
+    assert (
+        ask(api, tenant, question, headers={"cache-control": "no-store"}).headers["x-cache"]
+        == "bypass"
+    )
+
+
+def test_sampled_requests_are_not_cached(admin: httpx.Client, api: httpx.Client) -> None:
+    tenant = new_tenant(admin, "sampled")
+    question = unique(QUESTION)
+    for _ in range(2):
+        assert ask(api, tenant, question, temperature=0.8).headers["x-cache"] == "bypass"
+    ask(api, tenant, question, temperature=0.8, seed=5)
+    assert ask(api, tenant, question, temperature=0.8, seed=5).headers["x-cache"] == "exact"
+
+
+def test_tenant_b_never_gets_tenant_a_entry(admin: httpx.Client, api: httpx.Client) -> None:
+    a, b = semantic_tenant(admin), semantic_tenant(admin)
+    system = unique("You answer briefly.")
+    ask(api, a, QUESTION, system=system)
+    assert ask(api, a, QUESTION, system=system).headers["x-cache"] == "exact"
+    assert ask(api, b, QUESTION, system=system).headers["x-cache"] == "miss"
+    assert ask(api, b, PARAPHRASE, system=system).headers["x-cache"] == "miss"
+
+
+def test_a_semantic_hit_carries_its_similarity(admin: httpx.Client, api: httpx.Client) -> None:
+    tenant = semantic_tenant(admin)
+    system = unique("You answer briefly.")
+    original = ask(api, tenant, QUESTION, system=system)
+    hit = ask(api, tenant, PARAPHRASE, system=system)
+    assert hit.headers["x-cache"] == "semantic"
+    assert 0.92 <= float(hit.headers["x-cache-similarity"]) <= 1.0
+    assert text_of(hit) == text_of(original)
+
+
+def test_semantic_hits_need_the_tenant_setting_and_no_refusal_in_the_body(
+    admin: httpx.Client, api: httpx.Client
+) -> None:
+    plain, semantic = new_tenant(admin, "plain"), semantic_tenant(admin)
+    system = unique("You answer briefly.")
+    for tenant in (plain, semantic):
+        ask(api, tenant, QUESTION, system=system)
+    assert ask(api, plain, PARAPHRASE, system=system).headers["x-cache"] == "miss"
+    refused = ask(api, semantic, PARAPHRASE, system=system, cache={"semantic": False})
+    assert refused.headers["x-cache"] == "miss"
+
+
+def test_close_but_different_questions_are_not_semantic_hits(
+    admin: httpx.Client, api: httpx.Client
+) -> None:
+    tenant = semantic_tenant(admin)
+    system = unique("You answer briefly.")
+    ask(api, tenant, "Convert 10 miles to kilometers.", system=system)
+    for other in ("Convert 10 kilometers to miles.", "Convert 12 miles to kilometers."):
+        assert ask(api, tenant, other, system=system).headers["x-cache"] == "miss"
+
+
+def test_a_reuploaded_adapter_never_serves_the_old_versions_entries(
+    admin: httpx.Client, api: httpx.Client, demo_adapter_dirs: list[Path]
+) -> None:
+    tenant = new_tenant(admin, "reupload")
+    name = f"support-{uuid.uuid4().hex[:6]}"
+    upload_adapter(admin, tenant.tenant_id, name, demo_adapter_dirs[0])
+    question = unique(QUESTION)
+    ask(api, tenant, question, model=name)
+    assert ask(api, tenant, question, model=name).headers["x-cache"] == "exact"
+    upload_adapter(admin, tenant.tenant_id, name, demo_adapter_dirs[1])
+    assert ask(api, tenant, question, model=name).headers["x-cache"] == "miss"
+
+
+def test_cache_settings_are_validated_and_read_back(admin: httpx.Client) -> None:
+    tenant = new_tenant(admin, "settings")
+    path = f"/admin/tenants/{tenant.tenant_id}/cache"
+    assert json_of(admin.get(path))["semantic"] is False
+    updated = json_of(admin.put(path, json={"semantic": True, "threshold": 0.95, "ttl": 60}))
+    assert (updated["semantic"], updated["threshold"], updated["ttl"]) == (True, 0.95, 60)
+    assert updated["verifier"] == "strict" and updated["enabled"] is True
+    for bad in ({"threshold": 1.5}, {"ttl": 0}, {"verifier": "lenient"}, {"semantc": True}):
+        assert admin.put(path, json=bad).status_code == 400, bad
+    assert json_of(admin.get(path)) == updated
+    assert admin.get("/admin/tenants/tnt_missing/cache").status_code == 404
+
+
+def test_purge_removes_a_tenants_entries_and_is_audited(
+    admin: httpx.Client, api: httpx.Client
+) -> None:
+    tenant, other = new_tenant(admin, "purge"), new_tenant(admin, "kept")
+    question = unique(QUESTION)
+    for t in (tenant, other):
+        ask(api, t, question)
+    purged = admin.delete("/admin/cache", params={"tenant": tenant.tenant_id, "adapter": "base"})
+    assert json_of(purged) == {"purged": 1}
+    assert ask(api, tenant, question).headers["x-cache"] == "miss"
+    assert ask(api, other, question).headers["x-cache"] == "exact"
+    assert json_of(admin.delete("/admin/cache", params={"tenant": tenant.tenant_id})) == {
+        "purged": 1
+    }
+    entry = json_of(admin.get("/admin/audit", params={"limit": 1}))[0]
+    assert (entry["action"], entry["target"], entry["outcome"]) == (
+        "cache.purge",
+        tenant.tenant_id,
+        "ok",
+    )
+    assert entry["detail"]["purged"] == 1
+    assert (
+        admin.delete(
+            "/admin/cache", params={"tenant": tenant.tenant_id, "adapter": "x/none"}
+        ).status_code
+        == 404
+    )
+    assert admin.delete("/admin/cache").status_code == 400
+
+
+def test_a_redis_restart_fails_no_request_and_caching_resumes(
+    admin: httpx.Client, api: httpx.Client, redis_server: RedisServer
+) -> None:
+    tenant = new_tenant(admin, "restart")
+    question = unique(QUESTION)
+    ask(api, tenant, question)
+    assert ask(api, tenant, question).headers["x-cache"] == "exact"
+    redis_server.restart()
+    assert ask(api, tenant, question).headers["x-cache"] == "miss"
+    assert ask(api, tenant, question).headers["x-cache"] == "exact"
