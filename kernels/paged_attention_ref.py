@@ -121,9 +121,9 @@ def paged_attention_torch(
     out = torch.empty_like(q)
     starts = [0, *itertools.accumulate(meta.q_lens)]
     decodes = [b for b, n in enumerate(meta.q_lens) if n == 1]
-    if decodes:
-        rows = torch.tensor([starts[b] for b in decodes], device=q.device)
-        out[rows] = _decode_attention(q[rows], k_cache, v_cache, meta, decodes, scale).to(q.dtype)
+    for group in _length_buckets(decodes, meta.seq_lens_host):
+        rows = torch.tensor([starts[b] for b in group], device=q.device)
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, meta, group, scale).to(q.dtype)
     for b, n in enumerate(meta.q_lens):
         if n > 1:
             chunk = _chunk_attention(
@@ -134,6 +134,26 @@ def paged_attention_torch(
             )
             out[starts[b] : starts[b] + n] = chunk.to(q.dtype)
     return out
+
+
+DECODE_BUCKET_GROWTH = 1.5
+"""A decode bucket holds sequences up to this many times longer than its shortest one."""
+
+
+def _length_buckets(seqs: list[int], seq_lens: Sequence[int]) -> list[list[int]]:
+    """Group decoding sequences by KV length, so each padded gather wastes at most a third of it.
+
+    Padding every decode to the batch's longest sequence copies (and attends over) far more KV
+    than exists when lengths are mixed; a few buckets cost a few more calls and copy much less.
+    """
+    buckets: list[list[int]] = []
+    floor = 0
+    for b in sorted(seqs, key=lambda b: seq_lens[b]):
+        if not buckets or seq_lens[b] > DECODE_BUCKET_GROWTH * floor:
+            buckets.append([])
+            floor = seq_lens[b]
+        buckets[-1].append(b)
+    return buckets
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:

@@ -47,7 +47,9 @@ class LoraBatch:
         )
         m = self.meta
         on_gpu = x.is_cuda
-        if self.per_token:
+        # The runner orders tokens by slot, so on the CPU the segmented twins serve decodes too
+        # (the per-token twins would regroup them first); per-token kernels pay off on a GPU.
+        if self.per_token and on_gpu:
             shrink = bgmv_shrink if on_gpu else bgmv_shrink_ref
             expand = bgmv_expand if on_gpu else bgmv_expand_ref
             shrink(x, stacked.lora_a, stacked.ranks, m.token_indices, m.token_slots, t)
