@@ -24,8 +24,9 @@ import platform
 import re
 import shutil
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -348,6 +349,22 @@ def write_result(result: Result) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def run_benchmark(
+    description: str,
+    argv: Sequence[str] | None,
+    benchmark: Callable[[RunSettings, Path, dict[str, Any]], Result],
+) -> Path:
+    """A benchmark's `main`: parse the command line, configure torch, prepare the model (in a
+    temporary folder unless given), run `benchmark(settings, model_dir, model_description)`,
+    then print and write its result; returns the result file's path."""
+    settings = parse_args(description, argv)
+    configure(settings)
+    with tempfile.TemporaryDirectory(prefix="loramux-bench-") as tmp:
+        model_dir, model = prepare_model(settings, Path(tmp))
+        result = benchmark(settings, model_dir, model)
+    return report(result)
 
 
 def report(result: Result) -> Path:

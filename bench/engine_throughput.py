@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,16 +34,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.common import (
-    Figure,
-    Result,
-    RunSettings,
-    Stopwatch,
-    configure,
-    parse_args,
-    prepare_model,
-    report,
-)
+from bench.common import Figure, Result, RunSettings, Stopwatch, run_benchmark
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineRequest, EngineStats
@@ -390,14 +380,13 @@ def summarize(
     return Result(NAME, settings, model, workload_info, engine_settings, figures(m), details(m))
 
 
-def main(argv: Sequence[str] | None = None) -> Path:
-    settings = parse_args(__doc__ or NAME, argv)
-    configure(settings)
+def benchmark(settings: RunSettings, model_dir: Path, model: dict[str, Any]) -> Result:
     workload = WORKLOADS[settings.mode]
-    with tempfile.TemporaryDirectory(prefix="loramux-bench-") as tmp:
-        model_dir, model = prepare_model(settings, Path(tmp))
-        measured = measure(settings, model_dir, workload)
-    return report(summarize(settings, model, workload, measured))
+    return summarize(settings, model, workload, measure(settings, model_dir, workload))
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    return run_benchmark(__doc__ or NAME, argv, benchmark)
 
 
 if __name__ == "__main__":

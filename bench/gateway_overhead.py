@@ -142,7 +142,7 @@ class LoadResult:
     seconds: float
     requests: int
     errors: int
-    """Answers other than 200, and socket errors."""
+    """Answers other than 200."""
     rps: float
     p50_ms: float
     p99_ms: float

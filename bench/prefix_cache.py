@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,17 +27,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from bench.common import (
-    Figure,
-    Result,
-    RunSettings,
-    Stopwatch,
-    configure,
-    median,
-    parse_args,
-    prepare_model,
-    report,
-)
+from bench.common import Figure, Result, RunSettings, Stopwatch, median, run_benchmark
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineRequest
@@ -187,14 +176,13 @@ def summarize(
     return Result(NAME, settings, model, workload_info, config, figures, details)
 
 
-def main(argv: Sequence[str] | None = None) -> Path:
-    settings = parse_args(__doc__ or NAME, argv)
-    configure(settings)
+def benchmark(settings: RunSettings, model_dir: Path, model: dict[str, Any]) -> Result:
     workload = WORKLOADS[settings.mode]
-    with tempfile.TemporaryDirectory(prefix="loramux-bench-") as tmp:
-        model_dir, model = prepare_model(settings, Path(tmp))
-        reps = measure(settings, model_dir, workload)
-    return report(summarize(settings, model, workload, reps))
+    return summarize(settings, model, workload, measure(settings, model_dir, workload))
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    return run_benchmark(__doc__ or NAME, argv, benchmark)
 
 
 if __name__ == "__main__":

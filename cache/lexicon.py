@@ -1,8 +1,8 @@
 """Word lists of the strict verifier (English): what carries no meaning of its own in a question,
 what negates, what counts, and what means the opposite.
 
-The lists are general — function words, question phrasing, common opposites — not tuned to any
-test set; the verifier is deliberately conservative: when unsure it refuses the hit.
+General-purpose English lists (function words, question phrasing, common opposites), not the
+benchmark's pairs; the verifier is conservative with them: when unsure it refuses the hit.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ STOPWORDS = frozenset(
     """
     )
 )
-"""Function words and question phrasing: differences among these never change an answer."""
+"""Function words and question phrasing: not content words. Opposites among them ("in" /
+"out") are still caught, by the antonym check over all words."""
 
 NEGATIONS = frozenset(_words("not no never none nobody nothing neither nor without cannot nowhere"))
 

@@ -171,15 +171,16 @@ class BucketMirror:
         return slots[order], sims[order]
 
     def _hamming(self, codes: npt.NDArray[np.uint64], n: int) -> npt.NDArray[np.int32]:
-        """Differing sign bits per slot; dead slots get more than any live one can have. (int32:
-        numpy's argpartition is several times slower on uint16.)"""
-        total = np.zeros(n, dtype=np.int32)
+        """Differing sign bits per slot; dead slots get more than any live one can have.
+        (Summed in uint16, returned as int32: numpy's argpartition is slow on uint16.)"""
+        total = np.zeros(n, dtype=np.uint16)
         word = np.empty(n, dtype=np.uint64)
         count = np.empty(n, dtype=np.uint8)
         for j in range(WORDS):
             np.bitwise_xor(self.codes[j, :n], codes[j], out=word)
             np.bitwise_count(word, out=count)
-            total += count
+            np.add(total, count, out=total)
+        distance = total.astype(np.int32)
         if self.live_count < n:
-            total[~self.live[:n]] = BITS + 1
-        return total
+            distance[~self.live[:n]] = BITS + 1
+        return distance

@@ -38,9 +38,11 @@ class ModelCatalog:
         self.base_model = base_model
         self.ttl = ttl
         self._cache: dict[tuple[str, str], tuple[float, AdapterVersion | None]] = {}
+        self._visible: dict[str, tuple[float, list[AdapterVersion]]] = {}
 
     def invalidate(self) -> None:
         self._cache.clear()
+        self._visible.clear()
 
     async def resolve(self, principal: Principal, model: str) -> ResolvedModel:
         """Raises NotFound for unknown (or foreign private) models, PermissionDenied for models the
@@ -86,10 +88,19 @@ class ModelCatalog:
         return row
 
     async def visible(self, tenant_id: str) -> list[AdapterVersion]:
-        """The latest live version of every adapter the tenant may use: its own, then shared."""
+        """The latest live version of every adapter the tenant may use: its own, then shared.
+        Cached for `ttl` like single lookups (uploads in this process invalidate at once)."""
+        now = time.monotonic()
+        cached = self._visible.get(tenant_id)
+        if cached is not None and now - cached[0] < self.ttl:
+            return cached[1]
         async with self.sessions() as session:
             rows = await latest_versions(session, [tenant_id, SHARED_OWNER])
-        return sorted(rows, key=lambda r: (r.owner != tenant_id, r.name))
+        rows = sorted(rows, key=lambda r: (r.owner != tenant_id, r.name))
+        if len(self._visible) > 100_000:
+            self._visible.clear()
+        self._visible[tenant_id] = (now, rows)
+        return rows
 
 
 async def latest_versions(

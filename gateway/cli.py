@@ -183,3 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = build_parser().parse_args(argv)
     args.func(args)
+
+
+if __name__ == "__main__":
+    main()

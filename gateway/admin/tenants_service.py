@@ -76,7 +76,11 @@ async def delete(gw: GatewayState, tenant_id: str) -> Deleted:
         gw.keys.forget(key_id)
     await adapters_service.retire_unused(gw, digests)
     gw.catalog.invalidate()
-    return Deleted(tenant_id, detail={"keys": len(key_ids), "adapter_versions": versions})
+    purged = await gw.cache.purge(tenant_id)
+    return Deleted(
+        tenant_id,
+        detail={"keys": len(key_ids), "adapter_versions": versions, "cache_entries": purged},
+    )
 
 
 async def _key_ids(session: AsyncSession, tenant_id: str) -> list[str]:

@@ -17,7 +17,7 @@ from gateway.db import UsageTotals
 
 WINDOWS = (1, 7, 30, 90)
 """Windows (days) offered by the page's selector."""
-BLUE, TEAL, RED, ORANGE, GRAY = "#3867d6", "#20bf6b", "#eb3b5a", "#fa8231", "#8395a7"
+BLUE, TEAL, RED, ORANGE = "#3867d6", "#20bf6b", "#eb3b5a", "#fa8231"
 
 
 def document(title: str, *body: Child) -> Html:

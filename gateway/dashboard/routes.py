@@ -41,7 +41,9 @@ def _page(markup: Html, status: int = 200) -> Response[str]:
 
 
 def _refuse_other_origins(request: AnyRequest) -> None:
-    """Forms posted from another site's page carry its Origin; browsers always send one."""
+    """Refuse a form posted from another site's page: browsers send that page's Origin with
+    every cross-site POST. (A client that sends no Origin is no browser and holds no cookie of
+    a signed-in user.)"""
     origin = request.headers.get("origin")
     if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
         raise PermissionDenied("cross-origin dashboard request refused", code="bad_origin")

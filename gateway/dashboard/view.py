@@ -16,6 +16,7 @@ from sqlalchemy import select
 
 from gateway.db import ApiKey, Quota, Tenant, UsageTotals
 from gateway.errors import NotFound, PermissionDenied
+from gateway.quotas.buckets import budget_period
 from gateway.state import GatewayState
 from gateway.usage import day_of, hour_of
 from gateway.usage_query import Dimension, read_usage
@@ -74,8 +75,8 @@ class DashboardView:
 
 
 def chosen_tenant(viewer_tenant: str | None, requested: str | None) -> str | None:
-    """The tenant to show: a tenant sees only itself, whatever it asks for; an admin sees the
-    one it asks for, or every tenant."""
+    """The tenant to show: a tenant sees only itself (asking for another is refused, 403); an
+    admin sees the one it asks for, or every tenant."""
     if viewer_tenant is None:
         return requested or None
     if requested and requested != viewer_tenant:
@@ -87,11 +88,7 @@ async def load_view(
     gw: GatewayState, tenant_id: str | None, days: int, now: datetime, is_admin: bool
 ) -> DashboardView:
     """The dashboard of `tenant_id` (None: every tenant) over the last `days` days."""
-    async with gw.sessions() as session:
-        tenants = [
-            TenantRef(t.id, t.name)
-            for t in await session.execute(select(Tenant.id, Tenant.name).order_by(Tenant.name))
-        ]
+    tenants = await _tenants(gw, None if is_admin else tenant_id)
     names = {t.id: t.name for t in tenants}
     if tenant_id is not None and tenant_id not in names:
         raise NotFound(f"no tenant {tenant_id!r}", param="tenant", code="not_found")
@@ -121,6 +118,15 @@ async def load_view(
     )
 
 
+async def _tenants(gw: GatewayState, only: str | None) -> list[TenantRef]:
+    """Every tenant by name, or only the one with id `only`."""
+    stmt = select(Tenant.id, Tenant.name).order_by(Tenant.name)
+    if only is not None:
+        stmt = stmt.where(Tenant.id == only)
+    async with gw.sessions() as session:
+        return [TenantRef(t.id, t.name) for t in await session.execute(stmt)]
+
+
 async def _read(
     gw: GatewayState, tenant_id: str | None, start: datetime, dimension: Dimension
 ) -> dict[str, UsageTotals]:
@@ -138,12 +144,6 @@ def _sum_by(groups: dict[tuple[str, ...], UsageTotals], part: int) -> dict[str, 
 
 def _every(groups: dict[str, UsageTotals], buckets: list[datetime], fmt: str) -> list[Breakdown]:
     return [Breakdown(b.strftime(fmt), groups.get(b.strftime(fmt), UsageTotals())) for b in buckets]
-
-
-def period_start(period: str, now: datetime) -> datetime:
-    """The UTC start of the current budget period (`day` or `month`)."""
-    today = day_of(now)
-    return today if period == "day" else today.replace(day=1)
 
 
 async def _quota_lines(gw: GatewayState, tenant_id: str, now: datetime) -> list[QuotaLine]:
@@ -174,9 +174,9 @@ async def _quota_lines(gw: GatewayState, tenant_id: str, now: datetime) -> list[
 async def _budget_used(
     gw: GatewayState, tenant_id: str, key_id: str | None, period: str, now: datetime
 ) -> int:
-    start = period_start(period, now)
+    span = budget_period(period, now)
     by: list[Dimension] = ["key"] if key_id is not None else []
-    groups = await read_usage(gw.sessions, tenant=tenant_id, start=start, end=None, by=by)
+    groups = await read_usage(gw.sessions, tenant=tenant_id, start=span.start, end=span.end, by=by)
     totals = groups.get((key_id,) if key_id is not None else ())
     return totals.total_tokens if totals is not None else 0
 

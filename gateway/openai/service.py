@@ -20,12 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cache.types import CachedResponse, CacheHit, CachePolicy, CacheRequest
-
 from engine.errors import EngineError
 from engine.outputs import EngineRequest, Usage
 from engine.sampling import SamplingParams
 from gateway.auth.api_keys import Principal
-from gateway.cache_policy import cache_policy
+from gateway.cache_policy import cache_policy, cache_request
 from gateway.catalog import ResolvedModel
 from gateway.errors import BadRequest, GatewayError, to_gateway_error
 from gateway.openai import shapes
@@ -111,7 +110,9 @@ class CompletionService:
             policy = cache_policy(
                 principal.tenant_settings, cache_control, body_cache, deterministic
             )
-            key = self._cache_key(principal, model, engine_request)
+            key = cache_request(
+                principal.tenant_id, self.gw.model_name, engine_request, req.response_format
+            )
             hit = await self.gw.cache.lookup(key, policy) if policy.lookup else None
         except BaseException:
             await admission.settle(0)
@@ -164,30 +165,6 @@ class CompletionService:
             prompt = _completion_prompt(req.prompt)
         return EngineRequest(request_id, params, adapter=model.digest, **prompt)
 
-    def _cache_key(
-        self, principal: Principal, model: ResolvedModel, request: EngineRequest
-    ) -> CacheRequest:
-        p = request.params
-        params = (("max_tokens", p.max_tokens), ("seed", p.seed), ("stop", p.stop),
-                  ("temperature", p.temperature), ("top_k", p.top_k), ("top_p", p.top_p))  # fmt: skip
-        messages = (
-            tuple((m["role"], m["content"]) for m in request.messages) if request.messages else None
-        )
-        prompt = (
-            request.prompt
-            if request.prompt is not None
-            else tuple(request.prompt_token_ids or ()) or None
-        )
-        return CacheRequest(
-            tenant_id=principal.tenant_id,
-            base_model=self.gw.model_name,
-            adapter=model.digest or "base",
-            kind="chat" if messages is not None else "text",
-            messages=messages,
-            prompt=None if messages is not None else prompt,
-            params=params,
-        )
-
     # -- running ---------------------------------------------------------------------------------
     async def complete(self, p: Prepared) -> dict[str, Any]:
         """The whole response as one JSON object."""
@@ -222,6 +199,7 @@ class CompletionService:
         texts: list[str] = []
         finish: str | None = None
         status = 499
+        finished = False
         try:
             if p.meta.kind == "chat":
                 yield shapes.sse(shapes.chunk(p.meta, None, None, role=True))
@@ -231,23 +209,23 @@ class CompletionService:
                 texts.append(out.text)
                 if out.text or out.finish_reason:
                     yield shapes.sse(shapes.chunk(p.meta, out.text, out.finish_reason))
-            status = 200
+            # Store and settle before the client sees the end, so its next request finds both.
+            finished = True
+            await self._finish(p, usage, "".join(texts), finish, 200, ttft)
             if p.include_usage:
                 completion, cached = (
                     (usage.completion_tokens, usage.cached_tokens) if usage else (0, 0)
                 )
-                yield shapes.sse(
-                    shapes.usage_chunk(
-                        p.meta, shapes.usage_json(p.prompt_tokens, completion, cached)
-                    )
-                )
+                usage_json = shapes.usage_json(p.prompt_tokens, completion, cached)
+                yield shapes.sse(shapes.usage_chunk(p.meta, usage_json))
             yield shapes.SSE_DONE
         except (EngineError, GatewayError) as exc:
             err = to_gateway_error(exc) or GatewayError(str(exc))
             status = err.status
             yield shapes.sse(err.body())
         finally:
-            await self._finish(p, usage, "".join(texts), finish, status, ttft)
+            if not finished:
+                await self._finish(p, usage, "".join(texts), finish, status, ttft)
 
     async def _complete_hit(self, p: Prepared, hit: CacheHit) -> dict[str, Any]:
         r = hit.response
@@ -268,7 +246,7 @@ class CompletionService:
                 yield shapes.sse(shapes.chunk(p.meta, r.text[i : i + HIT_CHUNK_CHARS], None))
             yield shapes.sse(shapes.chunk(p.meta, None, r.finish_reason))
             if p.include_usage:
-                usage = shapes.usage_json(r.prompt_tokens, r.completion_tokens, 0)
+                usage = shapes.usage_json(p.prompt_tokens, r.completion_tokens, 0)
                 yield shapes.sse(shapes.usage_chunk(p.meta, usage))
             yield shapes.SSE_DONE
         finally:

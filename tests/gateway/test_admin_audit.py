@@ -52,7 +52,11 @@ def test_changes_and_failures_are_audited(
     assert by_action["tenant.update"]["detail"] == {"disabled": True}
     assert by_action["quota.tenant.set"]["detail"] == {"rpm": 5, "tpm": None}
     assert set(by_action["adapter.upload"]["detail"]) == {"version", "digest"}
-    assert by_action["tenant.delete"]["detail"] == {"keys": 1, "adapter_versions": 0}
+    assert by_action["tenant.delete"]["detail"] == {
+        "keys": 1,
+        "adapter_versions": 0,
+        "cache_entries": 0,
+    }
     assert {e["actor"] for e in entries[:10]} == {"test-admin"}
     assert all(e["created_at"].endswith("Z") for e in entries)
 

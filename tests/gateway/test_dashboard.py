@@ -19,6 +19,8 @@ import pytest
 from playwright.sync_api import Locator, Page, sync_playwright
 
 from bench.usage_workload import CHROMIUM_ARGS
+from gateway.dashboard.charts import Series, axis_top, stacked_bars
+from gateway.dashboard.html import el
 from gateway.dashboard.session import COOKIE, SESSION_SECONDS, Viewer, mint, signing_key
 from gateway.server import RunningServer
 from tests.gateway.conftest import json_of
@@ -241,3 +243,22 @@ def test_names_are_escaped(
     with signed_in(gateway, admin_token) as client:
         page = client.get("/dashboard").text
     assert "<img src=x" not in page and "&lt;img src=x onerror=alert(1)&gt;" in page
+
+
+def test_markup_escapes_text_and_attribute_values_by_construction() -> None:
+    hostile = '"><script>alert(1)</script>'
+    assert el("td", hostile, title=hostile) == (
+        '<td title="&quot;&gt;&lt;script&gt;alert(1)&lt;/script&gt;">'
+        "&quot;&gt;&lt;script&gt;alert(1)&lt;/script&gt;</td>"
+    )
+    assert el("p", el("b", "<b>"), 3, None) == "<p><b>&lt;b&gt;</b>3</p>"
+    assert el("input", required=True, disabled=False, data_testid="x") == (
+        '<input required data-testid="x">'
+    )
+
+
+def test_a_chart_is_svg_with_a_round_axis_and_escaped_labels() -> None:
+    svg = stacked_bars(["<day>", "b"], [Series("<s>", "#000", [3, None])], "Requests", "req")
+    assert svg.count("<rect") == 2  # one bar, and the legend's swatch
+    assert "&lt;day&gt;" in svg and "<day>" not in svg and "&lt;s&gt;" in svg
+    assert [axis_top(v, whole=True) for v in (0, 3, 5, 79)] == [4, 4, 8, 80]

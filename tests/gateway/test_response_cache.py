@@ -147,12 +147,15 @@ def test_sampled_requests_are_not_cached(admin: httpx.Client, api: httpx.Client)
 
 
 def test_tenant_b_never_gets_tenant_a_entry(admin: httpx.Client, api: httpx.Client) -> None:
-    a, b = semantic_tenant(admin), semantic_tenant(admin)
+    """Neither exactly (identical request) nor semantically (a paraphrase); each asks once, as
+    every miss stores the asker's own entry."""
+    a, b, c = semantic_tenant(admin), semantic_tenant(admin), semantic_tenant(admin)
     system = unique("You answer briefly.")
     ask(api, a, QUESTION, system=system)
     assert ask(api, a, QUESTION, system=system).headers["x-cache"] == "exact"
+    assert ask(api, a, PARAPHRASE, system=system).headers["x-cache"] == "semantic"
     assert ask(api, b, QUESTION, system=system).headers["x-cache"] == "miss"
-    assert ask(api, b, PARAPHRASE, system=system).headers["x-cache"] == "miss"
+    assert ask(api, c, PARAPHRASE, system=system).headers["x-cache"] == "miss"
 
 
 def test_a_semantic_hit_carries_its_similarity(admin: httpx.Client, api: httpx.Client) -> None:
