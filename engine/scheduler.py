@@ -2,12 +2,10 @@
 
 One token budget per step is shared by decode tokens and prefill chunks. Running sequences
 are served first, oldest first; then waiting ones are admitted in arrival order while budget,
-sequence slots, adapter slots and KV blocks last. The head of the queue is never overtaken by
-a request that needs a resource it is waiting for, so no request starves (only a request whose
-adapter is still being read from disk is passed over, and it keeps its place). When blocks run
-out for a running sequence, the newest running sequence is preempted (its blocks freed, to be
-recomputed later — usually largely from the prefix cache).
-The oldest running sequence can always proceed, since the pool holds at least one full
+sequence slots, adapter slots and KV blocks last; `_admit_waiting` says who may go ahead of
+whom and why no request starves. When blocks run out for a running sequence, the newest running
+sequence is preempted (its blocks freed, to be recomputed later — usually largely from the prefix
+cache). The oldest running sequence can always proceed, since the pool holds at least one full
 context, so the scheduler never deadlocks and never runs out of memory.
 """
 
@@ -66,6 +64,8 @@ class SchedulerOutput:
 class Scheduler:
     prefetch_depth = 16
     """Waiting requests whose adapters are fetched from disk ahead of their turn."""
+    max_slot_wait_steps = 64
+    """Steps a request waiting for an adapter slot lets others (needing no new slot) go first."""
 
     def __init__(
         self,
@@ -112,35 +112,56 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit in arrival order. A request whose adapter is still loading from disk is passed
-        over (it loads off the step loop and keeps its place); any other obstacle stops
-        admission, so the oldest request is never overtaken by one that needs the same resource."""
+        """Admit in arrival order.
+
+        - A request whose adapter is still loading from disk is passed over: it loads off the
+          step loop and keeps its place.
+        - A request that waits for an adapter slot (all slots pinned) may be overtaken only by
+          requests that need no new slot (adapter already in one, or the base model), and only
+          for `max_slot_wait_steps` steps; after that, admission stops until a slot frees, which
+          happens as running sequences finish. So no request waits forever.
+        - Running out of KV blocks stops admission: nobody overtakes the oldest request there.
+        """
         if out.preempted:
             return
         if self.adapters is not None:
             for seq in itertools.islice(self.waiting, self.prefetch_depth):
                 self.adapters.prefetch(seq)
-        skipped: list[Sequence] = []
+        passed: list[Sequence] = []
+        slot_waiter: Sequence | None = None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             readiness = self.adapters.readiness(seq) if self.adapters else Readiness.READY
-            if readiness is Readiness.LOADING:
-                skipped.append(self.waiting.popleft())
+            if readiness is Readiness.LOADING or (
+                readiness is Readiness.NO_SLOT and slot_waiter is not None
+            ):
+                passed.append(self.waiting.popleft())
+                continue
+            if readiness is Readiness.NO_SLOT:
+                seq.slot_wait_steps += 1
+                if seq.slot_wait_steps > self.max_slot_wait_steps:
+                    break
+                slot_waiter = seq
+                passed.append(self.waiting.popleft())
                 continue
             cached = len(self.block_manager.match_prefix(seq)) * self.block_manager.block_size
             n = min(len(seq) - cached, budget)
-            if readiness is Readiness.NO_SLOT or not self.block_manager.can_allocate(seq, n):
+            if not self.block_manager.can_allocate(seq, n):
                 break
             self.waiting.popleft()
-            if self.adapters is not None:
-                self.adapters.acquire(seq)
-            self.block_manager.allocate(seq)
-            self.block_manager.append(seq, n)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.chunks.append(ScheduledChunk.of(seq, n))
+            self._start(seq, n, out)
             budget -= n
-        self.waiting.extendleft(reversed(skipped))
+        self.waiting.extendleft(reversed(passed))
+
+    def _start(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> None:
+        """Move an admitted request to running: pin its adapter, attach its cached prefix, grow."""
+        if self.adapters is not None:
+            self.adapters.acquire(seq)
+        self.block_manager.allocate(seq)
+        self.block_manager.append(seq, num_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.chunks.append(ScheduledChunk.of(seq, num_tokens))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free `seq`'s blocks and put it back at the head of the queue, to be recomputed."""

@@ -49,6 +49,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    slot_wait_steps: int = 0
+    """Steps this request has waited at the head for an adapter slot (see Scheduler)."""
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

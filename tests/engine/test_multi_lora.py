@@ -196,3 +196,41 @@ def test_base_output_unchanged_with_lora_enabled(
         engine, [EngineRequest("b", SamplingParams(max_tokens=8), prompt_token_ids=prompt)]
     )
     assert _tokens(out["b"]) == hf_greedy(hf_model, prompt, 8)
+
+
+def test_a_request_waiting_for_a_slot_is_overtaken_only_for_a_bounded_time(
+    demo_model_dir: Path, demo_adapter_dirs: list[Path]
+) -> None:
+    """One slot, held by adapter A. B waits for it; newer A requests (no new slot needed) may go
+    first for `max_slot_wait_steps` steps, then admission stops until the slot frees for B."""
+    engine = make_engine(demo_model_dir, max_loras=1, max_num_seqs=64)
+    engine.scheduler.max_slot_wait_steps = 3
+    a, b = (engine.register_adapter(f) for f in demo_adapter_dirs[:2])
+    long = SamplingParams(max_tokens=30, ignore_eos=True)
+    engine.add_request(EngineRequest("a0", long, prompt_token_ids=_prompt(0), adapter=a))
+    engine.step()
+    engine.add_request(EngineRequest("b", long, prompt_token_ids=_prompt(1), adapter=b))
+    started: dict[str, int] = {}
+    finished: dict[str, int] = {}
+    step = 1
+    while engine.has_work:
+        if step <= 12:  # a stream of newer A requests
+            engine.add_request(
+                EngineRequest(f"a{step}", long, prompt_token_ids=_prompt(step + 10), adapter=a)
+            )
+        for out in engine.step():
+            started.setdefault(out.request_id, step)
+            if out.finished:
+                finished[out.request_id] = step
+        step += 1
+        assert step < 500
+    overtakers = [
+        r for r in started if r.startswith("a") and r != "a0" and started[r] < started["b"]
+    ]
+    assert 1 <= len(overtakers) <= 4, (
+        "newer requests overtook B, but only while B's wait budget lasted"
+    )
+    assert all(started[f"a{i}"] > started["b"] for i in range(5, 13)), (
+        "after the budget, B went first"
+    )
+    assert set(finished) == {"a0", "b", *(f"a{i}" for i in range(1, 13))}
