@@ -3,27 +3,12 @@ failures, never raises, and caches again once Redis is back (empty, as after a c
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 from redis.asyncio import Redis
 
 from cache.embedder import Embedder
 from cache.response_cache import ResponseCache
 from tests.cache.conftest import SEMANTIC, answer, chat
 from tests.redis import RedisServer
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    """A server of this test's own: stopping it disturbs no other test."""
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 async def test_caching_survives_a_redis_restart(own_redis: RedisServer, embedder: Embedder) -> None:

@@ -5,27 +5,12 @@ once Redis is back, limits apply again."""
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 
 from gateway.errors import InsufficientQuota, ServiceUnavailable
 from tests.gateway.quotas.rig import QuotaRig, refusal
 from tests.redis import RedisServer
 
 LIMITED = {"rpm": 2, "token_budget": 1000, "budget_period": "day"}
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    """A Redis of this test's own, to stop and start without disturbing other tests."""
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 async def test_reject_answers_503_quota_unavailable(rig: QuotaRig, own_redis: RedisServer) -> None:
