@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -68,3 +69,15 @@ def chat(
 
 def answer(text: str) -> CachedResponse:
     return CachedResponse(text=text, finish_reason="stop", prompt_tokens=12, completion_tokens=5)
+
+
+async def until_missing(
+    cache: ResponseCache, req: CacheRequest, policy: CachePolicy, within: float = 5.0
+) -> float:
+    """Poll until `req` misses (Redis's own clock expires entries); returns how long it took."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while await cache.lookup(req, policy) is not None:
+        assert loop.time() - start < within, f"entry still served after {within} s"
+        await asyncio.sleep(0.05)
+    return loop.time() - start

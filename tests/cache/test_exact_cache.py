@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import pytest
 
 from cache.types import CacheRequest
-from tests.cache.conftest import EXACT, MakeCache, answer, chat
+from tests.cache.conftest import EXACT, MakeCache, answer, chat, until_missing
 
 BASE = chat("What is the capital of France?", seed=None, stop=["\n"])
 
@@ -91,8 +90,7 @@ async def test_entries_expire_after_their_ttl(make_cache: MakeCache) -> None:
     cache = make_cache()
     await cache.store(BASE, dataclasses.replace(EXACT, ttl=1), answer("Paris."))
     assert await cache.lookup(BASE, EXACT) is not None
-    await asyncio.sleep(1.2)
-    assert await cache.lookup(BASE, EXACT) is None
+    await until_missing(cache, BASE, EXACT)
 
 
 async def test_purge_removes_one_tenant_or_one_adapter(make_cache: MakeCache) -> None:
