@@ -30,3 +30,12 @@ class EngineOverloadedError(EngineError):
 
 class EngineStoppedError(EngineError):
     """The engine has been shut down."""
+
+
+def number_text(value: int | float) -> str:
+    """A number for an error message. An integer too long to print whole is described instead:
+    Python refuses to turn one of more than 4,300 digits into text, and a message should not
+    grow with a hostile request."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    return repr(value)

@@ -20,7 +20,12 @@ from adapters.peft_format import AdapterLimits
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError, PromptTooLongError, UnknownAdapterError
+from engine.errors import (
+    InvalidRequestError,
+    PromptTooLongError,
+    UnknownAdapterError,
+    number_text,
+)
 from engine.lora.batch import LoraBatch
 from engine.lora.manager import AdapterStats, LoraManager
 from engine.model.config import ModelConfig
@@ -155,7 +160,8 @@ class LLMEngine:
         if total > self.max_model_len:
             raise PromptTooLongError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request has "
-                f"{len(ids)} prompt tokens and asks for {request.params.max_tokens} completion tokens"
+                f"{len(ids)} prompt tokens and asks for {number_text(request.params.max_tokens)} "
+                "completion tokens"
             )
         return ids
 

@@ -23,7 +23,10 @@ def sample(
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    logits = logits.float().cpu() / p.temperature
+    logits = logits.float().cpu()
+    # Shifted so the largest is 0 before dividing: finite logits then never overflow, whatever
+    # their size, and every other logit scales to a finite negative number or -inf (weight 0).
+    logits = (logits - logits.max()) / float(p.temperature)
     if p.top_k > 0 and p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -54,8 +54,9 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+        seed = self.params.generator_seed
+        if seed is not None:
+            self.generator = torch.Generator().manual_seed(seed)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -137,8 +137,78 @@ async def test_bad_requests_are_refused_and_nothing_is_queued(
         {"temperature": -0.1},
         {"top_k": -1},
         {"stop": ("",)},
+        {"temperature": float("nan")},
+        {"temperature": float("inf")},
+        {"temperature": -float("inf")},
+        {"temperature": 10**400},
+        {"temperature": "1.0"},
+        {"top_p": float("nan")},
+        {"top_p": float("inf")},
+        {"max_tokens": -(10**5000)},
+        {"top_k": -(10**5000)},
+        {"max_tokens": 1.5},
+        {"seed": 1.5},
+        {"seed": True},
     ],
 )
 def test_bad_sampling_parameters_are_refused(kwargs: dict[str, object]) -> None:
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(InvalidRequestError) as refused:
         SamplingParams(**kwargs)  # type: ignore[arg-type]
+    assert len(str(refused.value)) < 200
+
+
+async def test_a_huge_max_tokens_is_refused_with_a_short_message(engine: AsyncEngine) -> None:
+    params = SamplingParams(max_tokens=10**5000)
+    with pytest.raises(PromptTooLongError) as refused:
+        await _collect(engine, EngineRequest("huge", params, prompt="hi"))
+    assert "an integer of" in str(refused.value) and len(str(refused.value)) < 300
+
+
+def _tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        {"temperature": 1e-38},
+        {"temperature": 5e-324},
+        {"temperature": 1e-38, "top_p": 1e-300, "top_k": 10**30},
+        {"temperature": 1e300},
+        {"temperature": 0.7, "seed": 2**64 + 5},
+        {"temperature": 0.7, "seed": -1},
+        {"temperature": 0.7, "seed": -(10**5000)},
+    ],
+)
+async def test_extreme_sampling_parameters_get_an_answer_and_the_engine_keeps_serving(
+    engine: AsyncEngine, hostile: dict[str, object]
+) -> None:
+    prompt = "def tokenize(text):"
+    params = SamplingParams(max_tokens=8, ignore_eos=True, **hostile)  # type: ignore[arg-type]
+    outs = await _collect(engine, EngineRequest("hostile", params, prompt=prompt))
+    assert outs[-1].finish_reason == "length" and len(_tokens(outs)) == 8
+    after = await _collect(
+        engine, EngineRequest("after", SamplingParams(max_tokens=4, ignore_eos=True), prompt="x")
+    )
+    assert after[-1].finish_reason == "length" and engine.running
+
+
+async def test_a_temperature_below_the_floor_decodes_greedily(engine: AsyncEngine) -> None:
+    prompt = "class Parser:"
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    expected = _tokens(await _collect(engine, EngineRequest("greedy", greedy, prompt=prompt)))
+    for i, temperature in enumerate([1e-38, 5e-324, 9.9e-6]):
+        tiny = SamplingParams(max_tokens=12, ignore_eos=True, temperature=temperature, seed=i)
+        got = _tokens(await _collect(engine, EngineRequest(f"tiny-{i}", tiny, prompt=prompt)))
+        assert got == expected, temperature
+
+
+async def test_seeds_are_taken_modulo_two_to_the_64(engine: AsyncEngine) -> None:
+    prompt = "import os\n"
+
+    async def sampled(request_id: str, seed: int) -> list[int]:
+        params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=seed)
+        return _tokens(await _collect(engine, EngineRequest(request_id, params, prompt=prompt)))
+
+    assert await sampled("minus-one", -1) == await sampled("max", 2**64 - 1)
+    assert await sampled("past", 2**64 + 5) == await sampled("five", 5)
