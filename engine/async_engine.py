@@ -17,10 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.errors import EngineOverloadedError, EngineStoppedError, InvalidRequestError
+from engine.errors import (
+    EngineOverloadedError,
+    EngineStoppedError,
+    InvalidRequestError,
+    RequestFailedError,
+)
 from engine.llm_engine import LLMEngine
 from engine.lora.manager import AdapterStats
 from engine.outputs import EngineRequest, EngineStats, RequestOutput
+from engine.sequence import FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +169,13 @@ class AsyncEngine:
                     self._deliver([final])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand each output to its stream; a failed request's last one is raised there."""
         with self._lock:
             targets = [(self._streams.get(o.request_id), o) for o in outputs]
         for stream, out in targets:
-            if stream is not None:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            if stream is None:
+                continue
+            item: RequestOutput | BaseException = out
+            if out.finish_reason is FinishReason.ERROR:
+                item = RequestFailedError(out.error or "the engine could not finish this request")
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

@@ -32,6 +32,11 @@ class EngineStoppedError(EngineError):
     """The engine has been shut down."""
 
 
+class RequestFailedError(EngineError):
+    """The engine could not finish this request (its model output was not finite, or computing
+    it raised). Only this request failed, after it was queued; the engine keeps serving."""
+
+
 def number_text(value: int | float) -> str:
     """A number for an error message. An integer too long to print whole is described instead:
     Python refuses to turn one of more than 4,300 digits into text, and a message should not

@@ -40,6 +40,11 @@ from kernels.lora_meta import LoraMetaBuffers
 
 log = logging.getLogger(__name__)
 
+NON_FINITE_LOGITS = (
+    "the model's output for this request was not finite (NaN or infinity); "
+    "an adapter with out-of-range weights does this"
+)
+
 
 @dataclass
 class _Counters:
@@ -231,22 +236,30 @@ class LLMEngine:
         per_token = all(c.num_tokens == 1 for c in chunks)
         return chunks, LoraBatch.build(lora.stack, self._lora_buffers, token_slots, per_token)
 
-    def _postprocess(self, chunks: list[ScheduledChunk], tokens: list[int]) -> list[RequestOutput]:
+    def _postprocess(
+        self, chunks: list[ScheduledChunk], tokens: list[int | None]
+    ) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         next_token = iter(tokens)
         self._counters.steps += 1
         for chunk in chunks:
-            seq, samples = chunk.seq, chunk.samples
+            seq = chunk.seq
+            active = self._active[seq.request_id]
+            token = next(next_token) if chunk.samples else None
             prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
             self._counters.prompt_tokens_computed += min(prompt_left, chunk.num_tokens)
             if seq.num_computed_tokens == seq.num_cached_tokens and seq.num_completion_tokens == 0:
                 # First chunk since admission: count the prefix-cache hit once.
                 self._counters.prefix_cache_hit_tokens += seq.num_cached_tokens
-                self._active[seq.request_id].cached_prompt_tokens = seq.num_cached_tokens
+                active.cached_prompt_tokens = seq.num_cached_tokens
+            if chunk.samples and token is None:
+                # Its blocks are not sealed: KV that led to non-finite logits is never shared.
+                outputs.append(self._fail(active, NON_FINITE_LOGITS))
+                continue
             seq.num_computed_tokens += chunk.num_tokens
             self.block_manager.seal_full_blocks(seq)
-            if samples:
-                outputs.append(self._append_token(self._active[seq.request_id], next(next_token)))
+            if token is not None:
+                outputs.append(self._append_token(active, token))
                 if self.lora is not None:
                     self.lora.count_tokens(seq.adapter_id, 1)
         return outputs
@@ -273,13 +286,24 @@ class LLMEngine:
         self._finish(seq)
         return self._final(active, reason, text, [token])
 
+    def _fail(self, active: _Active, error: str) -> RequestOutput:
+        """End one request with FinishReason.ERROR, freeing its blocks and adapter pin."""
+        del self._active[active.seq.request_id]
+        self._finish(active.seq)
+        return self._final(active, FinishReason.ERROR, "", error=error)
+
     def _final(
-        self, active: _Active, reason: FinishReason, text: str, token_ids: list[int] | None = None
+        self,
+        active: _Active,
+        reason: FinishReason,
+        text: str,
+        token_ids: list[int] | None = None,
+        error: str | None = None,
     ) -> RequestOutput:
         seq = active.seq
         usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, active.cached_prompt_tokens)
         text += active.detok.flush()
-        return RequestOutput(seq.request_id, text, token_ids or [], reason, usage)
+        return RequestOutput(seq.request_id, text, token_ids or [], reason, usage, error)
 
     def stats(self) -> EngineStats:
         blocks = self.block_manager.stats()

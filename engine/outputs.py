@@ -38,13 +38,23 @@ class Usage:
 @dataclass(frozen=True)
 class RequestOutput:
     """One streamed delta. Deltas' `text` concatenate to the final text; the last one carries
-    `finish_reason` and `usage`."""
+    `finish_reason` and `usage`.
+
+    A request the engine cannot compute ends with `finish_reason` ERROR and `error` saying why:
+    its logits were not finite (NaN or infinity, e.g. from an adapter whose weights overflow),
+    or computing its step raised. Only that request ends so; the rest of its batch goes on, its
+    KV blocks and adapter pin are freed, and the engine keeps serving. `LLMEngine.step()` returns
+    such an output; the async facade (and so the engine service) raises it instead, as
+    `RequestFailedError` on that request's stream, so callers never see ERROR as a finish reason.
+    """
 
     request_id: str
     text: str
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    error: str | None = None
+    """Why the request failed; set only when `finish_reason` is ERROR."""
 
     @property
     def finished(self) -> bool:

@@ -1,7 +1,8 @@
 """Token selection: greedy, or temperature / top-k / top-p sampling with per-request seeds.
 
 Each seeded request draws its randomness from its own `torch.Generator`, so its output does not
-depend on what else shares the batch.
+depend on what else shares the batch. A row whose logits are not all finite (an adapter whose
+weights overflow, say) has no token: that request alone fails, the other rows sample as usual.
 """
 
 from __future__ import annotations
@@ -13,12 +14,19 @@ from engine.sampling import SamplingParams
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> list[int]:
-    """logits: float32 [N, vocab], one row per sampling sequence → one token id per row."""
-    tokens = logits.argmax(dim=-1).tolist()
+) -> list[int | None]:
+    """logits: float32 [N, vocab], one row per sampling sequence → one token id per row, or None
+    for a row holding NaN or an infinity (no token can be drawn from it)."""
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    greedy = logits.argmax(dim=-1).tolist()
+    tokens: list[int | None] = []
     for i, p in enumerate(params):
-        if not p.greedy:
-            tokens[i] = _sample_row(logits[i], p, generators[i])
+        if not finite[i]:
+            tokens.append(None)
+        elif p.greedy:
+            tokens.append(greedy[i])
+        else:
+            tokens.append(_sample_row(logits[i], p, generators[i]))
     return tokens
 
 

@@ -20,6 +20,8 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"
+    """The engine could not compute this request (see `RequestOutput.error`); others go on."""
 
 
 BASE_ADAPTER = "base"

@@ -173,14 +173,20 @@ def _decode_attention(
     """One query per sequence in `seqs` ([S, H, D]) over KV gathered and padded to the longest.
 
     Each query sits at its sequence's last position, so the causal mask is just `p < seq_len`.
+    Padding positions (past a sequence's end, or in the block-0 padding of its table row) hold
+    whatever another request left there, NaN or infinity included: they are zeroed, since a
+    masked weight of 0 times an infinite value is still NaN.
     """
     lens = [meta.seq_lens_host[b] for b in seqs]
     length = max(lens)
     index = torch.tensor(seqs, device=q.device)
     blocks = meta.block_tables[index, : -(-length // k_cache.shape[1])]
-    k = k_cache[blocks].flatten(1, 2)[:, :length]  # [S, L, Hkv, D]
+    k = k_cache[blocks].flatten(1, 2)[:, :length]  # [S, L, Hkv, D], a gathered copy
     v = v_cache[blocks].flatten(1, 2)[:, :length]
     valid = torch.arange(length, device=q.device) < torch.tensor(lens, device=q.device)[:, None]
+    padding = ~valid[:, :, None, None]
+    k.masked_fill_(padding, 0.0)
+    v.masked_fill_(padding, 0.0)
     out = F.scaled_dot_product_attention(
         q.float()[:, :, None],  # [S, H, 1, D]
         k.float().transpose(1, 2),

@@ -9,8 +9,10 @@ Bodies are JSON, encoded and validated with msgspec straight from the engine's d
                     "stop_token_ids": [int], "ignore_eos", "extra": {}}}
     /generate answers NDJSON, one RequestOutput per line:
         {"request_id", "text", "token_ids": [int], "finish_reason": null | "stop" | "length" |
-         "abort", "usage": null | {"prompt_tokens", "completion_tokens", "cached_tokens"}}
-    An error, as a whole body (before the stream starts) or as the stream's last line:
+         "abort", "usage": null | {"prompt_tokens", "completion_tokens", "cached_tokens"},
+         "error": null}
+    An error, as a whole body (before the stream starts) or as the stream's last line (e.g.
+    `request_failed` when the engine could not compute this one request):
         {"error": {"kind": "engine" | "adapter" | "http", "code": str, "message": str}}
 
 Every typed error has one stable `code` and one status, so the client re-raises the same class.
@@ -29,6 +31,7 @@ from engine.errors import (
     EngineStoppedError,
     InvalidRequestError,
     PromptTooLongError,
+    RequestFailedError,
     UnknownAdapterError,
 )
 from engine.outputs import EngineRequest, RequestOutput
@@ -48,6 +51,7 @@ ENGINE_ERRORS: tuple[tuple[type[EngineError], str, int], ...] = (
     (InvalidRequestError, "invalid_request", 400),
     (EngineOverloadedError, "engine_overloaded", 503),
     (EngineStoppedError, "engine_stopped", 503),
+    (RequestFailedError, "request_failed", 500),
     (UnauthorizedError, "unauthorized", 401),
 )
 
@@ -70,7 +74,7 @@ def decode_request(body: bytes) -> EngineRequest:
 def decode_line(line: str | bytes) -> RequestOutput:
     """One NDJSON line of a /generate stream; an error line raises its typed error."""
     obj = msgspec.json.decode(line)
-    if isinstance(obj, dict) and "error" in obj:
+    if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
         raise error_from(obj)
     return msgspec.convert(obj, RequestOutput)
 

@@ -192,3 +192,28 @@ def test_a_client_that_disconnects_mid_stream_aborts_and_frees_its_blocks(
     stats = _wait_idle(http)
     assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert stats["generated_tokens"] - generated_before < 490  # aborted, not run to its end
+
+
+def test_a_request_the_engine_cannot_compute_fails_alone_with_request_failed(
+    http: httpx.Client, overflowing_adapter: Path, demo_model_dir: Path
+) -> None:
+    digest = _digest(overflowing_adapter, demo_model_dir)
+    assert _upload(http, digest, overflowing_adapter).status_code == 200
+    response = http.post("/generate", json=_body("nan-1", prompt="def f(x):", adapter=digest))
+    assert response.status_code == 500
+    assert response.json()["error"]["code"] == "request_failed"
+    assert http.get("/health").status_code == 200
+    lines = _stream_lines(http, _body("after-nan", prompt="def f(x):"))
+    assert lines[-1]["finish_reason"] == "length"
+    stats = _wait_idle(http)
+    assert stats["kv_blocks_used"] == 0
+
+
+def test_extreme_sampling_numbers_cross_the_wire_and_get_an_answer(http: httpx.Client) -> None:
+    params = {"temperature": 1e-38, "seed": 2**64 + 5, "top_k": 10**30}
+    lines = _stream_lines(http, _body("extreme", prompt="x = ", params=params))
+    assert lines[-1]["finish_reason"] == "length"
+    refused = http.post(
+        "/generate", content=b'{"request_id": "inf", "prompt": "x", "params": {"top_p": 1e999}}'
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_request"

@@ -1,0 +1,98 @@
+"""One request's fault fails that request alone: the rest of its batch is served as if it had
+not been there, and the engine keeps serving every later request."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from engine.async_engine import AsyncEngine
+from engine.errors import RequestFailedError
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineRequest, RequestOutput
+from engine.sampling import SamplingParams
+from engine.sequence import FinishReason
+from tests.engine.conftest import make_engine, run_to_completion
+
+MAX_TOKENS = 10
+
+
+def _tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [t for o in outputs for t in o.token_ids]
+
+
+def _healthy(tag: str, good: str) -> list[EngineRequest]:
+    """Base and adapter requests, greedy and seeded; prompt lengths 20 to 29 tokens, so they
+    decode in one length bucket and their last blocks are partly empty."""
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=7, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [
+        EngineRequest(f"{tag}-base", greedy, prompt_token_ids=list(range(300, 320))),
+        EngineRequest(f"{tag}-good", greedy, prompt_token_ids=list(range(400, 426)), adapter=good),
+        EngineRequest(f"{tag}-seeded", sampled, prompt_token_ids=list(range(500, 529))),
+    ]
+
+
+def _by_role(outputs: dict[str, list[RequestOutput]]) -> dict[str, list[int]]:
+    return {rid.split("-", 1)[1]: _tokens(outs) for rid, outs in outputs.items()}
+
+
+def test_non_finite_logits_fail_only_their_request_in_a_mixed_batch(
+    demo_model_dir: Path, demo_adapter_dirs: list[Path], overflowing_adapter: Path
+) -> None:
+    engine: LLMEngine = make_engine(demo_model_dir, max_loras=4, num_kv_blocks=64)
+    good = engine.register_adapter(demo_adapter_dirs[0])
+    bad = engine.register_adapter(overflowing_adapter)
+    alone = _by_role(run_to_completion(engine, _healthy("alone", good)))
+
+    poisoned = [
+        EngineRequest(
+            f"bad-{i}",
+            SamplingParams(max_tokens=MAX_TOKENS),
+            prompt_token_ids=list(range(600 + 50 * i, 640 + 50 * i)),
+            adapter=bad,
+        )
+        for i in range(2)
+    ]
+    mixed = run_to_completion(engine, [poisoned[0], *_healthy("mixed", good), poisoned[1]])
+    assert engine.stats().steps > 0
+    for r in poisoned:
+        (final,) = mixed.pop(r.request_id)
+        assert final.finish_reason is FinishReason.ERROR
+        assert final.error is not None and "not finite" in final.error
+        assert final.token_ids == [] and final.usage is not None
+    assert _by_role(mixed) == alone
+
+    # Blocks the failed requests wrote are reused now; nothing of theirs leaks into others.
+    assert _by_role(run_to_completion(engine, _healthy("after", good))) == alone
+    assert engine.stats().kv_blocks_used == 0
+    assert engine.lora is not None and all(slot.pins == 0 for slot in engine.lora.slots)
+
+
+async def test_a_failed_request_raises_on_its_own_stream_and_others_finish(
+    demo_model_dir: Path, demo_adapter_dirs: list[Path], overflowing_adapter: Path
+) -> None:
+    engine = AsyncEngine(make_engine(demo_model_dir, max_loras=4, num_kv_blocks=64))
+    engine.start()
+    try:
+        good = await engine.register_adapter(demo_adapter_dirs[0])
+        bad = await engine.register_adapter(overflowing_adapter)
+
+        async def collect(request: EngineRequest) -> list[int] | Exception:
+            try:
+                return _tokens([out async for out in engine.generate(request)])
+            except RequestFailedError as exc:
+                return exc
+
+        healthy = _healthy("first", good)
+        poisoned = EngineRequest(
+            "bad", SamplingParams(max_tokens=MAX_TOKENS), prompt="def f(x):", adapter=bad
+        )
+        *results, failed = await asyncio.gather(*map(collect, healthy), collect(poisoned))
+        assert isinstance(failed, RequestFailedError) and "not finite" in str(failed)
+        assert all(isinstance(r, list) and len(r) == MAX_TOKENS for r in results)
+        assert engine.running
+        again = await asyncio.gather(*map(collect, _healthy("again", good)))
+        assert again == results
+    finally:
+        engine.shutdown()
