@@ -4,6 +4,11 @@ Only the step thread touches the `LLMEngine`. Other threads talk to it through a
 (add, abort) and receive deltas through each request's `asyncio.Queue`, fed with
 `call_soon_threadsafe`. A consumer that stops iterating (a client that disconnected) aborts
 its request, which frees its KV blocks.
+
+Faults stay with the request they belong to: a request that cannot be added, or that the
+engine fails to compute, gets its error on its own stream and the loop goes on. Only what
+`LLMEngine.step()` itself raises (its bookkeeping broke, or the device failed) stops the loop:
+then every stream gets EngineStoppedError, `running` turns false, and new requests are refused.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.errors import (
+    EngineError,
     EngineOverloadedError,
     EngineStoppedError,
     InvalidRequestError,
@@ -99,11 +105,12 @@ class AsyncEngine:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Validate (raising before anything is queued), then yield the request's deltas."""
-        if self._failure is not None or self._stopping:
-            raise EngineStoppedError("the engine is not running") from self._failure
+        self._check_running()
         prompt_ids = self.engine.validate(request)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
+            # Under the lock the step loop takes to fail every stream: none is left behind.
+            self._check_running()
             if request.request_id in self._streams:
                 raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
             if (
@@ -128,6 +135,10 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(_Abort(request.request_id))
 
+    def _check_running(self) -> None:
+        if self._failure is not None or self._stopping:
+            raise EngineStoppedError("the engine is not running") from self._failure
+
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
@@ -141,12 +152,13 @@ class AsyncEngine:
                 if self.engine.has_work:
                     self._deliver(self.engine.step())
         except BaseException as exc:
-            log.exception("engine step loop failed")
-            self._failure = exc
+            log.exception("the engine failed; every request in it fails")
             with self._lock:
+                self._failure = exc
                 streams = list(self._streams.values())
             for stream in streams:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+                stopped = EngineStoppedError(f"the engine failed: {exc!r}")
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, stopped)
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands; wait for one when idle. False once shutdown was asked."""
@@ -159,14 +171,27 @@ class AsyncEngine:
             if cmd is None:
                 return False
             if isinstance(cmd, _Add):
-                with self._lock:
-                    if cmd.request.request_id not in self._streams:
-                        continue  # consumer already gone
-                self.engine.add_request(cmd.request, cmd.prompt_ids)
+                self._add(cmd)
             else:
                 final = self.engine.abort(cmd.request_id)
                 if final is not None:
                     self._deliver([final])
+
+    def _add(self, cmd: _Add) -> None:
+        """Queue the request in the engine; if that raises, only this request's stream fails."""
+        with self._lock:
+            stream = self._streams.get(cmd.request.request_id)
+        if stream is None:
+            return  # consumer already gone
+        try:
+            self.engine.add_request(cmd.request, cmd.prompt_ids)
+        except EngineError as exc:
+            log.info("request %s refused when queued: %s", cmd.request.request_id, exc)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+        except Exception:
+            log.exception("request %s could not be queued", cmd.request.request_id)
+            failed = RequestFailedError("the engine could not queue this request")
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, failed)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand each output to its stream; a failed request's last one is raised there."""

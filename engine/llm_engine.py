@@ -44,6 +44,7 @@ NON_FINITE_LOGITS = (
     "the model's output for this request was not finite (NaN or infinity); "
     "an adapter with out-of-range weights does this"
 )
+STEP_FAILED = "the engine failed while computing this request; the error is in the engine's log"
 
 
 @dataclass
@@ -171,6 +172,8 @@ class LLMEngine:
         return ids
 
     def add_request(self, request: EngineRequest, prompt_ids: list[int] | None = None) -> None:
+        """Queue a request (`prompt_ids`: what `validate` returned for it). Raises before
+        changing anything when it cannot be queued."""
         if request.request_id in self._active:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         ids = prompt_ids if prompt_ids is not None else self.validate(request)
@@ -216,12 +219,31 @@ class LLMEngine:
         self._counters.preemptions += len(batch.preempted)
         if not batch.chunks:
             return []
-        chunks, lora = self._lora_batch(batch.chunks)
+        try:
+            chunks, tokens = self._execute(batch.chunks)
+        except Exception:
+            log.exception("a step of %d requests failed; failing them", len(batch.chunks))
+            self._check_device()
+            return [self._fail(self._active[c.seq.request_id], STEP_FAILED) for c in batch.chunks]
+        return self._postprocess(chunks, tokens)
+
+    def _execute(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[list[ScheduledChunk], list[int | None]]:
+        """Run the model over the step's chunks and sample: the chunks in the order run, and a
+        token (None: not finite) for each that samples. It changes no request or block
+        bookkeeping, only the KV of these chunks, so a failure here fails exactly these requests."""
+        chunks, lora = self._lora_batch(chunks)
         inputs = self.runner.prepare(chunks, lora)
         logits = self.runner.run(inputs)
         sampling = [c.seq for c in chunks if c.samples]
-        tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
-        return self._postprocess(chunks, tokens)
+        return chunks, sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+
+    def _check_device(self) -> None:
+        """Raise if the device itself has failed. A CUDA error (an illegal memory access, say)
+        is sticky: every later step would fail too, so the engine as a whole must stop."""
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
 
     def _lora_batch(
         self, chunks: list[ScheduledChunk]
@@ -239,30 +261,44 @@ class LLMEngine:
     def _postprocess(
         self, chunks: list[ScheduledChunk], tokens: list[int | None]
     ) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        next_token = iter(tokens)
+        """Advance each request by its chunk; a request whose advance raises fails alone."""
         self._counters.steps += 1
+        sampled = iter(tokens)
+        outputs: list[RequestOutput] = []
         for chunk in chunks:
-            seq = chunk.seq
-            active = self._active[seq.request_id]
-            token = next(next_token) if chunk.samples else None
-            prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
-            self._counters.prompt_tokens_computed += min(prompt_left, chunk.num_tokens)
-            if seq.num_computed_tokens == seq.num_cached_tokens and seq.num_completion_tokens == 0:
-                # First chunk since admission: count the prefix-cache hit once.
-                self._counters.prefix_cache_hit_tokens += seq.num_cached_tokens
-                active.cached_prompt_tokens = seq.num_cached_tokens
-            if chunk.samples and token is None:
-                # Its blocks are not sealed: KV that led to non-finite logits is never shared.
-                outputs.append(self._fail(active, NON_FINITE_LOGITS))
-                continue
-            seq.num_computed_tokens += chunk.num_tokens
-            self.block_manager.seal_full_blocks(seq)
-            if token is not None:
-                outputs.append(self._append_token(active, token))
-                if self.lora is not None:
-                    self.lora.count_tokens(seq.adapter_id, 1)
+            active = self._active[chunk.seq.request_id]
+            token = next(sampled) if chunk.samples else None
+            try:
+                out = self._advance(active, chunk, token)
+            except Exception:
+                log.exception("request %s failed after its step", chunk.seq.request_id)
+                out = self._fail(active, STEP_FAILED)
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _advance(
+        self, active: _Active, chunk: ScheduledChunk, token: int | None
+    ) -> RequestOutput | None:
+        """Count the chunk's computed tokens and append its sampled token, if it sampled one
+        (`token` None while `chunk.samples`: the logits were not finite)."""
+        seq = chunk.seq
+        prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+        self._counters.prompt_tokens_computed += min(prompt_left, chunk.num_tokens)
+        if seq.num_computed_tokens == seq.num_cached_tokens and seq.num_completion_tokens == 0:
+            # First chunk since admission: count the prefix-cache hit once.
+            self._counters.prefix_cache_hit_tokens += seq.num_cached_tokens
+            active.cached_prompt_tokens = seq.num_cached_tokens
+        if chunk.samples and token is None:
+            # Its blocks are not sealed: KV that led to non-finite logits is never shared.
+            return self._fail(active, NON_FINITE_LOGITS)
+        seq.num_computed_tokens += chunk.num_tokens
+        self.block_manager.seal_full_blocks(seq)
+        if token is None:
+            return None
+        if self.lora is not None:
+            self.lora.count_tokens(seq.adapter_id, 1)
+        return self._append_token(active, token)
 
     def _append_token(self, active: _Active, token: int) -> RequestOutput:
         seq = active.seq
@@ -287,23 +323,22 @@ class LLMEngine:
         return self._final(active, reason, text, [token])
 
     def _fail(self, active: _Active, error: str) -> RequestOutput:
-        """End one request with FinishReason.ERROR, freeing its blocks and adapter pin."""
-        del self._active[active.seq.request_id]
-        self._finish(active.seq)
-        return self._final(active, FinishReason.ERROR, "", error=error)
+        """End one request with FinishReason.ERROR, freeing its blocks and adapter pin (unless
+        it had already finished when its processing failed)."""
+        seq = active.seq
+        self._active.pop(seq.request_id, None)
+        if not seq.is_finished:
+            self._finish(seq)
+        usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, active.cached_prompt_tokens)
+        return RequestOutput(seq.request_id, "", [], FinishReason.ERROR, usage, error)
 
     def _final(
-        self,
-        active: _Active,
-        reason: FinishReason,
-        text: str,
-        token_ids: list[int] | None = None,
-        error: str | None = None,
+        self, active: _Active, reason: FinishReason, text: str, token_ids: list[int] | None = None
     ) -> RequestOutput:
         seq = active.seq
         usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, active.cached_prompt_tokens)
         text += active.detok.flush()
-        return RequestOutput(seq.request_id, text, token_ids or [], reason, usage, error)
+        return RequestOutput(seq.request_id, text, token_ids or [], reason, usage)
 
     def stats(self) -> EngineStats:
         blocks = self.block_manager.stats()

@@ -64,8 +64,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0, got {number_text(self.top_k)}")
         if self.seed is not None:
             _require_int("seed", self.seed)
-        if any(not s for s in self.stop):
-            raise InvalidRequestError("stop strings must not be empty")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings")
+        for token_id in self.stop_token_ids:
+            _require_int("stop_token_ids", token_id)
 
     @property
     def greedy(self) -> bool:

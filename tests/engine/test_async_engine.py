@@ -149,6 +149,8 @@ async def test_bad_requests_are_refused_and_nothing_is_queued(
         {"max_tokens": 1.5},
         {"seed": 1.5},
         {"seed": True},
+        {"stop": (5,)},
+        {"stop_token_ids": ("eos",)},
     ],
 )
 def test_bad_sampling_parameters_are_refused(kwargs: dict[str, object]) -> None:

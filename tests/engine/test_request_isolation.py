@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from engine.async_engine import AsyncEngine
 from engine.errors import RequestFailedError
 from engine.llm_engine import LLMEngine
@@ -96,3 +99,56 @@ async def test_a_failed_request_raises_on_its_own_stream_and_others_finish(
         assert again == results
     finally:
         engine.shutdown()
+
+
+class DeviceWithLittleMemory(TorchDispatchMode):
+    """A fake device at the edge of what runs here: it runs out of memory (raising the error
+    a GPU raises) when a step embeds more than `max_tokens` tokens, and computes otherwise."""
+
+    def __init__(self, max_tokens: int):
+        super().__init__()
+        self.max_tokens = max_tokens
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten.embedding.default and args[1].numel() > self.max_tokens:
+            raise torch.OutOfMemoryError("CUDA out of memory (a fake device's)")
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_the_device_cannot_compute_fails_only_the_requests_in_it(
+    demo_model_dir: Path, demo_adapter_dirs: list[Path]
+) -> None:
+    engine = make_engine(demo_model_dir, max_num_seqs=2, max_num_batched_tokens=512)
+    adapter = engine.register_adapter(demo_adapter_dirs[1])
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def request(request_id: str, prompt: list[int]) -> EngineRequest:
+        on_adapter = request_id.endswith("huge")
+        return EngineRequest(
+            request_id, params, prompt_token_ids=prompt, adapter=adapter if on_adapter else None
+        )
+
+    short, waiting = list(range(700, 712)), list(range(900, 914))
+    huge = [800 + i % 50 for i in range(300)]
+    expected = _by_role(run_to_completion(engine, [request("alone-short", short)]))
+
+    outputs: list[RequestOutput] = []
+    with DeviceWithLittleMemory(max_tokens=256):
+        engine.add_request(request("in-short", short))
+        outputs += engine.step()  # its prefill: 12 tokens fit
+        engine.add_request(request("in-huge", huge))
+        engine.add_request(request("later-short", waiting))  # max_num_seqs=2: it waits
+        failed = engine.step()  # a decode and a 300-token prefill: too much for the device
+        assert {o.request_id: o.finish_reason for o in failed} == {
+            "in-short": FinishReason.ERROR,
+            "in-huge": FinishReason.ERROR,
+        }
+        assert all(o.error and "failed while computing" in o.error for o in failed)
+        while engine.has_work:
+            outputs += engine.step()
+        served = run_to_completion(engine, [request("again-short", short)])
+    later = [o for o in outputs if o.request_id == "later-short"]
+    assert later[-1].finish_reason == "length" and len(_tokens(later)) == MAX_TOKENS
+    assert _by_role(served) == expected
+    assert engine.stats().kv_blocks_used == 0
+    assert engine.lora is not None and all(slot.pins == 0 for slot in engine.lora.slots)
