@@ -1,9 +1,11 @@
 """Paged KV-cache bookkeeping: block allocation, reference counts and the prefix cache.
 
 A block holds `block_size` consecutive tokens of one sequence. A *full* block is also
-identified by a `PrefixHash`: a chained hash of the previous block's hash, the adapter
-identity and this block's token ids, so equal hashes mean equal prefixes under the same
-adapter. A cache hit is re-checked against the tokens stored with the block.
+identified by a `PrefixHash`: a chained hash of the previous block's hash and this block's
+token ids. The chain starts at a root made of the sequence's adapter identity and its cache
+salt, so equal hashes mean equal prefixes under the same adapter and the same salt: KV computed
+under one adapter or one salt (a tenant, say) is never found under another. A cache hit is
+re-checked against the tokens stored with the block.
 
 Free blocks are kept in least-recently-freed order. A freed block that carries a hash stays
 findable in the prefix cache until it is handed out again (evicted) — hash-less free blocks
@@ -12,6 +14,7 @@ are handed out first, then hashed ones oldest first.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -21,14 +24,30 @@ from engine.sequence import Sequence
 PrefixHash = bytes
 
 
-def prefix_hash(parent: PrefixHash | None, adapter_id: str, token_ids: list[int]) -> PrefixHash:
-    """Chained block hash: parent hash, adapter identity and token ids."""
+@functools.lru_cache(maxsize=1024)
+def prefix_root(adapter_id: str, cache_salt: str | None) -> PrefixHash:
+    """The hash a sequence's chain starts from. Each part is length-prefixed and a missing salt
+    is told apart from an empty one, so no two (adapter, salt) pairs share a root."""
+    h = hashlib.blake2b(digest_size=16, person=b"loramux-prefix")
+    for part in (adapter_id, cache_salt):
+        if part is None:
+            h.update(b"\x00")
+        else:
+            data = part.encode("utf-8", "surrogatepass")  # a lone surrogate hashes too
+            h.update(b"\x01" + len(data).to_bytes(8, "little") + data)
+    return h.digest()
+
+
+def prefix_hash(parent: PrefixHash, token_ids: list[int]) -> PrefixHash:
+    """Chained block hash: the previous block's hash (or the root) and this block's token ids."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"root")
-    h.update(adapter_id.encode())
-    h.update(b"|")
+    h.update(parent)
     h.update(",".join(map(str, token_ids)).encode())
     return h.digest()
+
+
+def _root(seq: Sequence) -> PrefixHash:
+    return prefix_root(seq.adapter_id, seq.cache_salt)
 
 
 @dataclass
@@ -83,11 +102,11 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         matched: list[int] = []
-        parent: PrefixHash | None = None
+        parent = _root(seq)
         max_blocks = (len(seq) - 1) // self.block_size
         for i in range(max_blocks):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            parent = prefix_hash(parent, seq.adapter_id, tokens)
+            parent = prefix_hash(parent, tokens)
             block_id = self._by_hash.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
                 break
@@ -149,7 +168,7 @@ class BlockManager:
         num_full = seq.num_computed_tokens // self.block_size
         for i in range(len(hashes), num_full):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            h = prefix_hash(hashes[-1] if hashes else None, seq.adapter_id, tokens)
+            h = prefix_hash(hashes[-1] if hashes else _root(seq), tokens)
             hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self._by_hash:

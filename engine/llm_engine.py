@@ -32,7 +32,13 @@ from engine.model.config import ModelConfig
 from engine.model.llama import LlamaModel
 from engine.model.loader import load_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block
-from engine.outputs import EngineRequest, EngineStats, RequestOutput, Usage
+from engine.outputs import (
+    MAX_CACHE_SALT_CHARS,
+    EngineRequest,
+    EngineStats,
+    RequestOutput,
+    Usage,
+)
 from engine.sampler import sample
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.sequence import BASE_ADAPTER, FinishReason, Sequence
@@ -142,6 +148,11 @@ class LLMEngine:
             self.lora is None or not self.lora.is_servable(request.adapter)
         ):
             raise UnknownAdapterError(f"adapter {request.adapter!r} is not loaded")
+        salt = request.cache_salt
+        if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT_CHARS):
+            raise InvalidRequestError(
+                f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters"
+            )
         forms = [request.prompt, request.prompt_token_ids, request.messages]
         if sum(f is not None for f in forms) != 1:
             raise InvalidRequestError("give exactly one of prompt, prompt_token_ids or messages")
@@ -184,6 +195,7 @@ class LLMEngine:
             request.params,
             self._arrivals,
             adapter_id=request.adapter or BASE_ADAPTER,
+            cache_salt=request.cache_salt,
         )
         detok = IncrementalDetokenizer(self.tokenizer, stop=request.params.stop)
         stop_ids = frozenset(request.params.stop_token_ids) | (

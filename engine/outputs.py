@@ -8,6 +8,9 @@ from typing import Any
 from engine.sampling import SamplingParams
 from engine.sequence import FinishReason
 
+MAX_CACHE_SALT_CHARS = 1024
+"""A salt names a namespace (a tenant id, a hash): longer ones are refused, not hashed."""
+
 
 @dataclass(frozen=True)
 class EngineRequest:
@@ -21,6 +24,12 @@ class EngineRequest:
     """Chat messages, rendered with the model's chat template and a generation prompt."""
     adapter: str | None = None
     """Adapter digest (content identity) to serve this request with; None for the base model."""
+    cache_salt: str | None = None
+    """Prefix-cache isolation key, e.g. the tenant's id: KV blocks computed under one salt are
+    never reused under another (nor under None), so `Usage.cached_tokens` only ever counts reuse
+    under the caller's own salt and no tenant can learn from timing what another one sent.
+    None shares blocks with every other request without a salt (and the same adapter). At most
+    MAX_CACHE_SALT_CHARS characters."""
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,8 @@ class Sequence:
     arrival: int
     """Monotonic admission ticket: lower is older (first come, first served)."""
     adapter_id: str = BASE_ADAPTER
+    cache_salt: str | None = None
+    """Prefix-cache namespace (see `EngineRequest.cache_salt`)."""
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

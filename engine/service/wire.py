@@ -4,7 +4,7 @@ Bodies are JSON, encoded and validated with msgspec straight from the engine's d
 
     POST /generate, /count_tokens   an EngineRequest:
         {"request_id": str, "prompt": str | null, "prompt_token_ids": [int] | null,
-         "messages": [{...}] | null, "adapter": digest | null,
+         "messages": [{...}] | null, "adapter": digest | null, "cache_salt": str | null,
          "params": {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop": [str],
                     "stop_token_ids": [int], "ignore_eos", "extra": {}}}
     /generate answers NDJSON, one RequestOutput per line:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, prefix_root
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
 
 
-def _seq(name: str, tokens: list[int], adapter: str = "base") -> Sequence:
-    return Sequence(name, tokens, SamplingParams(), 0, adapter_id=adapter)
+def _seq(name: str, tokens: list[int], adapter: str = "base", salt: str | None = None) -> Sequence:
+    return Sequence(name, tokens, SamplingParams(), 0, adapter_id=adapter, cache_salt=salt)
 
 
 def _compute(bm: BlockManager, seq: Sequence) -> None:
@@ -57,6 +57,33 @@ def test_adapter_identity_is_part_of_the_hash() -> None:
     _compute(bm, _seq("a", list(range(9)), adapter="digest-1"))
     assert bm.allocate(_seq("b", list(range(9)), adapter="digest-2")) == 0
     assert bm.allocate(_seq("c", list(range(9)), adapter="digest-1")) == 8
+
+
+def test_cache_salt_is_part_of_the_hash() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4)
+    _compute(bm, _seq("a", list(range(9)), salt="tenant-a"))
+    _compute(bm, _seq("d", list(range(9)), adapter="digest-1", salt="tenant-a"))
+    assert bm.allocate(_seq("b", list(range(9)), salt="tenant-b")) == 0
+    assert bm.allocate(_seq("none", list(range(9)))) == 0
+    assert bm.allocate(_seq("empty", list(range(9)), salt="")) == 0
+    assert bm.allocate(_seq("other", list(range(9)), adapter="digest-2", salt="tenant-a")) == 0
+    assert bm.allocate(_seq("c", list(range(9)), salt="tenant-a")) == 8
+    assert bm.allocate(_seq("e", list(range(9)), adapter="digest-1", salt="tenant-a")) == 8
+
+
+def test_no_two_adapter_and_salt_pairs_share_a_root() -> None:
+    pairs = [
+        ("base", None),
+        ("base", ""),
+        ("base", "a"),
+        ("basea", None),
+        ("a", "b|c"),
+        ("a|b", "c"),
+        ("a\x01", "b"),
+        ("a", "\x01b"),
+        ("base", "\ud800"),  # a lone surrogate, as JSON can carry one
+    ]
+    assert len({prefix_root(adapter, salt) for adapter, salt in pairs}) == len(pairs)
 
 
 def test_hit_is_rechecked_against_stored_tokens() -> None:

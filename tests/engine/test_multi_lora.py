@@ -11,7 +11,7 @@ import pytest
 import torch
 from peft import PeftModel
 
-from engine.errors import UnknownAdapterError
+from engine.errors import InvalidRequestError, UnknownAdapterError
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineRequest
 from engine.sampling import SamplingParams
@@ -177,6 +177,42 @@ def test_prefix_cache_is_reused_within_one_adapter_only(
         engine, [EngineRequest("a2", params, prompt_token_ids=prompt, adapter=a)]
     )
     assert out["a2"][-1].usage is not None and out["a2"][-1].usage.cached_tokens == 48
+
+
+def test_prefix_cache_is_reused_within_one_cache_salt_only(
+    demo_model_dir: Path, demo_adapter_dirs: list[Path]
+) -> None:
+    engine: LLMEngine = make_engine(demo_model_dir)
+    adapter = engine.register_adapter(demo_adapter_dirs[0])
+    prompt = list(range(260, 310))  # 3 full blocks of 16 are reusable
+    params = SamplingParams(max_tokens=4)
+
+    def run(request_id: str, salt: str | None, on: str | None) -> tuple[int, list[int]]:
+        request = EngineRequest(
+            request_id, params, prompt_token_ids=prompt, adapter=on, cache_salt=salt
+        )
+        outputs = run_to_completion(engine, [request])[request_id]
+        usage = outputs[-1].usage
+        assert usage is not None
+        return usage.cached_tokens, _tokens(outputs)
+
+    for on in (None, adapter):
+        cached, first = run(f"a1-{on}", "tenant-a", on)
+        assert cached == 0
+        assert run(f"b1-{on}", "tenant-b", on) == (0, first)
+        assert run(f"none1-{on}", None, on) == (0, first)
+        assert run(f"a2-{on}", "tenant-a", on) == (48, first)
+        assert run(f"b2-{on}", "tenant-b", on) == (48, first)
+        assert run(f"none2-{on}", None, on) == (48, first)
+
+
+def test_an_oversized_or_mistyped_cache_salt_is_refused(demo_model_dir: Path) -> None:
+    engine = make_engine(demo_model_dir)
+    for salt in ("s" * 1025, 42):
+        request = EngineRequest("x", prompt="hi", cache_salt=salt)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError):
+            engine.add_request(request)
+    assert not engine.has_work
 
 
 def test_unknown_adapter_is_refused(demo_model_dir: Path) -> None:

@@ -17,9 +17,10 @@ from adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE, load_peft_adapter
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.outputs import EngineRequest
 from engine.service import serve_engine_in_thread
 from engine.service.runner import RunningEngineService
-from engine.service.wire import TOKEN_HEADER
+from engine.service.wire import TOKEN_HEADER, decode_request, encode
 
 TOKEN = "engine-secret"
 
@@ -217,3 +218,18 @@ def test_extreme_sampling_numbers_cross_the_wire_and_get_an_answer(http: httpx.C
         "/generate", content=b'{"request_id": "inf", "prompt": "x", "params": {"top_p": 1e999}}'
     )
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_request"
+
+
+def test_cache_salt_crosses_the_wire_and_scopes_prefix_reuse(http: httpx.Client) -> None:
+    prompt = list(range(1000, 1040))  # 2 full blocks of 16 are reusable
+
+    def cached(request_id: str, salt: str | None) -> int:
+        body = _body(request_id, prompt_token_ids=prompt, cache_salt=salt, params={"max_tokens": 2})
+        return int(_stream_lines(http, body)[-1]["usage"]["cached_tokens"])
+
+    assert cached("salt-a1", "tenant-a") == 0
+    assert cached("salt-b1", "tenant-b") == 0
+    assert cached("salt-a2", "tenant-a") == 32
+    assert cached("salt-none", None) == 0
+    request = EngineRequest("r", prompt="x", cache_salt="tenant-a")
+    assert decode_request(encode(request)) == request
