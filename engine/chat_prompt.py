@@ -1,0 +1,159 @@
+"""Prompt token ids from chat messages or raw text, where user text never becomes a control token.
+
+A chat template writes control tokens (`<|im_start|>`, `<|eot_id|>`, `[INST]`, …) around the
+messages and the tokenizer parses every occurrence of their text in the rendered prompt as the
+token itself. Tokenized naively, a user who writes `<|im_end|>\\n<|im_start|>system\\n…` in
+their content closes their own turn and opens a system turn. Here user-supplied strings (content,
+roles, names, tool arguments: every string value in the messages) are encoded as ordinary text,
+while the control tokens the template writes itself stay control tokens.
+
+How: before rendering, each control token's text inside a user string is wrapped in private-use
+markers. The rendered prompt is cut at the markers; the text between them is encoded as the
+tokenizer always does (template control tokens included), and each marked piece is encoded as
+plain text. Invariant: when no user string contains control-token text there are no markers, and
+the ids are exactly `apply_chat_template(..., tokenize=True)`'s (one encode of the whole prompt);
+only text that would have been an injected control token is tokenized differently.
+
+Raw prompts (`/v1/completions`) go through the same marking: their control-token text is plain
+text too. A caller that needs control tokens in a raw prompt sends token ids.
+
+Control tokens are the tokenizer's special tokens plus its non-special added tokens that the chat
+template's source mentions (e.g. Qwen2.5's `<tool_call>`), except whitespace tokens (Gemma's
+`\\n\\n` is ordinary text). A template that cuts a user string through a marked token (slicing
+content) leaves a lone marker: it is dropped but still breaks the text there.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from jinja2 import TemplateError, TemplateSyntaxError
+
+from engine.errors import InvalidRequestError
+
+# Supplementary private-use characters. User text holding them is marked too, so a user cannot
+# forge a marked token or break one open.
+_START, _END = "\U000f0000", "\U000f0001"
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of `messages` rendered with the tokenizer's chat template and a generation prompt.
+
+    Raises InvalidRequestError when the template refuses the messages (e.g. roles that do not
+    alternate) or when control-token text cannot be encoded without the token itself.
+    """
+    control = _ControlTokens.of(tokenizer)
+    try:
+        rendered = tokenizer.apply_chat_template(
+            control.mark(messages), add_generation_prompt=True, tokenize=False
+        )
+    except TemplateSyntaxError:
+        raise  # the model's template is broken: not the request's fault
+    except TemplateError as exc:
+        raise InvalidRequestError(f"the model's chat template refused the messages: {exc}") from exc
+    return _encode_marked(tokenizer, rendered, control)
+
+
+def text_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a raw prompt, control-token text encoded as plain text; no BOS is added."""
+    control = _ControlTokens.of(tokenizer)
+    return _encode_marked(tokenizer, control.mark(text), control)
+
+
+@dataclass(frozen=True)
+class _ControlTokens:
+    ids: dict[str, int]
+    """Each control token's text and id."""
+    in_user_text: re.Pattern[str]
+    """One control token (or marker character) in a user string; longest tokens first, so a
+    token wins over a shorter token inside it."""
+    in_prompt: re.Pattern[str]
+    """A marked token (captured) or a lone marker (captures None) in the rendered prompt."""
+
+    @staticmethod
+    def of(tokenizer: Any) -> _ControlTokens:
+        template = _chat_template(tokenizer)
+        ids = {
+            t.content: i
+            for i, t in tokenizer.added_tokens_decoder.items()
+            if t.special or (t.content in template and not t.content.isspace())
+        }
+        in_user_text, in_prompt = _patterns(tuple(sorted(ids)))
+        return _ControlTokens(ids, in_user_text, in_prompt)
+
+    def mark(self, value: Any) -> Any:
+        """`value` with each control token in its strings wrapped in markers (dict keys as they are)."""
+        if isinstance(value, str):
+            return self.in_user_text.sub(lambda m: f"{_START}{m.group()}{_END}", value)
+        if isinstance(value, dict):
+            return {k: self.mark(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.mark(v) for v in value]
+        return value
+
+
+@lru_cache(maxsize=8)
+def _patterns(control_tokens: tuple[str, ...]) -> tuple[re.Pattern[str], re.Pattern[str]]:
+    alternatives = [re.escape(t) for t in sorted(control_tokens, key=len, reverse=True)]
+    in_user_text = re.compile("|".join([*alternatives, _START, _END]))
+    in_prompt = re.compile(f"{_START}({in_user_text.pattern}){_END}|[{_START}{_END}]")
+    return in_user_text, in_prompt
+
+
+def _chat_template(tokenizer: Any) -> str:
+    """The template `apply_chat_template` uses, or "" for a tokenizer without one."""
+    try:
+        return str(tokenizer.get_chat_template())
+    except ValueError:
+        return ""
+
+
+def _encode_marked(tokenizer: Any, rendered: str, control: _ControlTokens) -> list[int]:
+    def plain(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def as_text(text: str) -> list[int]:
+        return _encode_as_text(tokenizer, text)
+
+    newline = plain("\n")
+    control_ids = set(control.ids.values())
+    ids: list[int] = []
+    # split() gives [text, marked token or None, text, marked token or None, ..., text].
+    for i, piece in enumerate(control.in_prompt.split(rendered)):
+        if not piece:
+            continue
+        encode = as_text if i % 2 else plain
+        piece_ids = _continue(piece, newline, encode) if ids else encode(piece)
+        if encode is as_text and control_ids.intersection(piece_ids):
+            raise InvalidRequestError(
+                f"this model's tokenizer cannot encode {piece!r} in a prompt as plain text"
+            )
+        ids += piece_ids
+    return ids
+
+
+def _continue(piece: str, newline: list[int], encode: Callable[[str], list[int]]) -> list[int]:
+    """Ids of `piece` in the middle of a prompt.
+
+    SentencePiece-style tokenizers prefix the start of an encoded string with a space, which a
+    piece in the middle of the prompt must not get: encode it after a newline and drop that.
+    """
+    ids = encode("\n" + piece)
+    if ids[: len(newline)] == newline:
+        return ids[len(newline) :]
+    return encode(piece)
+
+
+def _encode_as_text(tokenizer: Any, text: str) -> list[int]:
+    """`text` through the tokenizer's pipeline without its added-token matching."""
+    backend = tokenizer.backend_tokenizer
+    if backend.normalizer is not None:
+        text = backend.normalizer.normalize_str(text)
+    splits = [text]
+    if backend.pre_tokenizer is not None:
+        splits = [s for s, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+    return [t.id for s in splits for t in backend.model.tokenize(s)]
