@@ -10,9 +10,10 @@ while the control tokens the template writes itself stay control tokens.
 How: before rendering, each control token's text inside a user string is wrapped in private-use
 markers. The rendered prompt is cut at the markers; the text between them is encoded as the
 tokenizer always does (template control tokens included), and each marked piece is encoded as
-plain text. Invariant: when no user string contains control-token text there are no markers, and
-the ids are exactly `apply_chat_template(..., tokenize=True)`'s (one encode of the whole prompt);
-only text that would have been an injected control token is tokenized differently.
+plain text. Invariant: when no user string contains control-token text (or one of the two marker
+characters) there are no markers, and the ids are exactly `apply_chat_template(..., tokenize=True)`'s
+(one encode of the whole prompt). Otherwise the prompt is encoded piece by piece, so tokens do
+not merge across a marked token's edges.
 
 Raw prompts (`/v1/completions`) go through the same marking: their control-token text is plain
 text too. A caller that needs control tokens in a raw prompt sends token ids.
@@ -88,7 +89,7 @@ class _ControlTokens:
     def mark(self, value: Any) -> Any:
         """`value` with each control token in its strings wrapped in markers (dict keys as they are)."""
         if isinstance(value, str):
-            return self.in_user_text.sub(lambda m: f"{_START}{m.group()}{_END}", value)
+            return self.in_user_text.sub(f"{_START}\\g<0>{_END}", value)
         if isinstance(value, dict):
             return {k: self.mark(v) for k, v in value.items()}
         if isinstance(value, list | tuple):
@@ -113,39 +114,60 @@ def _chat_template(tokenizer: Any) -> str:
 
 
 def _encode_marked(tokenizer: Any, rendered: str, control: _ControlTokens) -> list[int]:
-    def plain(text: str) -> list[int]:
-        return list(tokenizer.encode(text, add_special_tokens=False))
+    # split() gives [prompt text, marked user text or None, prompt text, ..., prompt text].
+    pieces = control.in_prompt.split(rendered)
+    if len(pieces) == 1:  # no markers: exactly what apply_chat_template(tokenize=True) does
+        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    # Every piece after the first continues the prompt. SentencePiece-style tokenizers give the
+    # start of an encoded string a space that such a piece must not get, so each is encoded after
+    # a character no vocabulary holds (no merge crosses it; it falls back to bytes or <unk>) whose
+    # ids are then dropped. A hostile prompt has many pieces: each distinct one is encoded once.
+    texts, marked = pieces[0::2], pieces[1::2]
+    later = list(dict.fromkeys(t for t in texts[1:] if t))
+    first, lead, *encoded = _encode_batch(
+        tokenizer, [texts[0], _START, *(_START + t for t in later)]
+    )
+    prompt_text = {
+        t: _after_lead(e, lead, t, lambda t: _encode_batch(tokenizer, [t])[0])
+        for t, e in zip(later, encoded, strict=True)
+    }
+    user_text = {u: _user_text_ids(tokenizer, u, control) for u in set(marked) if u}
+    ids = first
+    for u, t in zip(marked, texts[1:], strict=True):
+        ids += user_text.get(u or "", [])
+        ids += prompt_text.get(t, [])
+    return ids
+
+
+def _user_text_ids(tokenizer: Any, user_text: str, control: _ControlTokens) -> list[int]:
+    """Ids of one marked piece of user text (a control token's text, or a marker character)."""
 
     def as_text(text: str) -> list[int]:
         return _encode_as_text(tokenizer, text)
 
-    newline = plain("\n")
-    control_ids = set(control.ids.values())
-    ids: list[int] = []
-    # split() gives [text, marked token or None, text, marked token or None, ..., text].
-    for i, piece in enumerate(control.in_prompt.split(rendered)):
-        if not piece:
-            continue
-        encode = as_text if i % 2 else plain
-        piece_ids = _continue(piece, newline, encode) if ids else encode(piece)
-        if encode is as_text and control_ids.intersection(piece_ids):
-            raise InvalidRequestError(
-                f"this model's tokenizer cannot encode {piece!r} in a prompt as plain text"
-            )
-        ids += piece_ids
+    ids = _after_lead(as_text(_START + user_text), as_text(_START), user_text, as_text)
+    if set(control.ids.values()).intersection(ids):
+        raise InvalidRequestError(
+            f"this model's tokenizer cannot encode {user_text!r} in a prompt as plain text"
+        )
     return ids
 
 
-def _continue(piece: str, newline: list[int], encode: Callable[[str], list[int]]) -> list[int]:
-    """Ids of `piece` in the middle of a prompt.
-
-    SentencePiece-style tokenizers prefix the start of an encoded string with a space, which a
-    piece in the middle of the prompt must not get: encode it after a newline and drop that.
-    """
-    ids = encode("\n" + piece)
-    if ids[: len(newline)] == newline:
-        return ids[len(newline) :]
+def _after_lead(
+    ids: list[int], lead: list[int], piece: str, encode: Callable[[str], list[int]]
+) -> list[int]:
+    """`ids` (of the lead character and `piece`) without the lead's ids; where they do not come
+    apart cleanly (an <unk> that swallowed the piece), `piece` encoded alone."""
+    if ids[: len(lead)] == lead and len(ids) > len(lead):
+        return ids[len(lead) :]
     return encode(piece)
+
+
+def _encode_batch(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    # The Rust tokenizer itself: transformers' batch wrapper costs more than the encoding here.
+    return [
+        e.ids for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+    ]
 
 
 def _encode_as_text(tokenizer: Any, text: str) -> list[int]:
