@@ -20,8 +20,10 @@ text too. A caller that needs control tokens in a raw prompt sends token ids.
 
 Control tokens are the tokenizer's special tokens plus its non-special added tokens that the chat
 template's source mentions (e.g. Qwen2.5's `<tool_call>`), except whitespace tokens (Gemma's
-`\\n\\n` is ordinary text). A template that cuts a user string through a marked token (slicing
-content) leaves a lone marker: it is dropped but still breaks the text there.
+`\\n\\n` is ordinary text). A template that slices a user string can cut a marker off: a control
+token still next to one of its markers is user text all the same, and a lone marker is dropped but
+still breaks the text there. (If the cut leaves a marker against a control token the template
+wrote, that token becomes text: the safe way round.)
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ class _ControlTokens:
     """One control token (or marker character) in a user string; longest tokens first, so a
     token wins over a shorter token inside it."""
     in_prompt: re.Pattern[str]
-    """A marked token (captured) or a lone marker (captures None) in the rendered prompt."""
+    """In the rendered prompt, a marked token (in group 1 or, where the template cut the start
+    marker off, group 2) or a lone marker (both groups None)."""
 
     @staticmethod
     def of(tokenizer: Any) -> _ControlTokens:
@@ -101,7 +104,8 @@ class _ControlTokens:
 def _patterns(control_tokens: tuple[str, ...]) -> tuple[re.Pattern[str], re.Pattern[str]]:
     alternatives = [re.escape(t) for t in sorted(control_tokens, key=len, reverse=True)]
     in_user_text = re.compile("|".join([*alternatives, _START, _END]))
-    in_prompt = re.compile(f"{_START}({in_user_text.pattern}){_END}|[{_START}{_END}]")
+    token = in_user_text.pattern
+    in_prompt = re.compile(f"{_START}({token}){_END}?|({token}){_END}|[{_START}{_END}]")
     return in_user_text, in_prompt
 
 
@@ -114,7 +118,7 @@ def _chat_template(tokenizer: Any) -> str:
 
 
 def _encode_marked(tokenizer: Any, rendered: str, control: _ControlTokens) -> list[int]:
-    # split() gives [prompt text, marked user text or None, prompt text, ..., prompt text].
+    # split() gives [prompt text, group 1, group 2, prompt text, ..., prompt text].
     pieces = control.in_prompt.split(rendered)
     if len(pieces) == 1:  # no markers: exactly what apply_chat_template(tokenize=True) does
         return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
@@ -122,7 +126,8 @@ def _encode_marked(tokenizer: Any, rendered: str, control: _ControlTokens) -> li
     # start of an encoded string a space that such a piece must not get, so each is encoded after
     # a character no vocabulary holds (no merge crosses it; it falls back to bytes or <unk>) whose
     # ids are then dropped. A hostile prompt has many pieces: each distinct one is encoded once.
-    texts, marked = pieces[0::2], pieces[1::2]
+    texts = pieces[0::3]
+    marked = [g1 or g2 for g1, g2 in zip(pieces[1::3], pieces[2::3], strict=True)]
     later = list(dict.fromkeys(t for t in texts[1:] if t))
     first, lead, *encoded = _encode_batch(
         tokenizer, [texts[0], _START, *(_START + t for t in later)]

@@ -258,7 +258,7 @@ def _llama3() -> PreTrainedTokenizerFast:
         bos_token="<|begin_of_text|>",
         eos_token="<|eot_id|>",
         chat_template=LLAMA3_TEMPLATE,
-        clean_up_tokenization_spaces=True,
+        clean_up_tokenization_spaces=False,
     )
 
 
