@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 from adapters.base_spec import BaseModelSpec
 from adapters.peft_format import AdapterLimits
 from engine.block_manager import BlockManager
+from engine.chat_prompt import chat_prompt_ids, text_prompt_ids
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import (
@@ -159,13 +160,9 @@ class LLMEngine:
         if request.messages is not None:
             if not request.messages:
                 raise InvalidRequestError("messages must not be empty")
-            ids = list(
-                self.request_tokenizer.apply_chat_template(
-                    request.messages, add_generation_prompt=True, tokenize=True, return_dict=False
-                )
-            )
+            ids = chat_prompt_ids(self.request_tokenizer, request.messages)
         elif request.prompt is not None:
-            ids = self.request_tokenizer.encode(request.prompt, add_special_tokens=False)
+            ids = text_prompt_ids(self.request_tokenizer, request.prompt)
         else:
             ids = list(request.prompt_token_ids or [])
             vocab = self.model_config.vocab_size

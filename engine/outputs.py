@@ -19,9 +19,11 @@ class EngineRequest:
     request_id: str
     params: SamplingParams = field(default_factory=SamplingParams)
     prompt: str | None = None
+    """Raw text; control-token text in it (`<|im_start|>`, …) is tokenized as plain text."""
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
-    """Chat messages, rendered with the model's chat template and a generation prompt."""
+    """Chat messages, rendered with the model's chat template and a generation prompt; control-token
+    text in the messages' strings is tokenized as plain text (engine.chat_prompt)."""
     adapter: str | None = None
     """Adapter digest (content identity) to serve this request with; None for the base model."""
     cache_salt: str | None = None
