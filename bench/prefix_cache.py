@@ -13,6 +13,14 @@ repetitions (after one untimed warm-up repetition) and their ratio, with the pre
 case computed (deltas of `EngineStats.prompt_tokens_computed`); details add the ratio of median
 CPU times and of the fastest repetitions, which a shared machine's load disturbs less.
 
+Tenant scoping: the cost of `EngineRequest.cache_salt` (one prefix-cache namespace per tenant)
+where tenants share no prompts. Each tenant has its own system prefix, reused by its own
+requests only: its first request runs, then the rest together, which find that prefix cached.
+The same prompts run with no salt and with the tenant's id as salt, on the caching engine, in
+alternating order; each repetition draws fresh prompts. The figure is the throughput ratio
+salted / unsalted (tokens of prompt and output per wall second; medians over repetitions);
+details hold the prefill tokens each case computed, which must be equal.
+
 Run: `python -m bench.prefix_cache [--quick] [--device cuda --model-size 1b]`.
 """
 
@@ -56,6 +64,40 @@ WORKLOADS = {
     "quick": Workload(1024, 960, 8, 6),
     "smoke": Workload(64, 48, 2, 1),
 }
+
+
+@dataclass(frozen=True)
+class TenantWorkload:
+    tenants: int
+    requests_per_tenant: int
+    prefix_len: int
+    """Each tenant's own system prefix, shared by its requests and no one else's."""
+    tail_len: int
+    output_tokens: int
+    repetitions: int
+
+    @property
+    def tokens(self) -> int:
+        """Prompt and output tokens of one run (the throughput numerator)."""
+        per_request = self.prefix_len + self.tail_len + self.output_tokens
+        return self.tenants * self.requests_per_tenant * per_request
+
+
+TENANT_WORKLOADS = {
+    "full": TenantWorkload(8, 4, 512, 64, 16, 5),
+    "quick": TenantWorkload(4, 3, 256, 32, 4, 7),
+    "smoke": TenantWorkload(2, 2, 32, 8, 2, 1),
+}
+SCOPES = ("unsalted", "salted")
+
+
+@dataclass(frozen=True)
+class TenantRun:
+    seconds: float
+    cpu_seconds: float
+    prompt_tokens_computed: int
+    cached_tokens: int
+    """Prompt tokens served from the prefix cache, summed over the run's requests (usage)."""
 
 
 @dataclass(frozen=True)
@@ -121,9 +163,9 @@ def repetition(
 
 
 def measure(
-    settings: RunSettings, model_dir: Path, workload: Workload
-) -> list[dict[str, FirstToken]]:
-    """Every timed repetition, after one untimed warm-up round."""
+    settings: RunSettings, model_dir: Path, workload: Workload, tenants: TenantWorkload
+) -> tuple[list[dict[str, FirstToken]], list[dict[str, TenantRun]]]:
+    """Every timed repetition of both comparisons, each after one untimed warm-up round."""
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     special = set(tokenizer.all_special_ids)
     vocab = [t for t in range(len(tokenizer)) if t not in special]
@@ -133,10 +175,101 @@ def measure(
     }
     rng = random.Random(workload.seed)
     repetition(engines, vocab, rng, "warm-up", workload, settings.device)
-    return [
+    reps = [
         repetition(engines, vocab, rng, f"rep-{i}", workload, settings.device)
         for i in range(workload.repetitions)
     ]
+    return reps, measure_tenants(settings, engines["caching"], vocab, tenants)
+
+
+def tenant_run(
+    engine: LLMEngine,
+    prompts: dict[str, list[list[int]]],
+    salted: bool,
+    tag: str,
+    workload: TenantWorkload,
+    device: str,
+) -> TenantRun:
+    """Every tenant's first request, then the rest of each tenant's; timed until all finish."""
+    params = SamplingParams(max_tokens=workload.output_tokens, ignore_eos=True)
+    before = engine.stats().prompt_tokens_computed
+    cached = 0
+    with Stopwatch(device) as watch:
+        for wave in (slice(0, 1), slice(1, None)):
+            for tenant, requests in prompts.items():
+                for i, prompt in enumerate(requests[wave], start=wave.start):
+                    engine.add_request(
+                        EngineRequest(
+                            f"{tag}-{tenant}-{i}",
+                            params,
+                            prompt_token_ids=prompt,
+                            cache_salt=tenant if salted else None,
+                        )
+                    )
+            while engine.has_work:
+                cached += sum(o.usage.cached_tokens for o in engine.step() if o.usage)
+    computed = engine.stats().prompt_tokens_computed - before
+    return TenantRun(watch.seconds, watch.cpu_seconds, computed, cached)
+
+
+def tenant_repetition(
+    engine: LLMEngine,
+    vocab: Sequence[int],
+    rng: random.Random,
+    tag: str,
+    workload: TenantWorkload,
+    device: str,
+    salted_first: bool,
+) -> dict[str, TenantRun]:
+    """One unsalted and one salted run of the same fresh prompts (neither can reuse the other's
+    blocks: the salt changes every block's hash)."""
+
+    def draw(n: int) -> list[int]:
+        return [rng.choice(vocab) for _ in range(n)]
+
+    prompts = {}
+    for t in range(workload.tenants):
+        prefix = draw(workload.prefix_len)
+        prompts[f"tenant-{t}"] = [
+            prefix + draw(workload.tail_len) for _ in range(workload.requests_per_tenant)
+        ]
+    order = SCOPES[::-1] if salted_first else SCOPES
+    return {
+        scope: tenant_run(engine, prompts, scope == "salted", f"{tag}-{scope}", workload, device)
+        for scope in order
+    }
+
+
+def measure_tenants(
+    settings: RunSettings, engine: LLMEngine, vocab: Sequence[int], workload: TenantWorkload
+) -> list[dict[str, TenantRun]]:
+    rng = random.Random(1)
+    tenant_repetition(engine, vocab, rng, "tenants-warm-up", workload, settings.device, False)
+    return [
+        tenant_repetition(engine, vocab, rng, f"tenants-{i}", workload, settings.device, i % 2 == 1)
+        for i in range(workload.repetitions)
+    ]
+
+
+def tenant_figures(
+    workload: TenantWorkload, runs: list[dict[str, TenantRun]]
+) -> tuple[list[Figure], dict[str, Any]]:
+    seconds = {scope: median([r[scope].seconds for r in runs]) for scope in SCOPES}
+    cpu = {scope: median([r[scope].cpu_seconds for r in runs]) for scope in SCOPES}
+    figures = [
+        Figure("throughput, no cache salt", workload.tokens / seconds["unsalted"], "tokens/s"),
+        Figure("throughput, per-tenant salt", workload.tokens / seconds["salted"], "tokens/s"),
+        Figure(
+            "throughput ratio per-tenant salt / none", seconds["unsalted"] / seconds["salted"], "x"
+        ),
+    ]
+    details = {
+        "ratio_by_cpu_time": cpu["unsalted"] / cpu["salted"],
+        "ratio_best_of_repetitions": min(r["unsalted"].seconds for r in runs)
+        / min(r["salted"].seconds for r in runs),
+        "runs": [{scope: dataclasses.asdict(r[scope]) for scope in SCOPES} for r in runs],
+    }
+    return figures, details
 
 
 def summarize(
@@ -144,6 +277,8 @@ def summarize(
     model: dict[str, Any],
     workload: Workload,
     reps: list[dict[str, FirstToken]],
+    tenants: TenantWorkload,
+    tenant_runs: list[dict[str, TenantRun]],
 ) -> Result:
     ttft = {case: median([r[case].seconds for r in reps]) for case in CASES}
     computed = {case: median([r[case].prompt_tokens_computed for r in reps]) for case in CASES}
@@ -167,9 +302,12 @@ def summarize(
             "warm": "caching engine, the shared prefix cached by the miss request",
         },
     }
+    scoped_figures, details["tenant_scoping"] = tenant_figures(tenants, tenant_runs)
+    figures += scoped_figures
     workload_info = dataclasses.asdict(workload) | {
         "max_model_len": workload.max_model_len,
         "prompt_tokens_from": "uniform over the tokenizer's non-special vocabulary",
+        "tenant_scoping": dataclasses.asdict(tenants) | {"tokens_per_run": tenants.tokens},
     }
     config = dataclasses.asdict(engine_config(settings, Path(), workload, caching=True))
     del config["model"], config["enable_prefix_caching"]  # per case, see details.cases
@@ -177,8 +315,9 @@ def summarize(
 
 
 def benchmark(settings: RunSettings, model_dir: Path, model: dict[str, Any]) -> Result:
-    workload = WORKLOADS[settings.mode]
-    return summarize(settings, model, workload, measure(settings, model_dir, workload))
+    workload, tenants = WORKLOADS[settings.mode], TENANT_WORKLOADS[settings.mode]
+    reps, tenant_runs = measure(settings, model_dir, workload, tenants)
+    return summarize(settings, model, workload, reps, tenants, tenant_runs)
 
 
 def main(argv: Sequence[str] | None = None) -> Path:
