@@ -31,10 +31,10 @@ def _demo_adapters(args: argparse.Namespace) -> None:
 
 def ensure_model(settings: Settings) -> Path:
     """The configured model folder; the demo model is built there on first start."""
-    from engine.demo_model import build_demo_model
-
     folder = settings.model_dir
     if settings.model is None and not (folder / "config.json").is_file():
+        from engine.demo_model import build_demo_model
+
         log.info("building the demo model in %s", folder)
         build_demo_model(folder, seed=0)
     return folder
@@ -81,14 +81,12 @@ def _chat(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     """The gateway with its private redis-server and its engine as supervised child processes
-    (each only when no external one is configured); see gateway.server.serve_forever."""
-    from gateway.db.migrate import upgrade
-    from gateway.server import serve_forever
+    (each only when no external one is configured); see gateway.serve."""
+    from gateway.serve import serve_forever
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per call to the engine
     settings = Settings()
     model_dir = ensure_model(settings)
-    upgrade(settings.database_url)
     host = args.host or settings.server.host
     port = args.port or settings.server.port
     asyncio.run(serve_forever(settings, model_dir, host, port))

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import httpx
 
-from engine.service.wire import TOKEN_HEADER
 from gateway.settings import Settings
 from gateway.supervisor import ChildSpec
 
@@ -37,13 +36,13 @@ def engine_child(settings: Settings) -> EngineChild:
     port = _free_loopback_port()
     url = f"http://127.0.0.1:{port}"
     token = secrets.token_urlsafe(32)
-    argv = (sys.executable, "-m", "gateway.cli", "engine", "--host", "127.0.0.1")
+    argv: tuple[str, ...] = (sys.executable, "-m", "gateway.cli", "engine", "--host", "127.0.0.1")
     argv += ("--port", str(port), "--log-level", "warning")  # serve logs each request already
     env = {k: v for k, v in os.environ.items() if k != "LORAMUX_ENGINE_URLS"}
     env |= {"LORAMUX_ENGINE_TOKEN": token, "LORAMUX_DATA_DIR": str(settings.data_dir)}
 
     async def ready() -> bool:
-        async with httpx.AsyncClient(timeout=2.0, headers={TOKEN_HEADER: token}) as client:
+        async with httpx.AsyncClient(timeout=2.0) as client:  # /health needs no token
             return (await client.get(f"{url}/health")).status_code == 200
 
     return EngineChild(ChildSpec("engine", argv, ready, START_SECONDS, env), url, token)

@@ -148,10 +148,10 @@ class SupervisedChild:
             "failing": self.failing,
         }
 
-    async def start(self) -> None:
-        """Start the child and wait until it is ready; ChildFailed if it is not. From then on
-        it is restarted whenever it exits."""
-        await self._launch()
+    async def started(self) -> None:
+        """Wait until the child spawned by `launch` is ready; ChildFailed if it exits or runs
+        out of time first. From then on it is restarted whenever it exits."""
+        await self._until_ready()
         if not self.up:
             assert self.proc is not None
             code = await asyncio.to_thread(self.proc.wait)
@@ -196,20 +196,25 @@ class SupervisedChild:
             await asyncio.sleep(delay)
             if self._stopping:
                 return
-            await self._launch()
+            self.launch()
+            await self._until_ready()
             if self.up:
                 self.restarts += 1
                 log.warning("%s is back (pid %d)", self.spec.name, self.proc.pid)
 
-    async def _launch(self) -> None:
-        """Spawn the child and probe it until it is ready (`up`), exits, or runs out of time
-        (then it is killed; the watch loop sees the exit)."""
+    def launch(self) -> None:
+        """Spawn the child process (not waiting for it to be ready)."""
         self.proc = spawn(
             self.spec.argv,
             env=self.spec.env,
             stdout=subprocess.DEVNULL if self.spec.quiet else None,
         )
         self._started_at = time.monotonic()
+
+    async def _until_ready(self) -> None:
+        """Probe the child until it is ready (`up`), exits, or runs out of time (then it is
+        killed; the watch loop sees the exit)."""
+        assert self.proc is not None
         deadline = self._started_at + self.spec.start_seconds
         while self.proc.poll() is None and not self._stopping:
             if await self._probe():
@@ -241,10 +246,17 @@ class Supervisor:
     def __init__(self) -> None:
         self.children: list[SupervisedChild] = []
 
-    async def start(self, spec: ChildSpec) -> SupervisedChild:
+    def spawn(self, spec: ChildSpec) -> SupervisedChild:
+        """Spawn a child now; `await child.started()` waits until it is ready."""
         child = SupervisedChild(spec)
-        self.children.append(child)  # before it starts: a start cut short still stops it
-        await child.start()
+        self.children.append(child)
+        child.launch()
+        return child
+
+    async def start(self, spec: ChildSpec) -> SupervisedChild:
+        """Spawn a child and wait until it is ready (ChildFailed if it is not)."""
+        child = self.spawn(spec)
+        await child.started()
         return child
 
     @property
