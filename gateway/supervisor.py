@@ -89,21 +89,20 @@ def spawn(argv: list[str] | tuple[str, ...], **popen: Any) -> subprocess.Popen[b
 
 
 def stop_group(proc: subprocess.Popen[bytes], deadline: float) -> None:
-    """SIGTERM the process group led by `proc`; SIGKILL it if `proc` is still running at
-    `deadline` (time.monotonic). Returns once `proc` has exited."""
-    signal_group(proc, signal.SIGTERM)
+    """SIGTERM the process group led by `proc`, then `reap_group`."""
+    _killpg(proc.pid, signal.SIGTERM)
+    reap_group(proc, deadline)
+
+
+def reap_group(proc: subprocess.Popen[bytes], deadline: float) -> None:
+    """Wait until `proc` exited, SIGKILLing its group if it still runs at `deadline`
+    (time.monotonic); then SIGKILL whatever it started and left behind in its group."""
     try:
         proc.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        signal_group(proc, signal.SIGKILL)
+        _killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    _killpg(proc.pid, signal.SIGKILL)  # anything the child started and left behind
-
-
-def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    """Signal the group of `proc` unless `proc` was reaped already (its pid may be reused)."""
-    if proc.returncode is None:
-        _killpg(proc.pid, sig)
+    _killpg(proc.pid, signal.SIGKILL)
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -133,7 +132,9 @@ class SupervisedChild:
         """Exits in a row after runs shorter than STABLE_SECONDS."""
         self._started_at = 0.0
         self._stopping = False
+        self._signalled = False
         self._watch: asyncio.Task[None] | None = None
+        """The supervising task (held here: the event loop keeps only a weak reference)."""
 
     @property
     def failing(self) -> bool:
@@ -159,19 +160,22 @@ class SupervisedChild:
         self._watch = asyncio.create_task(self._supervise(), name=f"supervise {self.spec.name}")
 
     def terminate(self) -> None:
-        """Stop restarting the child and send its group SIGTERM; `stop` waits for it."""
+        """Stop restarting the child and send its group SIGTERM (`stop` waits for it)."""
+        if self._stopping:
+            return
         self._stopping = True
         self.up = False
-        if self.proc is not None:
-            signal_group(self.proc, signal.SIGTERM)
+        # Only a child not reaped yet is signalled: a reaped one's id may belong to another.
+        self._signalled = self.proc is not None and self.proc.returncode is None
+        if self.proc is not None and self._signalled:
+            _killpg(self.proc.pid, signal.SIGTERM)
 
     def stop(self, deadline: float) -> None:
-        """Stop the child (and its group) for good; blocks until it exited, killing it at
-        `deadline` (time.monotonic)."""
-        self._stopping = True
-        self.up = False
-        if self.proc is not None:
-            stop_group(self.proc, deadline)
+        """`terminate`, then block until the child exited, killing its group at `deadline`
+        (time.monotonic)."""
+        self.terminate()
+        if self.proc is not None and self._signalled:
+            reap_group(self.proc, deadline)
             log.info("stopped %s (pid %d)", self.spec.name, self.proc.pid)
 
     async def _supervise(self) -> None:
@@ -180,6 +184,7 @@ class SupervisedChild:
             code = await asyncio.to_thread(self.proc.wait)
             if self._stopping:
                 return
+            _killpg(self.proc.pid, signal.SIGKILL)  # what it started and left behind (GPU memory)
             self.up = False
             self.last_exit = describe_exit(code)
             ran = time.monotonic() - self._started_at
@@ -228,7 +233,7 @@ class SupervisedChild:
                     self.proc.pid,
                     self.spec.start_seconds,
                 )
-                signal_group(self.proc, signal.SIGKILL)
+                _killpg(self.proc.pid, signal.SIGKILL)
                 return
             await asyncio.sleep(PROBE_SECONDS)
 
@@ -251,12 +256,6 @@ class Supervisor:
         child = SupervisedChild(spec)
         self.children.append(child)
         child.launch()
-        return child
-
-    async def start(self, spec: ChildSpec) -> SupervisedChild:
-        """Spawn a child and wait until it is ready (ChildFailed if it is not)."""
-        child = self.spawn(spec)
-        await child.started()
         return child
 
     @property

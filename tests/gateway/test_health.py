@@ -1,0 +1,50 @@
+"""Liveness (/health) against the in-thread gateway: what it says while all is well, and that it
+fails once a child process serve supervises keeps dying."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from gateway.server import RunningServer
+from gateway.supervisor import FAILING_EXITS, ChildSpec, SupervisedChild, Supervisor
+
+
+async def _ready() -> bool:
+    return True
+
+
+def test_health_says_ok_and_engine_up(gateway: RunningServer) -> None:
+    r = httpx.get(f"{gateway.url}/health", timeout=10)
+    assert r.status_code == 200
+    assert r.json() == {"status": "ok", "engine": "up"}
+
+
+def test_health_fails_once_a_supervised_child_keeps_dying(gateway: RunningServer) -> None:
+    supervisor = Supervisor()
+
+    async def start() -> SupervisedChild:
+        child = supervisor.spawn(ChildSpec("flaky", ("sh", "-c", "sleep 0.1; exit 1"), _ready, 30))
+        await child.started()
+        return child
+
+    async def stop() -> None:
+        supervisor.stop_all()
+
+    gateway.run(start())
+    gateway.state.children = supervisor
+    try:
+        deadline = time.monotonic() + 60
+        while (r := httpx.get(f"{gateway.url}/health", timeout=10)).status_code == 200:
+            assert r.json()["status"] in ("ok", "degraded"), r.json()
+            assert time.monotonic() < deadline, f"not failing after {FAILING_EXITS} exits"
+            time.sleep(0.05)
+        assert r.status_code == 503
+        body = r.json()
+        assert body["status"] == "failing" and body["engine"] == "up"
+        flaky = body["children"]["flaky"]
+        assert flaky["failing"] and flaky["last_exit"] == "exited with status 1"
+    finally:
+        gateway.state.children = None
+        gateway.run(stop())
