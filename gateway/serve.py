@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import signal
 from collections.abc import Iterator
@@ -62,8 +63,10 @@ async def _serve(
         starting.append(children.spawn(engine.spec))
         engine_urls, engine_token = [engine.url], engine.token
 
-    # Imported here, after the children were spawned, so that importing the gateway (torch,
-    # sentence-transformers) overlaps the engine's start.
+    # Imported now, after the children were spawned, so that importing the gateway (torch,
+    # sentence-transformers: seconds) overlaps the engine's start; on a thread, so that the
+    # event loop meanwhile handles a stop at once.
+    await asyncio.to_thread(importlib.import_module, "gateway.app")
     from gateway.app import create_app
     from gateway.db.migrate import upgrade
     from gateway.demo_setup import first_start

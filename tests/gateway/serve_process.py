@@ -100,8 +100,9 @@ class Serve:
 
 
 @contextlib.contextmanager
-def serve(data_dir: Path, env: dict[str, str]) -> Iterator[Serve]:
-    """Start `loramux serve` on a free port and wait until /ready; kill everything at the end."""
+def serve(data_dir: Path, env: dict[str, str], *, wait: bool = True) -> Iterator[Serve]:
+    """Start `loramux serve` on a free port and (with `wait`) wait until /ready; kill everything
+    at the end."""
     port = free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     log = (data_dir / "serve.log").open("wb")
@@ -115,8 +116,9 @@ def serve(data_dir: Path, env: dict[str, str]) -> Iterator[Serve]:
     )
     running = Serve(proc, f"http://127.0.0.1:{port}", data_dir, log)
     try:
-        wait_for(lambda: _ready(running), START_SECONDS, "serve is ready")
-        running.children()
+        if wait:
+            wait_for(lambda: _ready(running), START_SECONDS, "serve is ready")
+            running.children()
         yield running
     finally:
         with contextlib.suppress(ProcessLookupError):

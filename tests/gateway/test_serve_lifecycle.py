@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.service import serve_engine_in_thread
 from gateway.auth.admin_jwt import AdminAuth
-from tests.gateway.serve_process import Serve, alive, serve, wait_for
+from tests.gateway.serve_process import START_SECONDS, Serve, alive, serve, wait_for
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 
 SECRET = "lifecycle-test-secret-" + "x" * 32
@@ -81,6 +81,21 @@ def test_with_engine_urls_serve_spawns_no_engine_and_sigint_stops_its_redis(
         health = httpx.get(f"{running.url}/health", timeout=10).json()
         assert health["engine"] == "up" and list(health["children"]) == ["redis-server"]
         _stopped_cleanly(running, signal.SIGINT)
+
+
+def test_sigterm_while_serve_starts_stops_the_children_started_so_far(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    with serve(tmp_path, env, wait=False) as running:
+        wait_for(
+            lambda: any(" engine " in c for c in running.children().values()),
+            START_SECONDS,
+            "serve spawned its engine",
+        )
+        children = running.children()
+        running.proc.send_signal(signal.SIGTERM)
+        assert running.proc.wait(timeout=60) == 0, running.output()
+        assert not [pid for pid in children if alive(pid)], running.output()
 
 
 def test_sigkill_of_serve_takes_its_children_with_it(env: dict[str, str], tmp_path: Path) -> None:
