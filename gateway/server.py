@@ -1,4 +1,5 @@
-"""Compose a gateway: engine client, state, app — for `loramux serve` (gateway.serve) and tests."""
+"""Compose a gateway in this process — engine client, state, app on a thread — for tests and
+benchmarks; and the engine's config from settings. `loramux serve` is gateway.serve."""
 
 from __future__ import annotations
 

@@ -7,7 +7,9 @@ import asyncio
 import json
 import os
 import signal
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +56,46 @@ def _stopped_cleanly(running: Serve, sig: signal.Signals) -> None:
     assert not (running.data_dir / "redis" / "redis.sock").exists()
 
 
-def test_sigterm_stops_serve_and_every_child_it_started(
+def _read_stream(url: str, key: str, flowing: threading.Event) -> list[str]:
+    """The data of every event of one long chat stream; `flowing` is set once text arrives."""
+    body = {
+        "model": "demo-model",
+        "messages": [{"role": "user", "content": "tell me a long story"}],
+        "max_tokens": 300,
+        "stream": True,
+    }
+    events = []
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {key}"},
+        timeout=60,
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+                if _has_text(events[-1]):
+                    flowing.set()
+    return events
+
+
+def test_sigterm_lets_a_stream_finish_then_stops_serve_and_every_child_it_started(
     env: dict[str, str], tmp_path: Path
 ) -> None:
     with serve(tmp_path, env) as running:
         names = list(running.children().values())
         assert len(names) == 2, names
         assert any("redis-server" in n for n in names) and any(" engine " in n for n in names)
-        _stopped_cleanly(running, signal.SIGTERM)
+        with _admin(running.url) as admin:
+            key = new_tenant(admin, "sigterm").key
+        with ThreadPoolExecutor(1) as pool:
+            flowing = threading.Event()
+            stream = pool.submit(_read_stream, running.url, key, flowing)
+            assert flowing.wait(60), "no text arrived"
+            _stopped_cleanly(running, signal.SIGTERM)
+            assert stream.result(timeout=60)[-1] == "[DONE]"
 
 
 def test_with_engine_urls_serve_spawns_no_engine_and_sigint_stops_its_redis(
