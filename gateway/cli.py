@@ -31,10 +31,10 @@ def _demo_adapters(args: argparse.Namespace) -> None:
 
 def ensure_model(settings: Settings) -> Path:
     """The configured model folder; the demo model is built there on first start."""
-    from engine.demo_model import build_demo_model
-
     folder = settings.model_dir
     if settings.model is None and not (folder / "config.json").is_file():
+        from engine.demo_model import build_demo_model
+
         log.info("building the demo model in %s", folder)
         build_demo_model(folder, seed=0)
     return folder
@@ -80,24 +80,16 @@ def _chat(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    """Everything on embedded defaults: SQLite, a private Redis, the demo model, the engine in-process."""
-    import contextlib
+    """The gateway with its private redis-server and its engine as supervised child processes
+    (each only when no external one is configured); see gateway.serve."""
+    from gateway.serve import serve_forever
 
-    from gateway.db.migrate import upgrade
-    from gateway.redis_server import private_redis
-    from gateway.server import serve_forever
-
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per call to the engine
     settings = Settings()
     model_dir = ensure_model(settings)
-    with contextlib.ExitStack() as stack:
-        redis_url = settings.server.redis_url
-        if redis_url is None:
-            redis_url = stack.enter_context(private_redis(settings.data_dir))
-            log.info("started a private redis-server at %s", redis_url)
-        upgrade(settings.database_url)
-        host = args.host or settings.server.host
-        port = args.port or settings.server.port
-        asyncio.run(serve_forever(settings, model_dir, redis_url, host, port))
+    host = args.host or settings.server.host
+    port = args.port or settings.server.port
+    asyncio.run(serve_forever(settings, model_dir, host, port))
 
 
 def _engine(args: argparse.Namespace) -> None:
@@ -113,6 +105,7 @@ def _engine(args: argparse.Namespace) -> None:
         args.port,
         adapter_dir=settings.data_dir / "engine-adapters",
         token=settings.server.engine_token,
+        log_level=args.log_level,
     )
 
 
@@ -147,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_demo_adapters)
 
     p = sub.add_parser(
-        "serve", help="run the gateway (and the engine in-process unless LORAMUX_ENGINE_URLS)"
+        "serve",
+        help="run the gateway, with a private redis-server and an engine process unless "
+        "LORAMUX_REDIS_URL and LORAMUX_ENGINE_URLS name external ones",
     )
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
@@ -156,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("engine", help="run the engine's internal HTTP service")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
+    p.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error", "critical")
+    )
     p.set_defaults(func=_engine)
 
     p = sub.add_parser(

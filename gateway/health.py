@@ -1,4 +1,10 @@
-"""Liveness, readiness and Prometheus metrics."""
+"""Liveness (/health), readiness (/ready) and Prometheus metrics.
+
+Liveness asks "should this process be restarted?", readiness "should it get traffic?". While the
+engine is down — dead and being restarted by serve, or, with LORAMUX_ENGINE_URLS, unreachable —
+/ready answers 503 and /health 200 with `status: degraded`: a restart of the whole service would
+only lengthen the outage. /health answers 503 when a supervised child keeps failing to stay up.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +19,23 @@ from gateway.state import GatewayState
 GW = NamedDependency[GatewayState]
 
 
-@get("/health", include_in_schema=False, sync_to_thread=False)
-def health() -> dict[str, str]:
-    """The process is up."""
-    return {"status": "ok"}
+@get("/health", include_in_schema=False)
+async def health(gw: GW) -> Response[dict[str, Any]]:
+    """Liveness: 200 while this process serves, or is bringing a child process back (a degraded
+    state that /ready reports as not ready); 503 once a child it supervises keeps failing, when
+    only restarting the whole service can help. The body says what is down:
+    `status` ok | degraded | failing, `engine` up | down, and under `loramux serve` the state of
+    each child process (up, pid, restarts, why it last exited, failing)."""
+    engine_up = await gw.engine.ready()
+    body: dict[str, Any] = {"engine": "up" if engine_up else "down"}
+    failing = False
+    down = not engine_up
+    if gw.children is not None:
+        body["children"] = gw.children.report()
+        failing = gw.children.failing
+        down = down or not all(c["up"] for c in body["children"].values())
+    body["status"] = "failing" if failing else "degraded" if down else "ok"
+    return Response(body, status_code=503 if failing else 200)
 
 
 @get("/ready", include_in_schema=False)

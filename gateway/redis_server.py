@@ -1,7 +1,9 @@
 """A private redis-server for `loramux serve` when no LORAMUX_REDIS_URL is configured.
 
-It listens on a unix socket in the data directory only (no TCP port), keeps no snapshot on disk
-and stops with the process that started it.
+It listens on a unix socket in the data directory only (no TCP port), keeps no snapshot on disk,
+logs to `redis/redis.log` and writes its pid to `redis/redis.pid` there. It cannot outlive the
+process that started it (gateway.supervisor.spawn). Under serve it is supervised: restarted
+when it dies, at the same socket, empty — gateway.quotas and cache handle that loss.
 """
 
 from __future__ import annotations
@@ -14,26 +16,55 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import redis
+import redis.asyncio
+
+from gateway.supervisor import ChildSpec, spawn, stop_group
+
+START_SECONDS = 10.0
 
 
 class RedisUnavailable(RuntimeError):
     pass
 
 
+def redis_child(data_dir: Path) -> tuple[ChildSpec, str]:
+    """The private redis-server as a child of serve, and its URL."""
+    argv, url = _command(data_dir)
+
+    async def ready() -> bool:
+        client = redis.asyncio.Redis.from_url(url, socket_timeout=1)
+        try:
+            return bool(await client.ping())
+        finally:
+            await client.aclose()
+
+    return ChildSpec("redis-server", tuple(argv), ready, START_SECONDS, quiet=True), url
+
+
 @contextlib.contextmanager
-def private_redis(data_dir: Path, timeout: float = 10.0) -> Iterator[str]:
-    """Start redis-server on a unix socket under `data_dir`; yields its URL."""
+def private_redis(data_dir: Path, timeout: float = START_SECONDS) -> Iterator[str]:
+    """Start redis-server on a unix socket under `data_dir`, unsupervised; yields its URL
+    (for benchmarks that need a Redis of their own)."""
+    argv, url = _command(data_dir)
+    proc = spawn(argv, stdout=subprocess.DEVNULL)
+    try:
+        _wait_ready(url, proc, timeout, data_dir)
+        yield url
+    finally:
+        stop_group(proc, time.monotonic() + 5)
+
+
+def _command(data_dir: Path) -> tuple[list[str], str]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise RedisUnavailable(
             "redis-server is not installed: install it (apt-get install redis-server) "
             "or point LORAMUX_REDIS_URL at a Redis server"
         )
-    folder = data_dir / "redis"
+    folder = (data_dir / "redis").resolve()
     folder.mkdir(parents=True, exist_ok=True)
-    socket = folder / "redis.sock"
-    socket.unlink(missing_ok=True)
-    args = [
+    socket = folder / "redis.sock"  # redis-server replaces a stale one itself
+    argv = [
         binary,
         "--port",
         "0",
@@ -47,29 +78,24 @@ def private_redis(data_dir: Path, timeout: float = 10.0) -> Iterator[str]:
         "no",
         "--dir",
         str(folder),
+        "--logfile",
+        str(folder / "redis.log"),
+        "--pidfile",
+        str(folder / "redis.pid"),
         "--daemonize",
         "no",
     ]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"unix://{socket}"
-    try:
-        _wait_ready(url, proc, timeout)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    return argv, f"unix://{socket}"
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float, data_dir: Path) -> None:
     deadline = time.monotonic() + timeout
     client = redis.Redis.from_url(url)
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            err = proc.stderr.read().decode() if proc.stderr else ""
-            raise RedisUnavailable(f"redis-server exited at start: {err.strip()}")
+            raise RedisUnavailable(
+                f"redis-server exited at start; see {data_dir / 'redis' / 'redis.log'}"
+            )
         try:
             if client.ping():
                 return

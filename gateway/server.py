@@ -1,4 +1,5 @@
-"""Compose a gateway process: engine client, state, app — used by `loramux serve` and tests."""
+"""Compose a gateway in this process — engine client, state, app on a thread — for tests and
+benchmarks; and the engine's config from settings. `loramux serve` is gateway.serve."""
 
 from __future__ import annotations
 
@@ -51,20 +52,6 @@ def engine_client(settings: Settings, model_dir: Path) -> EngineClient:
     return LocalEngineClient(
         AsyncEngine.from_config(engine_config(settings, model_dir)), settings.model_name
     )
-
-
-async def serve_forever(
-    settings: Settings, model_dir: Path, redis_url: str, host: str, port: int
-) -> None:
-    """Run one gateway process until interrupted."""
-    from gateway.demo_setup import first_start
-
-    state = await build_state(settings, engine_client(settings, model_dir), model_dir, redis_url)
-    await first_start(state, model_dir)
-    config = uvicorn.Config(
-        create_app(state), host=host, port=port, log_level="info", lifespan="on"
-    )
-    await uvicorn.Server(config).serve()
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """One settings object for every process, read from `LORAMUX_*` environment variables.
 
 Every field has an embedded default that needs nothing configured: data under `./.loramux`, the
-demo model built there on first start, the engine in-process.
+demo model built there on first start, a private redis-server and an engine process started by
+`loramux serve`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class EngineSettings:
     dtype: str = field(default_factory=lambda: _env("DTYPE", "float32"))
     """LORAMUX_DTYPE: float32, float16 or bfloat16."""
     device: str = field(default_factory=lambda: _env("DEVICE", "cpu"))
-    """LORAMUX_DEVICE: torch device of the in-process engine (cpu, cuda, cuda:1)."""
+    """LORAMUX_DEVICE: torch device of the engine (cpu, cuda, cuda:1)."""
     kv_cache_mb: int = field(default_factory=lambda: _env("KV_CACHE_MB", 256, int))
     """LORAMUX_KV_CACHE_MB: memory budget of the paged KV cache."""
     max_num_seqs: int = field(default_factory=lambda: _env("MAX_NUM_SEQS", 64, int))
@@ -62,7 +63,7 @@ class ServerSettings:
     engine_urls: tuple[str, ...] = field(
         default_factory=lambda: tuple(u for u in _env("ENGINE_URLS", "").split(",") if u.strip())
     )
-    """LORAMUX_ENGINE_URLS: comma-separated engine services; unset: the engine runs in-process."""
+    """LORAMUX_ENGINE_URLS: comma-separated engine services; unset: `serve` starts its own."""
     engine_token: str | None = field(default_factory=lambda: _env("ENGINE_TOKEN", None))
     """LORAMUX_ENGINE_TOKEN: shared secret of gateways and engine services; unset: no check."""
     model_name: str | None = field(default_factory=lambda: _env("MODEL_NAME", None))

@@ -24,6 +24,7 @@ from gateway.engine_client.base import EngineClient
 from gateway.metrics import Metrics
 from gateway.quotas import QuotaService
 from gateway.settings import Settings
+from gateway.supervisor import Supervisor
 from gateway.usage import UsageRecorder
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ class GatewayState:
     redis: Redis
     cache: ResponseCache
     quotas: QuotaService
+    children: Supervisor | None = None
+    """The child processes `loramux serve` supervises (for /health); None in other setups."""
 
     async def start(self) -> None:
         """Start background tasks (on the serving event loop)."""

@@ -28,11 +28,14 @@ def run_engine_service(
     *,
     adapter_dir: Path,
     token: str | None = None,
+    log_level: str = "info",
 ) -> None:
     """Build the engine from `config` and serve it until interrupted (blocks)."""
     engine = AsyncEngine.from_config(config)
     app = create_engine_app(engine, model_name, adapter_dir=adapter_dir, token=token)
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_keep_alive=KEEP_ALIVE_SECONDS)
+    uvicorn.run(
+        app, host=host, port=port, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_SECONDS
+    )
 
 
 @dataclass

@@ -1,0 +1,56 @@
+"""The engine as a child process of `loramux serve`: `loramux engine` (engine.service) on a port
+of 127.0.0.1, behind a token generated for this serve process alone.
+
+Serve reaches it with the remote engine client, the same way it reaches engines named by
+LORAMUX_ENGINE_URLS. The port and token are chosen once, so a restarted engine answers at the
+same URL; adapters it served before are uploaded to it again on demand
+(gateway.engine_client.remote), from the gateway's adapter store.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import sys
+from dataclasses import dataclass
+
+import httpx
+
+from gateway.settings import Settings
+from gateway.supervisor import ChildSpec
+
+START_SECONDS = 900.0
+"""How long an engine may take to load its model and answer /health (a large model on a GPU
+takes minutes); past it, it is killed and started again."""
+
+
+@dataclass(frozen=True)
+class EngineChild:
+    spec: ChildSpec
+    url: str
+    token: str
+
+
+def engine_child(settings: Settings) -> EngineChild:
+    port = _free_loopback_port()
+    url = f"http://127.0.0.1:{port}"
+    token = secrets.token_urlsafe(32)
+    argv: tuple[str, ...] = (sys.executable, "-m", "gateway.cli", "engine", "--host", "127.0.0.1")
+    argv += ("--port", str(port), "--log-level", "warning")  # serve logs each request already
+    env = {k: v for k, v in os.environ.items() if k != "LORAMUX_ENGINE_URLS"}
+    env |= {"LORAMUX_ENGINE_TOKEN": token, "LORAMUX_DATA_DIR": str(settings.data_dir)}
+
+    async def ready() -> bool:
+        async with httpx.AsyncClient(timeout=2.0) as client:  # /health needs no token
+            return (await client.get(f"{url}/health")).status_code == 200
+
+    return EngineChild(ChildSpec("engine", argv, ready, START_SECONDS, env), url, token)
+
+
+def _free_loopback_port() -> int:
+    """A port no one listens on now. Another process could take it before the engine binds it;
+    then the engine fails to start, and serve says so."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
