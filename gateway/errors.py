@@ -108,6 +108,19 @@ class InsufficientQuota(GatewayError):
     default_code = "insufficient_quota"
 
 
+class ClientClosedRequest(GatewayError):
+    """The client closed the connection before the response (nginx's 499; nobody reads it)."""
+
+    status = 499
+    default_code = "client_closed_request"
+
+
+class InternalError(GatewayError):
+    status = 500
+    type = "server_error"
+    default_code = "internal_error"
+
+
 class ServiceUnavailable(GatewayError):
     status = 503
     type = "server_error"
@@ -150,13 +163,20 @@ def _validation_message(exc: ValidationException) -> str:
     return "invalid request body" + (": " + "; ".join(parts) if parts else f": {exc.detail}")
 
 
+def as_gateway_error(exc: Exception) -> GatewayError:
+    """The gateway error for `exc`; an unexpected one is logged and becomes a 500."""
+    err = to_gateway_error(exc)
+    if err is None:
+        log.error("unexpected error", exc_info=exc)
+        err = InternalError("internal error")
+    return err
+
+
 def exception_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     err = to_gateway_error(exc)
     if err is None:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        err = GatewayError("internal error", code="internal_error")
-        err.status = 500  # type: ignore[misc]
-        err.type = "server_error"  # type: ignore[misc]
+        err = InternalError("internal error")
     return Response(
         err.body(), status_code=err.status, headers=err.headers, media_type="application/json"
     )

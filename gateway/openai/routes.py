@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from litestar import Request, Response, get, post
@@ -34,9 +35,15 @@ async def _respond(
     if prepared.stream:
         headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
         return Stream(service.stream(prepared), media_type="text/event-stream", headers=headers)
-    return Response(
-        await service.complete(prepared), media_type="application/json", headers=headers
-    )
+    whole = await service.complete(prepared, partial(_client_gone, request))
+    return Response(whole, media_type="application/json", headers=headers)
+
+
+async def _client_gone(request: Request[Any, Any, Any]) -> None:
+    """Returns once the client has closed its connection (the body has been read: the ASGI
+    server's next message is `http.disconnect`, sent when the connection is lost)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @post("/v1/chat/completions", status_code=200)

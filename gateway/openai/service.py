@@ -4,7 +4,10 @@
     engine → finish (usage event, cache store, settle the reservation)
 
 `prepare` does everything that can refuse the request, before a byte of the response is sent.
-Once admitted, the reservation is settled exactly once — on success, error, or disconnect.
+Once admitted, the request runs as a `Generation` of its own, and the reservation is settled
+exactly once when it ends (success, error, or a client that left, which aborts it), by what the
+engine generated: the prompt plus every completion token, or nothing when no token was
+generated (refused by the engine, or left before its first token).
 
 Cache hits count as one request against request and concurrency limits but consume no tokens:
 their reservation is settled with 0, and their usage event records 0 billable tokens (the
@@ -15,19 +18,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from cache.types import CachedResponse, CacheHit, CachePolicy, CacheRequest
-from engine.errors import EngineError
-from engine.outputs import EngineRequest, Usage
+from engine.outputs import EngineRequest
 from engine.sampling import SamplingParams
 from gateway.auth.api_keys import Principal
 from gateway.cache_policy import cache_policy, cache_request
 from gateway.catalog import ResolvedModel
-from gateway.errors import BadRequest, GatewayError, to_gateway_error
+from gateway.errors import BadRequest, ClientClosedRequest
 from gateway.openai import shapes
+from gateway.openai.generation import Generation
 from gateway.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -166,66 +170,49 @@ class CompletionService:
         return EngineRequest(request_id, params, adapter=model.digest, **prompt)
 
     # -- running ---------------------------------------------------------------------------------
-    async def complete(self, p: Prepared) -> dict[str, Any]:
-        """The whole response as one JSON object."""
+    def _generate(self, p: Prepared) -> Generation:
+        return Generation(self.gw.engine, p.request, p.started, partial(self._finish, p))
+
+    async def complete(
+        self, p: Prepared, client_gone: Callable[[], Awaitable[None]]
+    ) -> dict[str, Any]:
+        """The whole response as one JSON object; generation is aborted if `client_gone()`
+        returns first (the client closed its connection)."""
         if p.hit is not None:
             return await self._complete_hit(p, p.hit)
-        texts: list[str] = []
-        usage: Usage | None = None
-        finish: str | None = None
-        ttft: float | None = None
-        try:
-            async for out in self.gw.engine.generate(p.request):
-                ttft = ttft if ttft is not None else time.perf_counter() - p.started
-                texts.append(out.text)
-                usage, finish = out.usage or usage, out.finish_reason or finish
-        finally:
-            await self._finish(p, usage, "".join(texts), finish, 200 if usage else 499, ttft)
-        u = shapes.usage_json(
-            p.prompt_tokens,
-            usage.completion_tokens if usage else 0,
-            usage.cached_tokens if usage else 0,
-        )
-        return shapes.whole(p.meta, "".join(texts), finish, u)
+        run = self._generate(p)
+        await run.wait(client_gone())
+        if run.left:
+            raise ClientClosedRequest("the client closed the connection")
+        if run.error is not None:
+            raise run.error
+        usage = shapes.usage_json(p.prompt_tokens, run.completion_tokens, run.cached_tokens)
+        return shapes.whole(p.meta, run.text, run.finish, usage)
 
     async def stream(self, p: Prepared) -> AsyncIterator[bytes]:
-        """SSE chunks as OpenAI sends them, ending with `data: [DONE]`."""
+        """SSE chunks as OpenAI sends them, ending with `data: [DONE]`. The run ends (and is
+        billed) before the end is sent, so the client's next request finds its cache entry and
+        settled quota; a client that stops reading aborts it."""
         if p.hit is not None:
             async for piece in self._stream_hit(p, p.hit):
                 yield piece
             return
-        usage: Usage | None = None
-        ttft: float | None = None
-        texts: list[str] = []
-        finish: str | None = None
-        status = 499
-        finished = False
+        run = self._generate(p)
         try:
             if p.meta.kind == "chat":
                 yield shapes.sse(shapes.chunk(p.meta, None, None, role=True))
-            async for out in self.gw.engine.generate(p.request):
-                ttft = ttft if ttft is not None else time.perf_counter() - p.started
-                usage, finish = out.usage or usage, out.finish_reason or finish
-                texts.append(out.text)
+            async for out in run.deltas():
                 if out.text or out.finish_reason:
                     yield shapes.sse(shapes.chunk(p.meta, out.text, out.finish_reason))
-            # Store and settle before the client sees the end, so its next request finds both.
-            finished = True
-            await self._finish(p, usage, "".join(texts), finish, 200, ttft)
+            if run.error is not None:
+                yield shapes.sse(run.error.body())
+                return
             if p.include_usage:
-                completion, cached = (
-                    (usage.completion_tokens, usage.cached_tokens) if usage else (0, 0)
-                )
-                usage_json = shapes.usage_json(p.prompt_tokens, completion, cached)
-                yield shapes.sse(shapes.usage_chunk(p.meta, usage_json))
+                usage = shapes.usage_json(p.prompt_tokens, run.completion_tokens, run.cached_tokens)
+                yield shapes.sse(shapes.usage_chunk(p.meta, usage))
             yield shapes.SSE_DONE
-        except (EngineError, GatewayError) as exc:
-            err = to_gateway_error(exc) or GatewayError(str(exc))
-            status = err.status
-            yield shapes.sse(err.body())
         finally:
-            if not finished:
-                await self._finish(p, usage, "".join(texts), finish, status, ttft)
+            run.abort()
 
     async def _complete_hit(self, p: Prepared, hit: CacheHit) -> dict[str, Any]:
         r = hit.response
@@ -253,27 +240,18 @@ class CompletionService:
             await self._finish_hit(p, hit)
 
     # -- finishing -------------------------------------------------------------------------------
-    async def _finish(
-        self,
-        p: Prepared,
-        usage: Usage | None,
-        text: str,
-        finish: str | None,
-        status: int,
-        ttft: float | None,
-    ) -> None:
+    async def _finish(self, p: Prepared, run: Generation) -> None:
         """Meter, store in the cache, and settle the reservation (exactly once)."""
-        completion = usage.completion_tokens if usage else 0
+        completion = run.completion_tokens
+        prompt = p.prompt_tokens if completion else 0
         try:
-            if status == 200 and usage is not None and finish is not None and p.policy.store:
-                response = CachedResponse(text, finish, p.prompt_tokens, completion)
+            self._meter(p, prompt, completion, run.cached_tokens, run.status, run.ttft)
+            if run.status == 200 and run.finish is not None and p.policy.store:
+                response = CachedResponse(run.text, run.finish, p.prompt_tokens, completion)
                 await self.gw.cache.store(p.cache_key, p.policy, response)
-            self._meter(
-                p, p.prompt_tokens, completion, usage.cached_tokens if usage else 0, status, ttft
-            )
         finally:
             if p.admission is not None:
-                await p.admission.settle(p.prompt_tokens + completion if usage else 0)
+                await p.admission.settle(prompt + completion)
 
     async def _finish_hit(self, p: Prepared, hit: CacheHit) -> None:
         try:
