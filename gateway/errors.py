@@ -82,6 +82,11 @@ class PayloadTooLarge(GatewayError):
     status = 413
 
 
+class UnsupportedMediaType(GatewayError):
+    status = 415
+    default_code = "unsupported_media_type"
+
+
 class Unprocessable(GatewayError):
     status = 422
 

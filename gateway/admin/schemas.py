@@ -169,6 +169,8 @@ async def decode_body(request: AnyRequest, shape: type[T]) -> T:
         raise BadRequest(f"invalid request body: {exc}", code="invalid_request") from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"the body is not valid JSON: {exc}", code="invalid_request") from None
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the body is not valid UTF-8: {exc}", code="invalid_request") from None
 
 
 def utc(ts: datetime) -> datetime:

@@ -11,7 +11,12 @@ from litestar.response import Stream
 
 from gateway.auth.api_keys import Principal
 from gateway.db.adapter import SHARED_OWNER
-from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, decode
+from gateway.openai.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode,
+    require_json,
+)
 from gateway.openai.service import CompletionService
 from gateway.state import GatewayState
 
@@ -26,6 +31,7 @@ async def _respond(
     principal: Principal,
 ) -> Response[Any]:
     service = CompletionService(gw)
+    require_json(request.headers.get("content-type"))
     body = decode(await request.body(), kind)
     request_id = request.scope["state"]["request_id"]
     prepared = await service.prepare(

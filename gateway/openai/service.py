@@ -33,6 +33,7 @@ from gateway.errors import BadRequest, ClientClosedRequest
 from gateway.openai import shapes
 from gateway.openai.generation import Generation
 from gateway.openai.schemas import (
+    INT32_MAX,
     ChatCompletionRequest,
     CompletionRequest,
     chat_messages,
@@ -151,12 +152,9 @@ class CompletionService:
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         if len(stop) > 4:
             raise BadRequest("at most 4 stop sequences are allowed", param="stop")
-        temperature = 1.0 if req.temperature is None else req.temperature
-        if not 0.0 <= temperature <= 2.0:
-            raise BadRequest("temperature must be between 0 and 2", param="temperature")
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=temperature,
+            temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=req.top_k or 0,
             seed=req.seed,
@@ -300,6 +298,8 @@ def _completion_prompt(prompt: str | list[Any], nested: bool = False) -> dict[st
     if isinstance(prompt, str):
         return {"prompt": prompt}
     if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t <= INT32_MAX for t in prompt):
+            raise BadRequest("prompt token ids must be between 0 and 2^31 - 1", param="prompt")
         return {"prompt_token_ids": list(prompt)}
     if len(prompt) == 1 and not nested and isinstance(prompt[0], str | list):
         return _completion_prompt(prompt[0], nested=True)
