@@ -21,6 +21,9 @@ class EngineRequest:
     """Chat messages, rendered with the model's chat template and a generation prompt."""
     adapter: str | None = None
     """Adapter digest (content identity) to serve this request with; None for the base model."""
+    cache_salt: str | None = None
+    """Prefix-cache namespace: KV blocks are reused only between requests with the same salt
+    (the gateway gives each tenant its own); None is the namespace of unsalted requests."""
 
 
 @dataclass(frozen=True)

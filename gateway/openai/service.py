@@ -40,6 +40,7 @@ from gateway.openai.schemas import (
     refuse_unsupported,
 )
 from gateway.openai.shapes import Kind, ResponseMeta
+from gateway.prefix_cache import cache_salt
 from gateway.quotas import Admission
 from gateway.state import GatewayState
 from gateway.usage import UsageRecord
@@ -97,14 +98,17 @@ class CompletionService:
             await self.gw.engine.ensure_adapter(model.digest, self.gw.store.root / model.digest)
         requested = req.max_completion_tokens if isinstance(req, ChatCompletionRequest) else None
         requested = requested if requested is not None else req.max_tokens
+        salt = cache_salt(principal.tenant_id, principal.tenant_settings)
         engine_request = self._engine_request(
-            req, request_id, model, 1 if requested is None else requested
+            req, request_id, model, 1 if requested is None else requested, salt
         )
         prompt_tokens = await self.gw.engine.count_tokens(engine_request)
         if requested is None:
             room = self.gw.max_model_len - prompt_tokens
             cap = self.gw.settings.server.default_max_tokens
-            engine_request = self._engine_request(req, request_id, model, max(1, min(room, cap)))
+            engine_request = self._engine_request(
+                req, request_id, model, max(1, min(room, cap)), salt
+            )
         params = engine_request.params
         admission = await self.gw.quotas.admit(principal, prompt_tokens, params.max_tokens)
         try:
@@ -148,6 +152,7 @@ class CompletionService:
         request_id: str,
         model: ResolvedModel,
         max_tokens: int,
+        salt: str,
     ) -> EngineRequest:
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         if len(stop) > 4:
@@ -165,7 +170,7 @@ class CompletionService:
             prompt = {"messages": chat_messages(req.messages)}
         else:
             prompt = _completion_prompt(req.prompt)
-        return EngineRequest(request_id, params, adapter=model.digest, **prompt)
+        return EngineRequest(request_id, params, adapter=model.digest, cache_salt=salt, **prompt)
 
     # -- running ---------------------------------------------------------------------------------
     def _generate(self, p: Prepared) -> Generation:
