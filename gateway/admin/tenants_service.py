@@ -1,11 +1,11 @@
 """Tenants: names are unique; deleting one removes its keys, quotas and private adapters.
 
-A tenant's `prefix_cache_scope` (gateway.prefix_cache) lives in `Tenant.settings`; changing
-it, like disabling, takes effect at once in this process and within LORAMUX_KEY_CACHE_SECONDS
-elsewhere. Keys and quotas go with the tenant's row (foreign keys cascade); its adapter versions are
+Keys and quotas go with the tenant's row (foreign keys cascade); its adapter versions are
 soft-deleted and their digests retired in the engine (requests in flight finish). Usage and
 audit rows stay: they are history. Disabling a tenant or deleting it drops its keys from this
 process's key cache at once; other gateway processes notice within LORAMUX_KEY_CACHE_SECONDS.
+A tenant's `prefix_cache_scope` (gateway.prefix_cache) lives in `Tenant.settings` and takes
+effect the same way.
 """
 
 from __future__ import annotations

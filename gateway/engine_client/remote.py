@@ -100,7 +100,7 @@ class RemoteEngineClient:
         try:
             response = await self._on_engine(affinity_key(request), request.adapter, open_stream)
         except BaseException:
-            del self._serving[request.request_id]
+            self._serving.pop(request.request_id, None)
             raise
         try:
             if serving.aborted:
@@ -113,7 +113,7 @@ class RemoteEngineClient:
         except httpx.TransportError as exc:
             raise EngineStoppedError(f"the engine stream broke: {exc!r}") from exc
         finally:
-            del self._serving[request.request_id]
+            self._serving.pop(request.request_id, None)
             await response.aclose()
         raise EngineStoppedError("the engine ended the stream before the request finished")
 

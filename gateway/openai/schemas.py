@@ -92,8 +92,8 @@ class CompletionRequest(_Sampling, kw_only=True):
 
 
 def require_json(content_type: str | None) -> None:
-    """415 unless the body is declared as UTF-8 JSON (a body with no Content-Type is read as
-    JSON, as OpenAI's examples send it)."""
+    """415 unless the body is declared as UTF-8 JSON; a body with no Content-Type is read as
+    JSON (what a bare `curl --data-binary` or an HTTP library's raw body sends)."""
     if content_type is None:
         return
     media, *params = (part.strip().lower() for part in content_type.split(";"))

@@ -6,7 +6,6 @@ prompts. Nothing in another tenant's responses mentions the first tenant's activ
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,16 +21,10 @@ SHARED_ADAPTER = "prefix-iso-shared"
 
 
 @pytest.fixture(scope="module")
-def admin_m(gateway: RunningServer, admin_token: str) -> Iterator[httpx.Client]:
-    with httpx.Client(
-        base_url=gateway.url, headers={"authorization": f"Bearer {admin_token}"}, timeout=120
-    ) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def shared_adapter(admin_m: httpx.Client, demo_adapter_dirs: list[Path]) -> str:
-    upload_adapter(admin_m, "shared", SHARED_ADAPTER, demo_adapter_dirs[3])
+def shared_adapter(gateway: RunningServer, admin_token: str, demo_adapter_dirs: list[Path]) -> str:
+    auth = {"authorization": f"Bearer {admin_token}"}
+    with httpx.Client(base_url=gateway.url, headers=auth, timeout=120) as admin:
+        upload_adapter(admin, "shared", SHARED_ADAPTER, demo_adapter_dirs[3])
     return SHARED_ADAPTER
 
 
@@ -64,15 +57,15 @@ def cached(r: httpx.Response) -> int:
 
 @pytest.mark.parametrize("on", ["base", "shared adapter"])
 def test_another_tenants_prompt_is_never_reused(
-    gateway: RunningServer, admin_m: httpx.Client, shared_adapter: str, on: str
+    gateway: RunningServer, admin: httpx.Client, shared_adapter: str, on: str
 ) -> None:
     model = "demo-model" if on == "base" else shared_adapter
-    a, b, c, d = (new_tenant(admin_m, f"prefix-{n}") for n in "abcd")
+    a, b, c, d = (new_tenant(admin, f"prefix-{n}") for n in "abcd")
     prompt = long_prompt()
     first = ask(gateway, a, prompt, model)
     assert cached(first) == 0
     assert cached(ask(gateway, a, prompt, model)) >= 48, "a tenant reuses its own prompt"
-    _, a_other_key = new_key(admin_m, a.tenant_id)
+    _, a_other_key = new_key(admin, a.tenant_id)
     assert cached(ask(gateway, replace(a, key=a_other_key), prompt, model)) >= 48
 
     seen_by_b = ask(gateway, b, prompt, model)
@@ -84,17 +77,17 @@ def test_another_tenants_prompt_is_never_reused(
 
 
 def test_tenants_in_the_shared_scope_reuse_each_others_prompts(
-    gateway: RunningServer, admin_m: httpx.Client
+    gateway: RunningServer, admin: httpx.Client
 ) -> None:
-    r = admin_m.post(
+    r = admin.post(
         "/admin/tenants",
         json={"name": f"prefix-s1-{uuid.uuid4().hex[:8]}", "prefix_cache_scope": "shared"},
     )
     assert r.status_code == 201, r.text
     assert json_of(r)["prefix_cache_scope"] == "shared"
-    s1 = TenantKey(r.json()["id"], r.json()["name"], *new_key(admin_m, r.json()["id"]))
-    s2, private = new_tenant(admin_m, "prefix-s2"), new_tenant(admin_m, "prefix-private")
-    r = admin_m.patch(f"/admin/tenants/{s2.tenant_id}", json={"prefix_cache_scope": "shared"})
+    s1 = TenantKey(r.json()["id"], r.json()["name"], *new_key(admin, r.json()["id"]))
+    s2, private = new_tenant(admin, "prefix-s2"), new_tenant(admin, "prefix-private")
+    r = admin.patch(f"/admin/tenants/{s2.tenant_id}", json={"prefix_cache_scope": "shared"})
     assert r.status_code == 200 and json_of(r)["prefix_cache_scope"] == "shared"
 
     prompt = long_prompt()
@@ -102,22 +95,22 @@ def test_tenants_in_the_shared_scope_reuse_each_others_prompts(
     assert cached(ask(gateway, s2, prompt, "demo-model")) >= 48
     assert cached(ask(gateway, private, prompt, "demo-model")) == 0
 
-    r = admin_m.patch(f"/admin/tenants/{s2.tenant_id}", json={"prefix_cache_scope": "tenant"})
+    r = admin.patch(f"/admin/tenants/{s2.tenant_id}", json={"prefix_cache_scope": "tenant"})
     assert json_of(r)["prefix_cache_scope"] == "tenant"
     assert cached(ask(gateway, s2, long_prompt(), "demo-model")) == 0
 
 
 @pytest.mark.parametrize("scope", ["public", "", None, 1, ["shared"]])
-def test_the_prefix_cache_scope_is_validated(admin_m: httpx.Client, scope: Any) -> None:
-    tenant = new_tenant(admin_m, "prefix-bad")
-    r = admin_m.patch(f"/admin/tenants/{tenant.tenant_id}", json={"prefix_cache_scope": scope})
+def test_the_prefix_cache_scope_is_validated(admin: httpx.Client, scope: Any) -> None:
+    tenant = new_tenant(admin, "prefix-bad")
+    r = admin.patch(f"/admin/tenants/{tenant.tenant_id}", json={"prefix_cache_scope": scope})
     assert r.status_code == 400, r.text
     assert "prefix_cache_scope" in r.json()["error"]["message"]
-    r = admin_m.post(
+    r = admin.post(
         "/admin/tenants",
         json={"name": f"prefix-{uuid.uuid4().hex[:8]}", "prefix_cache_scope": scope},
     )
     assert r.status_code == 400, r.text
-    assert json_of(admin_m.get(f"/admin/tenants/{tenant.tenant_id}"))["prefix_cache_scope"] == (
+    assert json_of(admin.get(f"/admin/tenants/{tenant.tenant_id}"))["prefix_cache_scope"] == (
         "tenant"
     )
