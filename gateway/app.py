@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 from typing import Any
 
@@ -31,25 +32,31 @@ def route_label(path: str) -> str:
     return "/admin" if path.startswith("/admin") else "other"
 
 
+CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,64}")
+"""An `x-request-id` a client may have echoed back: a plain token of at most 64 characters."""
+
+
 def request_id_middleware(app: ASGIApp, metrics: Metrics) -> ASGIApp:
-    """Give every request an id (`x-request-id` in, or a new one), echo it on the response, and
-    count the request by route and status class."""
+    """Give every request an id of its own, echo an id on the response, and count the request
+    by route and status class.
+
+    The gateway's id (`req_<random>`, in `scope["state"]["request_id"]`) keys the request in
+    the engine and names its response (`chatcmpl-…`) and usage event. A client's
+    `x-request-id` is only echoed back for its tracing (when it is a plain token, else the
+    gateway's id is): ids clients choose collide across tenants, so they never key anything."""
 
     async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
+        request_id = f"req_{secrets.token_hex(12)}"
         incoming = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        request_id = (
-            incoming
-            if 0 < len(incoming) <= 64 and incoming.isprintable()
-            else f"req_{secrets.token_hex(12)}"
-        )
+        echoed = incoming if CLIENT_REQUEST_ID.fullmatch(incoming) else request_id
         scope.setdefault("state", {})["request_id"] = request_id
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                MutableScopeHeaders.from_message(message)["x-request-id"] = request_id
+                MutableScopeHeaders.from_message(message)["x-request-id"] = echoed
                 status = f"{message['status'] // 100}xx"
                 metrics.requests.labels(route_label(scope["path"]), status).inc()
             await send(message)

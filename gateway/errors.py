@@ -82,6 +82,11 @@ class PayloadTooLarge(GatewayError):
     status = 413
 
 
+class UnsupportedMediaType(GatewayError):
+    status = 415
+    default_code = "unsupported_media_type"
+
+
 class Unprocessable(GatewayError):
     status = 422
 
@@ -106,6 +111,19 @@ class InsufficientQuota(GatewayError):
     status = 429
     type = "insufficient_quota"
     default_code = "insufficient_quota"
+
+
+class ClientClosedRequest(GatewayError):
+    """The client closed the connection before the response (nginx's 499; nobody reads it)."""
+
+    status = 499
+    default_code = "client_closed_request"
+
+
+class InternalError(GatewayError):
+    status = 500
+    type = "server_error"
+    default_code = "internal_error"
 
 
 class ServiceUnavailable(GatewayError):
@@ -150,13 +168,20 @@ def _validation_message(exc: ValidationException) -> str:
     return "invalid request body" + (": " + "; ".join(parts) if parts else f": {exc.detail}")
 
 
+def as_gateway_error(exc: Exception) -> GatewayError:
+    """The gateway error for `exc`; an unexpected one is logged and becomes a 500."""
+    err = to_gateway_error(exc)
+    if err is None:
+        log.error("unexpected error", exc_info=exc)
+        err = InternalError("internal error")
+    return err
+
+
 def exception_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     err = to_gateway_error(exc)
     if err is None:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        err = GatewayError("internal error", code="internal_error")
-        err.status = 500  # type: ignore[misc]
-        err.type = "server_error"  # type: ignore[misc]
+        err = InternalError("internal error")
     return Response(
         err.body(), status_code=err.status, headers=err.headers, media_type="application/json"
     )

@@ -1,6 +1,7 @@
 """The engine's internal HTTP service: the AsyncEngine facade over HTTP, for remote gateways.
 
     POST   /generate           EngineRequest → NDJSON stream of RequestOutput deltas
+    POST   /abort/{request_id} stop a request: its /generate stream ends with the final output
     POST   /count_tokens       EngineRequest → {"prompt_tokens": n}
     POST   /adapters           multipart: digest, adapter_config, adapter_model → register
     GET    /adapters           {"digests": [...]}: the adapters this engine serves
@@ -127,6 +128,14 @@ async def _ndjson(
         await rest.aclose()  # type: ignore[attr-defined]
 
 
+@post("/abort/{request_id:str}", status_code=200)
+async def abort(request_id: FromPath[str], service: Service) -> dict[str, bool]:
+    """Stop the request; its /generate stream ends with the engine's final output, whose usage
+    counts every token generated (an unknown or finished id changes nothing)."""
+    service.engine.abort(request_id)
+    return {"aborted": True}
+
+
 @post("/count_tokens", status_code=200)
 async def count_tokens(request: Request[Any, Any, Any], service: Service) -> dict[str, int]:
     engine_request = decode_request(await request.body())
@@ -228,6 +237,7 @@ def create_engine_app(
     return Litestar(
         route_handlers=[
             generate,
+            abort,
             count_tokens,
             upload_adapter,
             list_adapters,

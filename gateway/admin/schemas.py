@@ -16,6 +16,7 @@ from litestar import Request
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from gateway.errors import BadRequest
+from gateway.prefix_cache import PrefixCacheScope
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -30,11 +31,15 @@ BudgetPeriod = Literal["day", "month"]
 
 class TenantCreate(Struct, forbid_unknown_fields=True):
     name: TenantName
+    prefix_cache_scope: PrefixCacheScope = "tenant"
+    """`tenant`: no other tenant's prompts are reused from the prefix cache; `shared`: prompts
+    are reused between every tenant in the shared scope (see gateway.prefix_cache)."""
 
 
 class TenantUpdate(Struct, forbid_unknown_fields=True):
     name: TenantName | UnsetType = UNSET
     disabled: bool | UnsetType = UNSET
+    prefix_cache_scope: PrefixCacheScope | UnsetType = UNSET
 
 
 class TenantOut(Struct):
@@ -42,6 +47,7 @@ class TenantOut(Struct):
     name: str
     disabled: bool
     created_at: datetime
+    prefix_cache_scope: PrefixCacheScope
 
 
 class KeyCreate(Struct, forbid_unknown_fields=True):
@@ -169,6 +175,8 @@ async def decode_body(request: AnyRequest, shape: type[T]) -> T:
         raise BadRequest(f"invalid request body: {exc}", code="invalid_request") from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"the body is not valid JSON: {exc}", code="invalid_request") from None
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the body is not valid UTF-8: {exc}", code="invalid_request") from None
 
 
 def utc(ts: datetime) -> datetime:

@@ -32,7 +32,8 @@ class TenantController(Controller):
         gw: NamedDependency[GatewayState],
         admin_identity: NamedDependency[AdminIdentity],
     ) -> TenantOut:
-        """Create a tenant. Body: `{"name": str}` (unique: 409 when taken)."""
+        """Create a tenant. Body: `{"name": str}` (unique: 409 when taken), optionally
+        `"prefix_cache_scope": "tenant" | "shared"` (default `tenant`)."""
         async with audited(gw, admin_identity.subject, "tenant.create") as entry:
             body = await decode_body(request, TenantCreate)
             entry.detail = {"name": body.name}
@@ -63,8 +64,9 @@ class TenantController(Controller):
         gw: NamedDependency[GatewayState],
         admin_identity: NamedDependency[AdminIdentity],
     ) -> TenantOut:
-        """Rename or disable a tenant. Body: any of `{"name": str, "disabled": bool}`; a
-        disabled tenant's keys stop working (at once in this process)."""
+        """Rename or disable a tenant, or set its prefix-cache scope. Body: any of
+        `{"name": str, "disabled": bool, "prefix_cache_scope": "tenant" | "shared"}`; a disabled
+        tenant's keys stop working (at once in this process)."""
         async with audited(gw, admin_identity.subject, "tenant.update", tenant_id) as entry:
             body = await decode_body(request, TenantUpdate)
             entry.detail = given(body)

@@ -4,6 +4,8 @@ Keys and quotas go with the tenant's row (foreign keys cascade); its adapter ver
 soft-deleted and their digests retired in the engine (requests in flight finish). Usage and
 audit rows stay: they are history. Disabling a tenant or deleting it drops its keys from this
 process's key cache at once; other gateway processes notice within LORAMUX_KEY_CACHE_SECONDS.
+A tenant's `prefix_cache_scope` (gateway.prefix_cache) lives in `Tenant.settings` and takes
+effect the same way.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from gateway.admin import adapters_service
 from gateway.admin.schemas import Deleted, TenantCreate, TenantOut, TenantUpdate, utc
 from gateway.db import ApiKey, Tenant
 from gateway.errors import Conflict, NotFound
+from gateway.prefix_cache import SETTING as PREFIX_SCOPE
+from gateway.prefix_cache import scope_of
 from gateway.state import GatewayState
 
 
 def tenant_out(tenant: Tenant) -> TenantOut:
-    return TenantOut(tenant.id, tenant.name, tenant.disabled, utc(tenant.created_at))
+    scope = scope_of(tenant.settings or {})
+    return TenantOut(tenant.id, tenant.name, tenant.disabled, utc(tenant.created_at), scope)
 
 
 async def get_tenant(session: AsyncSession, tenant_id: str) -> Tenant:
@@ -33,7 +38,8 @@ async def get_tenant(session: AsyncSession, tenant_id: str) -> Tenant:
 async def create(gw: GatewayState, body: TenantCreate) -> TenantOut:
     async with gw.sessions() as session:
         await _ensure_name_free(session, body.name)
-        tenant = Tenant(name=body.name, disabled=False, settings={})
+        settings = {PREFIX_SCOPE: body.prefix_cache_scope}
+        tenant = Tenant(name=body.name, disabled=False, settings=settings)
         session.add(tenant)
         await _commit_unique(session, body.name)
         return tenant_out(tenant)
@@ -58,6 +64,9 @@ async def update(gw: GatewayState, tenant_id: str, body: TenantUpdate) -> Tenant
             tenant.name = body.name
         if isinstance(body.disabled, bool):
             tenant.disabled = body.disabled
+        if isinstance(body.prefix_cache_scope, str):
+            # A new dict: the JSON column only notices reassignment.
+            tenant.settings = dict(tenant.settings or {}) | {PREFIX_SCOPE: body.prefix_cache_scope}
         await _commit_unique(session, tenant.name)
         key_ids = await _key_ids(session, tenant_id)
     for key_id in key_ids:

@@ -23,8 +23,9 @@ class EngineClient(Protocol):
 
     `generate` raises the engine's typed errors (engine.errors) before it yields anything, so a
     refused request never starts a response; once it yields, deltas concatenate to the text and
-    the last one carries the finish reason and usage. Closing the iterator early (a client that
-    disconnected) aborts the engine's sequence and frees its KV blocks.
+    the last one carries the finish reason and usage. Closing the iterator early aborts the
+    engine's sequence and frees its KV blocks, but what the engine generated after the last
+    delta read is then never seen: `abort` is the way to stop a request and still learn it.
     """
 
     async def start(self) -> None: ...
@@ -34,6 +35,13 @@ class EngineClient(Protocol):
     async def info(self) -> EngineInfo: ...
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop the request `request_id` whose `generate` stream is being read: the stream then
+        ends with a final output (finish reason `abort`, unless it finished first) whose usage
+        counts every token the engine generated for it, delivered or not. Unknown or finished
+        ids are ignored. Call it only once `generate` has been asked for its first output."""
+        ...
 
     async def count_tokens(self, request: EngineRequest) -> int:
         """Prompt tokens of `request` as the engine's tokenizer counts them (chat template included)."""

@@ -30,6 +30,9 @@ class LocalEngineClient:
         async for out in self.engine.generate(request):
             yield out
 
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
     async def count_tokens(self, request: EngineRequest) -> int:
         return len(self.engine.engine.validate(request))
 

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -61,6 +62,8 @@ class RemoteEngineClient:
         self._folders: dict[str, Path] = {}
         """Adapter folders given to `ensure_adapter`, by digest: what can be uploaded."""
         self._upload_locks: dict[str, asyncio.Lock] = {}
+        self._serving: dict[str, _Serving] = {}
+        """Requests whose `generate` stream is open or opening, by request id."""
         self._loads_at = 0.0
         self._refresh: asyncio.Task[list[EngineStats]] | None = None
 
@@ -85,14 +88,23 @@ class RemoteEngineClient:
         """Typed errors are raised before the first delta; closing early closes the HTTP stream,
         which aborts the engine's sequence."""
         body = encode(request)
+        serving = self._serving[request.request_id] = _Serving()
 
         async def open_stream(endpoint: Endpoint) -> httpx.Response:
-            return await self._send(
+            response = await self._send(
                 endpoint, "POST", "/generate", body, stream=True, timeout=_STREAM_TIMEOUT
             )
+            serving.endpoint = endpoint
+            return response
 
-        response = await self._on_engine(affinity_key(request), request.adapter, open_stream)
         try:
+            response = await self._on_engine(affinity_key(request), request.adapter, open_stream)
+        except BaseException:
+            self._serving.pop(request.request_id, None)
+            raise
+        try:
+            if serving.aborted:
+                await self._abort_on(serving, request.request_id)
             async for line in response.aiter_lines():
                 out = decode_line(line)
                 yield out
@@ -101,8 +113,27 @@ class RemoteEngineClient:
         except httpx.TransportError as exc:
             raise EngineStoppedError(f"the engine stream broke: {exc!r}") from exc
         finally:
+            self._serving.pop(request.request_id, None)
             await response.aclose()
         raise EngineStoppedError("the engine ended the stream before the request finished")
+
+    async def abort(self, request_id: str) -> None:
+        """Ask the engine serving `request_id` to abort it; its stream then ends with the
+        engine's final output. A stream still opening is aborted as soon as it opens."""
+        serving = self._serving.get(request_id)
+        if serving is None or serving.aborted:
+            return
+        serving.aborted = True
+        if serving.endpoint is not None:
+            await self._abort_on(serving, request_id)
+
+    async def _abort_on(self, serving: _Serving, request_id: str) -> None:
+        assert serving.endpoint is not None
+        try:
+            await self._send(serving.endpoint, "POST", f"/abort/{request_id}")
+        except EngineError as exc:
+            # The stream's own end (or its break) still tells what became of the request.
+            log.warning("could not abort %s on %s: %s", request_id, serving.endpoint.url, exc)
 
     async def count_tokens(self, request: EngineRequest) -> int:
         body = encode(request)
@@ -267,6 +298,14 @@ class RemoteEngineClient:
         if isinstance(error, EngineStoppedError):
             endpoint.mark_down()
         raise error
+
+
+@dataclass
+class _Serving:
+    """Where one request's stream runs (None while it opens), and whether it was aborted."""
+
+    endpoint: Endpoint | None = None
+    aborted: bool = False
 
 
 def _read_adapter(folder: Path) -> tuple[bytes, bytes]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from litestar import Request, Response, get, post
@@ -10,7 +11,12 @@ from litestar.response import Stream
 
 from gateway.auth.api_keys import Principal
 from gateway.db.adapter import SHARED_OWNER
-from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, decode
+from gateway.openai.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode,
+    require_json,
+)
 from gateway.openai.service import CompletionService
 from gateway.state import GatewayState
 
@@ -25,6 +31,7 @@ async def _respond(
     principal: Principal,
 ) -> Response[Any]:
     service = CompletionService(gw)
+    require_json(request.headers.get("content-type"))
     body = decode(await request.body(), kind)
     request_id = request.scope["state"]["request_id"]
     prepared = await service.prepare(
@@ -34,9 +41,15 @@ async def _respond(
     if prepared.stream:
         headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
         return Stream(service.stream(prepared), media_type="text/event-stream", headers=headers)
-    return Response(
-        await service.complete(prepared), media_type="application/json", headers=headers
-    )
+    whole = await service.complete(prepared, partial(_client_gone, request))
+    return Response(whole, media_type="application/json", headers=headers)
+
+
+async def _client_gone(request: Request[Any, Any, Any]) -> None:
+    """Returns once the client has closed its connection (the body has been read: the ASGI
+    server's next message is `http.disconnect`, sent when the connection is lost)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @post("/v1/chat/completions", status_code=200)

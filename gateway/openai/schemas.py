@@ -6,11 +6,26 @@ Fields OpenAI has but loramux does not serve are declared so they can be refused
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Annotated, Any
 
 import msgspec
+import numpy as np
+from msgspec import Meta
 
-from gateway.errors import BadRequest
+from gateway.errors import BadRequest, UnsupportedMediaType
+
+INT32_MAX = 2**31 - 1
+MAX_NESTING = 32
+"""Deepest nesting of arrays and objects a body may have (a chat body needs 5)."""
+
+# Numeric fields are bounded here, so a 400 names the field: seeds are int64 (as OpenAI's
+# schema has them), counts well inside what the engine, Redis and the engine wire can hold.
+TokenCount = Annotated[int, Meta(ge=1, le=INT32_MAX)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
@@ -40,11 +55,11 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    max_tokens: TokenCount | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     n: int | None = None
     user: str | None = None
@@ -59,7 +74,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: TokenCount | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any | None = None
@@ -76,10 +91,25 @@ class CompletionRequest(_Sampling, kw_only=True):
     best_of: int | None = None
 
 
+def require_json(content_type: str | None) -> None:
+    """415 unless the body is declared as UTF-8 JSON; a body with no Content-Type is read as
+    JSON (what a bare `curl --data-binary` or an HTTP library's raw body sends)."""
+    if content_type is None:
+        return
+    media, *params = (part.strip().lower() for part in content_type.split(";"))
+    charsets = {p.partition("=")[2].strip('"') for p in params if p.startswith("charset=")}
+    if media != "application/json" or not charsets <= {"utf-8", "utf8"}:
+        raise UnsupportedMediaType(
+            f"the body must be JSON (Content-Type: application/json), not {content_type!r}"
+        )
+
+
 def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
     """Parse a JSON body into `kind`; malformed JSON and wrong types are 400s naming the field."""
     if not body:
         raise BadRequest("the request body is empty; send a JSON object")
+    if nests_deeper_than(body, MAX_NESTING):
+        raise BadRequest(f"the request body nests arrays and objects deeper than {MAX_NESTING}")
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
@@ -88,6 +118,25 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise BadRequest(f"invalid request: {message}", param=param) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the request body is not valid UTF-8: {exc}") from None
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+"""Openers to +1 and closers to -1 (as signed bytes)."""
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def nests_deeper_than(body: bytes, limit: int) -> bool:
+    """Whether arrays and objects in a JSON text nest deeper than `limit` (brackets inside
+    strings do not count; unclosed openers count, as a parser descends into each before it
+    finds the text malformed). The deepest level is the largest prefix sum of +1 per opener
+    and -1 per closer, computed at C speed: a 1 MiB body of brackets takes milliseconds."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False  # the common case, without reading strings
+    steps = _JSON_STRING.sub(b"", body).translate(_STEPS, _NOT_BRACKETS)
+    return int(np.cumsum(np.frombuffer(steps, dtype=np.int8), dtype=np.int64).max()) > limit
 
 
 def refuse_unsupported(req: _Sampling) -> None:

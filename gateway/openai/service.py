@@ -4,7 +4,10 @@
     engine → finish (usage event, cache store, settle the reservation)
 
 `prepare` does everything that can refuse the request, before a byte of the response is sent.
-Once admitted, the reservation is settled exactly once — on success, error, or disconnect.
+Once admitted, the request runs as a `Generation` of its own, and the reservation is settled
+exactly once when it ends (success, error, or a client that left, which aborts it), by what the
+engine generated: the prompt plus every completion token, or nothing when no token was
+generated (refused by the engine, or left before its first token).
 
 Cache hits count as one request against request and concurrency limits but consume no tokens:
 their reservation is settled with 0, and their usage event records 0 billable tokens (the
@@ -15,26 +18,29 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from cache.types import CachedResponse, CacheHit, CachePolicy, CacheRequest
-from engine.errors import EngineError
-from engine.outputs import EngineRequest, Usage
+from engine.outputs import EngineRequest
 from engine.sampling import SamplingParams
 from gateway.auth.api_keys import Principal
 from gateway.cache_policy import cache_policy, cache_request
 from gateway.catalog import ResolvedModel
-from gateway.errors import BadRequest, GatewayError, to_gateway_error
+from gateway.errors import BadRequest, ClientClosedRequest
 from gateway.openai import shapes
+from gateway.openai.generation import Generation
 from gateway.openai.schemas import (
+    INT32_MAX,
     ChatCompletionRequest,
     CompletionRequest,
     chat_messages,
     refuse_unsupported,
 )
 from gateway.openai.shapes import Kind, ResponseMeta
+from gateway.prefix_cache import cache_salt
 from gateway.quotas import Admission
 from gateway.state import GatewayState
 from gateway.usage import UsageRecord
@@ -92,14 +98,17 @@ class CompletionService:
             await self.gw.engine.ensure_adapter(model.digest, self.gw.store.root / model.digest)
         requested = req.max_completion_tokens if isinstance(req, ChatCompletionRequest) else None
         requested = requested if requested is not None else req.max_tokens
+        salt = cache_salt(principal.tenant_id, principal.tenant_settings)
         engine_request = self._engine_request(
-            req, request_id, model, 1 if requested is None else requested
+            req, request_id, model, 1 if requested is None else requested, salt
         )
         prompt_tokens = await self.gw.engine.count_tokens(engine_request)
         if requested is None:
             room = self.gw.max_model_len - prompt_tokens
             cap = self.gw.settings.server.default_max_tokens
-            engine_request = self._engine_request(req, request_id, model, max(1, min(room, cap)))
+            engine_request = self._engine_request(
+                req, request_id, model, max(1, min(room, cap)), salt
+            )
         params = engine_request.params
         admission = await self.gw.quotas.admit(principal, prompt_tokens, params.max_tokens)
         try:
@@ -143,16 +152,14 @@ class CompletionService:
         request_id: str,
         model: ResolvedModel,
         max_tokens: int,
+        salt: str,
     ) -> EngineRequest:
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         if len(stop) > 4:
             raise BadRequest("at most 4 stop sequences are allowed", param="stop")
-        temperature = 1.0 if req.temperature is None else req.temperature
-        if not 0.0 <= temperature <= 2.0:
-            raise BadRequest("temperature must be between 0 and 2", param="temperature")
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=temperature,
+            temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=req.top_k or 0,
             seed=req.seed,
@@ -163,69 +170,52 @@ class CompletionService:
             prompt = {"messages": chat_messages(req.messages)}
         else:
             prompt = _completion_prompt(req.prompt)
-        return EngineRequest(request_id, params, adapter=model.digest, **prompt)
+        return EngineRequest(request_id, params, adapter=model.digest, cache_salt=salt, **prompt)
 
     # -- running ---------------------------------------------------------------------------------
-    async def complete(self, p: Prepared) -> dict[str, Any]:
-        """The whole response as one JSON object."""
+    def _generate(self, p: Prepared) -> Generation:
+        return Generation(self.gw.engine, p.request, p.started, partial(self._finish, p))
+
+    async def complete(
+        self, p: Prepared, client_gone: Callable[[], Awaitable[None]]
+    ) -> dict[str, Any]:
+        """The whole response as one JSON object; generation is aborted if `client_gone()`
+        returns first (the client closed its connection)."""
         if p.hit is not None:
             return await self._complete_hit(p, p.hit)
-        texts: list[str] = []
-        usage: Usage | None = None
-        finish: str | None = None
-        ttft: float | None = None
-        try:
-            async for out in self.gw.engine.generate(p.request):
-                ttft = ttft if ttft is not None else time.perf_counter() - p.started
-                texts.append(out.text)
-                usage, finish = out.usage or usage, out.finish_reason or finish
-        finally:
-            await self._finish(p, usage, "".join(texts), finish, 200 if usage else 499, ttft)
-        u = shapes.usage_json(
-            p.prompt_tokens,
-            usage.completion_tokens if usage else 0,
-            usage.cached_tokens if usage else 0,
-        )
-        return shapes.whole(p.meta, "".join(texts), finish, u)
+        run = self._generate(p)
+        await run.wait(client_gone())
+        if run.left:
+            raise ClientClosedRequest("the client closed the connection")
+        if run.error is not None:
+            raise run.error
+        usage = shapes.usage_json(p.prompt_tokens, run.completion_tokens, run.cached_tokens)
+        return shapes.whole(p.meta, run.text, run.finish, usage)
 
     async def stream(self, p: Prepared) -> AsyncIterator[bytes]:
-        """SSE chunks as OpenAI sends them, ending with `data: [DONE]`."""
+        """SSE chunks as OpenAI sends them, ending with `data: [DONE]`. The run ends (and is
+        billed) before the end is sent, so the client's next request finds its cache entry and
+        settled quota; a client that stops reading aborts it."""
         if p.hit is not None:
             async for piece in self._stream_hit(p, p.hit):
                 yield piece
             return
-        usage: Usage | None = None
-        ttft: float | None = None
-        texts: list[str] = []
-        finish: str | None = None
-        status = 499
-        finished = False
+        run = self._generate(p)
         try:
             if p.meta.kind == "chat":
                 yield shapes.sse(shapes.chunk(p.meta, None, None, role=True))
-            async for out in self.gw.engine.generate(p.request):
-                ttft = ttft if ttft is not None else time.perf_counter() - p.started
-                usage, finish = out.usage or usage, out.finish_reason or finish
-                texts.append(out.text)
+            async for out in run.deltas():
                 if out.text or out.finish_reason:
                     yield shapes.sse(shapes.chunk(p.meta, out.text, out.finish_reason))
-            # Store and settle before the client sees the end, so its next request finds both.
-            finished = True
-            await self._finish(p, usage, "".join(texts), finish, 200, ttft)
+            if run.error is not None:
+                yield shapes.sse(run.error.body())
+                return
             if p.include_usage:
-                completion, cached = (
-                    (usage.completion_tokens, usage.cached_tokens) if usage else (0, 0)
-                )
-                usage_json = shapes.usage_json(p.prompt_tokens, completion, cached)
-                yield shapes.sse(shapes.usage_chunk(p.meta, usage_json))
+                usage = shapes.usage_json(p.prompt_tokens, run.completion_tokens, run.cached_tokens)
+                yield shapes.sse(shapes.usage_chunk(p.meta, usage))
             yield shapes.SSE_DONE
-        except (EngineError, GatewayError) as exc:
-            err = to_gateway_error(exc) or GatewayError(str(exc))
-            status = err.status
-            yield shapes.sse(err.body())
         finally:
-            if not finished:
-                await self._finish(p, usage, "".join(texts), finish, status, ttft)
+            run.abort()
 
     async def _complete_hit(self, p: Prepared, hit: CacheHit) -> dict[str, Any]:
         r = hit.response
@@ -253,27 +243,18 @@ class CompletionService:
             await self._finish_hit(p, hit)
 
     # -- finishing -------------------------------------------------------------------------------
-    async def _finish(
-        self,
-        p: Prepared,
-        usage: Usage | None,
-        text: str,
-        finish: str | None,
-        status: int,
-        ttft: float | None,
-    ) -> None:
+    async def _finish(self, p: Prepared, run: Generation) -> None:
         """Meter, store in the cache, and settle the reservation (exactly once)."""
-        completion = usage.completion_tokens if usage else 0
+        completion = run.completion_tokens
+        prompt = p.prompt_tokens if completion else 0
         try:
-            if status == 200 and usage is not None and finish is not None and p.policy.store:
-                response = CachedResponse(text, finish, p.prompt_tokens, completion)
+            self._meter(p, prompt, completion, run.cached_tokens, run.status, run.ttft)
+            if run.status == 200 and run.finish is not None and p.policy.store:
+                response = CachedResponse(run.text, run.finish, p.prompt_tokens, completion)
                 await self.gw.cache.store(p.cache_key, p.policy, response)
-            self._meter(
-                p, p.prompt_tokens, completion, usage.cached_tokens if usage else 0, status, ttft
-            )
         finally:
             if p.admission is not None:
-                await p.admission.settle(p.prompt_tokens + completion if usage else 0)
+                await p.admission.settle(prompt + completion)
 
     async def _finish_hit(self, p: Prepared, hit: CacheHit) -> None:
         try:
@@ -322,6 +303,8 @@ def _completion_prompt(prompt: str | list[Any], nested: bool = False) -> dict[st
     if isinstance(prompt, str):
         return {"prompt": prompt}
     if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t <= INT32_MAX for t in prompt):
+            raise BadRequest("prompt token ids must be between 0 and 2^31 - 1", param="prompt")
         return {"prompt_token_ids": list(prompt)}
     if len(prompt) == 1 and not nested and isinstance(prompt[0], str | list):
         return _completion_prompt(prompt[0], nested=True)

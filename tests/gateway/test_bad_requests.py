@@ -1,5 +1,6 @@
-"""Malformed bodies, wrong types, oversize prompts and unsupported parameters get an
-OpenAI-shaped 4xx with a request id — never a 500."""
+"""Malformed bodies, wrong types, hostile numbers, deep nesting, invalid UTF-8, non-JSON
+bodies, oversize prompts and unsupported parameters get an OpenAI-shaped 4xx with a request id
+(naming the field where there is one) — never a 500."""
 
 from __future__ import annotations
 
@@ -21,6 +22,16 @@ def tenant(gateway: RunningServer, admin_token: str) -> TenantKey:
         base_url=gateway.url, headers={"authorization": f"Bearer {admin_token}"}
     ) as admin:
         return new_tenant(admin, "badreq")
+
+
+def _raw(field: str, literal: str) -> bytes:
+    """OK with `field` set to a JSON literal json.dumps cannot write (1e400, NaN, 2**70, …)."""
+    base = _with(**{field: ...}) if field in OK else _with()
+    return base[:-1] + f', "{field}": {literal}}}'.encode()
+
+
+def _nested(depth: int, closed: bool = True) -> bytes:
+    return _raw("tool_choice", "[" * depth + ("]" * depth if closed else ""))
 
 
 def _with(**changes: Any) -> bytes:
@@ -59,14 +70,26 @@ CASES = {
     "stream not bool": (_with(stream="yes"), 400),
     "prompt over the context": (_with(messages=[{"role": "user", "content": "word " * 2000}]), 400),
     "body too large": (_with(messages=[{"role": "user", "content": "x" * (2 << 20)}]), 413),
+    "invalid utf-8 in a string": (_with(model="demo")[:-1] + b', "user": "\xff\xfe"}', 400),
+    "invalid utf-8 outside strings": (b"\xef\xbb\xbf" + _with() + b"\xff", 400),
+    "nested 50k deep": (_nested(50_000), 400),
+    "nested 50k deep, never closed": (_nested(50_000, closed=False), 400),
+    "nested 33 deep": (_nested(33), 400),
+    "NaN literal": (_raw("temperature", "NaN"), 400),
+    "Infinity literal": (_raw("top_p", "Infinity"), 400),
+    "prompt token id past 64 bits": (
+        json.dumps({"model": "demo-model", "prompt": [1, 2**70], "max_tokens": 2}).encode(),
+        400,
+    ),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_bad_chat_request(gateway: RunningServer, tenant: TenantKey, case: str) -> None:
     body, status = CASES[case]
+    path = "/v1/completions" if case.startswith("prompt") else "/v1/chat/completions"
     r = httpx.post(
-        f"{gateway.url}/v1/chat/completions",
+        f"{gateway.url}{path}",
         content=body,
         headers={"authorization": f"Bearer {tenant.key}", "content-type": "application/json"},
         timeout=30,
@@ -90,3 +113,75 @@ def test_bad_completion_prompt(gateway: RunningServer, tenant: TenantKey, prompt
     )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+NUMERIC_FIELDS = ["max_tokens", "max_completion_tokens", "seed", "top_k", "temperature", "top_p"]
+HOSTILE_NUMBERS = {
+    "1e400": "1e400",
+    "-1e400": "-1e400",
+    "2**64+5": str(2**64 + 5),
+    "-(2**64+5)": str(-(2**64 + 5)),
+    "2**128": str(2**128),
+    "-1": "-1",
+}
+
+
+@pytest.mark.parametrize("field", NUMERIC_FIELDS)
+@pytest.mark.parametrize("number", HOSTILE_NUMBERS)
+def test_numbers_out_of_range_are_refused_naming_the_field(
+    gateway: RunningServer, tenant: TenantKey, field: str, number: str
+) -> None:
+    if field == "seed" and number == "-1":
+        pytest.skip("-1 is a valid seed")
+    r = httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        content=_raw(field, HOSTILE_NUMBERS[number]),
+        headers={"authorization": f"Bearer {tenant.key}", "content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize("number", ["1e400", str(2**64 + 5), "2"])
+def test_n_other_than_one_is_refused_naming_the_field(
+    gateway: RunningServer, tenant: TenantKey, number: str
+) -> None:
+    r = httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        content=_raw("n", number),
+        headers={"authorization": f"Bearer {tenant.key}", "content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "n"
+
+
+@pytest.mark.parametrize(
+    ("content_type", "status"),
+    [
+        ("text/plain", 415),
+        ("application/x-www-form-urlencoded", 415),
+        ("multipart/form-data; boundary=x", 415),
+        ("application/json; charset=latin-1", 415),
+        ("application/json; charset=UTF-8", 200),
+        ("Application/JSON", 200),
+        (None, 200),
+    ],
+)
+def test_only_json_bodies_are_read(
+    gateway: RunningServer, tenant: TenantKey, content_type: str | None, status: int
+) -> None:
+    headers = {"authorization": f"Bearer {tenant.key}"}
+    if content_type is not None:
+        headers["content-type"] = content_type
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        body = (
+            _with()
+            if path == "/v1/chat/completions"
+            else b'{"model": "demo-model", "prompt": "x", "max_tokens": 1}'
+        )
+        r = httpx.post(f"{gateway.url}{path}", content=body, headers=headers, timeout=30)
+        assert r.status_code == status, r.text
+        if status != 200:
+            assert r.json()["error"]["code"] == "unsupported_media_type"

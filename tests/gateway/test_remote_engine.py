@@ -5,15 +5,12 @@ blocks, adapter affinity and failover between two engines."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
 from engine.errors import (
     InvalidRequestError,
     PromptTooLongError,
@@ -22,23 +19,14 @@ from engine.errors import (
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineRequest, RequestOutput
 from engine.sampling import SamplingParams
-from engine.service import serve_engine_in_thread
 from engine.service.runner import RunningEngineService
 from engine.service.wire import UnauthorizedError
 from gateway.engine_client.remote import RemoteEngineClient
 from gateway.engine_client.routing import Endpoint, route
 from tests.engine.conftest import make_engine, run_to_completion
+from tests.gateway.servers import ENGINE_TOKEN, engine_service
 
-TOKEN = "shared-secret"
 PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
-
-
-@contextlib.contextmanager
-def engine_service(model_dir: Path, adapter_dir: Path) -> Iterator[RunningEngineService]:
-    config = EngineConfig(model=model_dir, max_model_len=512, kv_cache_bytes=16 << 20)
-    engine = AsyncEngine(LLMEngine(config))
-    with serve_engine_in_thread(engine, "demo", adapter_dir=adapter_dir, token=TOKEN) as service:
-        yield service
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +43,7 @@ def services(
 @pytest.fixture(scope="module")
 async def client(services: list[RunningEngineService]) -> AsyncIterator[RemoteEngineClient]:
     """A client of the first engine only."""
-    remote = RemoteEngineClient([services[0].url], TOKEN)
+    remote = RemoteEngineClient([services[0].url], ENGINE_TOKEN)
     await remote.start()
     yield remote
     await remote.close()
@@ -186,10 +174,25 @@ async def test_closing_the_stream_midway_aborts_and_frees_every_block(
     assert stats.kv_blocks_used == 0 and stats.kv_blocks_free == stats.kv_blocks_total
 
 
+async def test_an_aborted_stream_ends_with_usage_counting_every_token_generated(
+    client: RemoteEngineClient,
+) -> None:
+    params = SamplingParams(max_tokens=490, ignore_eos=True)
+    stream = client.generate(EngineRequest("abort-2", params, prompt="class Tree:"))
+    outputs = [await anext(stream) for _ in range(3)]
+    await client.abort("abort-2")
+    outputs += [out async for out in stream]
+    final = outputs[-1]
+    assert final.finish_reason == "abort" and final.usage is not None
+    assert final.usage.completion_tokens == len(_tokens(outputs)) < 490
+    [stats] = await client.stats()
+    assert stats.running == stats.waiting == stats.kv_blocks_used == 0
+
+
 async def test_requests_for_one_adapter_land_on_one_engine(
     services: list[RunningEngineService], local: LLMEngine, demo_adapter_dirs: list[Path]
 ) -> None:
-    both = RemoteEngineClient([s.url for s in services], TOKEN)
+    both = RemoteEngineClient([s.url for s in services], ENGINE_TOKEN)
     await both.start()
     try:
         digests = []
@@ -219,7 +222,7 @@ async def test_when_an_engine_stops_requests_go_to_the_other(
         engine_service(demo_model_dir, tmp_path / "a") as a,
         engine_service(demo_model_dir, tmp_path / "b") as b,
     ):
-        pair = RemoteEngineClient([a.url, b.url], TOKEN)
+        pair = RemoteEngineClient([a.url, b.url], ENGINE_TOKEN)
         await pair.start()
         try:
             await pair.ensure_adapter(digest, folder)

@@ -1,0 +1,140 @@
+"""One engine request, run in a task of its own so that its end is always seen and billed.
+
+The HTTP response only reads what the task produced. Whatever the client does (reads to the end,
+disconnects mid-stream, leaves before a non-streamed answer is ready), the task reads the
+engine's stream to its end and then calls `on_end` exactly once: the service meters, caches and
+settles the reservation there, by the tokens the engine generated.
+
+A client that leaves calls `abort`: the engine stops the sequence and ends the stream with a
+final output whose usage counts every token it generated, delivered or not. A request that
+fails after generation started counts the token ids of the deltas it received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any
+
+from engine.outputs import EngineRequest, RequestOutput, Usage
+from gateway.engine_client.base import EngineClient
+from gateway.errors import GatewayError, as_gateway_error
+
+log = logging.getLogger(__name__)
+
+_IN_FLIGHT: set[asyncio.Task[Any]] = set()
+"""Tasks of generations and aborts under way: the event loop keeps only weak references."""
+
+
+def _spawn(work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    task = asyncio.get_running_loop().create_task(work)
+    _IN_FLIGHT.add(task)
+    task.add_done_callback(_IN_FLIGHT.discard)
+    return task
+
+
+class Generation:
+    """A running engine request and what it produced so far.
+
+    `left` is set when the client went away before the end (`abort`); `error` is the error that
+    ended the stream, if any. Read the deltas with `deltas()` (one reader) or wait for the end
+    with `wait()`.
+    """
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        request: EngineRequest,
+        started: float,
+        on_end: Callable[[Generation], Awaitable[None]],
+    ):
+        self.engine = engine
+        self.request = request
+        self.started = started
+        self.texts: list[str] = []
+        self.received_tokens = 0
+        """Token ids of the deltas received."""
+        self.usage: Usage | None = None
+        self.finish: str | None = None
+        self.error: GatewayError | None = None
+        self.ttft: float | None = None
+        self.left = False
+        self.ended = False
+        self._on_end = on_end
+        self._submitted = False
+        self._deltas: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
+        self.task = _spawn(self._run())
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens the engine generated: its own count when it reported one (a finished or
+        aborted request), else the token ids received (a stream that broke)."""
+        return self.usage.completion_tokens if self.usage is not None else self.received_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.usage.cached_tokens if self.usage is not None else 0
+
+    @property
+    def status(self) -> int:
+        """200, 499 when the client left before the end, or the error's status."""
+        if self.left:
+            return 499
+        return self.error.status if self.error is not None else 200
+
+    def abort(self) -> None:
+        """The client left: stop the engine's sequence. The run still ends, and is billed, by
+        itself. Does nothing once the run ended; never blocks (callable while cancelled)."""
+        if self.ended or self.left:
+            return
+        self.left = True
+        if self._submitted:
+            _spawn(self.engine.abort(self.request.request_id))
+
+    async def deltas(self) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs as they arrive, ending once the run has ended and been billed."""
+        while (out := await self._deltas.get()) is not None:
+            yield out
+
+    async def wait(self, client_gone: Awaitable[None]) -> None:
+        """Until the run has ended and been billed, or the client is gone (then abort)."""
+        watcher = asyncio.ensure_future(client_gone)
+        try:
+            await asyncio.wait({self.task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            self.abort()
+
+    async def _run(self) -> None:
+        try:
+            if not self.left:  # a client that left before the run started costs nothing
+                # Asking for the first output hands the request to the engine before this task
+                # first waits, so an `abort` from now on reaches a request the engine has.
+                self._submitted = True
+                async for out in self.engine.generate(self.request):
+                    self._take(out)
+        except Exception as exc:
+            self.error = as_gateway_error(exc)
+        finally:
+            try:
+                await self._on_end(self)
+            except Exception:
+                log.exception("finishing request %s failed", self.request.request_id)
+            finally:
+                self.ended = True
+                self._deltas.put_nowait(None)
+
+    def _take(self, out: RequestOutput) -> None:
+        if self.ttft is None:
+            self.ttft = time.perf_counter() - self.started
+        self.texts.append(out.text)
+        self.received_tokens += len(out.token_ids)
+        self.usage = out.usage or self.usage
+        self.finish = out.finish_reason or self.finish
+        self._deltas.put_nowait(out)

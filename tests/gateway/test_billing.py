@@ -1,0 +1,233 @@
+"""Every token the engine generates is billed, whatever the client does: it reads to the end,
+closes a stream midway, closes the connection of a non-streamed request, or the request fails
+after generation started. The usage event and the token-budget ledger agree with what the
+engine generated, and a client that leaves stops the engine's work at once."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import select
+
+from engine.outputs import EngineStats
+from gateway.db import UsageEvent
+from gateway.engine_client.remote import RemoteEngineClient
+from gateway.quotas.buckets import budget_period, scope_prefix
+from gateway.server import RunningServer
+from tests.gateway.servers import ENGINE_TOKEN, TcpRelay, engine_service, gateway_server
+from tests.gateway.tenants import TenantKey, new_tenant
+
+MAX_TOKENS = 400
+DEADLINE_SECONDS = 30
+
+
+def chat(stream: bool) -> dict[str, Any]:
+    return {
+        "model": "demo-model",
+        "messages": [{"role": "user", "content": "Write a long story about a compiler."}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+
+def headers(tenant: TenantKey) -> dict[str, str]:
+    return {"authorization": f"Bearer {tenant.key}", "cache-control": "no-store"}
+
+
+def budgeted(admin: httpx.Client) -> TenantKey:
+    """A new tenant with a monthly token budget (so it has a ledger) it will not reach."""
+    tenant = new_tenant(admin, "billing")
+    quota = {"token_budget": 10_000_000, "budget_period": "month"}
+    r = admin.put(f"/admin/tenants/{tenant.tenant_id}/quotas", json=quota)
+    assert r.status_code == 200, r.text
+    return tenant
+
+
+def poll(what: str, check: Any) -> Any:
+    """`check()` once it returns something truthy; fails after DEADLINE_SECONDS."""
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return result
+
+
+def engine_stats(gateway: RunningServer) -> EngineStats:
+    [stats] = gateway.run(gateway.state.engine.stats())
+    return stats
+
+
+def idle(gateway: RunningServer) -> EngineStats:
+    """The engine's stats once nothing runs or waits and every KV block is free."""
+
+    def check() -> EngineStats | None:
+        s = engine_stats(gateway)
+        return s if s.running == s.waiting == s.kv_blocks_used == 0 else None
+
+    result: EngineStats = poll("the engine to be idle", check)
+    return result
+
+
+def usage_events(gateway: RunningServer, tenant: TenantKey, count: int) -> list[UsageEvent]:
+    async def read() -> list[UsageEvent]:
+        await gateway.state.usage.flush()
+        async with gateway.state.sessions() as session:
+            query = select(UsageEvent).where(UsageEvent.tenant_id == tenant.tenant_id)
+            return list(await session.scalars(query))
+
+    def check() -> list[UsageEvent] | None:
+        events = gateway.run(read())
+        return events if len(events) >= count else None
+
+    events: list[UsageEvent] = poll(f"{count} usage events", check)
+    assert len(events) == count
+    return events
+
+
+def ledger_spent(gateway: RunningServer, tenant: TenantKey) -> int:
+    """Tokens the tenant's budget ledger has charged, once no reservation is left open."""
+    month = budget_period("month", datetime.now(UTC))
+    ledger = f"{scope_prefix(tenant.tenant_id, None)}:budget:{month.name}"
+
+    def check() -> dict[bytes, bytes] | None:
+        fields = gateway.run(gateway.state.redis.hgetall(ledger))
+        return fields if set(fields) == {b"spent"} else None  # every request settled
+
+    return int(poll("the ledger to settle", check)[b"spent"])
+
+
+def billed(events: list[UsageEvent]) -> int:
+    return sum(e.prompt_tokens + e.completion_tokens for e in events)
+
+
+def test_a_finished_request_is_billed_for_its_usage(
+    gateway: RunningServer, admin: httpx.Client
+) -> None:
+    tenant = budgeted(admin)
+    r = httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        json=chat(stream=False) | {"max_tokens": 8},
+        headers=headers(tenant),
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    [event] = usage_events(gateway, tenant, 1)
+    usage = r.json()["usage"]
+    assert (event.status, event.prompt_tokens, event.completion_tokens) == (
+        200,
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
+    assert ledger_spent(gateway, tenant) == usage["total_tokens"]
+
+
+def test_a_stream_closed_midway_is_billed_for_every_token_generated(
+    gateway: RunningServer, admin: httpx.Client
+) -> None:
+    tenant = budgeted(admin)
+    before = idle(gateway)
+    with httpx.stream(
+        "POST",
+        f"{gateway.url}/v1/chat/completions",
+        json=chat(stream=True),
+        headers=headers(tenant),
+        timeout=60,
+    ) as r:
+        assert r.status_code == 200
+        data = (line for line in r.iter_lines() if line.startswith("data: "))
+        for _ in range(20):
+            next(data)
+    after = idle(gateway)
+    [event] = usage_events(gateway, tenant, 1)
+    generated = after.generated_tokens - before.generated_tokens
+    assert event.status == 499
+    assert 19 <= event.completion_tokens == generated < MAX_TOKENS
+    assert event.prompt_tokens > 0
+    assert ledger_spent(gateway, tenant) == billed([event])
+
+
+def _open_request(gateway: RunningServer, tenant: TenantKey) -> socket.socket:
+    """A non-streamed request sent on a raw socket whose answer is never read."""
+    body = json.dumps(chat(stream=False)).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: loramux\r\n"
+        f"authorization: Bearer {tenant.key}\r\ncache-control: no-store\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    host, port = gateway.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(head.encode() + body)
+    return sock
+
+
+def test_non_streamed_requests_whose_clients_leave_are_aborted_and_billed(
+    gateway: RunningServer, admin: httpx.Client
+) -> None:
+    tenant = budgeted(admin)
+    before = idle(gateway)
+    sockets = [_open_request(gateway, tenant) for _ in range(4)]
+    poll(
+        "every request to be generating",
+        lambda: engine_stats(gateway).generated_tokens >= before.generated_tokens + 3 * 4,
+    )
+    for sock in sockets:
+        sock.close()
+    after = idle(gateway)
+    events = usage_events(gateway, tenant, 4)
+    assert {e.status for e in events} == {499}
+    assert all(e.completion_tokens < MAX_TOKENS for e in events)
+    assert sum(e.completion_tokens for e in events) == after.generated_tokens - (
+        before.generated_tokens
+    )
+    assert ledger_spent(gateway, tenant) == billed(events)
+
+
+@pytest.fixture
+def relayed_gateway(
+    demo_model_dir: Path, tmp_path: Path, redis_url: str
+) -> Iterator[tuple[RunningServer, TcpRelay]]:
+    """A gateway whose engine service is reached through a relay the test can cut."""
+    with engine_service(demo_model_dir, tmp_path / "adapters") as service:
+        relay = TcpRelay(int(service.url.rsplit(":", 1)[1]))
+        try:
+            with gateway_server(
+                demo_model_dir,
+                tmp_path / "data",
+                redis_url,
+                client=lambda _: RemoteEngineClient([relay.url], ENGINE_TOKEN),
+            ) as gw:
+                yield gw, relay
+        finally:
+            relay.close()
+
+
+def test_a_request_that_fails_after_generation_started_is_billed_for_what_it_received(
+    relayed_gateway: tuple[RunningServer, TcpRelay],
+) -> None:
+    gw, relay = relayed_gateway
+    token = gw.state.admin.mint("test-admin", ttl_seconds=600)
+    with httpx.Client(base_url=gw.url, headers={"authorization": f"Bearer {token}"}) as admin:
+        tenant = budgeted(admin)
+    body = chat(stream=True) | {"model": gw.state.model_name}
+    with httpx.stream(
+        "POST", f"{gw.url}/v1/chat/completions", json=body, headers=headers(tenant)
+    ) as r:
+        events = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: "))
+        received = [next(events) for _ in range(10)]
+        relay.cut()
+        received += list(events)
+    assert received[-1]["error"]["code"] == "engine_unavailable"
+    [event] = usage_events(gw, tenant, 1)
+    assert event.status == 503
+    assert len(received) - 2 <= event.completion_tokens < MAX_TOKENS
+    assert event.prompt_tokens > 0
+    assert ledger_spent(gw, tenant) == billed([event])

@@ -1,0 +1,95 @@
+"""Request ids: the gateway names every request itself. A client's `x-request-id` is echoed
+back for its tracing but keys nothing, so tenants that pick the same id never collide or learn
+of each other; only plain short ids are echoed."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.server import RunningServer
+from tests.gateway.tenants import TenantKey, new_tenant
+
+TRACE = "trace-12345"
+
+
+def chat(max_tokens: int, stream: bool = False) -> dict[str, Any]:
+    return {
+        "model": "demo-model",
+        "messages": [{"role": "user", "content": "Count to a thousand."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+
+def auth(tenant: TenantKey, request_id: str | bytes) -> dict[str, Any]:
+    return {
+        "authorization": f"Bearer {tenant.key}",
+        "x-request-id": request_id,
+        "cache-control": "no-store",
+    }
+
+
+def test_tenants_choosing_the_same_request_id_are_both_served(
+    gateway: RunningServer, admin: httpx.Client
+) -> None:
+    a, b = new_tenant(admin, "rid-a"), new_tenant(admin, "rid-b")
+    with httpx.stream(
+        "POST",
+        f"{gateway.url}/v1/chat/completions",
+        json=chat(300, stream=True),
+        headers=auth(a, TRACE),
+        timeout=60,
+    ) as held:
+        assert held.status_code == 200
+        data = (line for line in held.iter_lines() if line.startswith("data: "))
+        a_id = json.loads(next(data)[6:])["id"]  # A's request is in flight
+        r = httpx.post(
+            f"{gateway.url}/v1/chat/completions",
+            json=chat(4),
+            headers=auth(b, TRACE),
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        assert held.headers["x-request-id"] == r.headers["x-request-id"] == TRACE
+    b_id = r.json()["id"]
+    assert a_id != b_id
+    assert TRACE not in a_id and TRACE not in b_id
+    assert a_id.startswith("chatcmpl-") and b_id.startswith("chatcmpl-")
+
+
+def test_the_same_request_id_twice_from_one_tenant_is_served_twice(
+    gateway: RunningServer, admin: httpx.Client
+) -> None:
+    a = new_tenant(admin, "rid-same")
+    first, second = (
+        httpx.post(
+            f"{gateway.url}/v1/completions",
+            json={"model": "demo-model", "prompt": "def f():", "max_tokens": 3},
+            headers=auth(a, TRACE),
+            timeout=60,
+        )
+        for _ in range(2)
+    )
+    assert first.status_code == second.status_code == 200
+    assert first.json()["id"] != second.json()["id"]
+
+
+@pytest.mark.parametrize(
+    "given",
+    ["x" * 65, "two words", "trace\xe9".encode("latin-1"), "<script>", "a;b,c", "tab\tid"],
+    ids=["too-long", "space", "latin-1", "markup", "separators", "tab"],
+)
+def test_only_plain_short_request_ids_are_echoed(
+    gateway: RunningServer, admin: httpx.Client, given: str | bytes
+) -> None:
+    a = new_tenant(admin, "rid-echo")
+    r = httpx.get(f"{gateway.url}/v1/models", headers=auth(a, given))
+    assert r.status_code == 200
+    assert r.headers["x-request-id"].startswith("req_")
+    plain = httpx.get(f"{gateway.url}/v1/models", headers=auth(a, "0af7651916cd43dd-8448eb211c80"))
+    assert plain.headers["x-request-id"] == "0af7651916cd43dd-8448eb211c80"
