@@ -119,7 +119,13 @@ def _engine(args: argparse.Namespace) -> None:
 def _admin_token(args: argparse.Namespace) -> None:
     from gateway.state import admin_auth
 
-    print(admin_auth(Settings()).mint(args.subject, ttl_seconds=args.ttl))
+    auth = admin_auth(Settings())
+    if not 1 <= args.ttl <= auth.max_ttl:
+        sys.exit(
+            f"loramux admin-token: --ttl must be 1 to {auth.max_ttl} seconds "
+            "(LORAMUX_ADMIN_TOKEN_MAX_TTL)"
+        )
+    print(auth.mint(args.subject, ttl_seconds=args.ttl))
 
 
 def _migrate(args: argparse.Namespace) -> None:
@@ -162,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
         "admin-token", help="print a fresh admin JWT signed with the configured secret"
     )
     p.add_argument("--subject", default="admin")
-    p.add_argument("--ttl", type=int, default=3600, help="seconds until it expires")
+    p.add_argument(
+        "--ttl", type=int, default=3600, help="seconds until it expires (1 h; at most 24 h)"
+    )
     p.set_defaults(func=_admin_token)
 
     p = sub.add_parser("migrate", help="bring the database to the current schema")

@@ -59,6 +59,10 @@ class ServerSettings:
     """LORAMUX_ADMIN_SECRET: signs admin JWTs (HS256); generated and kept in the data dir when unset."""
     admin_public_key: str | None = field(default_factory=lambda: _env("ADMIN_PUBLIC_KEY", None))
     """LORAMUX_ADMIN_PUBLIC_KEY: PEM public key; when set, admin JWTs are RS256, minted elsewhere."""
+    admin_token_max_ttl: int = field(
+        default_factory=lambda: _env("ADMIN_TOKEN_MAX_TTL", 24 * 3600, int)
+    )
+    """LORAMUX_ADMIN_TOKEN_MAX_TTL: longest lifetime in seconds of an admin JWT, minted or accepted (exp - iat and exp - now)."""
     engine_urls: tuple[str, ...] = field(
         default_factory=lambda: tuple(u for u in _env("ENGINE_URLS", "").split(",") if u.strip())
     )

@@ -75,11 +75,12 @@ def admin_secret(settings: Settings) -> str:
 
 
 def admin_auth(settings: Settings) -> AdminAuth:
+    max_ttl = settings.server.admin_token_max_ttl
     if settings.server.admin_public_key:
         key = settings.server.admin_public_key
         pem = Path(key).read_text() if Path(key).is_file() else key
-        return AdminAuth(None, "RS256", pem)
-    return AdminAuth(admin_secret(settings), "HS256")
+        return AdminAuth(None, "RS256", pem, max_ttl=max_ttl)
+    return AdminAuth(admin_secret(settings), "HS256", max_ttl=max_ttl)
 
 
 def redis_client(url: str, max_connections: int = 1024) -> Redis:
