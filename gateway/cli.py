@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from gateway.settings import Settings
+from gateway.settings import Settings, private_folder
 
 log = logging.getLogger("loramux")
 
@@ -33,6 +33,7 @@ def ensure_model(settings: Settings) -> Path:
     """The configured model folder; the demo model is built there on first start."""
     from engine.demo_model import build_demo_model
 
+    private_folder(settings.data_dir)
     folder = settings.model_dir
     if settings.model is None and not (folder / "config.json").is_file():
         log.info("building the demo model in %s", folder)

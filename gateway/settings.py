@@ -12,6 +12,13 @@ from pathlib import Path
 from typing import Any
 
 
+def private_folder(path: Path) -> Path:
+    """`path`, created when missing (its missing parents too) readable by this user only
+    (0700): the data directory holds the database, the admin secret and tenants' adapters."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
 def _env(name: str, default: Any, cast: type = str) -> Any:
     raw = os.environ.get(f"LORAMUX_{name}")
     if raw is None or raw == "":
@@ -118,7 +125,8 @@ class CacheSettings:
 @dataclass(frozen=True)
 class Settings:
     data_dir: Path = field(default_factory=lambda: Path(_env("DATA_DIR", "./.loramux")).resolve())
-    """LORAMUX_DATA_DIR: where the database, adapters, secrets and the demo model live."""
+    """LORAMUX_DATA_DIR: where the database, adapters, secrets and the demo model live (created
+    0700 by `private_folder`)."""
     model: Path | None = field(default_factory=lambda: _env("MODEL", None, Path))
     """LORAMUX_MODEL: a Hugging Face folder of a Llama-family model; the demo model when unset."""
     engine: EngineSettings = field(default_factory=EngineSettings)

@@ -23,7 +23,7 @@ from gateway.db.session import create_engine, session_factory
 from gateway.engine_client.base import EngineClient
 from gateway.metrics import Metrics
 from gateway.quotas import QuotaService
-from gateway.settings import Settings
+from gateway.settings import Settings, private_folder
 from gateway.usage import UsageRecorder
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def admin_secret(settings: Settings) -> str:
         return settings.server.admin_secret
     path = settings.data_dir / "admin_secret"
     if not path.is_file():
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        private_folder(settings.data_dir)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_urlsafe(48))
@@ -94,6 +94,7 @@ async def build_state(
     settings: Settings, engine: EngineClient, model_dir: Path, redis_url: str
 ) -> GatewayState:
     """Connect everything; the database must already be migrated (`loramux migrate`)."""
+    private_folder(settings.data_dir)
     db = create_engine(settings.database_url)
     sessions = session_factory(db)
     await engine.start()
