@@ -16,6 +16,7 @@ from adapters.peft_format import AdapterLimits
 from adapters.store import AdapterStore
 from cache.embedder import Embedder
 from cache.response_cache import ResponseCache
+from gateway.access_log import redact_access_log
 from gateway.auth.admin_jwt import AdminAuth
 from gateway.auth.api_keys import ApiKeyAuth
 from gateway.catalog import ModelCatalog
@@ -48,7 +49,9 @@ class GatewayState:
     quotas: QuotaService
 
     async def start(self) -> None:
-        """Start background tasks (on the serving event loop)."""
+        """Start background tasks (on the serving event loop), after the server has set up its
+        logging: from here on its access log carries no query values."""
+        redact_access_log()
         self.usage.start()
         await self.cache.start()
 
