@@ -61,7 +61,7 @@ class ServerSettings:
     database_url: str | None = field(default_factory=lambda: _env("DATABASE_URL", None))
     """LORAMUX_DATABASE_URL: SQLAlchemy URL (sqlite:///… or postgresql://…); SQLite in the data dir by default."""
     redis_url: str | None = field(default_factory=lambda: _env("REDIS_URL", None))
-    """LORAMUX_REDIS_URL: Redis for caches and quotas; unset: `serve` starts its own redis-server."""
+    """LORAMUX_REDIS_URL: Redis for quotas (and the response cache unless LORAMUX_CACHE_REDIS_URL); unset: `serve` starts its own redis-server."""
     admin_secret: str | None = field(default_factory=lambda: _env("ADMIN_SECRET", None))
     """LORAMUX_ADMIN_SECRET: signs admin JWTs (HS256); generated and kept in the data dir when unset."""
     admin_public_key: str | None = field(default_factory=lambda: _env("ADMIN_PUBLIC_KEY", None))
@@ -112,6 +112,8 @@ class QuotaSettings:
 
 @dataclass(frozen=True)
 class CacheSettings:
+    redis_url: str | None = field(default_factory=lambda: _env("CACHE_REDIS_URL", None))
+    """LORAMUX_CACHE_REDIS_URL: a Redis of its own for the response cache, which may evict (allkeys-lru); LORAMUX_REDIS_URL when unset. Quota state must never be evicted, so give quotas a noeviction Redis and the cache this one."""
     max_entries_per_bucket: int = field(
         default_factory=lambda: _env("CACHE_MAX_ENTRIES_PER_BUCKET", 10_000, int)
     )

@@ -45,6 +45,9 @@ class GatewayState:
     model_name: str
     max_model_len: int
     redis: Redis
+    """Quota state (rate windows, concurrency leases, budget ledgers): must never evict."""
+    cache_redis: Redis
+    """The response cache's: LORAMUX_CACHE_REDIS_URL, else the same client as `redis`."""
     cache: ResponseCache
     quotas: QuotaService
 
@@ -61,6 +64,8 @@ class GatewayState:
         await self.usage.close()
         await self.engine.close()
         await self.redis.aclose()
+        if self.cache_redis is not self.redis:
+            await self.cache_redis.aclose()
         await self.db.dispose()
 
 
@@ -103,6 +108,8 @@ async def build_state(
     await engine.start()
     info = await engine.info()
     redis = redis_client(redis_url)
+    cache_url = settings.cache.redis_url
+    cache_redis = redis_client(cache_url) if cache_url and cache_url != redis_url else redis
     base = BaseModelSpec.from_model_dir(model_dir)
     limits = AdapterLimits(
         max_rank=settings.engine.max_lora_rank, max_file_bytes=settings.server.max_upload_mb << 20
@@ -121,8 +128,9 @@ async def build_state(
         model_name=info.model_name,
         max_model_len=info.max_model_len,
         redis=redis,
+        cache_redis=cache_redis,
         cache=ResponseCache(
-            redis,
+            cache_redis,
             Embedder(),
             max_entries_per_bucket=settings.cache.max_entries_per_bucket,
             mirror_bytes=settings.cache.mirror_mb << 20,
