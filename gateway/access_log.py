@@ -37,8 +37,10 @@ class QueryRedaction(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
-        if isinstance(args, tuple) and len(args) == 5 and isinstance(args[_TARGET_ARG], str):
-            record.args = (*args[:_TARGET_ARG], redact_query(args[_TARGET_ARG]), *args[3:])
+        if isinstance(args, tuple) and len(args) == 5:
+            target = args[_TARGET_ARG]
+            if isinstance(target, str):
+                record.args = (*args[:_TARGET_ARG], redact_query(target), *args[3:])
         return True
 
 
