@@ -86,6 +86,10 @@ class ServerSettings:
     """LORAMUX_MAX_BODY_KB: largest API request body accepted (413 beyond)."""
     default_max_tokens: int = field(default_factory=lambda: _env("DEFAULT_MAX_TOKENS", 1024, int))
     """LORAMUX_DEFAULT_MAX_TOKENS: completion cap when a request gives no max_tokens (and the context allows)."""
+    usage_max_buffered: int = field(
+        default_factory=lambda: _env("USAGE_MAX_BUFFERED", 250_000, int)
+    )
+    """LORAMUX_USAGE_MAX_BUFFERED: usage events held in memory while the database is unavailable (about 0.5 KB each); past this they are dropped, logged and counted."""
     demo_adapters: int = field(default_factory=lambda: _env("DEMO_ADAPTERS", 4, int))
     """LORAMUX_DEMO_ADAPTERS: shared demo adapters uploaded on first start with the demo model."""
 

@@ -124,7 +124,7 @@ async def build_state(
         catalog=ModelCatalog(sessions, info.model_name),
         store=AdapterStore(settings.adapter_dir, base, limits),
         metrics=Metrics(),
-        usage=UsageRecorder(sessions),
+        usage=UsageRecorder(sessions, max_buffered=settings.server.usage_max_buffered),
         model_name=info.model_name,
         max_model_len=info.max_model_len,
         redis=redis,

@@ -8,7 +8,7 @@ import asyncio
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -29,7 +29,6 @@ from gateway.usage import UsageRecord, UsageRecorder, as_utc
 from gateway.usage_query import Dimension, Span, read_usage, spans
 from tests.gateway.conftest import json_of
 from tests.gateway.tenants import new_tenant
-from tests.migrations.test_revisions import new_postgres_database
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 Sessions = async_sessionmaker[AsyncSession]
@@ -111,22 +110,6 @@ def label(e: UsageRecord, dimension: Dimension) -> str:
         "day": ts.strftime("%Y-%m-%d"),
         "hour": ts.strftime("%Y-%m-%dT%H:00"),
     }[dimension]
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'usage.db'}"
-    return new_postgres_database(request.getfixturevalue("postgres_url"))
-
-
-@pytest.fixture
-async def sessions(empty_url: str) -> AsyncIterator[Sessions]:
-    """Sessions on a migrated, empty database."""
-    await asyncio.to_thread(upgrade, empty_url)
-    engine = create_engine(empty_url)
-    yield session_factory(engine)
-    await engine.dispose()
 
 
 async def stored_events(sessions: Sessions) -> list[UsageRecord]:
