@@ -55,6 +55,8 @@ class UsageRecord:
     latency_ms: float
     ttft_ms: float | None
     created_at: datetime = field(default_factory=utcnow)
+    admitted_at: datetime | None = None
+    """When the request was admitted (its quota reservation made), if it was."""
 
 
 def hour_of(ts: datetime) -> datetime:
@@ -131,7 +133,8 @@ async def add_to_rollup(
 
 def event_row(e: UsageRecord) -> dict[str, Any]:
     """The `usage_events` row of a record (a shallow copy: `asdict` deep-copies, slowly)."""
-    return {**vars(e), "created_at": as_utc(e.created_at)}
+    admitted = as_utc(e.admitted_at) if e.admitted_at is not None else None
+    return {**vars(e), "created_at": as_utc(e.created_at), "admitted_at": admitted}
 
 
 class UsageUnavailable(Exception):
