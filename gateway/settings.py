@@ -117,7 +117,7 @@ class QuotaSettings:
 @dataclass(frozen=True)
 class CacheSettings:
     redis_url: str | None = field(default_factory=lambda: _env("CACHE_REDIS_URL", None))
-    """LORAMUX_CACHE_REDIS_URL: a Redis of its own for the response cache, which may evict (allkeys-lru); LORAMUX_REDIS_URL when unset. Quota state must never be evicted, so give quotas a noeviction Redis and the cache this one."""
+    """LORAMUX_CACHE_REDIS_URL: the response cache's own Redis (allkeys-lru), apart from the quotas' (noeviction); LORAMUX_REDIS_URL when unset."""
     max_entries_per_bucket: int = field(
         default_factory=lambda: _env("CACHE_MAX_ENTRIES_PER_BUCKET", 10_000, int)
     )

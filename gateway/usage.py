@@ -173,9 +173,10 @@ class UsageRecorder:
     While the database is unavailable the events stay buffered, in order, and writing is retried
     with a backoff doubling from `interval` up to MAX_RETRY_DELAY. An event the database refuses
     for its values (`blames_the_events`; the batch is split until the culprit is alone) is
-    dropped, so one bad event cannot hold back the others. The buffer holds at most `max_buffered` events: past that, new
-    events are dropped. A dropped event is billing data lost, the last resort: each is logged
-    at ERROR with every field (enough to bill it by hand) and counted in `dropped`.
+    dropped, so one bad event cannot hold back the others. The buffer holds at most
+    `max_buffered` events: past that, new events are dropped. A dropped event is billing data
+    lost, the last resort: each is logged at ERROR with every field (enough to bill it by hand)
+    and counted in `dropped`.
     """
 
     def __init__(

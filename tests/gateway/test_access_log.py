@@ -18,7 +18,7 @@ import pytest
 SECRETS = ["lmx-querysecret1", "eyJquerysecret2", "lmx-baresecret3", "querysecret4"]
 REQUESTS = {
     f"/v1/models?api_key={SECRETS[0]}": "/v1/models?api_key=[redacted]",
-    f"/dashboard/data?days=7&token={SECRETS[1]}": "/dashboard/data?days=[redacted]&token=[redacted]",
+    f"/dashboard/data?days=7&tok={SECRETS[1]}": "/dashboard/data?days=[redacted]&tok=[redacted]",
     f"/health?{SECRETS[2]}": "/health?[redacted]",
     f"/ready?api%5Fkey={SECRETS[3]}&=x": "/ready?[redacted]&[redacted]",
 }
