@@ -170,7 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--subject", default="admin")
     p.add_argument(
-        "--ttl", type=int, default=3600, help="seconds until it expires (1 h; at most 24 h)"
+        "--ttl",
+        type=int,
+        default=3600,
+        help="seconds until it expires (at most LORAMUX_ADMIN_TOKEN_MAX_TTL)",
     )
     p.set_defaults(func=_admin_token)
 

@@ -17,6 +17,10 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 
+log = logging.getLogger(__name__)
+SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")
+"""Files SQLite keeps beside a database; it creates them with the database file's mode."""
+
 
 def async_url(url: str) -> str:
     """Map plain URLs to their async drivers: sqlite → aiosqlite, postgresql → asyncpg."""
@@ -25,11 +29,6 @@ def async_url(url: str) -> str:
     if url.startswith(("postgresql:", "postgres:")):
         return "postgresql+asyncpg:" + url.split(":", 1)[1]
     return url
-
-
-log = logging.getLogger(__name__)
-SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")
-"""Files SQLite keeps beside a database; it creates them with the database file's mode."""
 
 
 def prepare_sqlite_file(url: str) -> None:
