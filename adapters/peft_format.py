@@ -43,6 +43,8 @@ from adapters.peft_config import PARENT_MODULE, LoraSettings, parse_lora_config
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_DEPTH = 32
+"""Deepest nesting of lists and objects accepted in adapter_config.json (PEFT writes 3)."""
 MAX_RANK_CEILING = 256
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -164,10 +166,34 @@ def adapter_files(folder: Path, limits: AdapterLimits) -> tuple[Path, Path]:
 
 
 def _read_config(path: Path) -> object:
+    """The decoded config, refused when it is not JSON or nested past MAX_CONFIG_DEPTH: deeper
+    values would overflow the recursion of the parser or of `repr` in an error message."""
+    too_deep = InvalidAdapterConfig(
+        f"{CONFIG_FILE} is nested more than {MAX_CONFIG_DEPTH} levels deep"
+    )
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise InvalidAdapterConfig(f"{CONFIG_FILE} is not valid JSON: {error}") from None
+    except RecursionError:
+        raise too_deep from None
+    if _nesting_depth(config, MAX_CONFIG_DEPTH) > MAX_CONFIG_DEPTH:
+        raise too_deep
+    return config
+
+
+def _nesting_depth(value: object, limit: int) -> int:
+    """How deep lists and objects nest in `value` (a scalar is 0), counted without recursion
+    and only up to `limit + 1`."""
+    deepest, pending = 0, [(value, 1)]
+    while pending and deepest <= limit:
+        item, depth = pending.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth)
+            pending.extend((child, depth + 1) for child in item)
+    return deepest
 
 
 def _read_weights(

@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from gateway.settings import Settings
+from gateway.settings import Settings, private_folder
 
 log = logging.getLogger("loramux")
 
@@ -31,6 +31,7 @@ def _demo_adapters(args: argparse.Namespace) -> None:
 
 def ensure_model(settings: Settings) -> Path:
     """The configured model folder; the demo model is built there on first start."""
+    private_folder(settings.data_dir)
     folder = settings.model_dir
     if settings.model is None and not (folder / "config.json").is_file():
         from engine.demo_model import build_demo_model
@@ -112,7 +113,13 @@ def _engine(args: argparse.Namespace) -> None:
 def _admin_token(args: argparse.Namespace) -> None:
     from gateway.state import admin_auth
 
-    print(admin_auth(Settings()).mint(args.subject, ttl_seconds=args.ttl))
+    auth = admin_auth(Settings())
+    if not 1 <= args.ttl <= auth.max_ttl:
+        sys.exit(
+            f"loramux admin-token: --ttl must be 1 to {auth.max_ttl} seconds "
+            "(LORAMUX_ADMIN_TOKEN_MAX_TTL)"
+        )
+    print(auth.mint(args.subject, ttl_seconds=args.ttl))
 
 
 def _migrate(args: argparse.Namespace) -> None:
@@ -160,7 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
         "admin-token", help="print a fresh admin JWT signed with the configured secret"
     )
     p.add_argument("--subject", default="admin")
-    p.add_argument("--ttl", type=int, default=3600, help="seconds until it expires")
+    p.add_argument(
+        "--ttl",
+        type=int,
+        default=3600,
+        help="seconds until it expires (at most LORAMUX_ADMIN_TOKEN_MAX_TTL)",
+    )
     p.set_defaults(func=_admin_token)
 
     p = sub.add_parser("migrate", help="bring the database to the current schema")

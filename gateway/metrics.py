@@ -54,6 +54,15 @@ class Metrics:
         self.quota_redis_down = Gauge(
             "loramux_quota_redis_down", "Admissions decided without Redis", ["outcome"], registry=r
         )
+        self.usage_dropped = Gauge(
+            "loramux_usage_events_dropped",
+            "Usage events given up (billing data lost; each is logged at ERROR)",
+            ["reason"],
+            registry=r,
+        )
+        self.usage_buffered = Gauge(
+            "loramux_usage_events_buffered", "Usage events waiting to be written", registry=r
+        )
         self.adapter_loads = Counter(
             "loramux_adapter_uploads", "Adapter uploads", ["outcome"], registry=r
         )
@@ -63,6 +72,12 @@ class Metrics:
         self.cache_errors.set(cache_errors)
         for outcome, count in quota_redis_down.items():
             self.quota_redis_down.labels(outcome).set(count)
+
+    def observe_usage(self, buffered: int, dropped: Mapping[str, int]) -> None:
+        """Copy the usage recorder's backlog and drop counts (kept by it) into gauges."""
+        self.usage_buffered.set(buffered)
+        for reason, count in dropped.items():
+            self.usage_dropped.labels(reason).set(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,6 +13,13 @@ from pathlib import Path
 from typing import Any
 
 
+def private_folder(path: Path) -> Path:
+    """`path`, created when missing (its missing parents too) readable by this user only
+    (0700): the data directory holds the database, the admin secret and tenants' adapters."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
 def _env(name: str, default: Any, cast: type = str) -> Any:
     raw = os.environ.get(f"LORAMUX_{name}")
     if raw is None or raw == "":
@@ -55,11 +62,15 @@ class ServerSettings:
     database_url: str | None = field(default_factory=lambda: _env("DATABASE_URL", None))
     """LORAMUX_DATABASE_URL: SQLAlchemy URL (sqlite:///… or postgresql://…); SQLite in the data dir by default."""
     redis_url: str | None = field(default_factory=lambda: _env("REDIS_URL", None))
-    """LORAMUX_REDIS_URL: Redis for caches and quotas; unset: `serve` starts its own redis-server."""
+    """LORAMUX_REDIS_URL: Redis for quotas (and the response cache unless LORAMUX_CACHE_REDIS_URL); unset: `serve` starts its own redis-server."""
     admin_secret: str | None = field(default_factory=lambda: _env("ADMIN_SECRET", None))
     """LORAMUX_ADMIN_SECRET: signs admin JWTs (HS256); generated and kept in the data dir when unset."""
     admin_public_key: str | None = field(default_factory=lambda: _env("ADMIN_PUBLIC_KEY", None))
     """LORAMUX_ADMIN_PUBLIC_KEY: PEM public key; when set, admin JWTs are RS256, minted elsewhere."""
+    admin_token_max_ttl: int = field(
+        default_factory=lambda: _env("ADMIN_TOKEN_MAX_TTL", 24 * 3600, int)
+    )
+    """LORAMUX_ADMIN_TOKEN_MAX_TTL: longest lifetime in seconds of an admin JWT, minted or accepted (exp - iat and exp - now)."""
     engine_urls: tuple[str, ...] = field(
         default_factory=lambda: tuple(u for u in _env("ENGINE_URLS", "").split(",") if u.strip())
     )
@@ -76,6 +87,10 @@ class ServerSettings:
     """LORAMUX_MAX_BODY_KB: largest API request body accepted (413 beyond)."""
     default_max_tokens: int = field(default_factory=lambda: _env("DEFAULT_MAX_TOKENS", 1024, int))
     """LORAMUX_DEFAULT_MAX_TOKENS: completion cap when a request gives no max_tokens (and the context allows)."""
+    usage_max_buffered: int = field(
+        default_factory=lambda: _env("USAGE_MAX_BUFFERED", 250_000, int)
+    )
+    """LORAMUX_USAGE_MAX_BUFFERED: usage events held in memory while the database is unavailable (about 0.5 KB each); past this they are dropped, logged and counted."""
     demo_adapters: int = field(default_factory=lambda: _env("DEMO_ADAPTERS", 4, int))
     """LORAMUX_DEMO_ADAPTERS: shared demo adapters uploaded on first start with the demo model."""
 
@@ -102,6 +117,8 @@ class QuotaSettings:
 
 @dataclass(frozen=True)
 class CacheSettings:
+    redis_url: str | None = field(default_factory=lambda: _env("CACHE_REDIS_URL", None))
+    """LORAMUX_CACHE_REDIS_URL: the response cache's own Redis (allkeys-lru), apart from the quotas' (noeviction); LORAMUX_REDIS_URL when unset."""
     max_entries_per_bucket: int = field(
         default_factory=lambda: _env("CACHE_MAX_ENTRIES_PER_BUCKET", 10_000, int)
     )
@@ -115,7 +132,8 @@ class CacheSettings:
 @dataclass(frozen=True)
 class Settings:
     data_dir: Path = field(default_factory=lambda: Path(_env("DATA_DIR", "./.loramux")).resolve())
-    """LORAMUX_DATA_DIR: where the database, adapters, secrets and the demo model live."""
+    """LORAMUX_DATA_DIR: where the database, adapters, secrets and the demo model live (created
+    0700 by `private_folder`)."""
     model: Path | None = field(default_factory=lambda: _env("MODEL", None, Path))
     """LORAMUX_MODEL: a Hugging Face folder of a Llama-family model; the demo model when unset."""
     engine: EngineSettings = field(default_factory=EngineSettings)

@@ -16,6 +16,7 @@ from adapters.peft_format import AdapterLimits
 from adapters.store import AdapterStore
 from cache.embedder import Embedder
 from cache.response_cache import ResponseCache
+from gateway.access_log import redact_access_log
 from gateway.auth.admin_jwt import AdminAuth
 from gateway.auth.api_keys import ApiKeyAuth
 from gateway.catalog import ModelCatalog
@@ -23,7 +24,7 @@ from gateway.db.session import create_engine, session_factory
 from gateway.engine_client.base import EngineClient
 from gateway.metrics import Metrics
 from gateway.quotas import QuotaService
-from gateway.settings import Settings
+from gateway.settings import Settings, private_folder
 from gateway.supervisor import Supervisor
 from gateway.usage import UsageRecorder
 
@@ -45,13 +46,18 @@ class GatewayState:
     model_name: str
     max_model_len: int
     redis: Redis
+    """Quota state (rate windows, concurrency leases, budget ledgers): must never evict."""
+    cache_redis: Redis
+    """The response cache's: LORAMUX_CACHE_REDIS_URL, else the same client as `redis`."""
     cache: ResponseCache
     quotas: QuotaService
     children: Supervisor | None = None
     """The child processes `loramux serve` supervises (for /health); None in other setups."""
 
     async def start(self) -> None:
-        """Start background tasks (on the serving event loop)."""
+        """Start background tasks (on the serving event loop), after the server has set up its
+        logging: from here on its access log carries no query values."""
+        redact_access_log()
         self.usage.start()
         await self.cache.start()
 
@@ -61,6 +67,8 @@ class GatewayState:
         await self.usage.close()
         await self.engine.close()
         await self.redis.aclose()
+        if self.cache_redis is not self.redis:
+            await self.cache_redis.aclose()
         await self.db.dispose()
 
 
@@ -70,7 +78,7 @@ def admin_secret(settings: Settings) -> str:
         return settings.server.admin_secret
     path = settings.data_dir / "admin_secret"
     if not path.is_file():
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        private_folder(settings.data_dir)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_urlsafe(48))
@@ -78,11 +86,12 @@ def admin_secret(settings: Settings) -> str:
 
 
 def admin_auth(settings: Settings) -> AdminAuth:
+    max_ttl = settings.server.admin_token_max_ttl
     if settings.server.admin_public_key:
         key = settings.server.admin_public_key
         pem = Path(key).read_text() if Path(key).is_file() else key
-        return AdminAuth(None, "RS256", pem)
-    return AdminAuth(admin_secret(settings), "HS256")
+        return AdminAuth(None, "RS256", pem, max_ttl=max_ttl)
+    return AdminAuth(admin_secret(settings), "HS256", max_ttl=max_ttl)
 
 
 def redis_client(url: str, max_connections: int = 1024) -> Redis:
@@ -96,11 +105,14 @@ async def build_state(
     settings: Settings, engine: EngineClient, model_dir: Path, redis_url: str
 ) -> GatewayState:
     """Connect everything; the database must already be migrated (`loramux migrate`)."""
+    private_folder(settings.data_dir)
     db = create_engine(settings.database_url)
     sessions = session_factory(db)
     await engine.start()
     info = await engine.info()
     redis = redis_client(redis_url)
+    cache_url = settings.cache.redis_url
+    cache_redis = redis_client(cache_url) if cache_url and cache_url != redis_url else redis
     base = BaseModelSpec.from_model_dir(model_dir)
     limits = AdapterLimits(
         max_rank=settings.engine.max_lora_rank, max_file_bytes=settings.server.max_upload_mb << 20
@@ -115,12 +127,13 @@ async def build_state(
         catalog=ModelCatalog(sessions, info.model_name),
         store=AdapterStore(settings.adapter_dir, base, limits),
         metrics=Metrics(),
-        usage=UsageRecorder(sessions),
+        usage=UsageRecorder(sessions, max_buffered=settings.server.usage_max_buffered),
         model_name=info.model_name,
         max_model_len=info.max_model_len,
         redis=redis,
+        cache_redis=cache_redis,
         cache=ResponseCache(
-            redis,
+            cache_redis,
             Embedder(),
             max_entries_per_bucket=settings.cache.max_entries_per_bucket,
             mirror_bytes=settings.cache.mirror_mb << 20,

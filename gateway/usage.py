@@ -5,15 +5,19 @@ hourly and daily rollups.
 `interval` seconds (or sooner when it fills). One flush of a chunk is one transaction: it inserts
 the events and adds them into `usage_hourly` and `usage_daily` (aggregated here first, then one
 INSERT … ON CONFLICT DO UPDATE per table), so the rollups always equal the sums of the stored
-events. `close` drains everything, so a clean shutdown loses nothing; a failed write keeps the
-chunk for the next try. Usage never passes through Redis, so a Redis restart cannot lose any.
+events. `close` drains everything, so a clean shutdown loses nothing; while the database is
+unavailable the events wait in a bounded buffer and writing is retried with backoff (see
+`UsageRecorder`). Usage never passes through Redis, so a Redis restart cannot lose any.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -21,6 +25,7 @@ from typing import Any
 
 from sqlalchemy import Table, insert
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DataError, IntegrityError, StatementError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.db import Base, UsageEvent, UsageTotals, usage_daily, usage_hourly
@@ -50,6 +55,8 @@ class UsageRecord:
     latency_ms: float
     ttft_ms: float | None
     created_at: datetime = field(default_factory=utcnow)
+    admitted_at: datetime | None = None
+    """When the request was admitted (its quota reservation made), if it was."""
 
 
 def hour_of(ts: datetime) -> datetime:
@@ -126,47 +133,124 @@ async def add_to_rollup(
 
 def event_row(e: UsageRecord) -> dict[str, Any]:
     """The `usage_events` row of a record (a shallow copy: `asdict` deep-copies, slowly)."""
-    return {**vars(e), "created_at": as_utc(e.created_at)}
+    admitted = as_utc(e.admitted_at) if e.admitted_at is not None else None
+    return {**vars(e), "created_at": as_utc(e.created_at), "admitted_at": admitted}
+
+
+class UsageUnavailable(Exception):
+    """The database could not take usage events (down, unreachable, locked); they stay buffered."""
+
+
+EVENT_FAULT_SQLSTATES = ("22", "23")
+"""SQLSTATE classes that blame the values written: data exception, integrity violation."""
+
+
+def blames_the_events(exc: BaseException) -> bool:
+    """Whether a failed write was refused because of the events themselves (a value the driver
+    or the database rejects: writing them again can never succeed). Every other error
+    (connection refused or lost, a locked, starting or stopping database, anything unknown) is
+    taken as the database being unavailable, and the events are kept: they are dropped only on
+    certain blame."""
+    if isinstance(exc, StatementError):
+        sqlstate = getattr(exc.orig, "sqlstate", None)
+        if isinstance(sqlstate, str):
+            return sqlstate[:2] in EVENT_FAULT_SQLSTATES
+        if isinstance(exc, DataError | IntegrityError):
+            return True
+        return isinstance(exc.orig, ArithmeticError | ValueError | TypeError)
+    return isinstance(exc, ArithmeticError | ValueError | TypeError)
+
+
+MAX_RETRY_DELAY = 30.0
+"""Longest wait between two attempts while the database is unavailable."""
+
+OUTAGE_LOG_INTERVAL = 10.0
 
 
 class UsageRecorder:
-    """Buffers usage records and writes them, with their rollups, in batches of `batch`."""
+    """Buffers usage records and writes them, with their rollups, in batches of `batch`.
+
+    While the database is unavailable the events stay buffered, in order, and writing is retried
+    with a backoff doubling from `interval` up to MAX_RETRY_DELAY. An event the database refuses
+    for its values (`blames_the_events`; the batch is split until the culprit is alone) is
+    dropped, so one bad event cannot hold back the others. The buffer holds at most
+    `max_buffered` events: past that, new events are dropped. A dropped event is billing data
+    lost, the last resort: each is logged at ERROR with every field (enough to bill it by hand)
+    and counted in `dropped`.
+    """
 
     def __init__(
-        self, sessions: async_sessionmaker[AsyncSession], interval: float = 0.5, batch: int = 2000
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        interval: float = 0.5,
+        batch: int = 2000,
+        max_buffered: int = 250_000,
     ):
         self.sessions = sessions
         self.interval = interval
         self.batch = batch
+        self.max_buffered = max_buffered
+        self.dropped: Counter[str] = Counter()
+        """Events given up, by reason: `buffer_full`, `refused` (by the database, on their
+        own), `shutdown` (the database was unavailable when the recorder closed)."""
+        self.failed_attempts = 0
+        """Writes failed in a row because the database was unavailable (0 when it is not)."""
         self._buffer: list[UsageRecord] = []
         self._wake = asyncio.Event()
         self._writing = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
+        self._outage_logged = -OUTAGE_LOG_INTERVAL
+
+    def __len__(self) -> int:
+        """Events waiting to be written."""
+        return len(self._buffer)
 
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="usage-recorder")
 
     def record(self, event: UsageRecord) -> None:
+        """Buffer `event` (never raises: it runs on the request path)."""
+        if len(self._buffer) >= self.max_buffered:
+            self._drop(event, "buffer_full", f"{self.max_buffered} events already wait")
+            return
         self._buffer.append(event)
-        if len(self._buffer) >= self.batch:
+        if len(self._buffer) >= self.batch and not self.failed_attempts:
             self._wake.set()
 
     async def flush(self) -> int:
         """Write everything buffered; returns how many events this call wrote. When it returns,
-        every event recorded before the call is committed (a write already under way from
-        another caller is waited for)."""
+        every event recorded before the call is committed or dropped (a write already under way
+        from another caller is waited for). Raises UsageUnavailable when the database cannot be
+        written; the events not yet written stay buffered, in order."""
         written = 0
         async with self._writing:
             while self._buffer:
-                chunk, self._buffer = self._buffer[: self.batch], self._buffer[self.batch :]
-                try:
-                    await self._write(chunk)
-                except Exception:
-                    self._buffer[:0] = chunk
-                    raise
-                written += len(chunk)
+                written += await self._write_head()
+        return written
+
+    async def _write_head(self) -> int:
+        """Write the first `batch` buffered events, removing each part from the buffer once it
+        is committed. A part the database refuses is split in two and each half tried in
+        order, down to single events; a single event refused is dropped."""
+        written = 0
+        sizes = [min(self.batch, len(self._buffer))]
+        while sizes:
+            size = sizes.pop(0)
+            part = self._buffer[:size]
+            try:
+                await self._write(part)
+            except Exception as exc:
+                if not blames_the_events(exc):
+                    raise UsageUnavailable(str(exc) or type(exc).__name__) from exc
+                if size > 1:
+                    sizes[:0] = [size // 2, size - size // 2]
+                    continue
+                self._drop(part[0], "refused", repr(exc))
+            else:
+                written += size
+            del self._buffer[:size]
         return written
 
     async def _write(self, chunk: list[UsageRecord]) -> None:
@@ -176,22 +260,72 @@ class UsageRecorder:
             await add_to_rollup(session, usage_hourly, hourly)
             await add_to_rollup(session, usage_daily, daily_rollup(hourly))
 
-    async def close(self) -> None:
+    async def close(self, retry_for: float = 10.0) -> None:
+        """Stop the background task and write what is buffered, retrying for up to `retry_for`
+        seconds while the database is unavailable; what still cannot be written is dropped
+        (logged). Never raises, so the rest of shutdown goes on."""
         self._closing = True
         self._wake.set()
         if self._task is not None:
             await self._task
             self._task = None
-        await self.flush()
+        deadline = time.monotonic() + retry_for
+        delay = self.interval
+        while True:
+            try:
+                await self.flush()
+                return
+            except UsageUnavailable as exc:
+                self._note_failure(exc)
+                if time.monotonic() + delay > deadline:
+                    break
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, MAX_RETRY_DELAY)
+        for event in self._buffer:
+            self._drop(event, "shutdown", "the database is unavailable")
+        self._buffer.clear()
 
     async def _run(self) -> None:
+        delay = self.interval
         while not self._closing:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval)
+                await asyncio.wait_for(self._wake.wait(), delay)
             self._wake.clear()
             try:
                 await self.flush()
+            except UsageUnavailable as exc:
+                self._note_failure(exc)
+                delay = min(delay * 2, MAX_RETRY_DELAY)
+                continue
             except Exception:
-                log.exception(
-                    "usage events could not be written; %d kept for retry", len(self._buffer)
+                log.exception("usage recorder error; %d events kept for retry", len(self))
+                delay = min(delay * 2, MAX_RETRY_DELAY)
+                continue
+            if self.failed_attempts:
+                log.warning(
+                    "usage events are written again after %d failed attempts",
+                    self.failed_attempts,
                 )
+            self.failed_attempts = 0
+            delay = self.interval
+
+    def _note_failure(self, exc: UsageUnavailable) -> None:
+        self.failed_attempts += 1
+        now = time.monotonic()
+        if now - self._outage_logged >= OUTAGE_LOG_INTERVAL:
+            self._outage_logged = now
+            log.error(
+                "usage events cannot be written (%s); %d buffered (at most %d), retrying",
+                exc,
+                len(self),
+                self.max_buffered,
+            )
+
+    def _drop(self, event: UsageRecord, reason: str, why: str) -> None:
+        self.dropped[reason] += 1
+        log.error(
+            "usage event DROPPED (%s: %s), bill it from this line: %s",
+            reason,
+            why,
+            json.dumps(event_row(event), default=str),
+        )

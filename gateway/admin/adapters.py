@@ -13,10 +13,11 @@ from gateway.audit import audited
 from gateway.auth.admin_jwt import AdminIdentity
 from gateway.state import GatewayState
 
-_UPLOAD = """multipart/form-data with `name` ([A-Za-z0-9._-]{1,64}), `owner` (a tenant id or
-`shared`) and either `archive` (.zip or .tar.gz of a PEFT adapter folder) or `adapter_config`
-(adapter_config.json) and `adapter_model` (adapter_model.safetensors). Uploading a name again
-makes a new version; requests in flight finish on the old one."""
+_UPLOAD = """multipart/form-data with `name` (1-64 letters, digits, `.`, `_` or `-`, starting
+with a letter or digit, no `..`), `owner` (a tenant id or `shared`) and either `archive` (.zip
+or .tar.gz of a PEFT adapter folder) or `adapter_config` (adapter_config.json) and
+`adapter_model` (adapter_model.safetensors). Uploading a name again makes a new version;
+requests in flight finish on the old one."""
 
 
 class AdapterController(Controller):

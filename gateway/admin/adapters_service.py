@@ -38,7 +38,10 @@ from gateway.db.base import utcnow
 from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.state import GatewayState
 
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+ADAPTER_NAME = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+"""1-64 letters, digits, '.', '_' or '-', starting with a letter or digit, without '..': a name
+is safe in a URL path segment, a file name and `owner/name`, and never looks like an option
+(`-x`) or a path step (`.`, `..`)."""
 _README_ROOM = 1 << 20
 
 
@@ -85,7 +88,8 @@ async def publish_adapter(
 async def check_name_and_owner(gw: GatewayState, name: str, owner: str) -> None:
     if not ADAPTER_NAME.fullmatch(name):
         raise BadRequest(
-            "adapter names are 1-64 characters among letters, digits, '.', '_' and '-'",
+            "adapter names are 1-64 characters among letters, digits, '.', '_' and '-', "
+            "start with a letter or digit and hold no '..'",
             param="name",
             code="invalid_adapter_name",
         )

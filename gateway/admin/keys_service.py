@@ -13,7 +13,14 @@ import msgspec
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.admin.schemas import KeyCreate, KeyOut, NewKeyOut, utc, utc_or_none
+from gateway.admin.schemas import (
+    KeyCreate,
+    KeyOut,
+    NewKeyOut,
+    check_display_name,
+    utc,
+    utc_or_none,
+)
 from gateway.admin.tenants_service import get_tenant
 from gateway.auth.api_keys import mint_key
 from gateway.db import ApiKey
@@ -43,6 +50,8 @@ async def get_key(session: AsyncSession, key_id: str) -> ApiKey:
 
 
 async def create(gw: GatewayState, tenant_id: str, body: KeyCreate) -> NewKeyOut:
+    if body.name is not None:
+        check_display_name(body.name, "name")
     expires_at = _expiry(body)
     new = mint_key()
     async with gw.sessions() as session:

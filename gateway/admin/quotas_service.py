@@ -2,22 +2,25 @@
 
 An update changes only the limits it names: an absent field leaves its limit as it was, `null`
 removes it. A token budget needs a period (`day` or `month`) to be counted over; an update that
-would leave a budget without one is refused and changes nothing.
+would leave a budget without one is refused and changes nothing. Concurrent updates of one
+scope all apply, one after the other, to its single row.
 """
 
 from __future__ import annotations
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.admin.keys_service import get_key
 from gateway.admin.schemas import QuotaOut, QuotaUpdate, given
 from gateway.admin.tenants_service import get_tenant
 from gateway.db import Quota
-from gateway.errors import BadRequest
+from gateway.errors import BadRequest, Conflict
 from gateway.state import GatewayState
 
 LIMITS = ("rpm", "tpm", "max_concurrent", "token_budget", "budget_period")
+_ATTEMPTS = 3
 
 
 def quota_out(tenant_id: str, key_id: str | None, quota: Quota | None) -> QuotaOut:
@@ -38,34 +41,47 @@ async def get_for_key(gw: GatewayState, key_id: str) -> QuotaOut:
 
 
 async def set_for_tenant(gw: GatewayState, tenant_id: str, body: QuotaUpdate) -> QuotaOut:
-    async with gw.sessions() as session:
-        await get_tenant(session, tenant_id)
-        return await _apply(session, tenant_id, None, body)
+    return await _apply(gw, tenant_id, None, body)
 
 
 async def set_for_key(gw: GatewayState, key_id: str, body: QuotaUpdate) -> QuotaOut:
     async with gw.sessions() as session:
         key = await get_key(session, key_id)
-        return await _apply(session, key.tenant_id, key_id, body)
+    return await _apply(gw, key.tenant_id, key_id, body)
 
 
 async def _apply(
-    session: AsyncSession, tenant_id: str, key_id: str | None, body: QuotaUpdate
+    gw: GatewayState, tenant_id: str, key_id: str | None, body: QuotaUpdate
 ) -> QuotaOut:
-    quota = await _find(session, tenant_id, key_id)
-    if quota is None:
-        quota = Quota(tenant_id=tenant_id, key_id=key_id)
-        session.add(quota)
-    for name, value in given(body).items():
-        setattr(quota, name, value)
-    if quota.token_budget is not None and quota.budget_period is None:
-        raise BadRequest(
-            "a token_budget needs a budget_period ('day' or 'month')",
-            param="budget_period",
-            code="invalid_request",
-        )
-    await session.commit()
-    return quota_out(tenant_id, key_id, quota)
+    """Apply the fields `body` names to the scope's row, inserting the row on its first write.
+
+    Concurrent first writes race to insert it and the unique index lets one win; the others
+    fail to commit, then find the winner's row on their next try and apply their fields on top,
+    as if they had come after it."""
+    for _ in range(_ATTEMPTS):
+        async with gw.sessions() as session:
+            if key_id is None:
+                await get_tenant(session, tenant_id)
+            else:
+                await get_key(session, key_id)
+            quota = await _find(session, tenant_id, key_id)
+            if quota is None:
+                quota = Quota(tenant_id=tenant_id, key_id=key_id)
+                session.add(quota)
+            for name, value in given(body).items():
+                setattr(quota, name, value)
+            if quota.token_budget is not None and quota.budget_period is None:
+                raise BadRequest(
+                    "a token_budget needs a budget_period ('day' or 'month')",
+                    param="budget_period",
+                    code="invalid_request",
+                )
+            try:
+                await session.commit()
+            except IntegrityError:
+                continue
+            return quota_out(tenant_id, key_id, quota)
+    raise Conflict("the quotas changed concurrently; retry", code="quota_conflict")
 
 
 async def _find(session: AsyncSession, tenant_id: str, key_id: str | None) -> Quota | None:

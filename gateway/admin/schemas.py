@@ -8,6 +8,8 @@ is an audited failure of that action like any other. Unknown fields are refused,
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -21,8 +23,10 @@ from gateway.prefix_cache import PrefixCacheScope
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 
-TenantName = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^\S(.*\S)?$")]
+TenantName = Annotated[str, Meta(min_length=1, max_length=200)]
+"""Also held to `check_display_name`."""
 KeyName = Annotated[str, Meta(min_length=1, max_length=200)]
+"""Also held to `check_display_name`."""
 ModelName = Annotated[str, Meta(min_length=1, max_length=200)]
 PositiveInt32 = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 PositiveInt64 = Annotated[int, Meta(ge=1, le=INT64_MAX)]
@@ -159,6 +163,27 @@ class Deleted(Struct):
 
 T = TypeVar("T", bound=Struct)
 AnyRequest = Request[Any, Any, Any]
+_FIELD_PATH = re.compile(r" - at `\$\.([A-Za-z_]\w*)")
+_HIDDEN_CHARACTERS = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+"""Unicode categories that hide or disguise text: controls (NUL, escape), format characters
+(bidirectional overrides, zero-width joiners), lone surrogates, line and paragraph separators."""
+
+
+def check_display_name(value: str, field: str) -> None:
+    """Refuse a name people read (in listings, the dashboard, logs) that could disguise itself:
+    leading or trailing whitespace, or a character of `_HIDDEN_CHARACTERS`."""
+    if value != value.strip():
+        raise BadRequest(
+            f"{field} may not start or end with whitespace", param=field, code="invalid_request"
+        )
+    for position, char in enumerate(value):
+        if unicodedata.category(char) in _HIDDEN_CHARACTERS:
+            raise BadRequest(
+                f"{field} may not hold control or format characters "
+                f"(U+{ord(char):04X} at position {position})",
+                param=field,
+                code="invalid_request",
+            )
 
 
 def given(body: Struct) -> dict[str, Any]:
@@ -172,7 +197,12 @@ async def decode_body(request: AnyRequest, shape: type[T]) -> T:
     try:
         return msgspec.json.decode(raw.strip() or b"{}", type=shape)
     except msgspec.ValidationError as exc:
-        raise BadRequest(f"invalid request body: {exc}", code="invalid_request") from None
+        field = _FIELD_PATH.search(str(exc))
+        raise BadRequest(
+            f"invalid request body: {exc}",
+            param=field[1] if field else None,
+            code="invalid_request",
+        ) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"the body is not valid JSON: {exc}", code="invalid_request") from None
     except UnicodeDecodeError as exc:

@@ -15,7 +15,14 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.admin import adapters_service
-from gateway.admin.schemas import Deleted, TenantCreate, TenantOut, TenantUpdate, utc
+from gateway.admin.schemas import (
+    Deleted,
+    TenantCreate,
+    TenantOut,
+    TenantUpdate,
+    check_display_name,
+    utc,
+)
 from gateway.db import ApiKey, Tenant
 from gateway.errors import Conflict, NotFound
 from gateway.prefix_cache import SETTING as PREFIX_SCOPE
@@ -36,6 +43,7 @@ async def get_tenant(session: AsyncSession, tenant_id: str) -> Tenant:
 
 
 async def create(gw: GatewayState, body: TenantCreate) -> TenantOut:
+    check_display_name(body.name, "name")
     async with gw.sessions() as session:
         await _ensure_name_free(session, body.name)
         settings = {PREFIX_SCOPE: body.prefix_cache_scope}
@@ -57,6 +65,8 @@ async def get(gw: GatewayState, tenant_id: str) -> TenantOut:
 
 
 async def update(gw: GatewayState, tenant_id: str, body: TenantUpdate) -> TenantOut:
+    if isinstance(body.name, str):
+        check_display_name(body.name, "name")
     async with gw.sessions() as session:
         tenant = await get_tenant(session, tenant_id)
         if isinstance(body.name, str) and body.name != tenant.name:

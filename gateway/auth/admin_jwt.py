@@ -2,19 +2,24 @@
 
 HS256 with a shared secret by default (`LORAMUX_ADMIN_SECRET`, or one generated and kept in the
 data directory). RS256 when a public key is configured; tokens are then minted elsewhere.
+
+A token lives at most `max_ttl` seconds (LORAMUX_ADMIN_TOKEN_MAX_TTL): `exp - iat` and
+`exp - now` are both bounded, and `iat` and `exp` must be integers, so a leaked token cannot
+have been minted to last for ever (`exp: 1e20`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import jwt
 
 from gateway.errors import Unauthorized
 
 AUDIENCE = "loramux-admin"
+DEFAULT_MAX_TTL = 24 * 3600
 
 
 @dataclass(frozen=True)
@@ -24,20 +29,36 @@ class AdminIdentity:
 
 
 class AdminAuth:
-    def __init__(self, secret: str | None, algorithm: str = "HS256", public_key: str | None = None):
+    def __init__(
+        self,
+        secret: str | None,
+        algorithm: str = "HS256",
+        public_key: str | None = None,
+        max_ttl: int = DEFAULT_MAX_TTL,
+    ):
         if algorithm not in ("HS256", "RS256"):
             raise ValueError("admin JWT algorithm must be HS256 or RS256")
         if algorithm == "HS256" and not secret:
             raise ValueError("HS256 admin tokens need a secret")
         if algorithm == "RS256" and not public_key:
             raise ValueError("RS256 admin tokens need a public key")
+        if max_ttl < 1:
+            raise ValueError("LORAMUX_ADMIN_TOKEN_MAX_TTL must be at least 1 second")
         self.algorithm = algorithm
+        self.max_ttl = max_ttl
         self._secret = secret
         self._verify_key = public_key if algorithm == "RS256" else secret
 
     def mint(self, subject: str = "admin", ttl_seconds: int = 3600) -> str:
+        """A token for `subject` valid for `ttl_seconds` (at most `max_ttl`; a negative ttl
+        mints an expired token)."""
         if self.algorithm != "HS256" or self._secret is None:
             raise ValueError("only HS256 tokens can be minted here")
+        if ttl_seconds > self.max_ttl:
+            raise ValueError(
+                f"an admin token may live {self.max_ttl} s at most "
+                f"(LORAMUX_ADMIN_TOKEN_MAX_TTL), not {ttl_seconds} s"
+            )
         now = int(time.time())
         claims = {
             "sub": subject,
@@ -69,4 +90,23 @@ class AdminAuth:
             raise Unauthorized(f"invalid admin token: {exc}", code="invalid_token") from None
         if claims.get("role") != "admin":
             raise Unauthorized("token is not an admin token", code="invalid_token")
+        self._check_lifetime(claims["iat"], claims["exp"])
         return AdminIdentity(str(claims["sub"]), claims)
+
+    def _check_lifetime(self, iat: object, exp: object) -> None:
+        """Refuse a token meant to live longer than `max_ttl`, or with non-integer times (PyJWT
+        takes `1e20` or `"123"` as numbers)."""
+        if not (_is_int(iat) and _is_int(exp)):
+            raise Unauthorized(
+                "invalid admin token: iat and exp must be integers", code="invalid_token"
+            )
+        if exp - iat > self.max_ttl or exp - int(time.time()) > self.max_ttl:
+            raise Unauthorized(
+                f"admin token lives longer than the {self.max_ttl} s allowed "
+                "(LORAMUX_ADMIN_TOKEN_MAX_TTL)",
+                code="invalid_token",
+            )
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -2,8 +2,9 @@
 `/dashboard/data` (the page's numbers as JSON) and `/dashboard/style.css`.
 
 Without a session the page is the sign-in form; with a tampered or expired one it is the form
-again (401) and the cookie is cleared. The data endpoint answers 401 instead. Pages forbid
-scripts, framing and caching; sign-in and sign-out refuse requests sent from another origin.
+again (401) and the cookie is cleared. The data endpoint answers 401 instead. Every response,
+errors included, forbids scripts, framing, caching (it holds one tenant's numbers) and content
+sniffing; sign-in and sign-out refuse requests sent from another origin.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 from litestar import Controller, MediaType, Request, Response, get, post
+from litestar.datastructures import MutableScopeHeaders
 from litestar.di import NamedDependency
 from litestar.params import FromQuery, QueryParameter
 from litestar.response import Redirect
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.dashboard.html import Html
 from gateway.dashboard.pages import dashboard_page, sign_in_page
@@ -27,7 +30,7 @@ from gateway.state import GatewayState
 
 AnyRequest = Request[Any, Any, Any]
 Days = Annotated[int, QueryParameter(ge=1, le=366)]
-PAGE_HEADERS = {
+SECURITY_HEADERS = {
     "content-security-policy": "default-src 'none'; style-src 'self'; img-src 'self'; "
     "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
     "cache-control": "no-store",
@@ -36,8 +39,25 @@ PAGE_HEADERS = {
 }
 
 
+def security_headers(app: ASGIApp) -> ASGIApp:
+    """Set SECURITY_HEADERS on every response of the wrapped routes. As route middleware it
+    also sees error responses: Litestar renders a route's exceptions inside its middleware."""
+
+    async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableScopeHeaders.from_message(message)
+                for name, value in SECURITY_HEADERS.items():
+                    headers[name] = value
+            await send(message)
+
+        await app(scope, receive, send_with_headers)
+
+    return middleware
+
+
 def _page(markup: Html, status: int = 200) -> Response[str]:
-    return Response(markup, status_code=status, media_type=MediaType.HTML, headers=PAGE_HEADERS)
+    return Response(markup, status_code=status, media_type=MediaType.HTML)
 
 
 def _refuse_other_origins(request: AnyRequest) -> None:
@@ -52,6 +72,7 @@ def _refuse_other_origins(request: AnyRequest) -> None:
 class DashboardController(Controller):
     path = "/dashboard"
     include_in_schema = False
+    middleware = (security_headers,)
 
     @get("/")
     async def page(

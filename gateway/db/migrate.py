@@ -16,11 +16,11 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import pool
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import migrations
-from gateway.db.session import async_url
+from gateway.db.session import async_url, prepare_sqlite_file
 
 T = TypeVar("T")
 
@@ -37,8 +37,8 @@ def upgrade(url: str) -> None:
     """Migrate to the newest revision. Idempotent: at head already, nothing changes, so this is
     safe on every start; on PostgreSQL concurrent callers take turns (advisory lock).
 
-    A SQLite file's folder is created when missing."""
-    _make_sqlite_folder(url)
+    A SQLite file is created owner-only first (`prepare_sqlite_file`)."""
+    prepare_sqlite_file(url)
     command.upgrade(alembic_config(url), "head")
 
 
@@ -65,9 +65,3 @@ def with_connection(url: str, work: Callable[[Connection], T]) -> T:
             await engine.dispose()
 
     return asyncio.run(run())
-
-
-def _make_sqlite_folder(url: str) -> None:
-    parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import stat
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
     async_sessionmaker,
     create_async_engine,
 )
+
+log = logging.getLogger(__name__)
+SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")
+"""Files SQLite keeps beside a database; it creates them with the database file's mode."""
 
 
 def async_url(url: str) -> str:
@@ -22,7 +31,33 @@ def async_url(url: str) -> str:
     return url
 
 
+def prepare_sqlite_file(url: str) -> None:
+    """For a SQLite URL, create the database file (and its folder) readable by this user only,
+    0600 (0700): it holds API-key hashes and every tenant's usage. An existing file, or a
+    companion file, readable by others is tightened. Other URLs: nothing to do."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return
+    path = Path(str(parsed.database))
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    for file in (path, *(path.with_name(path.name + suffix) for suffix in SQLITE_COMPANIONS)):
+        _owner_only(file)
+
+
+def _owner_only(file: Path) -> None:
+    try:
+        mode = stat.S_IMODE(file.stat().st_mode)
+        if mode & 0o077:
+            file.chmod(mode & 0o700)
+    except FileNotFoundError:
+        return
+    except PermissionError as exc:
+        log.warning("%s is readable by other users and cannot be changed: %s", file, exc)
+
+
 def create_engine(url: str) -> AsyncEngine:
+    prepare_sqlite_file(url)
     engine = create_async_engine(async_url(url), pool_pre_ping=True)
     if engine.dialect.name == "sqlite":
 

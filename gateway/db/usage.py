@@ -30,3 +30,6 @@ class UsageEvent(Base):
     status: Mapped[int] = mapped_column(Integer)
     latency_ms: Mapped[float] = mapped_column(Float, default=0.0)
     ttft_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    admitted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    """When the request was admitted: a token budget counts the event in the period holding
+    this time (`created_at` when null), the period its reservation was charged in."""

@@ -295,6 +295,7 @@ class CompletionService:
                 status=status,
                 latency_ms=latency * 1000,
                 ttft_ms=ttft * 1000 if ttft is not None else None,
+                admitted_at=p.admission.admitted_at if p.admission is not None else None,
             )
         )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import datetime
 
 from gateway.quotas.buckets import Bucket
 
@@ -34,17 +35,24 @@ class Admission:
     """
 
     def __init__(
-        self, headers: dict[str, str], reservation: Reservation | None, release: Release | None
+        self,
+        admitted_at: datetime,
+        headers: dict[str, str],
+        reservation: Reservation | None,
+        release: Release | None,
     ):
+        self.admitted_at = admitted_at
+        """The time the limits were checked by (the quota clock): the budget period this
+        request is charged in; its usage event records it."""
         self.headers = headers
         self._reservation = reservation
         self._release = release
         self._settled = False
 
     @classmethod
-    def unlimited(cls) -> Admission:
+    def unlimited(cls, admitted_at: datetime) -> Admission:
         """An admission that holds nothing (no limits set, or unchecked)."""
-        return cls({}, None, None)
+        return cls(admitted_at, {}, None, None)
 
     @property
     def settled(self) -> bool:

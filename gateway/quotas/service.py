@@ -104,21 +104,22 @@ class QuotaService:
             raise ServiceUnavailable(
                 "quota configuration unavailable; try again shortly", code="quota_unavailable"
             ) from None
-        buckets = plan(principal.tenant_id, principal.key_id, limits, self._now())
+        now = self._now()
+        buckets = plan(principal.tenant_id, principal.key_id, limits, now)
         if not buckets:
-            return Admission.unlimited()
+            return Admission.unlimited(now)
         tokens = prompt_tokens + max_tokens
         member = secrets.token_hex(8)
         reply = await self._check(principal, buckets, member, tokens)
         if reply is None:
-            return Admission.unlimited()
+            return Admission.unlimited(now)
         if reply.status == REFUSED:
             raise refusal(reply.readings, tokens, principal.key_id)
         reservation = Reservation(member, tokens, tuple(buckets))
         slots = tuple(b.keys[0] for b in buckets if b.kind == "C")
         if slots:
             self.leases.hold(member, slots)
-        return Admission(rate_limit_headers(reply.readings), reservation, self._release)
+        return Admission(now, rate_limit_headers(reply.readings), reservation, self._release)
 
     async def close(self) -> None:
         """Stop renewing slots and wait for settlements under way."""

@@ -248,3 +248,26 @@ def test_config_must_be_an_object_with_peft_type(tmp_path: Path) -> None:
     folder = make_peft_adapter(tmp_path / "a")
     (folder / "adapter_config.json").write_text(json.dumps({"r": 8}))
     assert refusal(folder).code == "not_lora"
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "[" * 100_000 + "]" * 100_000,  # past the JSON parser's recursion limit
+        '{"peft_type": "LORA", "r": 8, "extra": ' + "[" * 900 + "]" * 900 + "}",
+        '{"peft_type": "LORA", "r": 8, "extra": ' + '{"a": ' * 33 + "1" + "}" * 34,
+    ],
+    ids=["100k deep", "900 deep", "33 deep"],
+)
+def test_deeply_nested_config(tmp_path: Path, content: str) -> None:
+    folder = make_peft_adapter(tmp_path / "a")
+    (folder / "adapter_config.json").write_text(content)
+    error = refusal(folder)
+    assert error.code == "invalid_config"
+    assert "nested" in error.message
+
+
+def test_config_nesting_up_to_the_limit_is_read(tmp_path: Path) -> None:
+    folder = make_peft_adapter(tmp_path / "a")
+    edit_config(folder, eva_config={"a": [[{"b": [[1]]}]]})
+    assert load_peft_adapter(folder, tiny_base()).rank == 8

@@ -168,6 +168,15 @@ def test_deleting_a_tenant_retires_its_private_adapters(
         ("has space", "shared", 400, "invalid_adapter_name"),
         ("slash/name", "shared", 400, "invalid_adapter_name"),
         ("x" * 65, "shared", 400, "invalid_adapter_name"),
+        ("..", "shared", 400, "invalid_adapter_name"),
+        (".", "shared", 400, "invalid_adapter_name"),
+        ("-", "shared", 400, "invalid_adapter_name"),
+        ("-rf", "shared", 400, "invalid_adapter_name"),
+        (".hidden", "shared", 400, "invalid_adapter_name"),
+        ("a..b", "shared", 400, "invalid_adapter_name"),
+        ("_x", "shared", 400, "invalid_adapter_name"),
+        ("caf\u00e9", "shared", 400, "invalid_adapter_name"),
+        ("x\u202ey", "shared", 400, "invalid_adapter_name"),
         ("<the base model>", "shared", 400, "invalid_adapter_name"),
         ("fine", "tnt_doesnotexist", 404, "tenant_not_found"),
     ],
@@ -187,3 +196,12 @@ def test_bad_names_and_owners(
     assert response.status_code == status, response.text
     assert json_of(response)["error"]["code"] == code
     assert gateway.state.store.digests() == before
+
+
+def test_names_within_the_rule_are_accepted(
+    admin: httpx.Client, demo_adapter_dirs: list[Path]
+) -> None:
+    suffix = uuid.uuid4().hex[:8]
+    for name in (f"A{suffix}", f"9.v1_2-x.{suffix}", f"{suffix}x" + "y" * 55):
+        assert created(upload(admin, name, "shared", demo_adapter_dirs[7]))["name"] == name
+        assert admin.delete(f"/admin/adapters/shared/{name}").status_code == 200

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import json
 import time
 import uuid
@@ -11,11 +13,13 @@ import httpx
 import jwt
 import pytest
 
-from gateway.auth.admin_jwt import AUDIENCE
+from gateway.auth.admin_jwt import AUDIENCE, DEFAULT_MAX_TTL
+from gateway.cli import main
 from gateway.server import RunningServer
 from gateway.state import admin_secret
 from tests.gateway.conftest import json_of
 
+MAX_TTL = DEFAULT_MAX_TTL  # the test gateway leaves LORAMUX_ADMIN_TOKEN_MAX_TTL unset
 ADMIN_ROUTES = [
     ("GET", "/admin/tenants"),
     ("POST", "/admin/tenants"),
@@ -89,7 +93,24 @@ def bad_tokens(gateway: RunningServer, tenant_key: str) -> dict[str, str]:
         "not admin role": signed(secret, role="tenant"),
         "issued later": signed(secret, iat=None, exp=now + 60),
         "garbage": "not.a.jwt",
+        "exp 1e20": signed(secret, exp=1e20),
+        "exp past 64 bits": signed(secret, exp=10**30),
+        "exp infinite": signed(secret, exp=float("inf")),
+        "exp not a number": signed(secret, exp=float("nan")),
+        "exp as a float": signed(secret, exp=now + 600.5),
+        "exp as a string": signed(secret, exp=str(now + 600)),
+        "iat as a float": signed(secret, iat=float(now)),
+        "lives a second too long": signed(secret, exp=now + MAX_TTL + 1),
+        "issued long ago": signed(secret, iat=now - 2 * MAX_TTL, exp=now + 60),
+        "nested claims": signed_text(secret, '{"sub": ' + "[" * 5000 + "]" * 5000 + "}"),
     }
+
+
+def signed_text(secret: str, payload: str) -> str:
+    """An HS256 token over a payload written by hand (PyJWT cannot encode every hostile one)."""
+    head = b64(json.dumps({"alg": "HS256", "typ": "JWT"}).encode()) + "." + b64(payload.encode())
+    mac = hmac.new(secret.encode(), head.encode(), hashlib.sha256).digest()
+    return f"{head}.{b64(mac)}"
 
 
 def test_bad_tokens_are_refused_and_audited(gateway: RunningServer, admin: httpx.Client) -> None:
@@ -131,3 +152,33 @@ def test_a_valid_token_names_the_actor_in_the_audit_log(
         "ok",
     )
     assert entry["detail"] == {"name": name}
+
+
+def test_a_token_living_exactly_the_maximum_is_accepted(
+    gateway: RunningServer, admin: httpx.Client
+) -> None:
+    now = int(time.time())
+    token = signed(admin_secret(gateway.state.settings), iat=now, exp=now + MAX_TTL)
+    assert admin.get("/admin/tenants", headers={"authorization": f"Bearer {token}"})
+
+
+def test_the_cli_mints_tokens_within_the_maximum_lifetime(
+    gateway: RunningServer,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("LORAMUX_DATA_DIR", str(gateway.state.settings.data_dir))
+    main(["admin-token", "--subject", "cli-user", "--ttl", "120"])
+    token = capsys.readouterr().out.strip()
+    response = httpx.get(
+        gateway.url + "/admin/tenants", headers={"authorization": f"Bearer {token}"}, timeout=30
+    )
+    assert response.status_code == 200, response.text
+    payload = jwt.decode(token, options={"verify_signature": False})
+    assert payload["exp"] - payload["iat"] == 120
+
+    for ttl in (str(MAX_TTL + 1), "0"):
+        with pytest.raises(SystemExit) as exited:
+            main(["admin-token", "--ttl", ttl])
+        assert "LORAMUX_ADMIN_TOKEN_MAX_TTL" in str(exited.value.code)
+    assert capsys.readouterr().out == ""

@@ -3,11 +3,15 @@ value is a 400 that changes nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import httpx
 import pytest
+from sqlalchemy import func, select
 
+from gateway.db import Quota
+from gateway.server import RunningServer
 from tests.gateway.conftest import json_of
 
 NO_LIMITS = {
@@ -111,3 +115,42 @@ def test_quotas_of_missing_owners_are_404(admin: httpx.Client) -> None:
     assert admin.put("/admin/tenants/tnt_nope/quotas", json={"rpm": 1}).status_code == 404
     assert admin.get("/admin/keys/nope/quotas").status_code == 404
     assert admin.put("/admin/keys/nope/quotas", json={"rpm": 1}).status_code == 404
+
+
+@pytest.mark.parametrize("scope", ["tenant", "key"])
+async def test_concurrent_first_updates_all_apply_to_one_row(
+    gateway: RunningServer, admin_token: str, admin: httpx.Client, scope: str
+) -> None:
+    """The first quota writes of a scope race to insert its row: every one succeeds, and the
+    scope ends up with one row holding each write's field."""
+    tenants = [json_of(admin.post("/admin/tenants", json={"name": f"race-{uuid.uuid4().hex}"}))]
+    tenants += [json_of(admin.post("/admin/tenants", json={"name": f"race-{uuid.uuid4().hex}"}))]
+    paths = []
+    for tenant in tenants:
+        if scope == "tenant":
+            paths.append(f"/admin/tenants/{tenant['id']}/quotas")
+        else:
+            key = json_of(admin.post(f"/admin/tenants/{tenant['id']}/keys"))
+            paths.append(f"/admin/keys/{key['id']}/quotas")
+    writes = [{"rpm": 10}, {"tpm": 20}, {"max_concurrent": 30}, {"rpm": 10, "tpm": 20}]
+    headers = {"authorization": f"Bearer {admin_token}"}
+    async with httpx.AsyncClient(base_url=gateway.url, headers=headers, timeout=60) as client:
+        responses = await asyncio.gather(
+            *(client.put(path, json=body) for path in paths for body in writes)
+        )
+    assert [r.status_code for r in responses] == [200] * len(responses), [
+        r.text for r in responses if r.status_code != 200
+    ]
+    for tenant, path in zip(tenants, paths, strict=True):
+        assert limits(json_of(admin.get(path))) == NO_LIMITS | {
+            "rpm": 10,
+            "tpm": 20,
+            "max_concurrent": 30,
+        }
+
+        async def rows(tenant_id: str = tenant["id"]) -> int:
+            async with gateway.state.sessions() as session:
+                query = select(func.count(Quota.id)).where(Quota.tenant_id == tenant_id)
+                return int(await session.scalar(query) or 0)
+
+        assert gateway.run(rows()) == 1

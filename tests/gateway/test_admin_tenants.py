@@ -90,6 +90,49 @@ def test_malformed_tenant_bodies_are_400(admin: httpx.Client, body: bytes) -> No
     assert json_of(response)["error"]["code"] == "invalid_request"
 
 
+DISGUISED_NAMES = {
+    "NUL": "acme\x00corp",
+    "bell": "acme\x07",
+    "escape sequence": "\x1b[31macme",
+    "tab": "acme\tcorp",
+    "newline": "acme\ncorp",
+    "right-to-left override": "acme\u202egnp.exe",
+    "right-to-left isolate": "acme\u2067corp",
+    "zero-width space": "ac\u200bme",
+    "byte order mark": "\ufeffacme",
+    "line separator": "acme\u2028corp",
+    "leading space": " acme",
+    "trailing no-break space": "acme\u00a0",
+    "201 characters": "a" * 201,
+}
+
+
+@pytest.mark.parametrize("case", list(DISGUISED_NAMES))
+def test_names_that_hide_or_disguise_text_are_refused(admin: httpx.Client, case: str) -> None:
+    name = DISGUISED_NAMES[case]
+    tenant = new_tenant(admin)
+    attempts = [
+        admin.post("/admin/tenants", json={"name": name}),
+        admin.patch(f"/admin/tenants/{tenant['id']}", json={"name": name}),
+        admin.post(f"/admin/tenants/{tenant['id']}/keys", json={"name": name}),
+    ]
+    for response in attempts:
+        assert response.status_code == 400, response.text
+        error = json_of(response)["error"]
+        assert (error["param"], error["code"]) == ("name", "invalid_request")
+        assert "name" in error["message"]
+    assert name not in {t["name"] for t in json_of(admin.get("/admin/tenants"))}
+    assert json_of(admin.get(f"/admin/tenants/{tenant['id']}"))["name"] == tenant["name"]
+    assert json_of(admin.get(f"/admin/tenants/{tenant['id']}/keys")) == []
+
+
+def test_names_in_any_script_are_accepted(admin: httpx.Client) -> None:
+    name = unique("Café 東京 Ωmega 🚀 ﷺ")
+    tenant = json_of(admin.post("/admin/tenants", json={"name": name}))
+    assert json_of(admin.get(f"/admin/tenants/{tenant['id']}"))["name"] == name
+    assert new_key(admin, tenant["id"], name="déploiement 2")["name"] == "déploiement 2"
+
+
 def test_patch_validates_types(admin: httpx.Client) -> None:
     tenant = new_tenant(admin)
     response = admin.patch(f"/admin/tenants/{tenant['id']}", json={"disabled": "yes"})

@@ -229,6 +229,32 @@ def test_sign_in_refuses_bad_credentials_and_other_origins(
         assert client.get("/dashboard").status_code == 200  # the sign-in form
 
 
+def test_every_dashboard_response_forbids_caching_and_sniffing(
+    gateway: RunningServer, traffic: Traffic
+) -> None:
+    with httpx.Client(base_url=gateway.url, timeout=60) as anonymous:
+        responses = [
+            anonymous.get("/dashboard"),
+            anonymous.get("/dashboard/data"),
+            anonymous.get("/dashboard/style.css"),
+            anonymous.post("/dashboard/login", data={"credential": "lmx-nope"}),
+            anonymous.post("/dashboard/login", headers={"origin": "https://evil.example"}),
+        ]
+    with signed_in(gateway, traffic.a.key) as client:
+        responses += [
+            client.get("/dashboard"),
+            client.get("/dashboard/data"),
+            client.get("/dashboard/data", params={"days": 0}),
+            client.get("/dashboard/data", params={"tenant": traffic.b.tenant_id}),
+            client.post("/dashboard/logout"),
+        ]
+    statuses = sorted({r.status_code for r in responses})
+    assert statuses == [200, 303, 400, 401, 403]
+    for r in responses:
+        assert r.headers.get("cache-control") == "no-store", (r.request.url, r.status_code)
+        assert r.headers.get("x-content-type-options") == "nosniff", (r.request.url, r.status_code)
+
+
 def test_sign_out_clears_the_session(gateway: RunningServer, traffic: Traffic) -> None:
     with signed_in(gateway, traffic.a.key) as client:
         r = client.post("/dashboard/logout")

@@ -3,6 +3,7 @@ serves an operator's and a tenant's whole flow over HTTP."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,3 +106,20 @@ def test_a_revoked_key_is_refused(pg_gateway: RunningServer, pg_admin: httpx.Cli
     assert pg_admin.delete(f"/admin/keys/{doomed.key_id}").status_code == 200
     with as_tenant(pg_gateway, doomed) as api:
         assert api.get("/v1/models").status_code == 401
+
+
+async def test_concurrent_first_quota_writes_all_apply(
+    pg_gateway: RunningServer, pg_admin: httpx.Client
+) -> None:
+    paths = [f"/admin/tenants/{new_tenant(pg_admin, 'pg-race').tenant_id}/quotas" for _ in range(4)]
+    writes = [{"rpm": 10}, {"tpm": 20}, {"max_concurrent": 30}] * 2
+    async with httpx.AsyncClient(
+        base_url=pg_gateway.url, headers=dict(pg_admin.headers), timeout=120
+    ) as client:
+        responses = await asyncio.gather(
+            *(client.put(path, json=body) for path in paths for body in writes)
+        )
+    assert {r.status_code for r in responses} == {200}, [r.text for r in responses]
+    for path in paths:
+        quota = json_of(pg_admin.get(path))
+        assert (quota["rpm"], quota["tpm"], quota["max_concurrent"]) == (10, 20, 30)

@@ -5,12 +5,15 @@ request are what its real usage implies."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from sqlalchemy import select
 
+from gateway.db import UsageEvent
 from gateway.server import RunningServer
 from tests.gateway.tenants import TenantKey, new_tenant
 
@@ -149,3 +152,21 @@ def test_a_finished_stream_frees_its_concurrency_slot(
     for _ in range(3):
         chunks = list(c.chat.completions.create(**chat(), stream=True))
         assert chunks
+
+
+def test_a_usage_event_records_when_its_request_was_admitted(
+    gateway: RunningServer, admin: httpx.Client
+) -> None:
+    """Budgets count an event in the period of its admission (see gateway.quotas.ledger)."""
+    tenant = limited(admin, token_budget=10_000, budget_period="day")
+    assert post(gateway, tenant, chat()).status_code == 200
+    gateway.run(gateway.state.usage.flush())
+
+    async def event() -> UsageEvent:
+        async with gateway.state.sessions() as session:
+            query = select(UsageEvent).where(UsageEvent.tenant_id == tenant.tenant_id)
+            return (await session.scalars(query)).one()
+
+    row = gateway.run(event())
+    assert row.admitted_at is not None and row.admitted_at <= row.created_at
+    assert row.created_at - row.admitted_at < timedelta(seconds=60)

@@ -11,6 +11,7 @@ from gateway.auth.api_keys import Principal
 from gateway.errors import InsufficientQuota
 from gateway.quotas import QuotaService
 from gateway.quotas.buckets import budget_period, scope_prefix
+from gateway.usage import UsageRecord, UsageRecorder
 from tests.gateway.quotas.rig import QuotaRig, refusal
 
 
@@ -101,3 +102,49 @@ async def test_after_redis_loses_a_ledger_old_reservations_leave_the_new_one_alo
     await (await svc.admit(p, 0, 0)).settle(0)  # rebuilds the ledger: 100 spent
     await running.settle(50)  # reserved in the lost ledger: not subtracted from the new one
     await assert_budget_left(svc, p, 900)
+
+
+async def test_a_request_spanning_a_period_boundary_is_charged_in_its_admission_period_only(
+    rig: QuotaRig,
+) -> None:
+    """Admitted at 23:59:59, finished at 00:00:01: its usage is charged to the day it reserved in,
+    in Redis and in SQL (where the next day's ledger is seeded from), and never to the next."""
+    svc, recorder = rig.service(), UsageRecorder(rig.sessions)
+    p = await rig.principal(tenant={"token_budget": 1000, "budget_period": "day"})
+    today = budget_period("day", datetime.fromtimestamp(rig.clock(), UTC))
+    rig.clock.now = today.end.timestamp() - 1
+    admission = await svc.admit(p, 100, 400)
+    rig.clock.now = today.end.timestamp() + 1
+    finished = datetime.fromtimestamp(rig.clock(), UTC)
+    recorder.record(usage(p, 100, 150, finished, admission.admitted_at))
+    await recorder.flush()  # in SQL before the next day's ledger is seeded from it
+    await admission.settle(250)
+
+    await assert_budget_left(svc, p, 1000)  # the next day: nothing charged
+    prefix = scope_prefix(p.tenant_id, None)
+    tomorrow = budget_period("day", finished)
+    assert await svc.redis.hget(f"{prefix}:budget:{today.name}", "spent") == b"250"
+    await svc.redis.delete(f"{prefix}:budget:{tomorrow.name}")  # as after a Redis restart
+    await assert_budget_left(svc, p, 1000)  # rebuilt from SQL: still nothing charged
+
+
+def usage(
+    p: Principal, prompt: int, completion: int, finished: datetime, admitted: datetime
+) -> UsageRecord:
+    """The usage event the gateway records for a request of `p` that ended at `finished`."""
+    return UsageRecord(
+        request_id="spanning",
+        tenant_id=p.tenant_id,
+        key_id=p.key_id,
+        model="m",
+        adapter_digest=None,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cached_tokens=0,
+        cache="miss",
+        status=200,
+        latency_ms=2000.0,
+        ttft_ms=None,
+        created_at=finished,
+        admitted_at=admitted,
+    )
