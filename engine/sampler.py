@@ -43,7 +43,10 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         sorted_probs, order = probs.sort(descending=True)
         cumulative = sorted_probs.cumsum(0)
         # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
+        # The most likely token always stays: a top_p that float32 rounds to 0 (1e-300) would
+        # otherwise drop every token.
         drop = cumulative - sorted_probs >= p.top_p
+        drop[0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator).item())

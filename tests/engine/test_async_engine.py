@@ -177,6 +177,8 @@ def _tokens(outs: list[RequestOutput]) -> list[int]:
         {"temperature": 5e-324},
         {"temperature": 1e-38, "top_p": 1e-300, "top_k": 10**30},
         {"temperature": 1e300},
+        {"temperature": 1.0, "top_p": 1e-300},
+        {"temperature": 0.7, "top_p": 5e-324, "seed": 3},
         {"temperature": 0.7, "seed": 2**64 + 5},
         {"temperature": 0.7, "seed": -1},
         {"temperature": 0.7, "seed": -(10**5000)},
@@ -203,6 +205,10 @@ async def test_a_temperature_below_the_floor_decodes_greedily(engine: AsyncEngin
         tiny = SamplingParams(max_tokens=12, ignore_eos=True, temperature=temperature, seed=i)
         got = _tokens(await _collect(engine, EngineRequest(f"tiny-{i}", tiny, prompt=prompt)))
         assert got == expected, temperature
+    # A nucleus too small for float32 keeps the most likely token alone: greedy as well.
+    nucleus = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_p=1e-300)
+    got = _tokens(await _collect(engine, EngineRequest("tiny-top-p", nucleus, prompt=prompt)))
+    assert got == expected
 
 
 async def test_seeds_are_taken_modulo_two_to_the_64(engine: AsyncEngine) -> None:
