@@ -17,6 +17,7 @@ from adapters.errors import AdapterError, FileTooLarge
 from engine.errors import (
     EngineOverloadedError,
     EngineStoppedError,
+    RequestFailedError,
     InvalidRequestError,
     PromptTooLongError,
     UnknownAdapterError,
@@ -147,6 +148,8 @@ def to_gateway_error(exc: Exception) -> GatewayError | None:
             return ServiceUnavailable(str(exc), code="engine_overloaded")
         case EngineStoppedError():
             return ServiceUnavailable(str(exc))
+        case RequestFailedError():
+            return InternalError(str(exc), code="request_failed")
         case FileTooLarge():
             return PayloadTooLarge(exc.message, code=exc.code)
         case AdapterError():

@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,22 @@ def demo_adapter_dirs(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFac
     from adapters.demo import build_demo_adapters
 
     return build_demo_adapters(demo_model_dir, tmp_path_factory.mktemp("demo-adapters"), 40, seed=0)
+
+
+@pytest.fixture(scope="session")
+def overflowing_adapter(
+    demo_adapter_dirs: list[Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    from tests.adapters.peft_adapters import edit_weights
+
+    """A valid PEFT adapter (finite weights) whose lora_B entries are 1e38: scaled and summed
+    in the forward pass they overflow float32, so its requests get infinite and NaN logits."""
+    folder = tmp_path_factory.mktemp("overflowing") / "adapter"
+    shutil.copytree(demo_adapter_dirs[0], folder)
+    edit_weights(
+        folder,
+        lambda tensors: {
+            name: torch.full_like(t, 1e38) if "lora_B" in name else t for name, t in tensors.items()
+        },
+    )
+    return folder

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineRequest, RequestOutput
-from tests.adapters.peft_adapters import edit_weights
 
 
 @pytest.fixture(scope="session")
@@ -24,23 +22,6 @@ def hf_model(demo_model_dir: Path) -> Any:
 @pytest.fixture(scope="session")
 def tokenizer(demo_model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(demo_model_dir)
-
-
-@pytest.fixture(scope="session")
-def overflowing_adapter(
-    demo_adapter_dirs: list[Path], tmp_path_factory: pytest.TempPathFactory
-) -> Path:
-    """A valid PEFT adapter (finite weights) whose lora_B entries are 1e38: scaled and summed
-    in the forward pass they overflow float32, so its requests get infinite and NaN logits."""
-    folder = tmp_path_factory.mktemp("overflowing") / "adapter"
-    shutil.copytree(demo_adapter_dirs[0], folder)
-    edit_weights(
-        folder,
-        lambda tensors: {
-            name: torch.full_like(t, 1e38) if "lora_B" in name else t for name, t in tensors.items()
-        },
-    )
-    return folder
 
 
 def hf_greedy(hf_model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:

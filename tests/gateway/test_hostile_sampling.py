@@ -14,7 +14,7 @@ import pytest
 
 from gateway.server import RunningServer
 from tests.gateway.servers import gateway_server
-from tests.gateway.tenants import TenantKey, new_tenant
+from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 
 
 @pytest.fixture(scope="module")
@@ -69,5 +69,24 @@ def test_a_hostile_sampling_request_never_stops_another_tenants_request(
         assert hostile.json()["error"]["param"] in sampling
     elif sampling["temperature"] < 1e-30:
         assert text(hostile) == text(chat(own_gateway, a, temperature=0))
+    after = chat(own_gateway, b, temperature=0)
+    assert after.status_code == 200, after.text
+
+
+def test_an_adapter_that_overflows_fails_its_own_request_alone(
+    own_gateway: RunningServer, tenants: tuple[TenantKey, TenantKey], overflowing_adapter: Path
+) -> None:
+    """A tenant's adapter whose weights overflow float32 yields non-finite logits: that request
+    gets a 500 `request_failed` (the engine's fault, not the request's), and the engine keeps
+    serving the other tenant."""
+    a, b = tenants
+    token = own_gateway.state.admin.mint("test-admin", ttl_seconds=600)
+    with httpx.Client(
+        base_url=own_gateway.url, headers={"authorization": f"Bearer {token}"}, timeout=60
+    ) as admin:
+        upload_adapter(admin, a.tenant_id, "overflowing", overflowing_adapter)
+    failed = chat(own_gateway, a, model="overflowing", temperature=0)
+    assert failed.status_code == 500, failed.text
+    assert failed.json()["error"]["code"] == "request_failed"
     after = chat(own_gateway, b, temperature=0)
     assert after.status_code == 200, after.text
