@@ -1,0 +1,307 @@
+"""Reading back what a load left behind, and checking it against what the clients saw: the engine
+idle (no KV block in use, no adapter slot pinned), no quota reservation open in Redis, every
+usage event written, and usage in SQL equal to what was received plus what was charged for
+requests whose clients left.
+
+The billing rule: a request is billed the prompt and completion tokens the engine computed for
+it, whether or not its client stayed to read them (a client that disconnects after the engine
+generated 20 tokens pays for 20); a cache hit is billed nothing; a refused request is billed
+nothing and leaves no usage event. Every request the gateway received has exactly one event.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import redis
+from sqlalchemy import select
+
+from gateway.db import UsageEvent
+from gateway.engine_client.local import LocalEngineClient
+from gateway.quotas.buckets import budget_period, scope_prefix
+from gateway.server import RunningServer
+from tests.reliability.traffic import Outcome, Tenant, eventually, on_gateway
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    request_id: str
+    tenant_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cache: str
+    status: int
+
+    @property
+    def billed(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+async def pending_usage_events(server: RunningServer) -> int:
+    """Usage events recorded but not yet in SQL: a flush writes them all; this counts what a
+    second flush still finds (0 when the recorder is drained)."""
+    await on_gateway(server, server.state.usage.flush())
+    return await on_gateway(server, server.state.usage.flush())
+
+
+async def usage_rows(server: RunningServer, tenants: Sequence[Tenant]) -> list[UsageRow]:
+    """Every usage event of `tenants` in SQL, after flushing the recorder."""
+    await on_gateway(server, server.state.usage.flush())
+
+    async def read() -> list[UsageRow]:
+        query = select(UsageEvent).where(UsageEvent.tenant_id.in_([t.id for t in tenants]))
+        async with server.state.sessions() as session:
+            events = (await session.scalars(query)).all()
+        return [
+            UsageRow(
+                e.request_id, e.tenant_id, e.prompt_tokens, e.completion_tokens, e.cache, e.status
+            )
+            for e in events
+        ]
+
+    return await on_gateway(server, read())
+
+
+# -- the engine and Redis at rest ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Residue:
+    """What requests still hold; all zero once every request has ended."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    pinned_adapter_slots: int
+    open_reservations: dict[str, list[str]]
+
+    @property
+    def idle(self) -> bool:
+        return (
+            self.running == self.waiting == self.kv_blocks_used == self.pinned_adapter_slots == 0
+            and not self.open_reservations
+        )
+
+
+async def residue(server: RunningServer, redis_url: str, tenants: Sequence[Tenant]) -> Residue:
+    stats = await on_gateway(server, server.state.engine.stats())
+    return Residue(
+        running=sum(s.running for s in stats),
+        waiting=sum(s.waiting for s in stats),
+        kv_blocks_used=sum(s.kv_blocks_used for s in stats),
+        pinned_adapter_slots=pinned_adapter_slots(server),
+        open_reservations=open_reservations(redis_url, tenants),
+    )
+
+
+async def settled_residue(
+    server: RunningServer, redis_url: str, tenants: Sequence[Tenant], seconds: float = 30
+) -> Residue:
+    """The residue once it is gone, or as it is after `seconds`."""
+    return await eventually(lambda: residue(server, redis_url, tenants), _idle, seconds)
+
+
+def _idle(r: Residue) -> bool:
+    return r.idle
+
+
+def pinned_adapter_slots(server: RunningServer) -> int:
+    """Pins on the in-process engine's adapter slots (a remote engine's are not visible: 0)."""
+    client = server.state.engine
+    if not isinstance(client, LocalEngineClient) or client.engine.engine.lora is None:
+        return 0
+    return sum(slot.pins for slot in client.engine.engine.lora.slots)
+
+
+def open_reservations(redis_url: str, tenants: Sequence[Tenant]) -> dict[str, list[str]]:
+    """Concurrency slots held and budget reservations not settled, by Redis key."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    out: dict[str, list[str]] = {}
+    try:
+        for t in tenants:
+            for key in client.scan_iter(match=f"lmx:q:{{{t.id}}}:*"):
+                if key.endswith(":conc"):
+                    members = list(client.zrange(key, 0, -1))
+                elif ":budget:" in key:
+                    members = [f for f in client.hkeys(key) if f != "spent"]
+                else:
+                    continue
+                if members:
+                    out[key] = members
+    finally:
+        client.close()
+    return out
+
+
+def budget_spent(redis_url: str, tenant: Tenant) -> int | None:
+    """Tokens today's budget ledger of the tenant says were spent (None: no ledger)."""
+    key = f"{scope_prefix(tenant.id, None)}:budget:{budget_period('day', datetime.now(UTC)).name}"
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        spent = client.hget(key, "spent")
+    finally:
+        client.close()
+    return None if spent is None else int(spent)
+
+
+# -- the books -----------------------------------------------------------------------------------
+def server_errors(outcomes: Sequence[Outcome]) -> list[str]:
+    """Every 5xx answer and every error event inside a stream."""
+    return [
+        f"#{o.plan.index} ({o.plan.ending}): {o.status} {o.stream_error or ''}"
+        for o in outcomes
+        if (o.status is not None and o.status >= 500) or o.stream_error is not None
+    ]
+
+
+def unfinished(outcomes: Sequence[Outcome]) -> list[str]:
+    """Requests read to their end that did not end as a whole answer with its usage."""
+    return [
+        f"#{o.plan.index}: status {o.status}, done {o.done}, finish {o.finish_reason}, "
+        f"usage {o.usage}"
+        for o in outcomes
+        if o.plan.ending == "complete"
+        and not (o.status == 200 and o.done and o.finish_reason and o.usage)
+    ]
+
+
+def misrefused(outcomes: Sequence[Outcome]) -> list[str]:
+    """Bad requests not refused with a 4xx (the planned status where it is not a plain 400)."""
+    return [
+        f"#{o.plan.index}: {o.status} for {o.plan.body[:80]!r}"
+        for o in outcomes
+        if o.plan.ending == "bad"
+        and not (
+            o.status == o.plan.expect or (o.plan.expect == 400 and 400 <= (o.status or 0) < 500)
+        )
+    ]
+
+
+def billing_errors(outcomes: Sequence[Outcome], rows: Sequence[UsageRow]) -> list[str]:
+    """Where usage in SQL departs from what clients received (see the module docstring)."""
+    problems: list[str] = []
+    by_id: dict[str, list[UsageRow]] = defaultdict(list)
+    for row in rows:
+        by_id[row.request_id].append(row)
+    prompt_tokens = {
+        o.plan.messages_key: o.usage["prompt_tokens"] for o in outcomes if o.usage is not None
+    }
+    seen = {o.request_id for o in outcomes if o.request_id is not None}
+    for o in outcomes:
+        if o.request_id is None:
+            continue
+        found = by_id.get(o.request_id, [])
+        if o.plan.ending == "bad" or (o.status or 0) >= 400:
+            if found:
+                problems.append(f"#{o.plan.index}: refused with {o.status} yet metered {found}")
+            continue
+        if len(found) != 1:
+            problems.append(f"#{o.plan.index} ({o.plan.ending}): {len(found)} usage events")
+            continue
+        row = found[0]
+        if o.received_all:
+            problems += _received(o, row)
+        else:
+            problems += _left_early(o, row, prompt_tokens.get(o.plan.messages_key))
+    # Requests cancelled before their response head: the client never learnt their id.
+    unmatched = [r for r in rows if r.request_id not in seen]
+    for tenant_id in {r.tenant_id for r in rows} | {o.tenant_id for o in outcomes}:
+        sent = [
+            o
+            for o in outcomes
+            if o.tenant_id == tenant_id
+            and o.plan.ending != "bad"
+            and o.body_sent
+            and o.request_id is None
+        ]
+        mine = [r for r in unmatched if r.tenant_id == tenant_id]
+        if len(mine) != len(sent):
+            problems.append(
+                f"tenant {tenant_id}: {len(sent)} requests cancelled before their answer's head "
+                f"reached the gateway, {len(mine)} usage events without a known request id"
+            )
+    return problems
+
+
+def _received(o: Outcome, row: UsageRow) -> list[str]:
+    assert o.usage is not None or o.status != 200
+    expected = (0, 0) if o.cache in ("exact", "semantic") else _tokens(o)
+    got = (row.prompt_tokens, row.completion_tokens)
+    problems = []
+    if got != expected:
+        problems.append(f"#{o.plan.index}: received usage {_tokens(o)} ({o.cache}), billed {got}")
+    if row.status != 200:
+        problems.append(f"#{o.plan.index}: answered 200 but metered with status {row.status}")
+    return problems
+
+
+def _left_early(o: Outcome, row: UsageRow, prompt: int | None) -> list[str]:
+    """A client that left was billed what the engine computed: the whole prompt, and at least
+    the completion tokens it was sent (every content chunk holds one or more) up to max_tokens."""
+    problems = []
+    if prompt is None or row.prompt_tokens != prompt:
+        problems.append(
+            f"#{o.plan.index} ({o.plan.ending} after {o.content_chunks} chunks): billed "
+            f"{row.prompt_tokens} prompt tokens, the prompt has {prompt}"
+        )
+    if not o.content_chunks <= row.completion_tokens <= o.plan.max_tokens:
+        problems.append(
+            f"#{o.plan.index} ({o.plan.ending}): billed {row.completion_tokens} completion tokens "
+            f"after sending {o.content_chunks} content chunks (max_tokens {o.plan.max_tokens})"
+        )
+    return problems
+
+
+def _tokens(o: Outcome) -> tuple[int, int]:
+    assert o.usage is not None
+    return o.usage["prompt_tokens"], o.usage["completion_tokens"]
+
+
+def totals(outcomes: Sequence[Outcome], rows: Sequence[UsageRow]) -> dict[str, tuple[int, int]]:
+    """Per tenant: (billed in SQL, received by clients + charged to clients that left)."""
+    seen = {o.request_id for o in outcomes if o.received_all and o.request_id is not None}
+    out: dict[str, tuple[int, int]] = {}
+    for tenant_id in {r.tenant_id for r in rows} | {o.tenant_id for o in outcomes}:
+        sql = sum(r.billed for r in rows if r.tenant_id == tenant_id)
+        received = sum(
+            o.billed_as_received
+            for o in outcomes
+            if o.tenant_id == tenant_id and o.received_all and o.status == 200
+        )
+        charged = sum(
+            r.billed for r in rows if r.tenant_id == tenant_id and r.request_id not in seen
+        )
+        out[tenant_id] = (sql, received + charged)
+    return out
+
+
+def cache_leaks(outcomes: Sequence[Outcome]) -> list[str]:
+    """Cache hits that no earlier request of the same tenant, for the same body, could have
+    stored (one tenant answered from another's entry), or whose text differs from it."""
+    misses: dict[tuple[str, str], list[Outcome]] = defaultdict(list)
+    for o in outcomes:
+        if o.plan.deterministic and o.status == 200 and o.cache not in ("exact", "semantic"):
+            misses[(o.tenant_id, _cache_key(o))].append(o)
+    problems = []
+    for o in outcomes:
+        if o.cache not in ("exact", "semantic"):
+            continue
+        sources = [m for m in misses[(o.tenant_id, _cache_key(o))] if m.started < o.ended]
+        if not sources:
+            problems.append(f"#{o.plan.index}: a {o.cache} hit no request of its tenant stored")
+        elif o.text != sources[0].text:
+            problems.append(f"#{o.plan.index}: hit text {o.text!r} != {sources[0].text!r}")
+    return problems
+
+
+def _cache_key(o: Outcome) -> str:
+    body = json.loads(o.plan.body)
+    body.pop("stream", None)
+    body.pop("stream_options", None)
+    return json.dumps(body, sort_keys=True)
+
+
+def statuses(outcomes: Sequence[Outcome]) -> Counter[tuple[str, int | None]]:
+    return Counter((o.plan.ending, o.status) for o in outcomes)

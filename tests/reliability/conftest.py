@@ -1,0 +1,21 @@
+"""A gateway of the reliability suite's own: uvicorn on loopback, SQLite, the in-process engine
+on the demo model, the session's Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.server import RunningServer
+from tests.reliability.traffic import gateway_settings, serve
+
+
+@pytest.fixture(scope="session")
+def gateway(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_url: str
+) -> Iterator[RunningServer]:
+    settings = gateway_settings(demo_model_dir, tmp_path_factory.mktemp("reliability-gateway"))
+    with serve(settings, redis_url) as server:
+        yield server
