@@ -24,7 +24,8 @@ from gateway.db import UsageEvent
 from gateway.engine_client.local import LocalEngineClient
 from gateway.quotas.buckets import budget_period, scope_prefix
 from gateway.server import RunningServer
-from tests.reliability.traffic import Outcome, Tenant, eventually, on_gateway
+from tests.reliability.rig import eventually, on_gateway
+from tests.reliability.traffic import Outcome, Tenant
 
 
 @dataclass(frozen=True)
@@ -50,20 +51,19 @@ async def pending_usage_events(server: RunningServer) -> int:
 
 async def usage_rows(server: RunningServer, tenants: Sequence[Tenant]) -> list[UsageRow]:
     """Every usage event of `tenants` in SQL, after flushing the recorder."""
-    await on_gateway(server, server.state.usage.flush())
+    return await on_gateway(server, stored_usage(server, tenants))
 
-    async def read() -> list[UsageRow]:
-        query = select(UsageEvent).where(UsageEvent.tenant_id.in_([t.id for t in tenants]))
-        async with server.state.sessions() as session:
-            events = (await session.scalars(query)).all()
-        return [
-            UsageRow(
-                e.request_id, e.tenant_id, e.prompt_tokens, e.completion_tokens, e.cache, e.status
-            )
-            for e in events
-        ]
 
-    return await on_gateway(server, read())
+async def stored_usage(server: RunningServer, tenants: Sequence[Tenant]) -> list[UsageRow]:
+    """`usage_rows`, to run on the gateway's event loop (`server.run`, from another thread)."""
+    await server.state.usage.flush()
+    query = select(UsageEvent).where(UsageEvent.tenant_id.in_([t.id for t in tenants]))
+    async with server.state.sessions() as session:
+        events = (await session.scalars(query)).all()
+    return [
+        UsageRow(e.request_id, e.tenant_id, e.prompt_tokens, e.completion_tokens, e.cache, e.status)
+        for e in events
+    ]
 
 
 # -- the engine and Redis at rest ---------------------------------------------------------------
@@ -116,14 +116,17 @@ def pinned_adapter_slots(server: RunningServer) -> int:
 
 
 def open_reservations(redis_url: str, tenants: Sequence[Tenant]) -> dict[str, list[str]]:
-    """Concurrency slots held and budget reservations not settled, by Redis key."""
+    """Concurrency slots held (their lease not expired) and budget reservations not settled, by
+    Redis key."""
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     out: dict[str, list[str]] = {}
     try:
+        seconds, micros = client.time()
+        now_ms = seconds * 1000 + micros // 1000
         for t in tenants:
             for key in client.scan_iter(match=f"lmx:q:{{{t.id}}}:*"):
                 if key.endswith(":conc"):
-                    members = list(client.zrange(key, 0, -1))
+                    members = list(client.zrangebyscore(key, now_ms, "+inf"))
                 elif ":budget:" in key:
                     members = [f for f in client.hkeys(key) if f != "spent"]
                 else:
@@ -154,6 +157,21 @@ def server_errors(outcomes: Sequence[Outcome]) -> list[str]:
         for o in outcomes
         if (o.status is not None and o.status >= 500) or o.stream_error is not None
     ]
+
+
+def unclean_failures(outcomes: Sequence[Outcome], codes: set[str] | None = None) -> list[str]:
+    """Answers other than 200 or a 503 (with an error code in `codes`, unless None), at the
+    head or inside a stream: how a request may fail while a part is down."""
+    problems = []
+    for o in outcomes:
+        error = o.error if o.status != 200 else o.stream_error
+        if o.status == 200 and error is None:
+            continue
+        code = (error or {}).get("code")
+        head_ok = o.status in (200, 503)
+        if o.status is None or not head_ok or (codes is not None and code not in codes):
+            problems.append(f"#{o.plan.index}: {o.status} {error}")
+    return problems
 
 
 def unfinished(outcomes: Sequence[Outcome]) -> list[str]:
@@ -222,6 +240,22 @@ def billing_errors(outcomes: Sequence[Outcome], rows: Sequence[UsageRow]) -> lis
                 f"tenant {tenant_id}: {len(sent)} requests cancelled before their answer's head "
                 f"reached the gateway, {len(mine)} usage events without a known request id"
             )
+    return problems
+
+
+def unbilled(outcomes: Sequence[Outcome], rows: Sequence[UsageRow]) -> list[str]:
+    """Requests answered whole whose usage event is missing or wrong, and request ids metered
+    more than once: what a fault must never cause."""
+    count = Counter(r.request_id for r in rows)
+    by_id = {r.request_id: r for r in rows}
+    problems = [f"{rid}: {n} usage events" for rid, n in count.items() if n > 1]
+    for o in outcomes:
+        if o.status == 200 and o.done and o.usage is not None and o.stream_error is None:
+            row = by_id.get(o.request_id or "")
+            if row is None:
+                problems.append(f"#{o.plan.index}: answered, {o.usage}, but no usage event")
+            else:
+                problems += _received(o, row)
     return problems
 
 

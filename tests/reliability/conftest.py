@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway.server import RunningServer
-from tests.reliability.traffic import gateway_settings, serve
+from tests.reliability.rig import gateway_settings, serve
 
 
 @pytest.fixture(scope="session")

@@ -14,15 +14,8 @@ import pytest
 
 from gateway.server import RunningServer
 from tests.reliability import books
-from tests.reliability.traffic import (
-    Mix,
-    Outcome,
-    Tenant,
-    admin_client,
-    make_tenants,
-    plan_requests,
-    run_load,
-)
+from tests.reliability.rig import admin_client, make_tenants
+from tests.reliability.traffic import Mix, Outcome, Tenant, plan_requests, run_load
 
 REQUESTS = int(os.environ.get("LORAMUX_SOAK_REQUESTS", "2000"))
 CONCURRENCY = 24

@@ -1,5 +1,5 @@
-"""Load for the reliability suite and the soak benchmark: tenants, a seeded mix of requests that
-end in every way a client can end them, a client that records what it received, and a runner.
+"""Load for the reliability suite and the soak benchmark: a seeded mix of requests that end in
+every way a client can end them, a client that records what it received, and a runner.
 
 A request's `Plan` says how its client ends it:
 - `complete`: reads the whole answer (streamed with `include_usage`, or one JSON object);
@@ -18,76 +18,26 @@ whose client saw it finish.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import httpx
 
-from gateway.db.migrate import upgrade
-from gateway.server import RunningServer, engine_client, serve_in_thread
-from gateway.settings import EngineSettings, QuotaSettings, ServerSettings, Settings
-from tests.gateway.tenants import new_tenant, upload_adapter
-
-T = TypeVar("T")
 Ending = Literal["complete", "disconnect", "cancel", "bad"]
 
 OWN_ADAPTER = "assistant"
 """Every tenant owns an adapter of this name (a different one each): names resolve per tenant."""
 SHARED_ADAPTER = "shared-helper"
-GENEROUS = {"rpm": 1_000_000, "tpm": 2_000_000_000, "max_concurrent": 100_000}
-GENEROUS_BUDGET = {"token_budget": 10**12, "budget_period": "day"}
-
 TOPICS = """paging sorting hashing parsing caching batching routing hashing queues trees graphs
 tokens kernels adapters tenants quotas budgets streams sockets threads""".split()  # noqa: SIM905
 
 
-# -- a gateway ---------------------------------------------------------------------------------
-def gateway_settings(
-    model_dir: Path,
-    data_dir: Path,
-    *,
-    database_url: str | None = None,
-    engine_urls: tuple[str, ...] = (),
-    quotas: QuotaSettings | None = None,
-) -> Settings:
-    """The reliability suite's gateway: the demo model, a small context and KV pool, a short
-    key cache, quotas as given."""
-    return Settings(
-        data_dir=data_dir,
-        model=model_dir,
-        engine=EngineSettings(max_model_len=512, kv_cache_mb=32),
-        server=ServerSettings(
-            database_url=database_url,
-            model_name="demo-model",
-            key_cache_seconds=0.5,
-            engine_urls=engine_urls,
-        ),
-        quotas=quotas or QuotaSettings(),
-    )
-
-
-def serve(settings: Settings, redis_url: str) -> Any:
-    """A migrated gateway on loopback (a context manager yielding RunningServer)."""
-    upgrade(settings.database_url)
-    assert settings.model is not None
-    return serve_in_thread(
-        settings, engine_client(settings, settings.model), settings.model, redis_url=redis_url
-    )
-
-
-def admin_client(server: RunningServer) -> httpx.Client:
-    token = server.state.admin.mint("reliability", ttl_seconds=3600)
-    return httpx.Client(
-        base_url=server.url, headers={"authorization": f"Bearer {token}"}, timeout=120
-    )
-
-
-# -- tenants -----------------------------------------------------------------------------------
+# -- who sends -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Tenant:
     id: str
@@ -97,24 +47,6 @@ class Tenant:
     @property
     def auth(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.key}"}
-
-
-def make_tenants(
-    admin: httpx.Client, count: int, adapter_dirs: Sequence[Path], budget: bool = True
-) -> list[Tenant]:
-    """`count` tenants with generous quotas (a token budget too, when `budget`), each owning an
-    adapter named OWN_ADAPTER; plus one shared adapter (uploaded once per gateway)."""
-    if admin.get(f"/admin/adapters/shared/{SHARED_ADAPTER}").status_code == 404:
-        upload_adapter(admin, "shared", SHARED_ADAPTER, adapter_dirs[0])
-    tenants = []
-    for i in range(count):
-        t = new_tenant(admin, f"soak{i}")
-        quotas = GENEROUS | (GENEROUS_BUDGET if budget else {})
-        r = admin.put(f"/admin/tenants/{t.tenant_id}/quotas", json=quotas)
-        assert r.status_code == 200, r.text
-        upload_adapter(admin, t.tenant_id, OWN_ADAPTER, adapter_dirs[1 + i])
-        tenants.append(Tenant(t.tenant_id, t.key_id, t.key))
-    return tenants
 
 
 # -- plans -------------------------------------------------------------------------------------
@@ -152,7 +84,8 @@ class Plan:
     """The status a `bad` request must get (any 4xx is accepted where this is 400)."""
 
 
-def plan_requests(count: int, tenants: int, mix: Mix, seed: int) -> list[Plan]:
+def plan_requests(count: int | None, tenants: int, mix: Mix, seed: int) -> Iterator[Plan]:
+    """`count` planned requests (endless when None), the same for the same seed."""
     rng = random.Random(seed)
     models = ["demo-model", OWN_ADAPTER, SHARED_ADAPTER]
     # One pool for every tenant: a response cache that mixed tenants up would answer one
@@ -160,13 +93,12 @@ def plan_requests(count: int, tenants: int, mix: Mix, seed: int) -> list[Plan]:
     pool = [
         (rng.choice(models), _message(rng), rng.randint(*mix.max_tokens)) for _ in range(mix.pool)
     ]
-    plans = []
-    for i in range(count):
+    for i in itertools.count() if count is None else range(count):
         tenant = rng.randrange(tenants)
         roll = rng.random()
         if roll < mix.bad:
             body, expect = rng.choice(BAD_BODIES)
-            plans.append(Plan(i, tenant, "bad", False, body, "", 0, False, expect=expect))
+            yield Plan(i, tenant, "bad", False, body, "", 0, False, expect=expect)
             continue
         roll -= mix.bad
         ending: Ending = "complete"
@@ -194,21 +126,18 @@ def plan_requests(count: int, tenants: int, mix: Mix, seed: int) -> list[Plan]:
         }
         if stream:
             body["stream_options"] = {"include_usage": True}
-        plans.append(
-            Plan(
-                i,
-                tenant,
-                ending,
-                stream,
-                json.dumps(body).encode(),
-                message,
-                max_tokens,
-                deterministic,
-                after_chunks=rng.randint(0, 3),
-                cancel_after=rng.uniform(0.0, 0.3),
-            )
+        yield Plan(
+            i,
+            tenant,
+            ending,
+            stream,
+            json.dumps(body).encode(),
+            message,
+            max_tokens,
+            deterministic,
+            after_chunks=rng.randint(0, 3),
+            cancel_after=rng.uniform(0.0, 0.3),
         )
-    return plans
 
 
 def _message(rng: random.Random) -> str:
@@ -252,6 +181,8 @@ class Outcome:
     finish_reason: str | None = None
     done: bool = False
     """A stream ended with `data: [DONE]`; a JSON answer was read whole."""
+    error: dict[str, Any] | None = None
+    """The error object of a refusal (a response head other than 200)."""
     stream_error: dict[str, Any] | None = None
     """An error event sent inside a stream."""
     received_all: bool = False
@@ -309,6 +240,8 @@ async def _read_whole(http: httpx.AsyncClient, request: httpx.Request, o: Outcom
         o.usage = body.get("usage")
         o.text = body["choices"][0]["message"]["content"] or ""
         o.finish_reason = body["choices"][0]["finish_reason"]
+    else:
+        o.error = _error_of(response)
     o.done = o.received_all = True
 
 
@@ -318,6 +251,7 @@ async def _read_stream(http: httpx.AsyncClient, request: httpx.Request, o: Outco
         _head(response, o)
         if response.status_code != 200:
             await response.aread()
+            o.error = _error_of(response)
             o.received_all = True
             return
         leave = o.plan.ending == "disconnect"
@@ -334,6 +268,14 @@ def _head(response: httpx.Response, o: Outcome) -> None:
     o.status = response.status_code
     o.request_id = response.headers.get("x-request-id")
     o.cache = response.headers.get("x-cache")
+
+
+def _error_of(response: httpx.Response) -> dict[str, Any] | None:
+    try:
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return error if isinstance(error, dict) else None
 
 
 def _event(line: str, o: Outcome) -> None:
@@ -359,47 +301,43 @@ def _event(line: str, o: Outcome) -> None:
 
 @dataclass
 class Run:
+    """Outcomes in the order requests ended, filled while the load runs."""
+
     outcomes: list[Outcome] = field(default_factory=list)
     seconds: float = 0.0
 
+    def since(self, index: int) -> list[Outcome]:
+        """Outcomes of requests planned from `index` on."""
+        return [o for o in self.outcomes if o.plan.index >= index]
+
 
 async def run_load(
-    base_url: str, tenants: Sequence[Tenant], plans: Sequence[Plan], concurrency: int
+    base_url: str,
+    tenants: Sequence[Tenant],
+    plans: Iterable[Plan],
+    concurrency: int,
+    run: Run | None = None,
+    until: asyncio.Event | None = None,
+    backoff: float = 0.0,
 ) -> Run:
-    """Send every plan from `concurrency` workers (a finished request starts the next one);
-    outcomes in plan order."""
+    """Send the plans from `concurrency` workers (a finished request starts the next one) until
+    they run out or `until` is set; outcomes go into `run` as requests end. A worker whose
+    request was refused with a 5xx waits `backoff` seconds before its next, as clients do."""
+    run = run if run is not None else Run()
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
-    outcomes: dict[int, Outcome] = {}
     pending = iter(plans)
     started = time.monotonic()
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=120) as http:
 
         async def worker() -> None:
             for plan in pending:
-                outcomes[plan.index] = await send(http, tenants[plan.tenant], plan)
+                outcome = await send(http, tenants[plan.tenant], plan)
+                run.outcomes.append(outcome)
+                if until is not None and until.is_set():
+                    return
+                if (outcome.status or 0) >= 500 or outcome.stream_error is not None:
+                    await asyncio.sleep(backoff)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return Run([outcomes[p.index] for p in plans], time.monotonic() - started)
-
-
-# -- waiting -----------------------------------------------------------------------------------
-async def eventually(
-    read: Callable[[], Awaitable[T]], holds: Callable[[T], bool], seconds: float
-) -> T:
-    """The first reading for which `holds` is true, or the last one once `seconds` passed."""
-    deadline = time.monotonic() + seconds
-    while True:
-        value = await read()
-        if holds(value) or time.monotonic() > deadline:
-            return value
-        await asyncio.sleep(0.05)
-
-
-def on_gateway(server: RunningServer, coro: Awaitable[T]) -> Awaitable[T]:
-    """Await `coro` on the gateway's event loop (its database and Redis clients live there)."""
-    return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, server.loop))  # type: ignore[arg-type]
-
-
-def by_ending(outcomes: Sequence[Outcome]) -> Iterator[tuple[Ending, list[Outcome]]]:
-    for ending in ("complete", "disconnect", "cancel", "bad"):
-        yield ending, [o for o in outcomes if o.plan.ending == ending]  # type: ignore[misc]
+    run.seconds = time.monotonic() - started
+    return run
