@@ -177,4 +177,3 @@ async def test_nothing_stays_held_in_the_new_engine_or_in_redis(
     left = await books.settled_residue(remote_gateway, redis_url, killed.tenants)
     assert (left.running, left.waiting, left.kv_blocks_used) == (0, 0, 0)
     assert left.open_reservations == {}
-
