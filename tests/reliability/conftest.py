@@ -1,5 +1,5 @@
-"""A gateway of the reliability suite's own: uvicorn on loopback, SQLite, the in-process engine
-on the demo model, the session's Redis."""
+"""A gateway of the reliability suite's own (uvicorn on loopback, SQLite, the in-process engine on
+the demo model, the session's Redis) and the few adapters its tenants own and share."""
 
 from __future__ import annotations
 
@@ -10,6 +10,14 @@ import pytest
 
 from gateway.server import RunningServer
 from tests.reliability.rig import gateway_settings, serve
+
+
+@pytest.fixture(scope="session")
+def adapter_dirs(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Five PEFT adapters for the demo model (the session's forty take far longer to build)."""
+    from adapters.demo import build_demo_adapters
+
+    return build_demo_adapters(demo_model_dir, tmp_path_factory.mktemp("adapters"), 5, seed=1)
 
 
 @pytest.fixture(scope="session")

@@ -60,10 +60,10 @@ def felt(outcomes: list[Outcome]) -> bool:
 async def stopped(
     postgres_gateway: RunningServer,
     postgres_server: PostgresServer,
-    demo_adapter_dirs: list[Path],
+    adapter_dirs: list[Path],
 ) -> DatabaseDrill:
     with admin_client(postgres_gateway) as admin:
-        tenants = make_tenants(admin, 2, demo_adapter_dirs)
+        tenants = make_tenants(admin, 2, adapter_dirs)
     try:
         d = await drill(
             postgres_gateway,

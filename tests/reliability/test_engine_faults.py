@@ -135,10 +135,10 @@ def failed_cleanly(outcomes: list[Outcome]) -> bool:
 
 @pytest.fixture(scope="module")
 async def killed(
-    remote_gateway: RunningServer, engine_process: EngineProcess, demo_adapter_dirs: list[Path]
+    remote_gateway: RunningServer, engine_process: EngineProcess, adapter_dirs: list[Path]
 ) -> EngineDrill:
     with admin_client(remote_gateway) as admin:
-        tenants = make_tenants(admin, 2, demo_adapter_dirs)
+        tenants = make_tenants(admin, 2, adapter_dirs)
     d = await drill(
         remote_gateway,
         tenants,

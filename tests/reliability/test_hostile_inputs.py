@@ -164,9 +164,9 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-def pair(gateway: RunningServer, demo_adapter_dirs: list[Path]) -> Pair:
+def pair(gateway: RunningServer, adapter_dirs: list[Path]) -> Pair:
     with admin_client(gateway) as admin:
-        hostile, other = make_tenants(admin, 2, demo_adapter_dirs)
+        hostile, other = make_tenants(admin, 2, adapter_dirs)
     return Pair(hostile, other)
 
 

@@ -88,9 +88,9 @@ def refused_and_served(
 
 @pytest.fixture(scope="module")
 async def paused(
-    gateway_on_it: RunningServer, redis_alone: RedisServer, demo_adapter_dirs: list[Path]
+    gateway_on_it: RunningServer, redis_alone: RedisServer, adapter_dirs: list[Path]
 ) -> RedisDrill:
-    limited, unlimited = tenants(gateway_on_it, demo_adapter_dirs)
+    limited, unlimited = tenants(gateway_on_it, adapter_dirs)
     d = await drill(
         gateway_on_it,
         [limited, unlimited],
@@ -104,9 +104,9 @@ async def paused(
 
 @pytest.fixture(scope="module")
 async def restarted(
-    gateway_on_it: RunningServer, redis_alone: RedisServer, demo_adapter_dirs: list[Path]
+    gateway_on_it: RunningServer, redis_alone: RedisServer, adapter_dirs: list[Path]
 ) -> RedisDrill:
-    limited, unlimited = tenants(gateway_on_it, demo_adapter_dirs)
+    limited, unlimited = tenants(gateway_on_it, adapter_dirs)
     billed: list[int] = []
 
     def restart() -> None:

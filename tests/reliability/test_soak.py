@@ -33,9 +33,9 @@ class Soak:
 
 
 @pytest.fixture(scope="module")
-async def soak(gateway: RunningServer, redis_url: str, demo_adapter_dirs: list[Path]) -> Soak:
+async def soak(gateway: RunningServer, redis_url: str, adapter_dirs: list[Path]) -> Soak:
     with admin_client(gateway) as admin:
-        tenants = make_tenants(admin, 3, demo_adapter_dirs)
+        tenants = make_tenants(admin, 3, adapter_dirs)
     plans = plan_requests(REQUESTS, len(tenants), Mix(), SEED)
     run = await run_load(gateway.url, tenants, plans, CONCURRENCY)
     residue = await books.settled_residue(gateway, redis_url, tenants)
