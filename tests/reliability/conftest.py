@@ -1,5 +1,6 @@
-"""A gateway of the reliability suite's own (uvicorn on loopback, SQLite, the in-process engine on
-the demo model, the session's Redis) and the few adapters its tenants own and share."""
+"""A gateway per test module (uvicorn on loopback, SQLite, the in-process engine on the demo
+model, the session's Redis: what one module's hostile requests do to it cannot fail another
+module's tests) and the few adapters the tenants own and share."""
 
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ def adapter_dirs(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     return build_demo_adapters(demo_model_dir, tmp_path_factory.mktemp("adapters"), 5, seed=1)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gateway(
     demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_url: str
 ) -> Iterator[RunningServer]:
-    settings = gateway_settings(demo_model_dir, tmp_path_factory.mktemp("reliability-gateway"))
+    settings = gateway_settings(demo_model_dir, tmp_path_factory.mktemp("gateway"))
     with serve(settings, redis_url) as server:
         yield server
