@@ -153,7 +153,7 @@ def budget_spent(redis_url: str, tenant: Tenant) -> int | None:
 def server_errors(outcomes: Sequence[Outcome]) -> list[str]:
     """Every 5xx answer and every error event inside a stream."""
     return [
-        f"#{o.plan.index} ({o.plan.ending}): {o.status} {o.stream_error or ''}"
+        f"#{o.plan.index} ({o.plan.ending}): {o.status} {o.error or o.stream_error or ''}"
         for o in outcomes
         if (o.status is not None and o.status >= 500) or o.stream_error is not None
     ]
@@ -223,24 +223,48 @@ def billing_errors(outcomes: Sequence[Outcome], rows: Sequence[UsageRow]) -> lis
             problems += _received(o, row)
         else:
             problems += _left_early(o, row, prompt_tokens.get(o.plan.messages_key))
-    # Requests cancelled before their response head: the client never learnt their id.
-    unmatched = [r for r in rows if r.request_id not in seen]
-    for tenant_id in {r.tenant_id for r in rows} | {o.tenant_id for o in outcomes}:
-        sent = [
+    problems += _cancelled_unseen(outcomes, [r for r in rows if r.request_id not in seen])
+    return problems
+
+
+def _cancelled_unseen(outcomes: Sequence[Outcome], unmatched: Sequence[UsageRow]) -> list[str]:
+    """Usage events whose request id no client learnt: requests cancelled before their answer's
+    head. A cancelled request whose body never reached the socket does not exist; one whose
+    body did may still never be read by the gateway (the client left first), so per tenant
+    there are at most as many such events as requests cancelled after sending, and each bills
+    one of their prompts and at most their max_tokens."""
+    problems = []
+    for tenant_id in {r.tenant_id for r in unmatched} | {o.tenant_id for o in outcomes}:
+        cancelled = [
             o
             for o in outcomes
             if o.tenant_id == tenant_id
-            and o.plan.ending != "bad"
+            and o.plan.ending == "cancel"
             and o.body_sent
             and o.request_id is None
         ]
         mine = [r for r in unmatched if r.tenant_id == tenant_id]
-        if len(mine) != len(sent):
+        if len(mine) > len(cancelled):
             problems.append(
-                f"tenant {tenant_id}: {len(sent)} requests cancelled before their answer's head "
-                f"reached the gateway, {len(mine)} usage events without a known request id"
+                f"tenant {tenant_id}: {len(mine)} usage events of unknown requests, "
+                f"{len(cancelled)} requests cancelled before their answer"
             )
+        prompts = {_prompt_of(outcomes, o) for o in cancelled}
+        most = max((o.plan.max_tokens for o in cancelled), default=0)
+        problems += [
+            f"tenant {tenant_id}: {r} bills no cancelled request's prompt and max_tokens"
+            for r in mine
+            if r.prompt_tokens not in prompts or r.completion_tokens > most
+        ]
     return problems
+
+
+def _prompt_of(outcomes: Sequence[Outcome], cancelled: Outcome) -> int | None:
+    """Prompt tokens of the cancelled request's message, as another request's usage shows."""
+    for o in outcomes:
+        if o.usage is not None and o.plan.messages_key == cancelled.plan.messages_key:
+            return o.usage["prompt_tokens"]
+    return None
 
 
 def unbilled(outcomes: Sequence[Outcome], rows: Sequence[UsageRow]) -> list[str]:

@@ -5,6 +5,7 @@ which something fails and comes back (`drill`)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -15,7 +16,13 @@ import httpx
 
 from gateway.db.migrate import upgrade
 from gateway.server import RunningServer, engine_client, serve_in_thread
-from gateway.settings import EngineSettings, QuotaSettings, ServerSettings, Settings
+from gateway.settings import (
+    CacheSettings,
+    EngineSettings,
+    QuotaSettings,
+    ServerSettings,
+    Settings,
+)
 from tests.gateway.tenants import new_tenant, upload_adapter
 from tests.reliability.traffic import (
     OWN_ADAPTER,
@@ -49,9 +56,13 @@ def gateway_settings(
     engine_urls: tuple[str, ...] = (),
     engine_token: str | None = None,
     quotas: QuotaSettings | None = None,
+    redis_timeout_ms: int | None = None,
 ) -> Settings:
     """The reliability suite's gateway: the demo model, a small context and KV pool, a short
-    key cache, quotas as given."""
+    key cache, quotas as given; `redis_timeout_ms` replaces the default time the quotas and the
+    response cache wait for Redis."""
+    if redis_timeout_ms is not None:
+        quotas = dataclasses.replace(quotas or QuotaSettings(), redis_timeout_ms=redis_timeout_ms)
     return Settings(
         data_dir=data_dir,
         model=model_dir,
@@ -64,6 +75,9 @@ def gateway_settings(
             engine_token=engine_token,
         ),
         quotas=quotas or QuotaSettings(),
+        cache=CacheSettings(redis_timeout_ms=redis_timeout_ms)
+        if redis_timeout_ms is not None
+        else CacheSettings(),
     )
 
 

@@ -52,7 +52,8 @@ def fuzz(gateway: RunningServer, token: str, paths: str, report: Path) -> None:
         "--report-junit-path",
         str(report),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=150)
+    # Run from the test's folder: schemathesis keeps a cache in `.schemathesis/` of its cwd.
+    done = subprocess.run(command, capture_output=True, text=True, timeout=150, cwd=report.parent)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
 
 
