@@ -66,7 +66,8 @@ def _run(command: list[str], cwd: Path) -> None:
 @dataclass(frozen=True)
 class PostgresServer:
     """One running server: `url` of its database `loramux_test`; `stop` and `start` it again
-    (the same port and data, as after a crash: `stop` does not wait for clients)."""
+    (the same port and data). `stop` does not wait for clients: it ends their sessions. (Not an
+    immediate stop: with durability off, that would lose the last commits.)"""
 
     url: str
     pg_ctl: list[str]
@@ -74,7 +75,7 @@ class PostgresServer:
     root: Path
 
     def stop(self) -> None:
-        _run([*self.pg_ctl, "-m", "immediate", "-w", "stop"], self.root)
+        _run([*self.pg_ctl, "-m", "fast", "-w", "stop"], self.root)
 
     def start(self) -> None:
         log = self.root / "server.log"
@@ -106,7 +107,7 @@ def running_postgres(bin_dir: Path) -> Iterator[PostgresServer]:
             _run([*createdb, "-U", "postgres", DATABASE], root)
             yield server
         finally:
-            _run([*pg_ctl, "-m", "fast", "-w", "stop"], root)
+            server.stop()
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

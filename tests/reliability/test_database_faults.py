@@ -1,4 +1,4 @@
-"""PostgreSQL stopped (immediate shutdown, as in a crash) under load, then started again.
+"""PostgreSQL stopped under load (its sessions ended at once), then started again.
 
 While the database is gone a request is answered, or refused with a 503 — never a 500, never a
 hang; usage of the requests answered meanwhile waits in the recorder and reaches SQL once the
