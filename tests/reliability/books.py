@@ -11,14 +11,16 @@ nothing and leaves no usage event. Every request the gateway received has exactl
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import redis
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from gateway.db import UsageEvent
 from gateway.engine_client.local import LocalEngineClient
@@ -42,11 +44,25 @@ class UsageRow:
         return self.prompt_tokens + self.completion_tokens
 
 
-async def pending_usage_events(server: RunningServer) -> int:
-    """Usage events recorded but not yet in SQL: a flush writes them all; this counts what a
-    second flush still finds (0 when the recorder is drained)."""
-    await on_gateway(server, server.state.usage.flush())
+async def pending_usage_events(server: RunningServer, seconds: float = 15) -> int:
+    """Usage events still not in SQL once the recorder's own background flushes have stopped
+    adding any (for two of their intervals; `seconds` at most): what a forced flush then writes."""
+    interval = server.state.usage.interval
+    last, steady_since = -1, time.monotonic()
+    deadline = steady_since + seconds
+    while time.monotonic() < deadline:
+        stored = await on_gateway(server, _count_events(server))
+        if stored != last:
+            last, steady_since = stored, time.monotonic()
+        elif time.monotonic() - steady_since > 2 * interval:
+            break
+        await asyncio.sleep(0.05)
     return await on_gateway(server, server.state.usage.flush())
+
+
+async def _count_events(server: RunningServer) -> int:
+    async with server.state.sessions() as session:
+        return int(await session.scalar(select(func.count()).select_from(UsageEvent)) or 0)
 
 
 async def usage_rows(server: RunningServer, tenants: Sequence[Tenant]) -> list[UsageRow]:

@@ -149,9 +149,8 @@ async def wait_for(condition: Callable[[], bool], seconds: float) -> bool:
 # -- a fault under load ------------------------------------------------------------------------
 @dataclass
 class Drill:
-    """A load during which something failed and came back. Outcomes are told apart by when
-    their request started: before the fault, during the outage (until the part was back up),
-    after recovery."""
+    """A load during which something failed and came back; outcomes are told apart by when
+    their request started (after the fault; after recovery, once the part was back up)."""
 
     run: Run
     fault_at: float = 0.0
@@ -161,10 +160,7 @@ class Drill:
     recovery_seen: bool = False
     """Requests started after recovery were answered whole again."""
 
-    def during(self) -> list[Outcome]:
-        return [o for o in self.run.outcomes if self.fault_at <= o.started < self.recovered_at]
-
-    def during_so_far(self) -> list[Outcome]:
+    def since_fault(self) -> list[Outcome]:
         return [o for o in self.run.outcomes if o.started >= self.fault_at]
 
     def after(self) -> list[Outcome]:
@@ -195,7 +191,7 @@ async def drill(
         await wait_for(lambda: len(run.outcomes) >= 2 * concurrency, 60)
         d.fault_at = time.monotonic()
         await asyncio.to_thread(fault)
-        d.outage_seen = await wait_for(lambda: outage_seen(d.during_so_far()), 30)
+        d.outage_seen = await wait_for(lambda: outage_seen(d.since_fault()), 30)
         await asyncio.to_thread(recover)
         d.recovered_at = time.monotonic()
         d.recovery_seen = await wait_for(lambda: sum(map(answered, d.after())) >= 16, 90)

@@ -306,10 +306,6 @@ class Run:
     outcomes: list[Outcome] = field(default_factory=list)
     seconds: float = 0.0
 
-    def since(self, index: int) -> list[Outcome]:
-        """Outcomes of requests planned from `index` on."""
-        return [o for o in self.outcomes if o.plan.index >= index]
-
 
 async def run_load(
     base_url: str,
