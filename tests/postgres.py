@@ -1,4 +1,5 @@
-"""A throwaway PostgreSQL server for the tests that need a real one (fixture `postgres_url`).
+"""A throwaway PostgreSQL server for the tests that need a real one (fixtures `postgres_url`,
+and `postgres_server` to stop and start it).
 
 The server is started from the installed binaries (`./bootstrap.sh test` installs Debian's
 `postgresql`): a fresh cluster in a temporary folder, trust authentication, listening on
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -61,8 +63,30 @@ def _run(command: list[str], cwd: Path) -> None:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
 
 
+@dataclass(frozen=True)
+class PostgresServer:
+    """One running server: `url` of its database `loramux_test`; `stop` and `start` it again
+    (the same port and data). `stop` does not wait for clients: it ends their sessions. (Not an
+    immediate stop: with durability off, that would lose the last commits.)"""
+
+    url: str
+    pg_ctl: list[str]
+    options: str
+    root: Path
+
+    def stop(self) -> None:
+        _run([*self.pg_ctl, "-m", "fast", "-w", "stop"], self.root)
+
+    def start(self) -> None:
+        log = self.root / "server.log"
+        try:
+            _run([*self.pg_ctl, "-l", str(log), "-o", self.options, "-w", "start"], self.root)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}\nserver log:\n{log.read_text(errors='replace')}") from None
+
+
 @contextlib.contextmanager
-def running_postgres(bin_dir: Path) -> Iterator[str]:
+def running_postgres(bin_dir: Path) -> Iterator[PostgresServer]:
     """Start a server on a fresh cluster with database `loramux_test`; stop and delete it on exit."""
     as_user = server_user()
     # Not under pytest's tmp_path (nor $TMPDIR, under root): its root is mode 0700 and root's,
@@ -75,24 +99,22 @@ def running_postgres(bin_dir: Path) -> Iterator[str]:
     try:
         _run([*as_user, str(bin_dir / "initdb"), "-D", str(data), *INITDB_OPTIONS], root)
         options = f"-c listen_addresses=127.0.0.1 -p {port} -k {root} {SERVER_OPTIONS}"
-        log = root / "server.log"
-        try:
-            _run([*pg_ctl, "-l", str(log), "-o", options, "-w", "start"], root)
-        except RuntimeError as e:
-            raise RuntimeError(f"{e}\nserver log:\n{log.read_text(errors='replace')}") from None
+        url = f"postgresql://postgres@127.0.0.1:{port}/{DATABASE}"
+        server = PostgresServer(url, pg_ctl, options, root)
+        server.start()
         try:
             createdb = [str(bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(port)]
             _run([*createdb, "-U", "postgres", DATABASE], root)
-            yield f"postgresql://postgres@127.0.0.1:{port}/{DATABASE}"
+            yield server
         finally:
-            _run([*pg_ctl, "-m", "fast", "-w", "stop"], root)
+            server.stop()
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
-def postgres_url() -> Iterator[str]:
-    """`postgresql://postgres@127.0.0.1:PORT/loramux_test` on a server that lives for the session."""
+def postgres_server() -> Iterator[PostgresServer]:
+    """A server that lives for the session (tests that stop it start it again)."""
     bin_dir = postgres_bin_dir()
     if bin_dir is None:
         message = (
@@ -101,5 +123,11 @@ def postgres_url() -> Iterator[str]:
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
-    with running_postgres(bin_dir) as url:
-        yield url
+    with running_postgres(bin_dir) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def postgres_url(postgres_server: PostgresServer) -> str:
+    """`postgresql://postgres@127.0.0.1:PORT/loramux_test` on the session's server."""
+    return postgres_server.url

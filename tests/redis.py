@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -61,9 +62,26 @@ class RedisServer:
 
     def stop(self) -> None:
         if self.proc is not None:
+            self.proc.send_signal(signal.SIGCONT)  # a paused server would ignore SIGTERM
             self.proc.terminate()
             self.proc.wait(timeout=10)
             self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: no shutdown, every key gone."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP: connections stay open and commands go unanswered until `resume`."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
 
     def restart(self) -> None:
         """Stop and start again: every key is gone (no persistence), as after a crash."""
