@@ -12,14 +12,15 @@ from typing import Any, ClassVar
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
+from sqlalchemy import exc as sql
 
 from adapters.errors import AdapterError, FileTooLarge
 from engine.errors import (
     EngineOverloadedError,
     EngineStoppedError,
-    RequestFailedError,
     InvalidRequestError,
     PromptTooLongError,
+    RequestFailedError,
     UnknownAdapterError,
 )
 
@@ -150,6 +151,17 @@ def to_gateway_error(exc: Exception) -> GatewayError | None:
             return ServiceUnavailable(str(exc))
         case RequestFailedError():
             return InternalError(str(exc), code="request_failed")
+        case sql.OperationalError() | sql.InterfaceError() | sql.TimeoutError():
+            return _database_unavailable()
+        case sql.DBAPIError() if exc.connection_invalidated:
+            return _database_unavailable()
+        case ConnectionError():
+            # A driver that surfaces a refused or reset connection as the OS error itself
+            # (asyncpg while connecting): a backing service is down, not a bug.
+            return ServiceUnavailable(
+                "a service the gateway depends on is unavailable; retry later",
+                code="backend_unavailable",
+            )
         case FileTooLarge():
             return PayloadTooLarge(exc.message, code=exc.code)
         case AdapterError():
@@ -163,6 +175,12 @@ def to_gateway_error(exc: Exception) -> GatewayError | None:
             err.status = exc.status_code  # type: ignore[misc]
             return err
     return None
+
+
+def _database_unavailable() -> ServiceUnavailable:
+    return ServiceUnavailable(
+        "the database is unavailable; retry later", code="database_unavailable"
+    )
 
 
 def _validation_message(exc: ValidationException) -> str:

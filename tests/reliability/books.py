@@ -248,7 +248,8 @@ def _cancelled_unseen(outcomes: Sequence[Outcome], unmatched: Sequence[UsageRow]
     head. A cancelled request whose body never reached the socket does not exist; one whose
     body did may still never be read by the gateway (the client left first), so per tenant
     there are at most as many such events as requests cancelled after sending, and each bills
-    one of their prompts and at most their max_tokens."""
+    one of their prompts and at most their max_tokens, or nothing when they left before the
+    engine generated a token."""
     problems = []
     for tenant_id in {r.tenant_id for r in unmatched} | {o.tenant_id for o in outcomes}:
         cancelled = [
@@ -265,12 +266,14 @@ def _cancelled_unseen(outcomes: Sequence[Outcome], unmatched: Sequence[UsageRow]
                 f"tenant {tenant_id}: {len(mine)} usage events of unknown requests, "
                 f"{len(cancelled)} requests cancelled before their answer"
             )
-        prompts = {_prompt_of(outcomes, o) for o in cancelled}
+        prompts = {_prompt_of(outcomes, o) for o in cancelled} | {0}
         most = max((o.plan.max_tokens for o in cancelled), default=0)
         problems += [
             f"tenant {tenant_id}: {r} bills no cancelled request's prompt and max_tokens"
             for r in mine
-            if r.prompt_tokens not in prompts or r.completion_tokens > most
+            if r.prompt_tokens not in prompts
+            or r.completion_tokens > most
+            or (r.prompt_tokens == 0) != (r.completion_tokens == 0)
         ]
     return problems
 
@@ -313,7 +316,11 @@ def _received(o: Outcome, row: UsageRow) -> list[str]:
 
 def _left_early(o: Outcome, row: UsageRow, prompt: int | None) -> list[str]:
     """A client that left was billed what the engine computed: the whole prompt, and at least
-    the completion tokens it was sent (every content chunk holds one or more) up to max_tokens."""
+    the completion tokens it was sent (every content chunk holds one or more) up to max_tokens.
+    A client that left before any content may have left before the engine generated a token:
+    then nothing was computed to the end and nothing is billed (README, "Quotas")."""
+    if o.content_chunks == 0 and (row.prompt_tokens, row.completion_tokens) == (0, 0):
+        return []
     problems = []
     if prompt is None or row.prompt_tokens != prompt:
         problems.append(
