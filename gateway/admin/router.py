@@ -36,6 +36,26 @@ from gateway.usage.service import UsageReports
 
 def admin_router(gw: GatewayState) -> Router:
     audit_log = AuditLog(gw.sessions)
+    return Router(
+        "/admin",
+        route_handlers=[
+            TenantController,
+            KeyController,
+            QuotaController,
+            AdapterController,
+            UsageController,
+            CacheController,
+            AuditController,
+        ],
+        guards=[admin_guard(gw.admin, audit_log)],
+        dependencies=_services(gw, audit_log),
+        middleware=[audit_middleware(audit_log)],
+        request_class=AdminRequest,
+    )
+
+
+def _services(gw: GatewayState, audit_log: AuditLog) -> dict[str, Provide]:
+    """The services of the admin controllers; those holding a session get this request's."""
     usage_reports = UsageReports(gw.sessions)
     uploads = UploadSpace(gw.settings.data_dir / "uploads", gw.settings.server.max_upload_mb << 20)
 
@@ -60,30 +80,15 @@ def admin_router(gw: GatewayState) -> Router:
     def cache_admin(db_session: NamedDependency[AsyncSession]) -> CacheAdmin:
         return CacheAdmin(db_session, gw.keys, gw.cache)
 
-    return Router(
-        "/admin",
-        route_handlers=[
-            TenantController,
-            KeyController,
-            QuotaController,
-            AdapterController,
-            UsageController,
-            CacheController,
-            AuditController,
-        ],
-        guards=[admin_guard(gw.admin, audit_log)],
-        dependencies={
-            "db_session": Provide(db_session),
-            "adapters": Provide(adapters, sync_to_thread=False),
-            "tenants": Provide(tenants, sync_to_thread=False),
-            "keys": Provide(keys, sync_to_thread=False),
-            "quotas": Provide(quotas, sync_to_thread=False),
-            "cache_admin": Provide(cache_admin, sync_to_thread=False),
-            "audit_log": Provide(lambda: audit_log, sync_to_thread=False, use_cache=True),
-            "usage_reports": Provide(lambda: usage_reports, sync_to_thread=False, use_cache=True),
-            "uploads": Provide(lambda: uploads, sync_to_thread=False, use_cache=True),
-            "entry": Provide(provide_entry, sync_to_thread=False),
-        },
-        middleware=[audit_middleware(audit_log)],
-        request_class=AdminRequest,
-    )
+    return {
+        "db_session": Provide(db_session),
+        "adapters": Provide(adapters, sync_to_thread=False),
+        "tenants": Provide(tenants, sync_to_thread=False),
+        "keys": Provide(keys, sync_to_thread=False),
+        "quotas": Provide(quotas, sync_to_thread=False),
+        "cache_admin": Provide(cache_admin, sync_to_thread=False),
+        "audit_log": Provide(lambda: audit_log, sync_to_thread=False, use_cache=True),
+        "usage_reports": Provide(lambda: usage_reports, sync_to_thread=False, use_cache=True),
+        "uploads": Provide(lambda: uploads, sync_to_thread=False, use_cache=True),
+        "entry": Provide(provide_entry, sync_to_thread=False),
+    }
