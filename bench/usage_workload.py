@@ -43,7 +43,7 @@ from gateway.db.session import create_engine, session_factory
 from gateway.db.usage_rollup import GROUP_KEY
 from gateway.server import RunningServer, engine_client, serve_in_thread
 from gateway.settings import EngineSettings, ServerSettings, Settings
-from gateway.usage import (
+from gateway.usage.recorder import (
     RollupKey,
     UsageRecord,
     UsageRecorder,
@@ -52,7 +52,7 @@ from gateway.usage import (
     event_row,
     hourly_rollup,
 )
-from gateway.usage import usage_events as events_table
+from gateway.usage.recorder import usage_events as events_table
 
 GOAL_INGEST_PER_S = 5000.0
 GOAL_PAGE_MS = 500.0

@@ -12,8 +12,7 @@ from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.admin import admin_routes
-from gateway.auth.admin_jwt import AdminIdentity
+from gateway.admin.router import admin_router
 from gateway.auth.api_keys import Principal
 from gateway.dashboard import dashboard_routes
 from gateway.errors import exception_handler
@@ -73,15 +72,18 @@ def create_app(gw: GatewayState) -> Litestar:
     async def provide_principal(request: Request[Any, Any, Any]) -> Principal:
         return await gw.keys.authenticate(request.headers.get("authorization"))
 
-    async def provide_admin(request: Request[Any, Any, Any]) -> AdminIdentity:
-        return gw.admin.verify(request.headers.get("authorization"))
-
     return Litestar(
-        route_handlers=[health, ready, metrics, *openai_routes, *admin_routes, *dashboard_routes],
+        route_handlers=[
+            health,
+            ready,
+            metrics,
+            *openai_routes,
+            admin_router(gw),
+            *dashboard_routes,
+        ],
         dependencies={
             "gw": Provide(provide_state),
             "principal": Provide(provide_principal),
-            "admin_identity": Provide(provide_admin),
         },
         exception_handlers={Exception: exception_handler},
         middleware=[lambda app: request_id_middleware(app, gw.metrics)],

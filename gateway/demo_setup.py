@@ -45,12 +45,20 @@ async def first_start(gw: GatewayState, model_dir: Path) -> None:
 
 async def _upload_demo_adapters(gw: GatewayState, model_dir: Path, count: int) -> list[str]:
     from adapters.demo import build_demo_adapters
-    from gateway.admin.adapters_service import publish_adapter
+    from gateway.adapters.service import AdapterService
+    from gateway.audit.service import AuditLog
 
     folders = build_demo_adapters(model_dir, gw.settings.data_dir / "demo-adapters", count)
+    audit_log = AuditLog(gw.sessions)
     names = []
     for i, folder in enumerate(folders):
         name = f"demo-{i}"
-        await publish_adapter(gw, "shared", name, folder, actor="first-start")
+        async with gw.sessions() as session:
+            adapters = AdapterService(session, gw.store, gw.engine, gw.catalog, gw.model_name)
+            target = f"shared/{name}"
+            async with audit_log.audited("first-start", "adapter.upload", target) as entry:
+                await adapters.check_name_and_owner(name, "shared")
+                adapter = await adapters.publish("shared", name, folder)
+                entry.detail = {"version": adapter.version, "digest": adapter.digest}
         names.append(name)
     return names

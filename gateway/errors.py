@@ -8,10 +8,12 @@ with the status an OpenAI client maps to its exception classes.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, ClassVar
 
+import msgspec
 from litestar import Request, Response
-from litestar.exceptions import HTTPException, NotFoundException, ValidationException
+from litestar.exceptions import HTTPException, ValidationException
 from sqlalchemy import exc as sql
 
 from adapters.errors import AdapterError, FileTooLarge
@@ -74,6 +76,11 @@ class PermissionDenied(GatewayError):
 class NotFound(GatewayError):
     status = 404
     default_code = "model_not_found"
+
+
+class MethodNotAllowed(GatewayError):
+    status = 405
+    default_code = "method_not_allowed"
 
 
 class Conflict(GatewayError):
@@ -166,14 +173,23 @@ def to_gateway_error(exc: Exception) -> GatewayError | None:
             return PayloadTooLarge(exc.message, code=exc.code)
         case AdapterError():
             return BadRequest(exc.message, code=exc.code)
+        case msgspec.ValidationError():
+            field = _FIELD_PATH.search(str(exc)) or _UNKNOWN_FIELD.search(str(exc))
+            return BadRequest(
+                f"invalid request body: {exc}",
+                param=field[1] if field else None,
+                code="invalid_request",
+            )
+        case msgspec.DecodeError():
+            return BadRequest(f"the body is not valid JSON: {exc}", code="invalid_request")
+        case UnicodeDecodeError():
+            return BadRequest(f"the body is not valid UTF-8: {exc}", code="invalid_request")
         case ValidationException():
-            return BadRequest(_validation_message(exc), code="invalid_request")
-        case NotFoundException():
-            return NotFound(exc.detail, code="not_found")
+            return _invalid(exc)
         case HTTPException():
-            err = GatewayError(exc.detail, code=None)
-            err.status = exc.status_code  # type: ignore[misc]
-            return err
+            return _for_status(exc.status_code)(
+                exc.detail, code=_FRAMEWORK_CODES.get(exc.status_code)
+            )
     return None
 
 
@@ -183,10 +199,48 @@ def _database_unavailable() -> ServiceUnavailable:
     )
 
 
-def _validation_message(exc: ValidationException) -> str:
+_FIELD_PATH = re.compile(r" - at `\$\.([A-Za-z_]\w*)")
+_UNKNOWN_FIELD = re.compile(r"unknown field `([A-Za-z_]\w*)`")
+"""The top-level field a msgspec validation error names (`... - at `$.rpm``), or the unknown
+field it refuses."""
+_FRAMEWORK_CODES = {400: "invalid_request", 404: "not_found"}
+"""The codes of the errors Litestar raises itself: a body it cannot parse (400), no route (404)."""
+
+
+def _for_status(status: int) -> type[GatewayError]:
+    """The class of an error Litestar raised with `status`; the nearest one for a status of no
+    class here (a 4xx is the client's, anything else the server's)."""
+    for cls in _BY_STATUS:
+        if cls.status == status:
+            return cls
+    return BadRequest if 400 <= status < 500 else InternalError
+
+
+def _invalid(exc: ValidationException) -> BadRequest:
+    """A request Litestar refused while validating it (body, query or path): the message names
+    each offending field, and `param` the first one (None for the body as a whole)."""
     extra = exc.extra if isinstance(exc.extra, list) else []
-    parts = [f"{e.get('key') or 'body'}: {e.get('message')}" for e in extra if isinstance(e, dict)]
-    return "invalid request body" + (": " + "; ".join(parts) if parts else f": {exc.detail}")
+    errors = [e for e in extra if isinstance(e, dict)]
+    parts = [f"{e.get('key') or 'body'}: {e.get('message')}" for e in errors]
+    message = "invalid request" + (": " + "; ".join(parts) if parts else f": {exc.detail}")
+    key = errors[0].get("key") if errors else None
+    param = key if isinstance(key, str) and key != "data" else None
+    return BadRequest(message, param=param, code="invalid_request")
+
+
+_BY_STATUS: tuple[type[GatewayError], ...] = (
+    BadRequest,
+    Unauthorized,
+    PermissionDenied,
+    NotFound,
+    MethodNotAllowed,
+    Conflict,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+    Unprocessable,
+    InternalError,
+    ServiceUnavailable,
+)
 
 
 def as_gateway_error(exc: Exception) -> GatewayError:
@@ -198,11 +252,17 @@ def as_gateway_error(exc: Exception) -> GatewayError:
     return err
 
 
+ANSWERED_WITH = "answered_with"
+"""Where the handler leaves the error a request was answered with, in the request's state (the
+admin audit reads it)."""
+
+
 def exception_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     err = to_gateway_error(exc)
     if err is None:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         err = InternalError("internal error")
+    request.state[ANSWERED_WITH] = err
     return Response(
         err.body(), status_code=err.status, headers=err.headers, media_type="application/json"
     )

@@ -18,8 +18,8 @@ from gateway.db import ApiKey, Quota, Tenant, UsageTotals
 from gateway.errors import NotFound, PermissionDenied
 from gateway.quotas.buckets import budget_period
 from gateway.state import GatewayState
-from gateway.usage import day_of, hour_of
-from gateway.usage_query import Dimension, read_usage
+from gateway.usage.query import Dimension, read_usage
+from gateway.usage.recorder import day_of, hour_of
 
 PERCENTILES = (0.5, 0.9, 0.99)
 LIMITS = (

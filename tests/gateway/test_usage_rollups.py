@@ -25,8 +25,8 @@ from gateway.db.session import create_engine, session_factory
 from gateway.db.usage_rollup import BINS, BOUNDS_MS, GROUP_KEY, MEASURES, percentile
 from gateway.server import RunningServer, engine_client, serve_in_thread
 from gateway.settings import EngineSettings, ServerSettings, Settings
-from gateway.usage import UsageRecord, UsageRecorder, as_utc
-from gateway.usage_query import Dimension, Span, read_usage, spans
+from gateway.usage.query import Dimension, Span, read_usage, spans
+from gateway.usage.recorder import UsageRecord, UsageRecorder, as_utc
 from tests.gateway.conftest import json_of
 from tests.gateway.tenants import new_tenant
 

@@ -15,53 +15,59 @@ import re
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.admin.tenants_service import get_tenant
+from cache.response_cache import ResponseCache
+from gateway.auth.api_keys import ApiKeyAuth
+from gateway.cache.schemas import CacheSettingsOut
 from gateway.cache_policy import TenantCacheSettings
 from gateway.db import AdapterVersion, ApiKey
 from gateway.db.adapter import SHARED_OWNER
 from gateway.errors import NotFound, ServiceUnavailable
-from gateway.state import GatewayState
+from gateway.tenants.service import get_tenant
 
 _DIGEST = re.compile(r"^[0-9a-f]{16,64}$")
 
 
-async def get_settings(gw: GatewayState, tenant_id: str) -> TenantCacheSettings:
-    async with gw.sessions() as session:
-        tenant = await get_tenant(session, tenant_id)
-        return TenantCacheSettings.of(tenant.settings or {})
+class CacheAdmin:
+    """Cache settings and purges over one database session (one request's)."""
 
+    def __init__(
+        self, session: AsyncSession, keys: ApiKeyAuth, response_cache: ResponseCache
+    ) -> None:
+        self.session = session
+        self.keys = keys
+        self.response_cache = response_cache
 
-async def update_settings(
-    gw: GatewayState, tenant_id: str, changes: dict[str, object]
-) -> TenantCacheSettings:
-    async with gw.sessions() as session:
-        tenant = await get_tenant(session, tenant_id)
+    async def get_settings(self, tenant_id: str) -> CacheSettingsOut:
+        tenant = await get_tenant(self.session, tenant_id)
+        return _out(tenant_id, TenantCacheSettings.of(tenant.settings or {}))
+
+    async def update_settings(self, tenant_id: str, changes: dict[str, object]) -> CacheSettingsOut:
+        tenant = await get_tenant(self.session, tenant_id)
         current = dict(tenant.settings or {})
         merged = TenantCacheSettings.of(current).as_dict() | changes
         # A new dict: the JSON column only notices reassignment.
         tenant.settings = current | {"cache": merged}
-        await session.commit()
-        key_ids = await session.scalars(select(ApiKey.id).where(ApiKey.tenant_id == tenant_id))
+        await self.session.commit()
+        key_ids = await self.session.scalars(select(ApiKey.id).where(ApiKey.tenant_id == tenant_id))
         for key_id in key_ids:
-            gw.keys.forget(key_id)
-    return TenantCacheSettings.of({"cache": merged})
+            self.keys.forget(key_id)
+        return _out(tenant_id, TenantCacheSettings.of({"cache": merged}))
+
+    async def purge(self, tenant_id: str, adapter: str | None) -> int:
+        """Entries removed; ServiceUnavailable when Redis cannot be reached."""
+        digests: list[str | None] = [None]
+        if adapter is not None:
+            digests = list(await _digests(self.session, tenant_id, adapter))
+        try:
+            return sum([await self.response_cache.purge(tenant_id, d) for d in digests])
+        except Exception as exc:
+            raise ServiceUnavailable(
+                f"the response cache is unavailable: {exc}", code="cache_unavailable"
+            ) from exc
 
 
-async def purge(gw: GatewayState, tenant_id: str, adapter: str | None) -> int:
-    """Entries removed; ServiceUnavailable when Redis cannot be reached."""
-    cache = gw.cache
-    if cache is None:
-        raise ServiceUnavailable("the response cache is not configured", code="cache_unavailable")
-    digests: list[str | None] = [None]
-    if adapter is not None:
-        async with gw.sessions() as session:
-            digests = list(await _digests(session, tenant_id, adapter))
-    try:
-        return sum([await cache.purge(tenant_id, digest) for digest in digests])
-    except Exception as exc:
-        raise ServiceUnavailable(
-            f"the response cache is unavailable: {exc}", code="cache_unavailable"
-        ) from exc
+def _out(tenant_id: str, settings: TenantCacheSettings) -> CacheSettingsOut:
+    return CacheSettingsOut(tenant_id=tenant_id, **settings.as_dict())
 
 
 async def _digests(session: AsyncSession, tenant_id: str, adapter: str) -> list[str]:

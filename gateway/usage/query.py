@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.db import UsageEvent, UsageTotals, usage_daily, usage_hourly
 from gateway.db.usage_rollup import BOUNDS_MS, MEASURES
-from gateway.usage import as_utc, day_of, hour_of
+from gateway.usage.recorder import as_utc, day_of, hour_of
 
 Dimension = Literal["tenant", "key", "model", "day", "hour"]
 """What totals can be grouped by: `day` labels are `YYYY-MM-DD`, `hour` labels

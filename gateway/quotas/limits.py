@@ -12,12 +12,12 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.admin.keys_service import get_key
-from gateway.admin.schemas import QuotaOut, QuotaUpdate, given
-from gateway.admin.tenants_service import get_tenant
+from gateway.admin.wire import given
 from gateway.db import Quota
 from gateway.errors import BadRequest, Conflict
-from gateway.state import GatewayState
+from gateway.keys.service import get_key
+from gateway.quotas.schemas import QuotaOut, QuotaUpdate
+from gateway.tenants.service import get_tenant
 
 LIMITS = ("rpm", "tpm", "max_concurrent", "token_budget", "budget_period")
 _ATTEMPTS = 3
@@ -28,38 +28,37 @@ def quota_out(tenant_id: str, key_id: str | None, quota: Quota | None) -> QuotaO
     return QuotaOut(tenant_id=tenant_id, key_id=key_id, **values)
 
 
-async def get_for_tenant(gw: GatewayState, tenant_id: str) -> QuotaOut:
-    async with gw.sessions() as session:
-        await get_tenant(session, tenant_id)
-        return quota_out(tenant_id, None, await _find(session, tenant_id, None))
+class QuotaLimits:
+    """The quota rows of tenants and keys, over one database session (one request's)."""
 
+    def __init__(self, session: AsyncSession) -> None:
+        self.session = session
 
-async def get_for_key(gw: GatewayState, key_id: str) -> QuotaOut:
-    async with gw.sessions() as session:
-        key = await get_key(session, key_id)
-        return quota_out(key.tenant_id, key_id, await _find(session, key.tenant_id, key_id))
+    async def get_for_tenant(self, tenant_id: str) -> QuotaOut:
+        await get_tenant(self.session, tenant_id)
+        return quota_out(tenant_id, None, await _find(self.session, tenant_id, None))
 
+    async def get_for_key(self, key_id: str) -> QuotaOut:
+        key = await get_key(self.session, key_id)
+        quota = await _find(self.session, key.tenant_id, key_id)
+        return quota_out(key.tenant_id, key_id, quota)
 
-async def set_for_tenant(gw: GatewayState, tenant_id: str, body: QuotaUpdate) -> QuotaOut:
-    return await _apply(gw, tenant_id, None, body)
+    async def set_for_tenant(self, tenant_id: str, body: QuotaUpdate) -> QuotaOut:
+        return await self._apply(tenant_id, None, body)
 
+    async def set_for_key(self, key_id: str, body: QuotaUpdate) -> QuotaOut:
+        key = await get_key(self.session, key_id)
+        return await self._apply(key.tenant_id, key_id, body)
 
-async def set_for_key(gw: GatewayState, key_id: str, body: QuotaUpdate) -> QuotaOut:
-    async with gw.sessions() as session:
-        key = await get_key(session, key_id)
-    return await _apply(gw, key.tenant_id, key_id, body)
+    async def _apply(self, tenant_id: str, key_id: str | None, body: QuotaUpdate) -> QuotaOut:
+        """Apply the fields `body` names to the scope's row, inserting the row on its first
+        write.
 
-
-async def _apply(
-    gw: GatewayState, tenant_id: str, key_id: str | None, body: QuotaUpdate
-) -> QuotaOut:
-    """Apply the fields `body` names to the scope's row, inserting the row on its first write.
-
-    Concurrent first writes race to insert it and the unique index lets one win; the others
-    fail to commit, then find the winner's row on their next try and apply their fields on top,
-    as if they had come after it."""
-    for _ in range(_ATTEMPTS):
-        async with gw.sessions() as session:
+        Concurrent first writes race to insert it and the unique index lets one win; the others
+        fail to commit, roll back, then find the winner's row on their next try and apply their
+        fields on top, as if they had come after it."""
+        session = self.session
+        for _ in range(_ATTEMPTS):
             if key_id is None:
                 await get_tenant(session, tenant_id)
             else:
@@ -79,9 +78,10 @@ async def _apply(
             try:
                 await session.commit()
             except IntegrityError:
+                await session.rollback()
                 continue
             return quota_out(tenant_id, key_id, quota)
-    raise Conflict("the quotas changed concurrently; retry", code="quota_conflict")
+        raise Conflict("the quotas changed concurrently; retry", code="quota_conflict")
 
 
 async def _find(session: AsyncSession, tenant_id: str, key_id: str | None) -> Quota | None:

@@ -33,6 +33,14 @@ _FILE_PARTS = {
 
 
 @dataclass(frozen=True)
+class UploadSpace:
+    """Where uploads are received and how large one may be (LORAMUX_MAX_UPLOAD_MB)."""
+
+    root: Path
+    max_bytes: int
+
+
+@dataclass(frozen=True)
 class AdapterUpload:
     """A received upload: `archive` is set, or `folder` holds the two adapter files."""
 

@@ -1,4 +1,4 @@
-"""Usage summaries, read from the hourly and daily rollups (see `gateway.usage_query`).
+"""Usage summaries, read from the hourly and daily rollups (see `gateway.usage.query`).
 
 Bounds: `from` is inclusive and `to` exclusive; an ISO date means midnight UTC, except that a
 date given as `to` includes that whole day; a time without an offset is UTC. Days are UTC days.
@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, time, timedelta
 from typing import Literal
 
-from gateway.admin.schemas import UsageReport, UsageRow, utc
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.admin.wire import utc
 from gateway.db import UsageTotals
 from gateway.errors import BadRequest
-from gateway.state import GatewayState
-from gateway.usage_query import Dimension, read_usage
+from gateway.usage.query import Dimension, read_usage
+from gateway.usage.schemas import UsageReport, UsageRow
 
 GroupBy = Literal["day", "adapter", "key"]
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
@@ -32,17 +34,13 @@ class UsageQuery:
 
 
 def parse_query(
-    tenant: str | None, start: str | None, end: str | None, group_by: str
+    tenant: str | None, start: str | None, end: str | None, group_by: GroupBy
 ) -> UsageQuery:
-    if group_by not in ("day", "adapter", "key"):
-        raise BadRequest(
-            "group_by is one of day, adapter, key", param="group_by", code="invalid_request"
-        )
     query = UsageQuery(
         tenant=tenant or None,
         start=_bound(start, "from", whole_day=False),
         end=_bound(end, "to", whole_day=True),
-        group_by=group_by,  # type: ignore[arg-type]
+        group_by=group_by,
     )
     if query.start is not None and query.end is not None and query.start >= query.end:
         raise BadRequest("'from' must be before 'to'", param="from", code="invalid_request")
@@ -72,17 +70,23 @@ _DIMENSIONS: dict[GroupBy, tuple[Dimension, ...]] = {
 }
 
 
-async def summarize(gw: GatewayState, query: UsageQuery) -> UsageReport:
-    """One row per group, ordered by group; read from the usage rollups."""
-    groups = await read_usage(
-        gw.sessions,
-        tenant=query.tenant,
-        start=query.start,
-        end=query.end,
-        by=_DIMENSIONS[query.group_by],
-    )
-    rows = [_row(query.group_by, key, totals) for key, totals in sorted(groups.items())]
-    return UsageReport(query.group_by, query.tenant, query.start, query.end, rows)
+class UsageReports:
+    """Usage reports, read in sessions of their own (`read_usage` reads its spans at once)."""
+
+    def __init__(self, sessions: async_sessionmaker[AsyncSession]) -> None:
+        self.sessions = sessions
+
+    async def summarize(self, query: UsageQuery) -> UsageReport:
+        """One row per group, ordered by group; read from the usage rollups."""
+        groups = await read_usage(
+            self.sessions,
+            tenant=query.tenant,
+            start=query.start,
+            end=query.end,
+            by=_DIMENSIONS[query.group_by],
+        )
+        rows = [_row(query.group_by, key, totals) for key, totals in sorted(groups.items())]
+        return UsageReport(query.group_by, query.tenant, query.start, query.end, rows)
 
 
 def _row(group_by: GroupBy, key: tuple[str, ...], totals: UsageTotals) -> UsageRow:

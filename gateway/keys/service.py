@@ -13,20 +13,13 @@ import msgspec
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.admin.schemas import (
-    KeyCreate,
-    KeyOut,
-    NewKeyOut,
-    check_display_name,
-    utc,
-    utc_or_none,
-)
-from gateway.admin.tenants_service import get_tenant
-from gateway.auth.api_keys import mint_key
+from gateway.admin.wire import check_display_name, utc, utc_or_none
+from gateway.auth.api_keys import ApiKeyAuth, mint_key
 from gateway.db import ApiKey
 from gateway.db.base import utcnow
 from gateway.errors import BadRequest, NotFound
-from gateway.state import GatewayState
+from gateway.keys.schemas import KeyCreate, KeyOut, NewKeyOut
+from gateway.tenants.service import get_tenant
 
 
 def key_out(key: ApiKey) -> KeyOut:
@@ -49,13 +42,19 @@ async def get_key(session: AsyncSession, key_id: str) -> ApiKey:
     return key
 
 
-async def create(gw: GatewayState, tenant_id: str, body: KeyCreate) -> NewKeyOut:
-    if body.name is not None:
-        check_display_name(body.name, "name")
-    expires_at = _expiry(body)
-    new = mint_key()
-    async with gw.sessions() as session:
-        await get_tenant(session, tenant_id)
+class KeyService:
+    """API keys over one database session (one request's)."""
+
+    def __init__(self, session: AsyncSession, keys: ApiKeyAuth) -> None:
+        self.session = session
+        self.keys = keys
+
+    async def create(self, tenant_id: str, body: KeyCreate) -> NewKeyOut:
+        if body.name is not None:
+            check_display_name(body.name, "name")
+        expires_at = _expiry(body)
+        new = mint_key()
+        await get_tenant(self.session, tenant_id)
         key = ApiKey(
             id=new.id,
             tenant_id=tenant_id,
@@ -64,29 +63,25 @@ async def create(gw: GatewayState, tenant_id: str, body: KeyCreate) -> NewKeyOut
             allowed_models=body.allowed_models,
             expires_at=expires_at,
         )
-        session.add(key)
-        await session.commit()
-    return NewKeyOut(**msgspec.structs.asdict(key_out(key)), key=new.key)
+        self.session.add(key)
+        await self.session.commit()
+        return NewKeyOut(**msgspec.structs.asdict(key_out(key)), key=new.key)
 
-
-async def list_for_tenant(gw: GatewayState, tenant_id: str) -> list[KeyOut]:
-    """Every key of the tenant, revoked and expired ones included, oldest first."""
-    async with gw.sessions() as session:
-        await get_tenant(session, tenant_id)
-        rows = await session.scalars(
+    async def list_for_tenant(self, tenant_id: str) -> list[KeyOut]:
+        """Every key of the tenant, revoked and expired ones included, oldest first."""
+        await get_tenant(self.session, tenant_id)
+        rows = await self.session.scalars(
             select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.created_at)
         )
         return [key_out(k) for k in rows]
 
-
-async def revoke(gw: GatewayState, key_id: str) -> KeyOut:
-    async with gw.sessions() as session:
-        key = await get_key(session, key_id)
+    async def revoke(self, key_id: str) -> KeyOut:
+        key = await get_key(self.session, key_id)
         if key.revoked_at is None:
             key.revoked_at = utcnow()
-            await session.commit()
-    gw.keys.forget(key_id)
-    return key_out(key)
+            await self.session.commit()
+        self.keys.forget(key_id)
+        return key_out(key)
 
 
 def _expiry(body: KeyCreate) -> datetime | None:

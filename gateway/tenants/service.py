@@ -14,20 +14,15 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.admin import adapters_service
-from gateway.admin.schemas import (
-    Deleted,
-    TenantCreate,
-    TenantOut,
-    TenantUpdate,
-    check_display_name,
-    utc,
-)
+from cache.response_cache import ResponseCache
+from gateway.adapters.service import AdapterService
+from gateway.admin.wire import Deleted, check_display_name, utc
+from gateway.auth.api_keys import ApiKeyAuth
 from gateway.db import ApiKey, Tenant
 from gateway.errors import Conflict, NotFound
 from gateway.prefix_cache import SETTING as PREFIX_SCOPE
 from gateway.prefix_cache import scope_of
-from gateway.state import GatewayState
+from gateway.tenants.schemas import TenantCreate, TenantOut, TenantUpdate
 
 
 def tenant_out(tenant: Tenant) -> TenantOut:
@@ -42,64 +37,69 @@ async def get_tenant(session: AsyncSession, tenant_id: str) -> Tenant:
     return tenant
 
 
-async def create(gw: GatewayState, body: TenantCreate) -> TenantOut:
-    check_display_name(body.name, "name")
-    async with gw.sessions() as session:
-        await _ensure_name_free(session, body.name)
+class TenantService:
+    """Tenants over one database session (one request's)."""
+
+    def __init__(
+        self,
+        session: AsyncSession,
+        keys: ApiKeyAuth,
+        adapters: AdapterService,
+        response_cache: ResponseCache,
+    ) -> None:
+        self.session = session
+        self.keys = keys
+        self.adapters = adapters
+        self.response_cache = response_cache
+
+    async def create(self, body: TenantCreate) -> TenantOut:
+        check_display_name(body.name, "name")
+        await _ensure_name_free(self.session, body.name)
         settings = {PREFIX_SCOPE: body.prefix_cache_scope}
         tenant = Tenant(name=body.name, disabled=False, settings=settings)
-        session.add(tenant)
-        await _commit_unique(session, body.name)
+        self.session.add(tenant)
+        await _commit_unique(self.session, body.name)
         return tenant_out(tenant)
 
-
-async def list_all(gw: GatewayState) -> list[TenantOut]:
-    async with gw.sessions() as session:
-        rows = await session.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.id))
+    async def list_all(self) -> list[TenantOut]:
+        rows = await self.session.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.id))
         return [tenant_out(t) for t in rows]
 
+    async def get(self, tenant_id: str) -> TenantOut:
+        return tenant_out(await get_tenant(self.session, tenant_id))
 
-async def get(gw: GatewayState, tenant_id: str) -> TenantOut:
-    async with gw.sessions() as session:
-        return tenant_out(await get_tenant(session, tenant_id))
-
-
-async def update(gw: GatewayState, tenant_id: str, body: TenantUpdate) -> TenantOut:
-    if isinstance(body.name, str):
-        check_display_name(body.name, "name")
-    async with gw.sessions() as session:
-        tenant = await get_tenant(session, tenant_id)
+    async def update(self, tenant_id: str, body: TenantUpdate) -> TenantOut:
+        if isinstance(body.name, str):
+            check_display_name(body.name, "name")
+        tenant = await get_tenant(self.session, tenant_id)
         if isinstance(body.name, str) and body.name != tenant.name:
-            await _ensure_name_free(session, body.name)
+            await _ensure_name_free(self.session, body.name)
             tenant.name = body.name
         if isinstance(body.disabled, bool):
             tenant.disabled = body.disabled
         if isinstance(body.prefix_cache_scope, str):
             # A new dict: the JSON column only notices reassignment.
             tenant.settings = dict(tenant.settings or {}) | {PREFIX_SCOPE: body.prefix_cache_scope}
-        await _commit_unique(session, tenant.name)
-        key_ids = await _key_ids(session, tenant_id)
-    for key_id in key_ids:
-        gw.keys.forget(key_id)
-    return tenant_out(tenant)
+        await _commit_unique(self.session, tenant.name)
+        for key_id in await _key_ids(self.session, tenant_id):
+            self.keys.forget(key_id)
+        return tenant_out(tenant)
 
-
-async def delete(gw: GatewayState, tenant_id: str) -> Deleted:
-    async with gw.sessions() as session:
-        tenant = await get_tenant(session, tenant_id)
-        key_ids = await _key_ids(session, tenant_id)
-        versions, digests = await adapters_service.soft_delete_owned_by(session, tenant_id)
-        await session.delete(tenant)
-        await session.commit()
-    for key_id in key_ids:
-        gw.keys.forget(key_id)
-    await adapters_service.retire_unused(gw, digests)
-    gw.catalog.invalidate()
-    purged = await gw.cache.purge(tenant_id)
-    return Deleted(
-        tenant_id,
-        detail={"keys": len(key_ids), "adapter_versions": versions, "cache_entries": purged},
-    )
+    async def delete(self, tenant_id: str) -> Deleted:
+        tenant = await get_tenant(self.session, tenant_id)
+        key_ids = await _key_ids(self.session, tenant_id)
+        versions, digests = await self.adapters.soft_delete_owned_by(tenant_id)
+        await self.session.delete(tenant)
+        await self.session.commit()
+        for key_id in key_ids:
+            self.keys.forget(key_id)
+        await self.adapters.retire_unused(digests)
+        self.adapters.catalog.invalidate()
+        purged = await self.response_cache.purge(tenant_id)
+        return Deleted(
+            tenant_id,
+            detail={"keys": len(key_ids), "adapter_versions": versions, "cache_entries": purged},
+        )
 
 
 async def _key_ids(session: AsyncSession, tenant_id: str) -> list[str]:

@@ -1,0 +1,73 @@
+"""Routes: adapters (`/admin/adapters`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Controller, Request, delete, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, FromQuery
+
+from gateway.adapters.schemas import AdapterDetail, AdapterOut
+from gateway.adapters.service import AdapterService
+from gateway.adapters.upload import UploadSpace, receive_upload, workspace
+from gateway.admin.wire import Deleted
+from gateway.audit.action import audited_as
+from gateway.audit.service import AuditRecord
+
+_UPLOAD = """multipart/form-data with `name` (1-64 letters, digits, `.`, `_` or `-`, starting
+with a letter or digit, no `..`), `owner` (a tenant id or `shared`) and either `archive` (.zip
+or .tar.gz of a PEFT adapter folder) or `adapter_config` (adapter_config.json) and
+`adapter_model` (adapter_model.safetensors). Uploading a name again makes a new version;
+requests in flight finish on the old one."""
+
+
+class AdapterController(Controller):
+    path = "/adapters"
+    tags = ("admin: adapters",)
+
+    # The body may be far larger than the app's limit; receive_upload holds it to
+    # LORAMUX_MAX_UPLOAD_MB while streaming it to disk.
+    @post(request_max_body_size=None, description=_UPLOAD, opt=audited_as("adapter.upload"))
+    async def upload_adapter(
+        self,
+        request: Request[Any, Any, Any],
+        adapters: NamedDependency[AdapterService],
+        uploads: NamedDependency[UploadSpace],
+        entry: NamedDependency[AuditRecord],
+    ) -> AdapterOut:
+        with workspace(uploads.root) as work:
+            upload = await receive_upload(request, work, uploads.max_bytes)
+            entry.target = f"{upload.owner}/{upload.name}"
+            adapter = await adapters.publish_upload(upload, work)
+        entry.detail = {"version": adapter.version, "digest": adapter.digest}
+        return adapter
+
+    @get()
+    async def list_adapters(
+        self, adapters: NamedDependency[AdapterService], owner: FromQuery[str | None] = None
+    ) -> list[AdapterOut]:
+        """The latest live version of every adapter, or of one owner's (`?owner=`)."""
+        return await adapters.list_latest(owner)
+
+    @get("/{owner:str}/{name:str}")
+    async def get_adapter(
+        self, owner: FromPath[str], name: FromPath[str], adapters: NamedDependency[AdapterService]
+    ) -> AdapterDetail:
+        """The latest live version and every live version of `owner/name`."""
+        return await adapters.detail(owner, name)
+
+    @delete(
+        "/{owner:str}/{name:str}",
+        status_code=200,
+        opt=audited_as("adapter.delete", "{owner}/{name}"),
+    )
+    async def delete_adapter(
+        self,
+        owner: FromPath[str],
+        name: FromPath[str],
+        adapters: NamedDependency[AdapterService],
+        entry: NamedDependency[AuditRecord],
+    ) -> Deleted:
+        """Delete every version of `owner/name`; requests in flight finish on them."""
+        return await adapters.delete(owner, name)

@@ -1,0 +1,28 @@
+"""Wire shapes of `/admin/adapters`."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from msgspec import Struct
+
+
+class AdapterOut(Struct):
+    owner: str
+    """A tenant id, or `shared`."""
+    name: str
+    version: int
+    digest: str
+    """The content digest the engine knows the adapter by."""
+    rank: int
+    targets: list[str]
+    size_bytes: int
+    created_at: datetime
+
+
+class AdapterDetail(Struct):
+    owner: str
+    name: str
+    latest: AdapterOut
+    versions: list[AdapterOut]
+    """Every live version, oldest first."""

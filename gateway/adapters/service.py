@@ -1,0 +1,251 @@
+"""Adapters: versions of `owner/name` in SQL, files in the content-addressed store, digests in
+the engine.
+
+Publishing a version, in this order, so that each step can be undone by the next one failing:
+1. `store.put` validates the files and stores them by digest (nothing is stored on refusal);
+2. the engine loads the digest (`ensure_adapter`); a refusal there discards the stored folder;
+3. the row `owner/name` version max+1 is committed: from now on the catalog resolves to it
+   (a row never names a digest the engine could not load);
+4. the previous version's digest is retired unless another adapter still serves it.
+
+A digest *serves* while it is the latest live version of some `owner/name`: several adapters
+may share one digest (identical content), so a digest is retired only when none serves it.
+Deleting soft-deletes rows (versions keep counting up after a delete) and retires digests;
+requests in flight finish on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from adapters.archive import ArchiveLimits, extract_adapter_archive
+from adapters.peft_format import MAX_CONFIG_BYTES
+from adapters.store import AdapterStore, StoredAdapter
+from gateway.adapters.schemas import AdapterDetail, AdapterOut
+from gateway.adapters.upload import AdapterUpload
+from gateway.admin.wire import Deleted, utc
+from gateway.catalog import ModelCatalog, latest_version, latest_versions
+from gateway.db import AdapterVersion, Tenant
+from gateway.db.adapter import SHARED_OWNER
+from gateway.db.base import utcnow
+from gateway.engine_client.base import EngineClient
+from gateway.errors import BadRequest, Conflict, NotFound
+
+ADAPTER_NAME = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+"""1-64 letters, digits, '.', '_' or '-', starting with a letter or digit, without '..': a name
+is safe in a URL path segment, a file name and `owner/name`, and never looks like an option
+(`-x`) or a path step (`.`, `..`)."""
+_README_ROOM = 1 << 20
+
+
+def adapter_out(row: AdapterVersion) -> AdapterOut:
+    return AdapterOut(
+        owner=row.owner,
+        name=row.name,
+        version=row.version,
+        digest=row.digest,
+        rank=row.rank,
+        targets=list(row.targets),
+        size_bytes=row.size_bytes,
+        created_at=utc(row.created_at),
+    )
+
+
+class AdapterService:
+    """Adapter versions over one database session (one request's, or a caller's outside a
+    request), with the store, the engine and the catalog they must agree with."""
+
+    def __init__(
+        self,
+        session: AsyncSession,
+        store: AdapterStore,
+        engine: EngineClient,
+        catalog: ModelCatalog,
+        model_name: str,
+    ) -> None:
+        self.session = session
+        self.store = store
+        self.engine = engine
+        self.catalog = catalog
+        self.model_name = model_name
+
+    async def publish_upload(self, upload: AdapterUpload, work: Path) -> AdapterOut:
+        """Check the name and owner, unpack the archive (if that is what came), then publish."""
+        await self.check_name_and_owner(upload.name, upload.owner)
+        folder = upload.folder
+        if folder is None:
+            assert upload.archive is not None, "an upload has either files or an archive"
+            limits = ArchiveLimits(
+                max_total_bytes=self.store.limits.max_file_bytes + MAX_CONFIG_BYTES + _README_ROOM
+            )
+            folder = work / "extracted"
+            folder.mkdir()
+            await asyncio.to_thread(extract_adapter_archive, upload.archive, folder, limits)
+        return await self.publish(upload.owner, upload.name, folder)
+
+    async def check_name_and_owner(self, name: str, owner: str) -> None:
+        if not ADAPTER_NAME.fullmatch(name):
+            raise BadRequest(
+                "adapter names are 1-64 characters among letters, digits, '.', '_' and '-', "
+                "start with a letter or digit and hold no '..'",
+                param="name",
+                code="invalid_adapter_name",
+            )
+        if name == self.model_name:
+            raise BadRequest(
+                f"{name!r} is the base model's name", param="name", code="invalid_adapter_name"
+            )
+        if owner != SHARED_OWNER and await self.session.get(Tenant, owner) is None:
+            raise NotFound(
+                f"no tenant {owner!r}: owner is a tenant id or {SHARED_OWNER!r}",
+                param="owner",
+                code="tenant_not_found",
+            )
+
+    async def publish(self, owner: str, name: str, folder: Path) -> AdapterOut:
+        """Store, load and record a new version of `owner/name` (see the module docstring)."""
+        stored = await asyncio.to_thread(self.store.put, folder)
+        try:
+            await self.engine.ensure_adapter(stored.digest, stored.path)
+            row, previous = await self._insert_version(owner, name, stored)
+        except Exception:
+            await self.session.rollback()
+            await self._discard(stored.digest)
+            raise
+        if previous is not None and previous != row.digest:
+            await self.retire_unused([previous])
+        self.catalog.invalidate()
+        return adapter_out(row)
+
+    async def _insert_version(
+        self, owner: str, name: str, stored: StoredAdapter
+    ) -> tuple[AdapterVersion, str | None]:
+        """The committed new row, and the digest of the version it replaces (None for the
+        first)."""
+        previous = await latest_version(self.session, owner, name)
+        top = await self.session.scalar(
+            select(func.max(AdapterVersion.version)).where(
+                AdapterVersion.owner == owner, AdapterVersion.name == name
+            )
+        )
+        row = AdapterVersion(
+            owner=owner,
+            name=name,
+            version=(top or 0) + 1,
+            digest=stored.digest,
+            rank=stored.metadata.rank,
+            targets=list(stored.metadata.targets),
+            size_bytes=stored.metadata.weights_bytes,
+        )
+        self.session.add(row)
+        try:
+            await self.session.commit()
+        except IntegrityError:
+            raise Conflict(
+                f"another upload of {owner}/{name} finished first; retry",
+                param="name",
+                code="version_conflict",
+            ) from None
+        return row, previous.digest if previous is not None else None
+
+    async def _discard(self, digest: str) -> None:
+        """Undo steps 1-2 of a publish that failed later: retire the digest unless it serves,
+        and remove its stored folder unless a live row names it."""
+        await self.retire_unused([digest])
+        named = await self.session.scalar(
+            select(AdapterVersion.id)
+            .where(AdapterVersion.digest == digest, AdapterVersion.deleted_at.is_(None))
+            .limit(1)
+        )
+        if named is None:
+            await asyncio.to_thread(self.store.delete, digest)
+
+    async def retire_unused(self, digests: Iterable[str]) -> None:
+        """Retire in the engine each digest that no live adapter serves any more."""
+        unused = [d for d in set(digests) if not await _serves(self.session, d)]
+        for digest in unused:
+            await self.engine.retire_adapter(digest)
+
+    async def list_latest(self, owner: str | None) -> list[AdapterOut]:
+        """The latest live version of every adapter (of one owner, when given)."""
+        rows = await latest_versions(self.session, [owner] if owner is not None else None)
+        return [adapter_out(r) for r in rows]
+
+    async def detail(self, owner: str, name: str) -> AdapterDetail:
+        rows = list(await _live_versions(self.session, owner, name))
+        if not rows:
+            raise _no_adapter(owner, name)
+        versions = [adapter_out(r) for r in rows]
+        return AdapterDetail(owner, name, latest=versions[-1], versions=versions)
+
+    async def delete(self, owner: str, name: str) -> Deleted:
+        """Soft-delete every live version of `owner/name` and retire their digests."""
+        rows = list(await _live_versions(self.session, owner, name))
+        if not rows:
+            raise _no_adapter(owner, name)
+        digests = await _soft_delete(self.session, [r.id for r in rows])
+        await self.session.commit()
+        await self.retire_unused(digests)
+        self.catalog.invalidate()
+        return Deleted(f"{owner}/{name}", detail={"versions": len(rows)})
+
+    async def soft_delete_owned_by(self, owner: str) -> tuple[int, set[str]]:
+        """Soft-delete every live version owned by `owner` (not committed): (count, digests)."""
+        ids = list(
+            await self.session.scalars(
+                select(AdapterVersion.id).where(
+                    AdapterVersion.owner == owner, AdapterVersion.deleted_at.is_(None)
+                )
+            )
+        )
+        return len(ids), await _soft_delete(self.session, ids)
+
+
+async def _serves(session: AsyncSession, digest: str) -> bool:
+    """Whether `digest` is the latest live version of some adapter."""
+    pairs = await session.execute(
+        select(AdapterVersion.owner, AdapterVersion.name)
+        .where(AdapterVersion.digest == digest, AdapterVersion.deleted_at.is_(None))
+        .distinct()
+    )
+    for owner, name in pairs:
+        latest = await latest_version(session, owner, name)
+        if latest is not None and latest.digest == digest:
+            return True
+    return False
+
+
+async def _soft_delete(session: AsyncSession, ids: list[str]) -> set[str]:
+    """Mark the rows deleted (not committed); returns their digests."""
+    if not ids:
+        return set()
+    await session.execute(
+        update(AdapterVersion).where(AdapterVersion.id.in_(ids)).values(deleted_at=utcnow())
+    )
+    digests = await session.scalars(
+        select(AdapterVersion.digest).where(AdapterVersion.id.in_(ids)).distinct()
+    )
+    return set(digests)
+
+
+async def _live_versions(session: AsyncSession, owner: str, name: str) -> Iterable[AdapterVersion]:
+    return await session.scalars(
+        select(AdapterVersion)
+        .where(
+            AdapterVersion.owner == owner,
+            AdapterVersion.name == name,
+            AdapterVersion.deleted_at.is_(None),
+        )
+        .order_by(AdapterVersion.version)
+    )
+
+
+def _no_adapter(owner: str, name: str) -> NotFound:
+    return NotFound(f"no adapter {owner}/{name}", code="adapter_not_found")

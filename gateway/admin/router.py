@@ -1,0 +1,94 @@
+"""The admin router: every domain's controller behind the admin guard, and the services they
+take, provided per request over one database session.
+
+This is where the admin side's dependencies are composed from the process's state: a handler
+names a service (`tenants: TenantService`) and never sees the state itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from litestar import Router
+from litestar.di import NamedDependency, Provide
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.adapters.controller import AdapterController
+from gateway.adapters.service import AdapterService
+from gateway.adapters.upload import UploadSpace
+from gateway.admin.body import AdminRequest
+from gateway.admin.guard import admin_guard
+from gateway.audit.action import audit_middleware, provide_entry
+from gateway.audit.controller import AuditController
+from gateway.audit.service import AuditLog
+from gateway.cache.controller import CacheController
+from gateway.cache.service import CacheAdmin
+from gateway.keys.controller import KeyController
+from gateway.keys.service import KeyService
+from gateway.quotas.controller import QuotaController
+from gateway.quotas.limits import QuotaLimits
+from gateway.state import GatewayState
+from gateway.tenants.controller import TenantController
+from gateway.tenants.service import TenantService
+from gateway.usage.controller import UsageController
+from gateway.usage.service import UsageReports
+
+
+def admin_router(gw: GatewayState) -> Router:
+    audit_log = AuditLog(gw.sessions)
+    return Router(
+        "/admin",
+        route_handlers=[
+            TenantController,
+            KeyController,
+            QuotaController,
+            AdapterController,
+            UsageController,
+            CacheController,
+            AuditController,
+        ],
+        guards=[admin_guard(gw.admin, audit_log)],
+        dependencies=_services(gw, audit_log),
+        middleware=[audit_middleware(audit_log)],
+        request_class=AdminRequest,
+    )
+
+
+def _services(gw: GatewayState, audit_log: AuditLog) -> dict[str, Provide]:
+    """The services of the admin controllers; those holding a session get this request's."""
+    usage_reports = UsageReports(gw.sessions)
+    uploads = UploadSpace(gw.settings.data_dir / "uploads", gw.settings.server.max_upload_mb << 20)
+
+    async def db_session() -> AsyncIterator[AsyncSession]:
+        async with gw.sessions() as session:
+            yield session
+
+    def adapters(db_session: NamedDependency[AsyncSession]) -> AdapterService:
+        return AdapterService(db_session, gw.store, gw.engine, gw.catalog, gw.model_name)
+
+    def tenants(
+        db_session: NamedDependency[AsyncSession], adapters: NamedDependency[AdapterService]
+    ) -> TenantService:
+        return TenantService(db_session, gw.keys, adapters, gw.cache)
+
+    def keys(db_session: NamedDependency[AsyncSession]) -> KeyService:
+        return KeyService(db_session, gw.keys)
+
+    def quotas(db_session: NamedDependency[AsyncSession]) -> QuotaLimits:
+        return QuotaLimits(db_session)
+
+    def cache_admin(db_session: NamedDependency[AsyncSession]) -> CacheAdmin:
+        return CacheAdmin(db_session, gw.keys, gw.cache)
+
+    return {
+        "db_session": Provide(db_session),
+        "adapters": Provide(adapters, sync_to_thread=False),
+        "tenants": Provide(tenants, sync_to_thread=False),
+        "keys": Provide(keys, sync_to_thread=False),
+        "quotas": Provide(quotas, sync_to_thread=False),
+        "cache_admin": Provide(cache_admin, sync_to_thread=False),
+        "audit_log": Provide(lambda: audit_log, sync_to_thread=False, use_cache=True),
+        "usage_reports": Provide(lambda: usage_reports, sync_to_thread=False, use_cache=True),
+        "uploads": Provide(lambda: uploads, sync_to_thread=False, use_cache=True),
+        "entry": Provide(provide_entry, sync_to_thread=False),
+    }

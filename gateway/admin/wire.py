@@ -1,0 +1,69 @@
+"""Wire pieces every admin domain shares: the name rule, "fields a body named", timestamps.
+
+Admin request bodies are msgspec structs that Litestar decodes from `data:`. Unknown fields are
+refused, so a typo (`"rmp": 10`) is a 400, not a silent no-op. Fields that may be left out of a
+PATCH-like body are `UNSET` when absent, which keeps "absent" (leave as it is) apart from `null`
+(remove).
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import UNSET, Meta, Struct
+
+from gateway.errors import BadRequest
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+DisplayName = Annotated[str, Meta(min_length=1, max_length=200)]
+"""A name people read (tenants, keys); also held to `check_display_name`."""
+ModelName = Annotated[str, Meta(min_length=1, max_length=200)]
+
+
+class Deleted(Struct):
+    """What a DELETE removed."""
+
+    id: str
+    deleted: bool = True
+    detail: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+_HIDDEN_CHARACTERS = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+"""Unicode categories that hide or disguise text: controls (NUL, escape), format characters
+(bidirectional overrides, zero-width joiners), lone surrogates, line and paragraph separators."""
+
+
+def check_display_name(value: str, field: str) -> None:
+    """Refuse a name people read (in listings, the dashboard, logs) that could disguise itself:
+    leading or trailing whitespace, or a character of `_HIDDEN_CHARACTERS`."""
+    if value != value.strip():
+        raise BadRequest(
+            f"{field} may not start or end with whitespace", param=field, code="invalid_request"
+        )
+    for position, char in enumerate(value):
+        if unicodedata.category(char) in _HIDDEN_CHARACTERS:
+            raise BadRequest(
+                f"{field} may not hold control or format characters "
+                f"(U+{ord(char):04X} at position {position})",
+                param=field,
+                code="invalid_request",
+            )
+
+
+def given(body: Struct) -> dict[str, Any]:
+    """The fields a body named (null included); fields left out are not there."""
+    return {f: v for f in body.__struct_fields__ if (v := getattr(body, f)) is not UNSET}
+
+
+def utc(ts: datetime) -> datetime:
+    """Timestamps as UTC; SQLite returns them naive (they were stored as UTC)."""
+    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
+
+
+def utc_or_none(ts: datetime | None) -> datetime | None:
+    return utc(ts) if ts is not None else None

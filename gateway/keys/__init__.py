@@ -1,0 +1,2 @@
+"""Tenant API keys: `/admin/tenants/{id}/keys` and `/admin/keys/{id}` (controller), the rules
+(service), the wire shapes (schemas)."""

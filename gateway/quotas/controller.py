@@ -1,0 +1,61 @@
+"""Routes: quotas of a tenant (`/admin/tenants/{id}/quotas`) or a key (`/admin/keys/{id}/quotas`)."""
+
+from __future__ import annotations
+
+from litestar import Controller, get, put
+from litestar.di import NamedDependency
+from litestar.params import FromPath, JSONBody
+
+from gateway.admin.wire import given
+from gateway.audit.action import audited_as
+from gateway.audit.service import AuditRecord
+from gateway.quotas.limits import QuotaLimits
+from gateway.quotas.schemas import QuotaOut, QuotaUpdate
+
+_BODY = """Body: any of `rpm`, `tpm`, `max_concurrent`, `token_budget` (positive integers) and
+`budget_period` (`day` or `month`); a field left out keeps its limit, `null` removes it."""
+
+
+class QuotaController(Controller):
+    path = "/"
+    tags = ("admin: quotas",)
+
+    @put(
+        "/tenants/{tenant_id:str}/quotas",
+        description=_BODY,
+        opt=audited_as("quota.tenant.set", "{tenant_id}"),
+    )
+    async def set_tenant_quotas(
+        self,
+        tenant_id: FromPath[str],
+        data: JSONBody[QuotaUpdate],
+        quotas: NamedDependency[QuotaLimits],
+        entry: NamedDependency[AuditRecord],
+    ) -> QuotaOut:
+        entry.detail = given(data)
+        return await quotas.set_for_tenant(tenant_id, data)
+
+    @get("/tenants/{tenant_id:str}/quotas")
+    async def get_tenant_quotas(
+        self, tenant_id: FromPath[str], quotas: NamedDependency[QuotaLimits]
+    ) -> QuotaOut:
+        return await quotas.get_for_tenant(tenant_id)
+
+    @put(
+        "/keys/{key_id:str}/quotas", description=_BODY, opt=audited_as("quota.key.set", "{key_id}")
+    )
+    async def set_key_quotas(
+        self,
+        key_id: FromPath[str],
+        data: JSONBody[QuotaUpdate],
+        quotas: NamedDependency[QuotaLimits],
+        entry: NamedDependency[AuditRecord],
+    ) -> QuotaOut:
+        entry.detail = given(data)
+        return await quotas.set_for_key(key_id, data)
+
+    @get("/keys/{key_id:str}/quotas")
+    async def get_key_quotas(
+        self, key_id: FromPath[str], quotas: NamedDependency[QuotaLimits]
+    ) -> QuotaOut:
+        return await quotas.get_for_key(key_id)

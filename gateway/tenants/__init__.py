@@ -1,0 +1,1 @@
+"""Tenants: `/admin/tenants` (controller), the rules (service), the wire shapes (schemas)."""

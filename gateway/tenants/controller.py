@@ -1,0 +1,66 @@
+"""Routes: tenants (`/admin/tenants`)."""
+
+from __future__ import annotations
+
+from litestar import Controller, delete, get, patch, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, JSONBody
+
+from gateway.admin.wire import Deleted, given
+from gateway.audit.action import audited_as
+from gateway.audit.service import AuditRecord
+from gateway.tenants.schemas import TenantCreate, TenantOut, TenantUpdate
+from gateway.tenants.service import TenantService
+
+
+class TenantController(Controller):
+    path = "/tenants"
+    tags = ("admin: tenants",)
+
+    @post(opt=audited_as("tenant.create"))
+    async def create_tenant(
+        self,
+        data: JSONBody[TenantCreate],
+        tenants: NamedDependency[TenantService],
+        entry: NamedDependency[AuditRecord],
+    ) -> TenantOut:
+        """Create a tenant; its name is unique (409 when taken)."""
+        entry.detail = {"name": data.name}
+        tenant = await tenants.create(data)
+        entry.target = tenant.id
+        return tenant
+
+    @get()
+    async def list_tenants(self, tenants: NamedDependency[TenantService]) -> list[TenantOut]:
+        return await tenants.list_all()
+
+    @get("/{tenant_id:str}")
+    async def get_tenant(
+        self, tenant_id: FromPath[str], tenants: NamedDependency[TenantService]
+    ) -> TenantOut:
+        return await tenants.get(tenant_id)
+
+    @patch("/{tenant_id:str}", opt=audited_as("tenant.update", "{tenant_id}"))
+    async def update_tenant(
+        self,
+        tenant_id: FromPath[str],
+        data: JSONBody[TenantUpdate],
+        tenants: NamedDependency[TenantService],
+        entry: NamedDependency[AuditRecord],
+    ) -> TenantOut:
+        """Rename or disable a tenant, or set its prefix-cache scope."""
+        entry.detail = given(data)
+        return await tenants.update(tenant_id, data)
+
+    @delete("/{tenant_id:str}", status_code=200, opt=audited_as("tenant.delete", "{tenant_id}"))
+    async def delete_tenant(
+        self,
+        tenant_id: FromPath[str],
+        tenants: NamedDependency[TenantService],
+        entry: NamedDependency[AuditRecord],
+    ) -> Deleted:
+        """Delete a tenant with its keys and quotas; its private adapters are deleted and
+        retired (requests in flight finish)."""
+        deleted = await tenants.delete(tenant_id)
+        entry.detail = deleted.detail
+        return deleted
