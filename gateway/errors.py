@@ -160,7 +160,7 @@ def to_gateway_error(exc: Exception) -> GatewayError | None:
             return InternalError(str(exc), code="request_failed")
         case sql.OperationalError() | sql.InterfaceError() | sql.TimeoutError():
             return _database_unavailable()
-        case sql.DBAPIError() if exc.connection_invalidated:
+        case sql.DBAPIError() if exc.connection_invalidated or _unavailable_sqlstate(exc):
             return _database_unavailable()
         case ConnectionError():
             # A driver that surfaces a refused or reset connection as the OS error itself
@@ -191,6 +191,16 @@ def to_gateway_error(exc: Exception) -> GatewayError | None:
                 exc.detail, code=_FRAMEWORK_CODES.get(exc.status_code)
             )
     return None
+
+
+UNAVAILABLE_SQLSTATES = ("08", "53", "57")
+"""SQLSTATE classes of a database that cannot serve now: connection exception, insufficient
+resources (too many connections), operator intervention (shutting down, starting up)."""
+
+
+def _unavailable_sqlstate(exc: sql.DBAPIError) -> bool:
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    return isinstance(sqlstate, str) and sqlstate[:2] in UNAVAILABLE_SQLSTATES
 
 
 def _database_unavailable() -> ServiceUnavailable:

@@ -49,6 +49,12 @@ def ask(
     return r
 
 
+def prompt_tokens_computed(gw: RunningServer) -> int:
+    """Prompt tokens the engine has run through the model since it started."""
+    [stats] = gw.run(gw.state.engine.stats())
+    return stats.prompt_tokens_computed
+
+
 def cached(r: httpx.Response) -> int:
     usage = r.json()["usage"]
     assert usage["prompt_tokens"] > 50
@@ -68,8 +74,13 @@ def test_another_tenants_prompt_is_never_reused(
     _, a_other_key = new_key(admin, a.tenant_id)
     assert cached(ask(gateway, replace(a, key=a_other_key), prompt, model)) >= 48
 
+    computed_before = prompt_tokens_computed(gateway)
     seen_by_b = ask(gateway, b, prompt, model)
     assert cached(seen_by_b) == 0
+    # B's request computes its whole prompt, as for a prompt nobody sent: the same work and so
+    # the same latency, whatever A sent.
+    computed = prompt_tokens_computed(gateway) - computed_before
+    assert computed == seen_by_b.json()["usage"]["prompt_tokens"]
     assert cached(ask(gateway, c, prompt, model, max_tokens=3, temperature=0.7, seed=1)) == 0
     assert cached(ask(gateway, d, prompt.rsplit(" ", 1)[0] + " queue", model)) == 0
     traces = seen_by_b.text + str(seen_by_b.headers)

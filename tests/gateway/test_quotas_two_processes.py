@@ -59,6 +59,10 @@ def two_gateways(
             "LORAMUX_DATABASE_URL": database,
             "LORAMUX_REDIS_URL": redis_url,
             "LORAMUX_ADMIN_SECRET": SECRET,
+            # This test is about exact admission across processes, not Redis outages: 500
+            # concurrent requests on a busy 2-core machine can stall an event loop past the
+            # default 1 s, which would (correctly) count Redis as down and answer 503.
+            "LORAMUX_QUOTA_REDIS_TIMEOUT_MS": "30000",
         }
         cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
         procs.append(
