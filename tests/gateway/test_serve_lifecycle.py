@@ -192,7 +192,8 @@ def test_a_killed_private_redis_is_restarted_and_limited_requests_succeed_again(
     # Clients reconnect as soon as the new redis-server listens; the supervisor marks the
     # child up once its own readiness probe answered, a moment later.
     wait_for(lambda: _health(running)["children"]["redis-server"]["up"], 30, "redis is up")
-    assert _health(running)["children"]["redis-server"]["restarts"] == 1
+    redis = _health(running)["children"]["redis-server"]
+    assert redis["restarts"] == 1
     assert redis["last_exit"] == "was killed by SIGKILL"
 
 
