@@ -45,6 +45,7 @@ def _chat(args: argparse.Namespace) -> None:
     """Stream one chat reply from the engine, in-process."""
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
+    from engine.detokenizer import IncrementalDetokenizer
     from engine.outputs import EngineRequest
     from engine.sampling import SamplingParams
 
@@ -63,9 +64,12 @@ def _chat(args: argparse.Namespace) -> None:
     )
     request = EngineRequest("cli", params, messages=[{"role": "user", "content": args.message}])
 
+    detokenizer = IncrementalDetokenizer(engine.engine.tokenizer)
+
     async def stream() -> None:
         async for delta in engine.generate(request):
-            sys.stdout.write(delta.text)
+            text = "".join(detokenizer.add(t) for t in delta.token_ids)
+            sys.stdout.write(text + (detokenizer.flush() if delta.finished else ""))
             sys.stdout.flush()
             if delta.usage is not None:
                 u = delta.usage

@@ -95,7 +95,7 @@ class RemoteEngineClient:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Typed errors are raised before the first delta; closing early aborts the engine's
-        sequence. The request must carry token ids; outputs carry token ids and no text."""
+        sequence. The request must carry token ids; outputs carry token ids."""
         if request.prompt_token_ids is None:
             raise InvalidRequestError("the engine takes prompts as token ids")
         message = Generate(
@@ -275,7 +275,7 @@ async def _next(stream: asyncio.Queue[StreamItem]) -> Delta:
 
 def _output(delta: Delta) -> RequestOutput:
     reason = None if delta.finish_reason is None else FinishReason(delta.finish_reason)
-    return RequestOutput(delta.ref, "", delta.token_ids, reason, delta.usage)
+    return RequestOutput(delta.ref, delta.token_ids, reason, delta.usage)
 
 
 def _wire_params(params: SamplingParams) -> SamplingParams:

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -34,6 +35,14 @@ log = logging.getLogger(__name__)
 
 _IN_FLIGHT: set[asyncio.Task[Any]] = set()
 """Tasks of generations and aborts under way: the event loop keeps only weak references."""
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """What a run adds to the response: text made from the engine's token ids."""
+
+    text: str
+    finish_reason: str | None
 
 
 def _spawn(work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -76,7 +85,7 @@ class Generation:
         self.ended = False
         self._on_end = on_end
         self._submitted = False
-        self._deltas: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
+        self._deltas: asyncio.Queue[TextDelta | None] = asyncio.Queue()
         self.task = _spawn(self._run())
 
     @property
@@ -112,7 +121,7 @@ class Generation:
         if self._submitted:
             _spawn(self.engine.abort(self.request.request_id))
 
-    async def deltas(self) -> AsyncIterator[RequestOutput]:
+    async def deltas(self) -> AsyncIterator[TextDelta]:
         """The engine's outputs as they arrive, ending once the run has ended and been billed."""
         while (out := await self._deltas.get()) is not None:
             yield out
@@ -164,7 +173,7 @@ class Generation:
             text += detok.flush()
             self.finish = finish
         self.texts.append(text)
-        self._deltas.put_nowait(RequestOutput(out.request_id, text, out.token_ids, finish))
+        self._deltas.put_nowait(TextDelta(text, finish))
 
     def _stop(self) -> None:
         """A stop string matched: end the text here and stop the engine's sequence."""

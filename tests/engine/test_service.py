@@ -274,3 +274,18 @@ def test_cache_salt_crosses_the_wire_and_scopes_prefix_reuse(gateway: Gateway) -
     assert cached("salt-b1", "tenant-b") == 0
     assert cached("salt-a2", "tenant-a") == 32
     assert cached("salt-none", None) == 0
+
+
+def test_abort_ends_the_stream_with_usage_and_counts_in_stats(gateway: Gateway) -> None:
+    aborted_before = _wait_idle(gateway)["aborted"]
+    gateway.send(_generate("ab-1", params=SamplingParams(max_tokens=490, ignore_eos=True)))
+    first = gateway.receive()
+    assert isinstance(first, Delta) and first.finish_reason is None
+    gateway.send(Abort(TOKEN, "ab-1"))
+    received = [first, gateway.receive()]
+    while isinstance(received[-1], Delta) and received[-1].finish_reason is None:
+        received.append(gateway.receive())
+    last = received[-1]
+    assert isinstance(last, Delta) and last.finish_reason == "abort" and last.usage is not None
+    assert last.usage.completion_tokens == sum(len(d.token_ids) for d in received) < 490  # type: ignore[union-attr]
+    assert _wait_idle(gateway)["aborted"] == aborted_before + 1

@@ -92,7 +92,6 @@ async def test_remote_generate_equals_local_token_for_token(
     )
     reference = _local(local, EngineRequest("eq-local", PARAMS, **form))
     assert _tokens(remote) == _tokens(reference)
-    assert all(o.text == "" for o in remote)  # text is the gateway's business
     assert remote[-1].finish_reason == reference[-1].finish_reason == "length"
     assert remote[-1].usage is not None and reference[-1].usage is not None
     assert remote[-1].usage.prompt_tokens == reference[-1].usage.prompt_tokens == len(ids)
