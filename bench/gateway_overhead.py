@@ -422,7 +422,7 @@ async def direct_one(engine: AsyncEngine, request: EngineRequest) -> Sample:
     first: float | None = None
     tokens = 0
     async for out in engine.generate(request):
-        if first is None and (out.text or out.finished):
+        if first is None and (out.token_ids or out.finished):
             first = time.perf_counter()
         tokens = out.usage.completion_tokens if out.usage is not None else tokens
     end = time.perf_counter()

@@ -18,15 +18,8 @@ from transformers import AutoTokenizer
 from adapters.base_spec import BaseModelSpec
 from adapters.peft_format import AdapterLimits
 from engine.block_manager import BlockManager
-from engine.chat_prompt import chat_prompt_ids, text_prompt_ids
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import (
-    InvalidRequestError,
-    PromptTooLongError,
-    UnknownAdapterError,
-    number_text,
-)
+from engine.errors import InvalidRequestError, UnknownAdapterError
 from engine.lora.batch import LoraBatch
 from engine.lora.manager import AdapterStats, LoraManager
 from engine.model.config import ModelConfig
@@ -40,6 +33,7 @@ from engine.outputs import (
     RequestOutput,
     Usage,
 )
+from engine.prompt import prompt_token_ids
 from engine.sampler import sample
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.sequence import BASE_ADAPTER, FinishReason, Sequence
@@ -60,13 +54,13 @@ class _Counters:
     prompt_tokens_computed: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
+    aborted: int = 0
     steps: int = 0
 
 
 @dataclass
 class _Active:
     seq: Sequence
-    detok: IncrementalDetokenizer
     stop_ids: frozenset[int] = field(default_factory=frozenset)
     cached_prompt_tokens: int = 0
     """Prompt tokens found in the prefix cache at first admission (reported in usage)."""
@@ -76,10 +70,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         torch.manual_seed(0)
+        # For validate(), on callers' threads (the step thread never touches text).
         self.tokenizer: Any = AutoTokenizer.from_pretrained(str(config.model))
-        # validate() runs on callers' threads while the step thread detokenizes: a Rust tokenizer
-        # must not be used from two threads at once ("Already borrowed"), so each side has its own.
-        self.request_tokenizer: Any = AutoTokenizer.from_pretrained(str(config.model))
         self.max_model_len = _max_model_len(config)
         self.model: LlamaModel = load_model(
             config.model, config.torch_dtype, config.device, self.max_model_len
@@ -154,30 +146,9 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters"
             )
-        forms = [request.prompt, request.prompt_token_ids, request.messages]
-        if sum(f is not None for f in forms) != 1:
-            raise InvalidRequestError("give exactly one of prompt, prompt_token_ids or messages")
-        if request.messages is not None:
-            if not request.messages:
-                raise InvalidRequestError("messages must not be empty")
-            ids = chat_prompt_ids(self.request_tokenizer, request.messages)
-        elif request.prompt is not None:
-            ids = text_prompt_ids(self.request_tokenizer, request.prompt)
-        else:
-            ids = list(request.prompt_token_ids or [])
-            vocab = self.model_config.vocab_size
-            if any(not 0 <= t < vocab for t in ids):
-                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        total = len(ids) + request.params.max_tokens
-        if total > self.max_model_len:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request has "
-                f"{len(ids)} prompt tokens and asks for {number_text(request.params.max_tokens)} "
-                "completion tokens"
-            )
-        return ids
+        return prompt_token_ids(
+            self.tokenizer, request, self.model_config.vocab_size, self.max_model_len
+        )
 
     def add_request(self, request: EngineRequest, prompt_ids: list[int] | None = None) -> None:
         """Queue a request (`prompt_ids`: what `validate` returned for it). Raises before
@@ -194,11 +165,10 @@ class LLMEngine:
             adapter_id=request.adapter or BASE_ADAPTER,
             cache_salt=request.cache_salt,
         )
-        detok = IncrementalDetokenizer(self.tokenizer, stop=request.params.stop)
         stop_ids = frozenset(request.params.stop_token_ids) | (
             frozenset() if request.params.ignore_eos else self.eos_ids
         )
-        self._active[seq.request_id] = _Active(seq, detok, stop_ids)
+        self._active[seq.request_id] = _Active(seq, stop_ids)
         if self.lora is not None:
             self.lora.add_user(seq)
         self.scheduler.add(seq)
@@ -209,7 +179,8 @@ class LLMEngine:
         if active is None:
             return None
         self._finish(active.seq)
-        return self._final(active, FinishReason.ABORT, "")
+        self._counters.aborted += 1
+        return self._final(active, FinishReason.ABORT)
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
@@ -314,22 +285,15 @@ class LLMEngine:
         seq.token_ids.append(token)
         self._counters.generated_tokens += 1
         reason: FinishReason | None = None
-        text = ""
         if token in active.stop_ids:
             reason = FinishReason.STOP
-        else:
-            text = active.detok.add(token)
-            if active.detok.stopped:
-                reason = FinishReason.STOP
-        if reason is None and (
-            seq.num_completion_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len
-        ):
+        elif seq.num_completion_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
             reason = FinishReason.LENGTH
         if reason is None:
-            return RequestOutput(seq.request_id, text, [token])
+            return RequestOutput(seq.request_id, [token])
         del self._active[seq.request_id]
         self._finish(seq)
-        return self._final(active, reason, text, [token])
+        return self._final(active, reason, [token])
 
     def _fail(self, active: _Active, error: str) -> RequestOutput:
         """End one request with FinishReason.ERROR, freeing its blocks and adapter pin (unless
@@ -339,15 +303,14 @@ class LLMEngine:
         if not seq.is_finished:
             self._finish(seq)
         usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, active.cached_prompt_tokens)
-        return RequestOutput(seq.request_id, "", [], FinishReason.ERROR, usage, error)
+        return RequestOutput(seq.request_id, [], FinishReason.ERROR, usage, error)
 
     def _final(
-        self, active: _Active, reason: FinishReason, text: str, token_ids: list[int] | None = None
+        self, active: _Active, reason: FinishReason, token_ids: list[int] | None = None
     ) -> RequestOutput:
         seq = active.seq
         usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, active.cached_prompt_tokens)
-        text += active.detok.flush()
-        return RequestOutput(seq.request_id, text, token_ids or [], reason, usage)
+        return RequestOutput(seq.request_id, token_ids or [], reason, usage)
 
     def stats(self) -> EngineStats:
         blocks = self.block_manager.stats()
@@ -362,6 +325,7 @@ class LLMEngine:
             prompt_tokens_computed=c.prompt_tokens_computed,
             generated_tokens=c.generated_tokens,
             preemptions=c.preemptions,
+            aborted=c.aborted,
             steps=c.steps,
         )
 

@@ -48,8 +48,9 @@ class Usage:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """One streamed delta. Deltas' `text` concatenate to the final text; the last one carries
-    `finish_reason` and `usage`.
+    """One streamed delta: the token ids generated since the last one; the last delta carries
+    `finish_reason` and `usage`. Token ids only: whoever serves text (the gateway) detokenizes
+    and matches stop strings (`SamplingParams.stop` is not applied by the engine).
 
     A request the engine cannot compute ends with `finish_reason` ERROR and `error` saying why:
     its logits were not finite (NaN or infinity, e.g. from an adapter whose weights overflow),
@@ -60,7 +61,6 @@ class RequestOutput:
     """
 
     request_id: str
-    text: str
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
@@ -85,4 +85,6 @@ class EngineStats:
     """Prompt (prefill) tokens actually run through the model since start."""
     generated_tokens: int
     preemptions: int
+    aborted: int
+    """Requests aborted (a client left, a stop string matched at the gateway, an abort call)."""
     steps: int

@@ -38,7 +38,9 @@ class SamplingParams:
     result is never negative): seeds that differ by a multiple of 2^64, like -1 and 2^64 - 1,
     draw the same tokens."""
     stop: tuple[str, ...] = ()
-    """Stop strings: output ends before the first occurrence, which is not included."""
+    """Stop strings: output ends before the first occurrence, which is not included. Matched on
+    text by whoever detokenizes (the gateway, which then aborts the engine's sequence); the
+    engine itself only sees token ids."""
     stop_token_ids: tuple[int, ...] = ()
     """Extra token ids that end the output (the model's EOS ids always do)."""
     ignore_eos: bool = False

@@ -45,6 +45,7 @@ def _chat(args: argparse.Namespace) -> None:
     """Stream one chat reply from the engine, in-process."""
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
+    from engine.detokenizer import IncrementalDetokenizer
     from engine.outputs import EngineRequest
     from engine.sampling import SamplingParams
 
@@ -63,9 +64,12 @@ def _chat(args: argparse.Namespace) -> None:
     )
     request = EngineRequest("cli", params, messages=[{"role": "user", "content": args.message}])
 
+    detokenizer = IncrementalDetokenizer(engine.engine.tokenizer)
+
     async def stream() -> None:
         async for delta in engine.generate(request):
-            sys.stdout.write(delta.text)
+            text = "".join(detokenizer.add(t) for t in delta.token_ids)
+            sys.stdout.write(text + (detokenizer.flush() if delta.finished else ""))
             sys.stdout.flush()
             if delta.usage is not None:
                 u = delta.usage
@@ -94,16 +98,15 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _engine(args: argparse.Namespace) -> None:
-    """The engine's internal HTTP service, for gateways on other processes or machines."""
-    from engine.service import run_engine_service
+    """The engine in a process of its own, for gateways on this host or others."""
+    from engine.service import Listen, run_engine_service
     from gateway.server import engine_config
 
     settings = Settings()
     run_engine_service(
         engine_config(settings, ensure_model(settings)),
         settings.model_name,
-        args.host,
-        args.port,
+        Listen(args.address, args.health_host, args.health_port),
         adapter_dir=settings.data_dir / "engine-adapters",
         token=settings.server.engine_token,
         log_level=args.log_level,
@@ -155,9 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None)
     p.set_defaults(func=_serve)
 
-    p = sub.add_parser("engine", help="run the engine's internal HTTP service")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100)
+    p = sub.add_parser(
+        "engine", help="run the engine, serving gateways over a ZeroMQ channel (ipc:// or tcp://)"
+    )
+    p.add_argument(
+        "--address",
+        default="tcp://127.0.0.1:8100",
+        help="where gateways connect: tcp://HOST:PORT or ipc:///PATH (LORAMUX_ENGINE_URLS names it)",
+    )
+    p.add_argument("--health-host", default="127.0.0.1")
+    p.add_argument("--health-port", type=int, default=8101, help="HTTP /health and /metrics")
     p.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error", "critical")
     )

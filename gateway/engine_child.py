@@ -1,9 +1,10 @@
-"""The engine as a child process of `loramux serve`: `loramux engine` (engine.service) on a port
-of 127.0.0.1, behind a token generated for this serve process alone.
+"""The engine as a child process of `loramux serve`: `loramux engine` (engine.service) on an
+`ipc://` socket in the data directory, behind a token generated for this serve process alone,
+with its health endpoint on a port of 127.0.0.1.
 
 Serve reaches it with the remote engine client, the same way it reaches engines named by
-LORAMUX_ENGINE_URLS. The port and token are chosen once, so a restarted engine answers at the
-same URL; adapters it served before are uploaded to it again on demand
+LORAMUX_ENGINE_URLS. The socket path and token are chosen once, so a restarted engine answers at
+the same address; adapters it served before are uploaded to it again on demand
 (gateway.engine_client.remote), from the gateway's adapter store.
 """
 
@@ -13,7 +14,9 @@ import os
 import secrets
 import socket
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -23,6 +26,8 @@ from gateway.supervisor import ChildSpec
 START_SECONDS = 900.0
 """How long an engine may take to load its model and answer /health (a large model on a GPU
 takes minutes); past it, it is killed and started again."""
+MAX_IPC_PATH = 100
+"""A Unix socket's path has room for 107 bytes; a deeper data directory gets a temporary one."""
 
 
 @dataclass(frozen=True)
@@ -33,19 +38,26 @@ class EngineChild:
 
 
 def engine_child(settings: Settings) -> EngineChild:
-    port = _free_loopback_port()
-    url = f"http://127.0.0.1:{port}"
+    url = f"ipc://{_socket_path(settings.data_dir)}"
+    health = f"http://127.0.0.1:{_free_loopback_port()}"
     token = secrets.token_urlsafe(32)
-    argv: tuple[str, ...] = (sys.executable, "-m", "gateway.cli", "engine", "--host", "127.0.0.1")
-    argv += ("--port", str(port), "--log-level", "warning")  # serve logs each request already
+    argv: tuple[str, ...] = (sys.executable, "-m", "gateway.cli", "engine", "--address", url)
+    argv += ("--health-port", health.rsplit(":", 1)[1], "--log-level", "warning")
     env = {k: v for k, v in os.environ.items() if k != "LORAMUX_ENGINE_URLS"}
     env |= {"LORAMUX_ENGINE_TOKEN": token, "LORAMUX_DATA_DIR": str(settings.data_dir)}
 
     async def ready() -> bool:
         async with httpx.AsyncClient(timeout=2.0) as client:  # /health needs no token
-            return (await client.get(f"{url}/health")).status_code == 200
+            return (await client.get(f"{health}/health")).status_code == 200
 
     return EngineChild(ChildSpec("engine", argv, ready, START_SECONDS, env), url, token)
+
+
+def _socket_path(data_dir: Path) -> Path:
+    path = data_dir.resolve() / "engine.sock"
+    if len(str(path)) > MAX_IPC_PATH:
+        path = Path(tempfile.mkdtemp(prefix="loramux-")) / "engine.sock"
+    return path
 
 
 def _free_loopback_port() -> int:

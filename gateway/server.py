@@ -16,7 +16,6 @@ import uvicorn
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.service.runner import start_in_thread
 from gateway.app import create_app
 from gateway.engine_client.base import EngineClient
 from gateway.engine_client.local import LocalEngineClient
@@ -52,6 +51,20 @@ def engine_client(settings: Settings, model_dir: Path) -> EngineClient:
     return LocalEngineClient(
         AsyncEngine.from_config(engine_config(settings, model_dir)), settings.model_name
     )
+
+
+def start_in_thread(
+    server: uvicorn.Server, loop: asyncio.AbstractEventLoop
+) -> tuple[threading.Thread, int]:
+    """Run `server` on a daemon thread on `loop`; return once it listens, with the thread and
+    the port it got."""
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server failed to start")
+        threading.Event().wait(0.02)
+    return thread, int(server.servers[0].sockets[0].getsockname()[1])
 
 
 @dataclass

@@ -23,6 +23,7 @@ from gateway.catalog import ModelCatalog
 from gateway.db.session import create_engine, session_factory
 from gateway.engine_client.base import EngineClient
 from gateway.metrics import Metrics
+from gateway.prompt_tokens import PromptTokens
 from gateway.quotas import QuotaService
 from gateway.settings import Settings, private_folder
 from gateway.supervisor import Supervisor
@@ -45,6 +46,8 @@ class GatewayState:
     usage: UsageRecorder
     model_name: str
     max_model_len: int
+    prompts: PromptTokens
+    """Tokenizes prompts and detokenizes outputs: the engine takes and gives token ids."""
     redis: Redis
     """Quota state (rate windows, concurrency leases, budget ledgers): must never evict."""
     cache_redis: Redis
@@ -66,6 +69,7 @@ class GatewayState:
         await self.cache.drain()
         await self.usage.close()
         await self.engine.close()
+        self.prompts.close()
         await self.redis.aclose()
         if self.cache_redis is not self.redis:
             await self.cache_redis.aclose()
@@ -130,6 +134,7 @@ async def build_state(
         usage=UsageRecorder(sessions, max_buffered=settings.server.usage_max_buffered),
         model_name=info.model_name,
         max_model_len=info.max_model_len,
+        prompts=PromptTokens(model_dir, info.vocab_size, info.max_model_len),
         redis=redis,
         cache_redis=cache_redis,
         cache=ResponseCache(

@@ -1,9 +1,7 @@
-"""The engine's internal HTTP service, so gateways and engines can run as separate processes.
+"""The engine as a service of its own process: a ZeroMQ channel for gateways (`wire` is what
+both ends speak, `server` the engine end) and one HTTP endpoint for health and metrics
+(`health`); `runner` starts them."""
 
-`app` serves one AsyncEngine over HTTP, `wire` is the format both sides speak, `runner` starts it.
-"""
+from engine.service.runner import Listen, run_engine_service, serve_engine_in_thread
 
-from engine.service.app import create_engine_app
-from engine.service.runner import run_engine_service, serve_engine_in_thread
-
-__all__ = ["create_engine_app", "run_engine_service", "serve_engine_in_thread"]
+__all__ = ["Listen", "run_engine_service", "serve_engine_in_thread"]

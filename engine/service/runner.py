@@ -1,4 +1,6 @@
-"""Run the engine service: in the foreground (`loramux engine`) or on a thread (tests, benchmarks)."""
+"""Run the engine service: in the foreground (`loramux engine`) or on a thread (tests,
+benchmarks). Both serve the channel (engine.service.server) and the health endpoint
+(engine.service.health) from one event loop; the step loop runs on its own thread."""
 
 from __future__ import annotations
 
@@ -8,23 +10,87 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.service.app import create_engine_app
+from engine.service.health import create_health_app
+from engine.service.server import EngineServer
 
-KEEP_ALIVE_SECONDS = 60
-"""Idle connections are kept this long, longer than gateways keep them, so a gateway never
-sends on a connection the engine is closing."""
+
+@dataclass(frozen=True)
+class Listen:
+    address: str
+    """Where gateways connect: `ipc:///path/engine.sock` or `tcp://host:port`."""
+    health_host: str = "127.0.0.1"
+    health_port: int = 0
+    """The HTTP health and metrics endpoint; 0 picks a free port."""
+
+
+async def serve_engine(
+    engine: AsyncEngine,
+    model_name: str,
+    listen: Listen,
+    *,
+    adapter_dir: Path | None = None,
+    token: str | None = None,
+    log_level: str = "warning",
+    ready: threading.Event | None = None,
+    bound: list[str] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until the health server exits (a signal, in the foreground) or `stop` is set;
+    then shut the engine down. Once listening, the channel's address and the health URL are
+    appended to `bound` and `ready` is set."""
+    server = EngineServer(engine, model_name, token, adapter_dir)
+    address = server.bind(listen.address)
+    config = uvicorn.Config(
+        create_health_app(engine),
+        host=listen.health_host,
+        port=listen.health_port,
+        log_level=log_level,
+        lifespan="off",
+    )
+    health = uvicorn.Server(config)
+    engine.start()
+    web = asyncio.create_task(health.serve())
+    channel: asyncio.Task[None] | None = None
+    try:
+        while not health.started:
+            if web.done():
+                await web  # it failed to start: raise why
+                return
+            await asyncio.sleep(0.01)
+        # Gateways get answers only once /health says the engine is up, so a gateway never
+        # finds the engine ready before its supervisor does (messages wait in the socket).
+        channel = asyncio.create_task(server.serve())
+        port = health.servers[0].sockets[0].getsockname()[1]
+        if bound is not None:
+            bound += [address, f"http://{listen.health_host}:{port}"]
+        if ready is not None:
+            ready.set()
+        waits: set[asyncio.Future[Any]] = {web, channel}
+        if stop is not None:
+            waits.add(asyncio.ensure_future(stop.wait()))
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if task is channel:
+                task.result()  # the channel failed: raise why
+    finally:
+        health.should_exit = True
+        if channel is not None:
+            channel.cancel()
+        await asyncio.gather(web, *([channel] if channel else []), return_exceptions=True)
+        server.close()
+        await asyncio.to_thread(engine.shutdown)
 
 
 def run_engine_service(
     config: EngineConfig,
     model_name: str,
-    host: str,
-    port: int,
+    listen: Listen,
     *,
     adapter_dir: Path,
     token: str | None = None,
@@ -32,38 +98,27 @@ def run_engine_service(
 ) -> None:
     """Build the engine from `config` and serve it until interrupted (blocks)."""
     engine = AsyncEngine.from_config(config)
-    app = create_engine_app(engine, model_name, adapter_dir=adapter_dir, token=token)
-    uvicorn.run(
-        app, host=host, port=port, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_SECONDS
+    asyncio.run(
+        serve_engine(
+            engine, model_name, listen, adapter_dir=adapter_dir, token=token, log_level=log_level
+        )
     )
 
 
 @dataclass
 class RunningEngineService:
     url: str
+    """The channel's address, e.g. `tcp://127.0.0.1:41234`."""
+    health_url: str
     engine: AsyncEngine
-    server: uvicorn.Server
     thread: threading.Thread
+    _loop: asyncio.AbstractEventLoop
+    _stop: asyncio.Event
 
     def stop(self) -> None:
-        """Stop serving and shut the engine down; later connections are refused."""
-        self.server.should_exit = True
+        """Stop serving and shut the engine down; gateways connected to it see it go."""
+        self._loop.call_soon_threadsafe(self._stop.set)
         self.thread.join(timeout=30)
-
-
-def start_in_thread(
-    server: uvicorn.Server, loop: asyncio.AbstractEventLoop | None = None
-) -> tuple[threading.Thread, int]:
-    """Run `server` on a daemon thread (on `loop` when given, else a new one); return once it
-    listens, with the thread and the port it got."""
-    loop = loop or asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the server failed to start")
-        threading.Event().wait(0.02)
-    return thread, int(server.servers[0].sockets[0].getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -71,17 +126,32 @@ def serve_engine_in_thread(
     engine: AsyncEngine,
     model_name: str,
     *,
+    address: str = "tcp://127.0.0.1:0",
     adapter_dir: Path | None = None,
     token: str | None = None,
 ) -> Iterator[RunningEngineService]:
-    """Serve `engine` on a free port of 127.0.0.1 from a background thread; stop it on exit."""
-    app = create_engine_app(engine, model_name, adapter_dir=adapter_dir, token=token)
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=0, log_level="warning", timeout_keep_alive=KEEP_ALIVE_SECONDS
+    """Serve `engine` from a background thread (on a free loopback port unless `address`
+    says otherwise); stop it on exit."""
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    ready = threading.Event()
+    bound: list[str] = []
+    work = serve_engine(
+        engine,
+        model_name,
+        Listen(address),
+        adapter_dir=adapter_dir,
+        token=token,
+        ready=ready,
+        bound=bound,
+        stop=stop,
     )
-    server = uvicorn.Server(config)
-    thread, port = start_in_thread(server)
-    running = RunningEngineService(f"http://127.0.0.1:{port}", engine, server, thread)
+    thread = threading.Thread(target=loop.run_until_complete, args=(work,), daemon=True)
+    thread.start()
+    while not ready.wait(0.02):
+        if not thread.is_alive():
+            raise RuntimeError("the engine service failed to start")
+    running = RunningEngineService(bound[0], bound[1], engine, thread, loop, stop)
     try:
         yield running
     finally:

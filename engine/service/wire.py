@@ -1,30 +1,28 @@
-"""The engine service's wire format, shared by the service and the gateway's remote client.
+"""The engine channel's messages: msgpack frames (msgspec) over ZeroMQ, the same on `ipc://`
+and `tcp://`.
 
-Bodies are JSON, encoded and validated with msgspec straight from the engine's dataclasses:
+A gateway holds one DEALER socket per engine; the engine one ROUTER socket. Every message a
+gateway sends carries the engine token (LORAMUX_ENGINE_TOKEN; empty when the engine runs
+without one) and the engine checks it, in constant time, before it reads anything else.
 
-    POST /generate, /count_tokens   an EngineRequest:
-        {"request_id": str, "prompt": str | null, "prompt_token_ids": [int] | null,
-         "messages": [{...}] | null, "adapter": digest | null, "cache_salt": str | null,
-         "params": {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop": [str],
-                    "stop_token_ids": [int], "ignore_eos", "extra": {}}}
-    /generate answers NDJSON, one RequestOutput per line:
-        {"request_id", "text", "token_ids": [int], "finish_reason": null | "stop" | "length" |
-         "abort", "usage": null | {"prompt_tokens", "completion_tokens", "cached_tokens"},
-         "error": null}
-    An error, as a whole body (before the stream starts) or as the stream's last line (e.g.
-    `request_failed` when the engine could not compute this one request):
-        {"error": {"kind": "engine" | "adapter" | "http", "code": str, "message": str}}
+    gateway → engine                              engine → gateway
+    Generate(request_id, prompt_token_ids, …)     Delta(ref=request_id, token_ids, finish, usage)…
+    Abort(request_id)                             (the stream's last Delta says `abort`)
+    Call(ref, op, digest, config, weights)        Reply(ref, value)
+    any of them, refused                          Failed(ref, call, kind, code, message)
 
-Every typed error has one stable `code` and one status, so the client re-raises the same class.
+Requests carry token ids and outputs carry token ids: the engine never sees text. `Call.op` is
+one of `info`, `stats`, `adapters` (the digests it serves), `register` (digest + PEFT files) and
+`retire`. Every typed error has one stable `code`, so the client re-raises the same class.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
-from adapters.errors import AdapterError, FileTooLarge
+from adapters.errors import AdapterError
 from engine.errors import (
     EngineError,
     EngineOverloadedError,
@@ -34,82 +32,117 @@ from engine.errors import (
     RequestFailedError,
     UnknownAdapterError,
 )
-from engine.outputs import EngineRequest, RequestOutput
-
-TOKEN_HEADER = "x-loramux-engine-token"
-"""Carries the shared secret (LORAMUX_ENGINE_TOKEN) when the service is started with one."""
+from engine.outputs import Usage
+from engine.sampling import SamplingParams
 
 
 class UnauthorizedError(EngineError):
-    """The request lacks the service's shared secret (or carries a wrong one)."""
+    """The message lacks the engine's token (or carries a wrong one)."""
+
+
+class Generate(msgspec.Struct, tag="generate", array_like=True):
+    token: str
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: str | None = None
+    cache_salt: str | None = None
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    token: str
+    request_id: str
+
+
+Op = Literal["info", "stats", "adapters", "register", "retire"]
+
+
+class Call(msgspec.Struct, tag="call", array_like=True):
+    token: str
+    ref: str
+    op: Op
+    digest: str | None = None
+    config: bytes | None = None
+    weights: bytes | None = None
+
+
+class Delta(msgspec.Struct, tag="delta", array_like=True):
+    ref: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+class Reply(msgspec.Struct, tag="reply", array_like=True):
+    ref: str
+    value: Any
+
+
+class Failed(msgspec.Struct, tag="failed", array_like=True):
+    ref: str
+    call: bool
+    """The ref names a Call (else a Generate's request id)."""
+    kind: Literal["engine", "adapter"]
+    code: str
+    message: str
+
+
+ToEngine = Generate | Abort | Call
+ToGateway = Delta | Reply | Failed
+
+_encoder = msgspec.msgpack.Encoder()
+_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_to_gateway = msgspec.msgpack.Decoder(ToGateway)
+
+
+def encode(message: ToEngine | ToGateway) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_to_engine(frame: bytes) -> ToEngine:
+    """The message in `frame`; InvalidRequestError when it is none (bad sampling numbers too)."""
+    try:
+        return _to_engine.decode(frame)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequestError(f"malformed message: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequestError(f"malformed message: {exc}") from None
+
+
+def decode_to_gateway(frame: bytes) -> ToGateway:
+    return _to_gateway.decode(frame)
 
 
 # Subclasses before their bases: the first isinstance match names an error.
-ENGINE_ERRORS: tuple[tuple[type[EngineError], str, int], ...] = (
-    (PromptTooLongError, "prompt_too_long", 400),
-    (UnknownAdapterError, "unknown_adapter", 404),
-    (InvalidRequestError, "invalid_request", 400),
-    (EngineOverloadedError, "engine_overloaded", 503),
-    (EngineStoppedError, "engine_stopped", 503),
-    (RequestFailedError, "request_failed", 500),
-    (UnauthorizedError, "unauthorized", 401),
+ENGINE_ERRORS: tuple[tuple[type[EngineError], str], ...] = (
+    (PromptTooLongError, "prompt_too_long"),
+    (UnknownAdapterError, "unknown_adapter"),
+    (InvalidRequestError, "invalid_request"),
+    (EngineOverloadedError, "engine_overloaded"),
+    (EngineStoppedError, "engine_stopped"),
+    (RequestFailedError, "request_failed"),
+    (UnauthorizedError, "unauthorized"),
 )
 
-_encoder = msgspec.json.Encoder()
 
-
-def encode(value: object) -> bytes:
-    """JSON of a request, output, stats or any plain value (dataclasses by their fields)."""
-    return _encoder.encode(value)
-
-
-def decode_request(body: bytes) -> EngineRequest:
-    """The EngineRequest in `body`; InvalidRequestError when it is not one (nothing queued)."""
-    try:
-        return msgspec.json.decode(body, type=EngineRequest)
-    except msgspec.DecodeError as exc:
-        raise InvalidRequestError(f"malformed request body: {exc}") from None
-
-
-def decode_line(line: str | bytes) -> RequestOutput:
-    """One NDJSON line of a /generate stream; an error line raises its typed error."""
-    obj = msgspec.json.decode(line)
-    if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
-        raise error_from(obj)
-    return msgspec.convert(obj, RequestOutput)
-
-
-def error_payload(exc: Exception) -> tuple[int, dict[str, Any]] | None:
-    """Status and body of a typed engine or adapter error; None for anything unexpected."""
+def failure(ref: str, call: bool, exc: Exception) -> Failed | None:
+    """The Failed message for a typed engine or adapter error; None for anything unexpected."""
     if isinstance(exc, AdapterError):
-        status = 413 if isinstance(exc, FileTooLarge) else 400
-        return status, _body("adapter", exc.code, exc.message)
-    for cls, code, status in ENGINE_ERRORS:
+        return Failed(ref, call, "adapter", exc.code, exc.message)
+    for cls, code in ENGINE_ERRORS:
         if isinstance(exc, cls):
-            return status, _body("engine", code, str(exc))
+            return Failed(ref, call, "engine", code, str(exc))
     return None
 
 
-def internal_error_payload(message: str) -> dict[str, Any]:
-    return _body("engine", "internal_error", message)
-
-
-def error_from(payload: object, status: int = 500) -> Exception:
-    """The exception an error body stands for: the same typed class the service raised."""
-    error = payload.get("error") if isinstance(payload, dict) else None
-    if not isinstance(error, dict):
-        return EngineError(f"the engine answered {status} without an error body")
-    kind, code, message = error.get("kind"), error.get("code"), str(error.get("message", ""))
-    if kind == "adapter":
-        return _adapter_error_classes().get(str(code), AdapterError)(message)
-    for cls, known, _ in ENGINE_ERRORS:
-        if code == known:
-            return cls(message)
-    return EngineError(f"engine error {code} ({status}): {message}")
-
-
-def _body(kind: str, code: str, message: str) -> dict[str, Any]:
-    return {"error": {"kind": kind, "code": code, "message": message}}
+def error_from(failed: Failed) -> Exception:
+    """The exception a Failed message stands for: the same typed class the engine raised."""
+    if failed.kind == "adapter":
+        return _adapter_error_classes().get(failed.code, AdapterError)(failed.message)
+    for cls, code in ENGINE_ERRORS:
+        if failed.code == code:
+            return cls(failed.message)
+    return EngineError(f"engine error {failed.code}: {failed.message}")
 
 
 def _adapter_error_classes() -> dict[str, type[AdapterError]]:

@@ -21,6 +21,9 @@ class EngineInfo:
 class EngineClient(Protocol):
     """A connection to one or more engines.
 
+    Requests carry their prompt as token ids (`prompt_token_ids`) and outputs carry token ids:
+    text is the gateway's business (gateway.prompt_tokens), whichever client runs the engine.
+
     `generate` raises the engine's typed errors (engine.errors) before it yields anything, so a
     refused request never starts a response; once it yields, deltas concatenate to the text and
     the last one carries the finish reason and usage. Closing the iterator early aborts the
@@ -41,10 +44,6 @@ class EngineClient(Protocol):
         ends with a final output (finish reason `abort`, unless it finished first) whose usage
         counts every token the engine generated for it, delivered or not. Unknown or finished
         ids are ignored. Call it only once `generate` has been asked for its first output."""
-        ...
-
-    async def count_tokens(self, request: EngineRequest) -> int:
-        """Prompt tokens of `request` as the engine's tokenizer counts them (chat template included)."""
         ...
 
     async def ensure_adapter(self, digest: str, folder: Path) -> None:

@@ -1,4 +1,6 @@
-"""The in-process engine client: the engine runs on a thread of this process."""
+"""The in-process engine client: the engine runs on a thread of this process (tests and
+benchmarks; `loramux serve` runs it in a process of its own). It takes and gives token ids, like
+the remote client, so the gateway's path is the same with either."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from engine.async_engine import AsyncEngine
+from engine.errors import InvalidRequestError
 from engine.outputs import EngineRequest, EngineStats, RequestOutput
 from gateway.engine_client.base import EngineInfo
 
@@ -27,14 +30,13 @@ class LocalEngineClient:
         return EngineInfo(self.model_name, llm.max_model_len, llm.model_config.vocab_size)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        if request.prompt_token_ids is None:
+            raise InvalidRequestError("the engine takes prompts as token ids")
         async for out in self.engine.generate(request):
             yield out
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
-
-    async def count_tokens(self, request: EngineRequest) -> int:
-        return len(self.engine.engine.validate(request))
 
     async def ensure_adapter(self, digest: str, folder: Path) -> None:
         llm = self.engine.engine

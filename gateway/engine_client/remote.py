@@ -1,4 +1,5 @@
-"""The remote engine client: one or more engine services over HTTP (see engine.service).
+"""The remote engine client: one or more engines over the ZeroMQ channel (engine.service.wire),
+`ipc://` for serve's own engine and `tcp://` for engines named by LORAMUX_ENGINE_URLS.
 
 Each call is routed (gateway.engine_client.routing) and fails over to the next engine while the
 chosen one is unreachable, stopped or overloaded; an engine that fails is passed over for a short
@@ -14,22 +15,26 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import httpx
+import zmq.asyncio
 
 from adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE
 from engine.errors import (
     EngineError,
     EngineOverloadedError,
     EngineStoppedError,
+    InvalidRequestError,
     UnknownAdapterError,
 )
 from engine.outputs import EngineRequest, EngineStats, RequestOutput
-from engine.service.wire import TOKEN_HEADER, decode_line, encode, error_from
+from engine.sampling import SamplingParams
+from engine.sequence import FinishReason
+from engine.service.wire import Delta, Generate
 from gateway.engine_client.base import EngineInfo
+from gateway.engine_client.channel import Channel, StreamItem
 from gateway.engine_client.routing import Endpoint, adapter_key, affinity_key, route
 
 log = logging.getLogger(__name__)
@@ -37,28 +42,20 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 LOAD_REFRESH_SECONDS = 0.5
-"""Engine loads (for routing) are refreshed from /stats at most this often."""
-
-_STREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
-_CALL_TIMEOUT = httpx.Timeout(connect=5.0, read=30.0, write=30.0, pool=None)
-_PROBE_TIMEOUT = httpx.Timeout(connect=2.0, read=2.0, write=2.0, pool=None)
-_UPLOAD_TIMEOUT = httpx.Timeout(connect=5.0, read=300.0, write=300.0, pool=None)
-_JSON = {"content-type": "application/json"}
+"""Engine loads (for routing) are refreshed from stats at most this often."""
+CALL_SECONDS, PROBE_SECONDS, UPLOAD_SECONDS = 30.0, 5.0, 300.0
+MAX_WIRE_INT = 2**63 - 1
+"""msgpack carries 64-bit integers; a larger top_k keeps every token all the same."""
 
 
 class RemoteEngineClient:
     def __init__(self, urls: list[str], token: str | None = None):
         if not urls:
             raise ValueError("a remote engine client needs at least one engine URL")
-        self._endpoints = [Endpoint(url.rstrip("/")) for url in urls]
-        self._http = httpx.AsyncClient(
-            headers={TOKEN_HEADER: token} if token else {},
-            timeout=_CALL_TIMEOUT,
-            # Idle connections are dropped before the engine service drops them (60 s).
-            limits=httpx.Limits(
-                max_connections=None, max_keepalive_connections=128, keepalive_expiry=30.0
-            ),
-        )
+        self._endpoints = [Endpoint(url) for url in urls]
+        self._token = token
+        self._context: zmq.asyncio.Context | None = None
+        self._channels: dict[str, Channel] = {}
         self._folders: dict[str, Path] = {}
         """Adapter folders given to `ensure_adapter`, by digest: what can be uploaded."""
         self._upload_locks: dict[str, asyncio.Lock] = {}
@@ -68,54 +65,83 @@ class RemoteEngineClient:
         self._refresh: asyncio.Task[list[EngineStats]] | None = None
 
     async def start(self) -> None:
-        """Learn which adapters each engine already serves (engines that do not answer are
-        marked down for now)."""
+        """Connect, and learn which adapters each engine already serves (engines that do not
+        answer are marked down for now)."""
         await asyncio.gather(*(self._learn_adapters(e) for e in self._endpoints))
 
     async def close(self) -> None:
         if self._refresh is not None:
             self._refresh.cancel()
-        await self._http.aclose()
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+        if self._context is not None:
+            self._context.term()
+
+    def _channel(self, endpoint: Endpoint) -> Channel:
+        """The endpoint's channel, opened on first use (on the running event loop)."""
+        channel = self._channels.get(endpoint.url)
+        if channel is None:
+            self._context = self._context or zmq.asyncio.Context()
+            channel = self._channels[endpoint.url] = Channel(self._context, endpoint, self._token)
+        return channel
 
     async def info(self) -> EngineInfo:
         async def call(endpoint: Endpoint) -> EngineInfo:
-            body = (await self._send(endpoint, "GET", "/info")).json()
+            body = await self._channel(endpoint).call("info", CALL_SECONDS)
             return EngineInfo(body["model_name"], body["max_model_len"], body["vocab_size"])
 
         return await self._on_engine("info", None, call)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Typed errors are raised before the first delta; closing early closes the HTTP stream,
-        which aborts the engine's sequence."""
-        body = encode(request)
+        """Typed errors are raised before the first delta; closing early aborts the engine's
+        sequence. The request must carry token ids; outputs carry token ids."""
+        if request.prompt_token_ids is None:
+            raise InvalidRequestError("the engine takes prompts as token ids")
+        message = Generate(
+            self._token or "",
+            request.request_id,
+            request.prompt_token_ids,
+            _wire_params(request.params),
+            request.adapter,
+            request.cache_salt,
+        )
         serving = self._serving[request.request_id] = _Serving()
 
-        async def open_stream(endpoint: Endpoint) -> httpx.Response:
-            response = await self._send(
-                endpoint, "POST", "/generate", body, stream=True, timeout=_STREAM_TIMEOUT
-            )
-            serving.endpoint = endpoint
-            return response
+        async def open_stream(endpoint: Endpoint) -> Delta:
+            channel = self._channel(endpoint)
+            stream = channel.streams[request.request_id] = asyncio.Queue()
+            try:
+                await channel.send(message)
+                first = await _next(stream)
+            except BaseException:
+                del channel.streams[request.request_id]
+                raise
+            serving.channel = channel
+            return first
 
         try:
-            response = await self._on_engine(affinity_key(request), request.adapter, open_stream)
+            delta = await self._on_engine(affinity_key(request), request.adapter, open_stream)
         except BaseException:
-            self._serving.pop(request.request_id, None)
+            del self._serving[request.request_id]
             raise
+        channel = serving.channel
+        assert channel is not None
+        finished = False
         try:
             if serving.aborted:
-                await self._abort_on(serving, request.request_id)
-            async for line in response.aiter_lines():
-                out = decode_line(line)
-                yield out
-                if out.finished:
+                channel.abort(request.request_id)
+            while True:
+                finished = delta.finish_reason is not None
+                yield _output(delta)
+                if finished:
                     return
-        except httpx.TransportError as exc:
-            raise EngineStoppedError(f"the engine stream broke: {exc!r}") from exc
+                delta = await _next(channel.streams[request.request_id])
         finally:
-            self._serving.pop(request.request_id, None)
-            await response.aclose()
-        raise EngineStoppedError("the engine ended the stream before the request finished")
+            del self._serving[request.request_id]
+            del channel.streams[request.request_id]
+            if not finished:
+                channel.abort(request.request_id)
 
     async def abort(self, request_id: str) -> None:
         """Ask the engine serving `request_id` to abort it; its stream then ends with the
@@ -124,26 +150,8 @@ class RemoteEngineClient:
         if serving is None or serving.aborted:
             return
         serving.aborted = True
-        if serving.endpoint is not None:
-            await self._abort_on(serving, request_id)
-
-    async def _abort_on(self, serving: _Serving, request_id: str) -> None:
-        assert serving.endpoint is not None
-        try:
-            await self._send(serving.endpoint, "POST", f"/abort/{request_id}")
-        except EngineError as exc:
-            # The stream's own end (or its break) still tells what became of the request.
-            log.warning("could not abort %s on %s: %s", request_id, serving.endpoint.url, exc)
-
-    async def count_tokens(self, request: EngineRequest) -> int:
-        body = encode(request)
-
-        async def call(endpoint: Endpoint) -> int:
-            return int(
-                (await self._send(endpoint, "POST", "/count_tokens", body)).json()["prompt_tokens"]
-            )
-
-        return await self._on_engine(affinity_key(request), request.adapter, call)
+        if serving.channel is not None:
+            serving.channel.abort(request_id)
 
     async def ensure_adapter(self, digest: str, folder: Path) -> None:
         """Remember the adapter's files and upload them to its preferred engine if it lacks them."""
@@ -161,7 +169,7 @@ class RemoteEngineClient:
         async def retire(endpoint: Endpoint) -> None:
             endpoint.adapters.discard(digest)
             try:
-                await self._send(endpoint, "DELETE", f"/adapters/{digest}")
+                await self._channel(endpoint).call("retire", CALL_SECONDS, digest=digest)
             except EngineStoppedError:
                 log.warning("could not retire adapter %s on %s", digest, endpoint.url)
 
@@ -173,16 +181,8 @@ class RemoteEngineClient:
         return [s for s in answers if s is not None]
 
     async def ready(self) -> bool:
-        """At least one engine answers /health."""
-
-        async def healthy(endpoint: Endpoint) -> bool:
-            try:
-                await self._send(endpoint, "GET", "/health", timeout=_PROBE_TIMEOUT)
-            except EngineError:
-                return False
-            return True
-
-        return any(await asyncio.gather(*(healthy(e) for e in self._endpoints)))
+        """At least one engine answers."""
+        return bool(await self.stats())
 
     # -- routing and failover ------------------------------------------------------------------
     async def _on_engine(
@@ -225,17 +225,8 @@ class RemoteEngineClient:
             if digest in endpoint.adapters:
                 return
             config, weights = await asyncio.to_thread(_read_adapter, folder)
-            files = {
-                "adapter_config": (CONFIG_FILE, config),
-                "adapter_model": (WEIGHTS_FILE, weights),
-            }
-            await self._send(
-                endpoint,
-                "POST",
-                "/adapters",
-                data={"digest": digest},
-                files=files,
-                timeout=_UPLOAD_TIMEOUT,
+            await self._channel(endpoint).call(
+                "register", UPLOAD_SECONDS, digest=digest, config=config, weights=weights
             )
             endpoint.adapters.add(digest)
 
@@ -251,7 +242,7 @@ class RemoteEngineClient:
 
     async def _stats_of(self, endpoint: Endpoint) -> EngineStats | None:
         try:
-            body = (await self._send(endpoint, "GET", "/stats", timeout=_PROBE_TIMEOUT)).json()
+            body = await self._channel(endpoint).call("stats", PROBE_SECONDS)
         except EngineError:
             return None
         stats = EngineStats(**body)
@@ -261,59 +252,37 @@ class RemoteEngineClient:
 
     async def _learn_adapters(self, endpoint: Endpoint) -> None:
         try:
-            body = (await self._send(endpoint, "GET", "/adapters", timeout=_PROBE_TIMEOUT)).json()
+            digests = await self._channel(endpoint).call("adapters", PROBE_SECONDS)
         except EngineError:
             return
-        endpoint.adapters.update(body["digests"])
-
-    # -- HTTP ------------------------------------------------------------------------------
-    async def _send(
-        self,
-        endpoint: Endpoint,
-        method: str,
-        path: str,
-        content: bytes | None = None,
-        *,
-        stream: bool = False,
-        timeout: httpx.Timeout = _CALL_TIMEOUT,
-        **kwargs: Any,
-    ) -> httpx.Response:
-        """The engine's answer; its typed error when it refused. An unreachable or stopped
-        engine raises EngineStoppedError and is marked down."""
-        headers = _JSON if content is not None else None
-        request = self._http.build_request(
-            method, endpoint.url + path, content=content, headers=headers, timeout=timeout, **kwargs
-        )
-        try:
-            response = await self._http.send(request, stream=stream)
-            if response.is_error:
-                await response.aread()
-        except httpx.TransportError as exc:
-            endpoint.mark_down()
-            raise EngineStoppedError(f"engine {endpoint.url} is unreachable: {exc!r}") from exc
-        if not response.is_error:
-            return response
-        await response.aclose()
-        error = error_from(_json_or_none(response), response.status_code)
-        if isinstance(error, EngineStoppedError):
-            endpoint.mark_down()
-        raise error
+        endpoint.adapters.update(digests)
 
 
 @dataclass
 class _Serving:
     """Where one request's stream runs (None while it opens), and whether it was aborted."""
 
-    endpoint: Endpoint | None = None
+    channel: Channel | None = None
     aborted: bool = False
+
+
+async def _next(stream: asyncio.Queue[StreamItem]) -> Delta:
+    item = await stream.get()
+    if isinstance(item, Exception):
+        raise item
+    return item
+
+
+def _output(delta: Delta) -> RequestOutput:
+    reason = None if delta.finish_reason is None else FinishReason(delta.finish_reason)
+    return RequestOutput(delta.ref, delta.token_ids, reason, delta.usage)
+
+
+def _wire_params(params: SamplingParams) -> SamplingParams:
+    """`params` within msgpack's 64-bit integers, meaning the same: the seed folded into the
+    generator's range as the engine would, top_k capped (past the vocabulary it keeps all)."""
+    return replace(params, seed=params.generator_seed, top_k=min(params.top_k, MAX_WIRE_INT))
 
 
 def _read_adapter(folder: Path) -> tuple[bytes, bytes]:
     return (folder / CONFIG_FILE).read_bytes(), (folder / WEIGHTS_FILE).read_bytes()
-
-
-def _json_or_none(response: httpx.Response) -> Any:
-    try:
-        return response.json()
-    except ValueError:
-        return None

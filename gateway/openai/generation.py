@@ -5,6 +5,12 @@ disconnects mid-stream, leaves before a non-streamed answer is ready), the task 
 engine's stream to its end and then calls `on_end` exactly once: the service meters, caches and
 settles the reservation there, by the tokens the engine generated.
 
+The engine streams token ids; the text is made here (one IncrementalDetokenizer per run), and
+so are stop strings matched. When a stop string matches, the text ends before it, the run
+finishes with `stop`, and the engine's sequence is aborted: it may have generated a token or
+two more by then, which nobody receives and nobody is billed for (the run counts the tokens up
+to the one that completed the stop string).
+
 A client that leaves calls `abort`: the engine stops the sequence and ends the stream with a
 final output whose usage counts every token it generated, delivered or not. A request that
 fails after generation started counts the token ids of the deltas it received.
@@ -16,9 +22,12 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import EngineRequest, RequestOutput, Usage
+from engine.sequence import FinishReason
 from gateway.engine_client.base import EngineClient
 from gateway.errors import GatewayError, as_gateway_error
 
@@ -26,6 +35,14 @@ log = logging.getLogger(__name__)
 
 _IN_FLIGHT: set[asyncio.Task[Any]] = set()
 """Tasks of generations and aborts under way: the event loop keeps only weak references."""
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """What a run adds to the response: text made from the engine's token ids."""
+
+    text: str
+    finish_reason: str | None
 
 
 def _spawn(work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -47,16 +64,20 @@ class Generation:
         self,
         engine: EngineClient,
         request: EngineRequest,
+        detokenizer: IncrementalDetokenizer,
         started: float,
         on_end: Callable[[Generation], Awaitable[None]],
     ):
         self.engine = engine
         self.request = request
+        self.detokenizer = detokenizer
         self.started = started
         self.texts: list[str] = []
         self.received_tokens = 0
         """Token ids of the deltas received."""
         self.usage: Usage | None = None
+        self.stopped_at: int | None = None
+        """Tokens received when a stop string matched; None while none has."""
         self.finish: str | None = None
         self.error: GatewayError | None = None
         self.ttft: float | None = None
@@ -64,7 +85,7 @@ class Generation:
         self.ended = False
         self._on_end = on_end
         self._submitted = False
-        self._deltas: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
+        self._deltas: asyncio.Queue[TextDelta | None] = asyncio.Queue()
         self.task = _spawn(self._run())
 
     @property
@@ -73,8 +94,11 @@ class Generation:
 
     @property
     def completion_tokens(self) -> int:
-        """Tokens the engine generated: its own count when it reported one (a finished or
-        aborted request), else the token ids received (a stream that broke)."""
+        """Tokens the engine generated: up to the stop string's when one matched, else its own
+        count when it reported one (a finished or aborted request), else the token ids
+        received (a stream that broke)."""
+        if self.stopped_at is not None:
+            return self.stopped_at
         return self.usage.completion_tokens if self.usage is not None else self.received_tokens
 
     @property
@@ -97,7 +121,7 @@ class Generation:
         if self._submitted:
             _spawn(self.engine.abort(self.request.request_id))
 
-    async def deltas(self) -> AsyncIterator[RequestOutput]:
+    async def deltas(self) -> AsyncIterator[TextDelta]:
         """The engine's outputs as they arrive, ending once the run has ended and been billed."""
         while (out := await self._deltas.get()) is not None:
             yield out
@@ -133,8 +157,26 @@ class Generation:
     def _take(self, out: RequestOutput) -> None:
         if self.ttft is None:
             self.ttft = time.perf_counter() - self.started
-        self.texts.append(out.text)
-        self.received_tokens += len(out.token_ids)
         self.usage = out.usage or self.usage
-        self.finish = out.finish_reason or self.finish
-        self._deltas.put_nowait(out)
+        if self.stopped_at is not None:
+            return  # the rest of a stream whose stop string matched: the engine's abort
+        detok = self.detokenizer
+        text = ""
+        for token in out.token_ids:
+            self.received_tokens += 1
+            text += detok.add(token)
+            if detok.stopped:
+                self._stop()
+                break
+        finish = FinishReason.STOP if detok.stopped else out.finish_reason
+        if finish is not None:
+            text += detok.flush()
+            self.finish = finish
+        self.texts.append(text)
+        self._deltas.put_nowait(TextDelta(text, finish))
+
+    def _stop(self) -> None:
+        """A stop string matched: end the text here and stop the engine's sequence."""
+        self.stopped_at = self.received_tokens
+        if not self.left:
+            _spawn(self.engine.abort(self.request.request_id))

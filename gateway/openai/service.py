@@ -1,6 +1,6 @@
 """The rules of a completion request, in the order of the request path:
 
-    resolve model → validate and count prompt tokens → admission (quotas) → response cache →
+    resolve model → tokenize the prompt (once, off the event loop) → admission (quotas) → response cache →
     engine → finish (usage event, cache store, settle the reservation)
 
 `prepare` does everything that can refuse the request, before a byte of the response is sent.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -54,6 +54,9 @@ HIT_CHUNK_CHARS = 16
 @dataclass
 class Prepared:
     request: EngineRequest
+    """What the engine gets: the prompt as token ids, sampling without stop strings."""
+    stop: tuple[str, ...]
+    """Stop strings, matched on the text as the gateway detokenizes."""
     meta: ResponseMeta
     model: ResolvedModel
     principal: Principal
@@ -99,17 +102,25 @@ class CompletionService:
         requested = req.max_completion_tokens if isinstance(req, ChatCompletionRequest) else None
         requested = requested if requested is not None else req.max_tokens
         salt = cache_salt(principal.tenant_id, principal.tenant_settings)
-        engine_request = self._engine_request(
+        text_request = self._engine_request(
             req, request_id, model, 1 if requested is None else requested, salt
         )
-        prompt_tokens = await self.gw.engine.count_tokens(engine_request)
+        prompt_ids = await self.gw.prompts.prompt_ids(text_request)
+        prompt_tokens = len(prompt_ids)
+        params = text_request.params
         if requested is None:
             room = self.gw.max_model_len - prompt_tokens
             cap = self.gw.settings.server.default_max_tokens
-            engine_request = self._engine_request(
-                req, request_id, model, max(1, min(room, cap)), salt
-            )
-        params = engine_request.params
+            params = replace(params, max_tokens=max(1, min(room, cap)))
+            text_request = replace(text_request, params=params)
+        # What crosses to the engine: token ids, and no stop strings (matched here, on text).
+        engine_request = EngineRequest(
+            request_id,
+            replace(params, stop=()),
+            prompt_token_ids=prompt_ids,
+            adapter=model.digest,
+            cache_salt=salt,
+        )
         admission = await self.gw.quotas.admit(principal, prompt_tokens, params.max_tokens)
         try:
             deterministic = params.temperature == 0.0 or params.seed is not None
@@ -120,7 +131,7 @@ class CompletionService:
                 principal.tenant_settings, cache_control, body_cache, deterministic
             )
             key = cache_request(
-                principal.tenant_id, self.gw.model_name, engine_request, req.response_format
+                principal.tenant_id, self.gw.model_name, text_request, req.response_format
             )
             hit = await self.gw.cache.lookup(key, policy) if policy.lookup else None
         except BaseException:
@@ -134,6 +145,7 @@ class CompletionService:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Prepared(
             engine_request,
+            params.stop,
             meta,
             model,
             principal,
@@ -174,7 +186,10 @@ class CompletionService:
 
     # -- running ---------------------------------------------------------------------------------
     def _generate(self, p: Prepared) -> Generation:
-        return Generation(self.gw.engine, p.request, p.started, partial(self._finish, p))
+        detokenizer = self.gw.prompts.detokenizer(p.stop)
+        return Generation(
+            self.gw.engine, p.request, detokenizer, p.started, partial(self._finish, p)
+        )
 
     async def complete(
         self, p: Prepared, client_gone: Callable[[], Awaitable[None]]

@@ -43,9 +43,6 @@ async def test_streamed_deltas_concatenate_and_end_with_usage(engine: AsyncEngin
     assert outs[-1].finished and outs[-1].finish_reason == "length"
     assert outs[-1].usage is not None and outs[-1].usage.completion_tokens == 20
     assert sum(len(o.token_ids) for o in outs) == 20
-    assert "".join(o.text for o in outs) == engine.engine.tokenizer.decode(
-        [t for o in outs for t in o.token_ids], skip_special_tokens=True
-    )
 
 
 async def test_aborted_requests_free_every_block(engine: AsyncEngine) -> None:

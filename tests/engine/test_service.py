@@ -1,28 +1,43 @@
-"""The engine's internal HTTP service: NDJSON streams, typed errors before the stream, adapter
-upload and retirement, the shared secret, and aborts on client disconnect."""
+"""The engine's service: the ZeroMQ channel (streams of token-id deltas, typed errors before the
+stream, adapter upload and retirement, the token on every message, aborts when a gateway goes
+away) and its HTTP health and metrics endpoint. Spoken to here as a gateway would, message by
+message."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
+import zmq
 
 from adapters.base_spec import BaseModelSpec
 from adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE, load_peft_adapter
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import EngineRequest
+from engine.sampling import SamplingParams
 from engine.service import serve_engine_in_thread
 from engine.service.runner import RunningEngineService
-from engine.service.wire import TOKEN_HEADER, decode_request, encode
+from engine.service.wire import (
+    Abort,
+    Call,
+    Delta,
+    Failed,
+    Generate,
+    Reply,
+    ToEngine,
+    ToGateway,
+    decode_to_gateway,
+    encode,
+)
 
 TOKEN = "engine-secret"
+PROMPT = [5, 17, 300, 41, 9]
 
 
 @pytest.fixture(scope="module")
@@ -36,200 +51,241 @@ def service(
         yield running
 
 
+class Gateway:
+    """A bare DEALER socket: send messages, receive the engine's, with a deadline."""
+
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], url: str):
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(url)
+
+    def send(self, message: ToEngine | bytes) -> None:
+        self.socket.send(message if isinstance(message, bytes) else encode(message))
+
+    def receive(self, timeout_s: float = 60) -> ToGateway:
+        assert self.socket.poll(int(timeout_s * 1000)), "the engine did not answer"
+        return decode_to_gateway(self.socket.recv())
+
+    def call(self, op: Any, token: str = TOKEN, **fields: Any) -> ToGateway:
+        self.send(Call(token, f"call-{op}", op, **fields))
+        return self.receive()
+
+    def stream(self, request_id: str, **fields: Any) -> list[ToGateway]:
+        self.send(_generate(request_id, **fields))
+        received = [self.receive()]
+        while isinstance(received[-1], Delta) and received[-1].finish_reason is None:
+            received.append(self.receive())
+        return received
+
+
 @pytest.fixture
-def http(service: RunningEngineService) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=service.url, headers={TOKEN_HEADER: TOKEN}, timeout=60) as c:
-        yield c
+def gateway(service: RunningEngineService) -> Iterator[Gateway]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        yield Gateway(context, service.url)
+    finally:
+        context.destroy(linger=0)
 
 
-def _body(request_id: str, **fields: Any) -> dict[str, Any]:
-    params = {"max_tokens": 12, "ignore_eos": True, **fields.pop("params", {})}
-    return {"request_id": request_id, "params": params, **fields}
-
-
-def _stream_lines(http: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
-    with http.stream("POST", "/generate", json=body) as response:
-        assert response.status_code == 200
-        assert response.headers["content-type"].startswith("application/x-ndjson")
-        return [json.loads(line) for line in response.iter_lines()]
+def _generate(request_id: str, **fields: Any) -> Generate:
+    params = fields.pop("params", SamplingParams(max_tokens=12, ignore_eos=True))
+    return Generate(
+        fields.pop("token", TOKEN), request_id, fields.pop("ids", PROMPT), params, **fields
+    )
 
 
 def _digest(folder: Path, model_dir: Path) -> str:
     return load_peft_adapter(folder, BaseModelSpec.from_model_dir(model_dir)).digest
 
 
-def _upload(http: httpx.Client, digest: str, folder: Path) -> httpx.Response:
-    files = {
-        "adapter_config": (CONFIG_FILE, (folder / CONFIG_FILE).read_bytes()),
-        "adapter_model": (WEIGHTS_FILE, (folder / WEIGHTS_FILE).read_bytes()),
-    }
-    return http.post("/adapters", data={"digest": digest}, files=files)
+def _upload(gateway: Gateway, digest: str, folder: Path) -> ToGateway:
+    config, weights = (folder / CONFIG_FILE).read_bytes(), (folder / WEIGHTS_FILE).read_bytes()
+    return gateway.call("register", digest=digest, config=config, weights=weights)
 
 
-def _wait_idle(http: httpx.Client) -> dict[str, Any]:
-    for _ in range(1000):
-        stats = http.get("/stats").json()
+def _stats(gateway: Gateway) -> dict[str, Any]:
+    reply = gateway.call("stats")
+    assert isinstance(reply, Reply)
+    return dict(reply.value)
+
+
+def _wait_idle(gateway: Gateway) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = _stats(gateway)
         if stats["running"] == 0 and stats["waiting"] == 0:
-            return dict(stats)
-        time.sleep(0.01)
+            return stats
     raise AssertionError(f"the engine never went idle: {stats}")
 
 
-def test_generate_streams_one_ndjson_line_per_delta(http: httpx.Client) -> None:
-    lines = _stream_lines(http, _body("nd-1", prompt="def parse(line):"))
-    assert [line["request_id"] for line in lines] == ["nd-1"] * len(lines)
-    assert all(line["finish_reason"] is None and line["usage"] is None for line in lines[:-1])
-    last = lines[-1]
-    assert last["finish_reason"] == "length"
-    assert last["usage"]["completion_tokens"] == 12 == sum(len(x["token_ids"]) for x in lines)
-    text = "".join(line["text"] for line in lines)
-    assert text and isinstance(text, str)
+def _failed(received: list[ToGateway] | ToGateway) -> Failed:
+    last = received[-1] if isinstance(received, list) else received
+    assert isinstance(last, Failed), last
+    return last
 
 
-def test_count_tokens_counts_the_rendered_chat(http: httpx.Client) -> None:
-    messages = [{"role": "user", "content": "hello there"}]
-    counted = http.post("/count_tokens", json=_body("ct-1", messages=messages)).json()
-    lines = _stream_lines(http, _body("ct-2", messages=messages, params={"max_tokens": 1}))
-    assert counted["prompt_tokens"] == lines[-1]["usage"]["prompt_tokens"] > 0
+def test_generate_streams_token_id_deltas_ending_with_usage(gateway: Gateway) -> None:
+    deltas = gateway.stream("nd-1")
+    assert all(isinstance(d, Delta) and d.ref == "nd-1" for d in deltas)
+    assert all(d.finish_reason is None and d.usage is None for d in deltas[:-1])  # type: ignore[union-attr]
+    last = deltas[-1]
+    assert isinstance(last, Delta) and last.finish_reason == "length" and last.usage is not None
+    assert last.usage.completion_tokens == 12 == sum(len(d.token_ids) for d in deltas)  # type: ignore[union-attr]
+    assert last.usage.prompt_tokens == len(PROMPT)
 
 
 @pytest.mark.parametrize(
-    ("fields", "status", "code"),
+    ("fields", "code"),
     [
-        ({"prompt": "x " * 600}, 400, "prompt_too_long"),
-        ({"prompt": "x", "adapter": "0" * 64}, 404, "unknown_adapter"),
-        ({"prompt": "x", "prompt_token_ids": [1, 2]}, 400, "invalid_request"),
-        ({"prompt": "x", "params": {"max_tokens": 0}}, 400, "invalid_request"),
-        ({"prompt": "x", "params": {"seed": "not a number"}}, 400, "invalid_request"),
-        ({"prompt_token_ids": [10**9]}, 400, "invalid_request"),
+        ({"ids": PROMPT * 110}, "prompt_too_long"),
+        ({"adapter": "0" * 64}, "unknown_adapter"),
+        ({"ids": [10**9]}, "invalid_request"),
+        ({"ids": []}, "invalid_request"),
     ],
 )
-def test_typed_errors_are_one_json_body_before_any_stream(
-    http: httpx.Client, fields: dict[str, Any], status: int, code: str
+def test_typed_errors_come_before_any_delta(
+    gateway: Gateway, fields: dict[str, Any], code: str
 ) -> None:
-    response = http.post("/generate", json=_body("err-1", **fields))
-    assert response.status_code == status
-    assert response.headers["content-type"].startswith("application/json")
-    assert response.json()["error"]["code"] == code
-    assert response.json()["error"]["kind"] == "engine"
+    failed = _failed(gateway.stream("err-1", **fields))
+    assert (failed.ref, failed.call, failed.kind, failed.code) == ("err-1", False, "engine", code)
 
 
-def test_a_body_that_is_not_json_is_an_invalid_request(http: httpx.Client) -> None:
-    response = http.post("/generate", content=b"{not json", headers={"content-type": "text/plain"})
-    assert response.status_code == 400
-    assert response.json()["error"]["code"] == "invalid_request"
+def test_a_malformed_or_hostile_message_is_dropped_and_the_engine_serves_on(
+    gateway: Gateway,
+) -> None:
+    gateway.send(b"\xc1 not msgpack")
+    gateway.send(msgspec.msgpack.encode(["generate", TOKEN, "x", [1], {"max_tokens": 0}]))
+    gateway.send(msgspec.msgpack.encode(["generate", TOKEN, "x", [1], {"top_p": float("inf")}]))
+    gateway.send(msgspec.msgpack.encode(["call", TOKEN, "c", "shutdown"]))
+    assert isinstance(gateway.stream("after-junk")[-1], Delta)
 
 
-def test_every_route_but_health_needs_the_token(service: RunningEngineService) -> None:
-    with httpx.Client(base_url=service.url, timeout=60) as anonymous:
-        assert anonymous.get("/health").status_code == 200
-        for wrong in ({}, {TOKEN_HEADER: "guess"}):
-            response = anonymous.get("/info", headers=wrong)
-            assert response.status_code == 401
-            assert response.json()["error"]["code"] == "unauthorized"
-        assert anonymous.post("/generate", json=_body("anon", prompt="x")).status_code == 401
+def test_every_message_needs_the_token(gateway: Gateway, service: RunningEngineService) -> None:
+    for wrong in ("", "guess", TOKEN + "x"):
+        failed = _failed(gateway.call("info", token=wrong))
+        assert (failed.call, failed.code) == (True, "unauthorized")
+        assert _failed(gateway.stream("anon", token=wrong)).code == "unauthorized"
+    assert httpx.get(f"{service.health_url}/health").status_code == 200  # needs none
 
 
-def test_info_and_stats(http: httpx.Client) -> None:
-    assert http.get("/info").json() == {
-        "model_name": "demo",
-        "max_model_len": 512,
-        "vocab_size": 4096,
-    }
-    stats = _wait_idle(http)
+def test_an_abort_without_the_token_changes_nothing(gateway: Gateway) -> None:
+    gateway.send(_generate("kept", params=SamplingParams(max_tokens=40, ignore_eos=True)))
+    gateway.send(Abort("guess", "kept"))
+    received = [gateway.receive()]
+    while not (isinstance(received[-1], Delta) and received[-1].finish_reason is not None):
+        received.append(gateway.receive())
+    assert isinstance(received[-1], Delta) and received[-1].finish_reason == "length"
+    [refused] = [m for m in received if isinstance(m, Failed)]
+    assert refused.code == "unauthorized"
+
+
+def test_info_stats_and_metrics(gateway: Gateway, service: RunningEngineService) -> None:
+    info = gateway.call("info")
+    assert isinstance(info, Reply)
+    assert info.value == {"model_name": "demo", "max_model_len": 512, "vocab_size": 4096}
+    stats = _wait_idle(gateway)
     assert stats["kv_blocks_total"] == stats["kv_blocks_free"] + stats["kv_blocks_used"] > 0
+    metrics = httpx.get(f"{service.health_url}/metrics").text
+    assert f"loramux_engine_kv_blocks_total {stats['kv_blocks_total']}" in metrics
+    assert "# TYPE loramux_engine_generated_tokens_total counter" in metrics
 
 
 def test_uploaded_adapter_is_served_listed_then_retired(
-    http: httpx.Client, demo_adapter_dirs: list[Path], demo_model_dir: Path
+    gateway: Gateway, demo_adapter_dirs: list[Path], demo_model_dir: Path
 ) -> None:
     folder = demo_adapter_dirs[0]
     digest = _digest(folder, demo_model_dir)
-    assert _upload(http, digest, folder).json() == {"digest": digest}
-    assert _upload(http, digest, folder).status_code == 200  # idempotent
-    assert digest in http.get("/adapters").json()["digests"]
-    lines = _stream_lines(http, _body("ad-1", prompt="def f(x):", adapter=digest))
-    assert lines[-1]["finish_reason"] == "length"
+    assert _upload(gateway, digest, folder) == Reply("call-register", digest)
+    assert isinstance(_upload(gateway, digest, folder), Reply)  # idempotent
+    listed = gateway.call("adapters")
+    assert isinstance(listed, Reply) and digest in listed.value
+    last = gateway.stream("ad-1", adapter=digest)[-1]
+    assert isinstance(last, Delta) and last.finish_reason == "length"
 
-    assert http.delete(f"/adapters/{digest}").json() == {"retired": True}
-    assert digest not in http.get("/adapters").json()["digests"]
-    refused = http.post("/generate", json=_body("ad-2", prompt="def f(x):", adapter=digest))
-    assert refused.status_code == 404 and refused.json()["error"]["code"] == "unknown_adapter"
+    assert gateway.call("retire", digest=digest) == Reply("call-retire", True)
+    listed = gateway.call("adapters")
+    assert isinstance(listed, Reply) and digest not in listed.value
+    assert _failed(gateway.stream("ad-2", adapter=digest)).code == "unknown_adapter"
 
 
 def test_upload_with_a_digest_that_is_not_its_content_is_refused(
-    http: httpx.Client, demo_adapter_dirs: list[Path], demo_model_dir: Path
+    gateway: Gateway, demo_adapter_dirs: list[Path], demo_model_dir: Path
 ) -> None:
     claimed = _digest(demo_adapter_dirs[1], demo_model_dir)
     actual = _digest(demo_adapter_dirs[2], demo_model_dir)
-    response = _upload(http, claimed, demo_adapter_dirs[2])
-    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_request"
-    served = http.get("/adapters").json()["digests"]
-    assert claimed not in served and actual not in served
-    assert _upload(http, "../../etc", demo_adapter_dirs[2]).status_code == 400
+    assert _failed(_upload(gateway, claimed, demo_adapter_dirs[2])).code == "invalid_request"
+    served = gateway.call("adapters")
+    assert isinstance(served, Reply) and claimed not in served.value and actual not in served.value
+    assert _failed(_upload(gateway, "../../etc", demo_adapter_dirs[2])).code == "invalid_request"
+    assert _failed(gateway.call("register", digest="1" * 64)).code == "invalid_request"
 
 
 def test_a_broken_adapter_is_refused_with_its_adapter_code(
-    http: httpx.Client, demo_adapter_dirs: list[Path], tmp_path: Path
+    gateway: Gateway, demo_adapter_dirs: list[Path], tmp_path: Path
 ) -> None:
     folder = tmp_path / "broken"
     folder.mkdir()
     (folder / CONFIG_FILE).write_text('{"peft_type": "IA3"}')
     (folder / WEIGHTS_FILE).write_bytes((demo_adapter_dirs[0] / WEIGHTS_FILE).read_bytes())
-    response = _upload(http, "1" * 64, folder)
-    assert response.status_code == 400
-    assert response.json()["error"]["kind"] == "adapter"
+    assert _failed(_upload(gateway, "1" * 64, folder)).kind == "adapter"
 
 
-def test_a_client_that_disconnects_mid_stream_aborts_and_frees_its_blocks(
-    http: httpx.Client,
+def test_a_gateway_that_goes_away_mid_stream_has_its_request_aborted(
+    gateway: Gateway, service: RunningEngineService
 ) -> None:
-    generated_before = _wait_idle(http)["generated_tokens"]
-    body = _body("gone-1", prompt="class Tree:", params={"max_tokens": 490})
-    with http.stream("POST", "/generate", json=body) as response:
-        lines = response.iter_lines()
-        for _ in range(3):
-            assert json.loads(next(lines))["finish_reason"] is None
-    stats = _wait_idle(http)
+    generated_before = _wait_idle(gateway)["generated_tokens"]
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    leaving = Gateway(context, service.url)
+    leaving.send(_generate("gone-1", params=SamplingParams(max_tokens=490, ignore_eos=True)))
+    for _ in range(3):
+        delta = leaving.receive()
+        assert isinstance(delta, Delta) and delta.finish_reason is None
+    context.destroy(linger=0)
+    stats = _wait_idle(gateway)
     assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert stats["generated_tokens"] - generated_before < 490  # aborted, not run to its end
 
 
 def test_a_request_the_engine_cannot_compute_fails_alone_with_request_failed(
-    http: httpx.Client, overflowing_adapter: Path, demo_model_dir: Path
+    gateway: Gateway,
+    service: RunningEngineService,
+    overflowing_adapter: Path,
+    demo_model_dir: Path,
 ) -> None:
     digest = _digest(overflowing_adapter, demo_model_dir)
-    assert _upload(http, digest, overflowing_adapter).status_code == 200
-    response = http.post("/generate", json=_body("nan-1", prompt="def f(x):", adapter=digest))
-    assert response.status_code == 500
-    assert response.json()["error"]["code"] == "request_failed"
-    assert http.get("/health").status_code == 200
-    lines = _stream_lines(http, _body("after-nan", prompt="def f(x):"))
-    assert lines[-1]["finish_reason"] == "length"
-    stats = _wait_idle(http)
-    assert stats["kv_blocks_used"] == 0
+    assert isinstance(_upload(gateway, digest, overflowing_adapter), Reply)
+    assert _failed(gateway.stream("nan-1", adapter=digest)).code == "request_failed"
+    assert httpx.get(f"{service.health_url}/health").status_code == 200
+    last = gateway.stream("after-nan")[-1]
+    assert isinstance(last, Delta) and last.finish_reason == "length"
+    assert _wait_idle(gateway)["kv_blocks_used"] == 0
 
 
-def test_extreme_sampling_numbers_cross_the_wire_and_get_an_answer(http: httpx.Client) -> None:
-    params = {"temperature": 1e-38, "seed": 2**64 + 5, "top_k": 10**30}
-    lines = _stream_lines(http, _body("extreme", prompt="x = ", params=params))
-    assert lines[-1]["finish_reason"] == "length"
-    refused = http.post(
-        "/generate", content=b'{"request_id": "inf", "prompt": "x", "params": {"top_p": 1e999}}'
-    )
-    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_request"
-
-
-def test_cache_salt_crosses_the_wire_and_scopes_prefix_reuse(http: httpx.Client) -> None:
+def test_cache_salt_crosses_the_wire_and_scopes_prefix_reuse(gateway: Gateway) -> None:
     prompt = list(range(1000, 1040))  # 2 full blocks of 16 are reusable
 
     def cached(request_id: str, salt: str | None) -> int:
-        body = _body(request_id, prompt_token_ids=prompt, cache_salt=salt, params={"max_tokens": 2})
-        return int(_stream_lines(http, body)[-1]["usage"]["cached_tokens"])
+        params = SamplingParams(max_tokens=2)
+        last = gateway.stream(request_id, ids=prompt, cache_salt=salt, params=params)[-1]
+        assert isinstance(last, Delta) and last.usage is not None
+        return last.usage.cached_tokens
 
     assert cached("salt-a1", "tenant-a") == 0
     assert cached("salt-b1", "tenant-b") == 0
     assert cached("salt-a2", "tenant-a") == 32
     assert cached("salt-none", None) == 0
-    request = EngineRequest("r", prompt="x", cache_salt="tenant-a")
-    assert decode_request(encode(request)) == request
+
+
+def test_abort_ends_the_stream_with_usage_and_counts_in_stats(gateway: Gateway) -> None:
+    aborted_before = _wait_idle(gateway)["aborted"]
+    gateway.send(_generate("ab-1", params=SamplingParams(max_tokens=490, ignore_eos=True)))
+    first = gateway.receive()
+    assert isinstance(first, Delta) and first.finish_reason is None
+    gateway.send(Abort(TOKEN, "ab-1"))
+    received = [first, gateway.receive()]
+    while isinstance(received[-1], Delta) and received[-1].finish_reason is None:
+        received.append(gateway.receive())
+    last = received[-1]
+    assert isinstance(last, Delta) and last.finish_reason == "abort" and last.usage is not None
+    assert last.usage.completion_tokens == sum(len(d.token_ids) for d in received) < 490  # type: ignore[union-attr]
+    assert _wait_idle(gateway)["aborted"] == aborted_before + 1

@@ -81,7 +81,7 @@ class TcpRelay:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"tcp://127.0.0.1:{self.port}"
 
     def cut(self) -> None:
         with self._lock:

@@ -1,6 +1,7 @@
-"""The remote engine client against real engine services on loopback: the same output as the
-local engine, typed errors across the wire, adapters uploaded on demand, aborts that free KV
-blocks, adapter affinity and failover between two engines."""
+"""The remote engine client against real engine services on loopback (the ZeroMQ channel over
+tcp://): the same token ids as the local engine, typed errors across the wire, adapters
+uploaded on demand, aborts that free KV blocks, adapter affinity and failover between two
+engines."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from engine.errors import (
 )
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineRequest, RequestOutput
+from engine.prompt import prompt_token_ids
 from engine.sampling import SamplingParams
 from engine.service.runner import RunningEngineService
 from engine.service.wire import UnauthorizedError
@@ -27,6 +29,7 @@ from tests.engine.conftest import make_engine, run_to_completion
 from tests.gateway.servers import ENGINE_TOKEN, engine_service
 
 PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
+IMPORT_OS, CLASS_TREE, WHILE_TRUE = [300, 12, 77, 5], [99, 1000, 3, 58], [61, 62, 63]
 
 
 @pytest.fixture(scope="module")
@@ -83,27 +86,33 @@ def _served_by(services: list[RunningEngineService], digest: str) -> list[int]:
 async def test_remote_generate_equals_local_token_for_token(
     client: RemoteEngineClient, local: LLMEngine, form: dict[str, Any]
 ) -> None:
+    ids = prompt_token_ids(local.tokenizer, EngineRequest("ids", PARAMS, **form), 4096, 512)
     remote = await _collect(
-        client, EngineRequest(f"eq-{len(form)}-{next(iter(form))}", PARAMS, **form)
+        client, EngineRequest(f"eq-{next(iter(form))}", PARAMS, prompt_token_ids=ids)
     )
     reference = _local(local, EngineRequest("eq-local", PARAMS, **form))
     assert _tokens(remote) == _tokens(reference)
-    assert "".join(o.text for o in remote) == "".join(o.text for o in reference)
     assert remote[-1].finish_reason == reference[-1].finish_reason == "length"
     assert remote[-1].usage is not None and reference[-1].usage is not None
-    assert remote[-1].usage.prompt_tokens == reference[-1].usage.prompt_tokens
+    assert remote[-1].usage.prompt_tokens == reference[-1].usage.prompt_tokens == len(ids)
     assert all(not o.finished for o in remote[:-1])
-    assert await client.count_tokens(EngineRequest("eq-count", PARAMS, **form)) == (
-        reference[-1].usage.prompt_tokens
-    )
+
+
+async def test_a_request_given_as_text_is_refused_before_it_leaves(
+    client: RemoteEngineClient,
+) -> None:
+    for form in ({"prompt": "x"}, {"messages": [{"role": "user", "content": "x"}]}):
+        with pytest.raises(InvalidRequestError):
+            await anext(client.generate(EngineRequest("text", PARAMS, **form)))
 
 
 @pytest.mark.parametrize(
     ("request_", "error"),
     [
-        (EngineRequest("e1", PARAMS, prompt="x " * 600), PromptTooLongError),
-        (EngineRequest("e2", PARAMS, prompt="x", adapter="0" * 64), UnknownAdapterError),
-        (EngineRequest("e3", PARAMS, prompt="x", prompt_token_ids=[1]), InvalidRequestError),
+        (EngineRequest("e1", PARAMS, prompt_token_ids=[7] * 600), PromptTooLongError),
+        (EngineRequest("e2", PARAMS, prompt_token_ids=[7], adapter="0" * 64), UnknownAdapterError),
+        (EngineRequest("e3", PARAMS, prompt_token_ids=[2**40]), InvalidRequestError),
+        (EngineRequest("e4", PARAMS, prompt_token_ids=[]), InvalidRequestError),
     ],
 )
 async def test_typed_errors_cross_the_wire_before_any_delta(
@@ -112,8 +121,6 @@ async def test_typed_errors_cross_the_wire_before_any_delta(
     with pytest.raises(error) as raised:
         await anext(client.generate(request_))
     assert type(raised.value) is error
-    with pytest.raises(error):
-        await client.count_tokens(request_)
 
 
 async def test_info_ready_and_stats(client: RemoteEngineClient) -> None:
@@ -139,10 +146,10 @@ async def test_adapter_given_by_ensure_adapter_serves_like_the_local_engine(
     folder = demo_adapter_dirs[3]
     digest = local.register_adapter(folder)
     await client.ensure_adapter(digest, folder)
-    request = EngineRequest("lora-1", PARAMS, prompt="import os\n", adapter=digest)
+    request = EngineRequest("lora-1", PARAMS, prompt_token_ids=IMPORT_OS, adapter=digest)
     remote = await _collect(client, request)
     assert _tokens(remote) == _tokens(_local(local, request))
-    base = _local(local, EngineRequest("lora-base", PARAMS, prompt="import os\n"))
+    base = _local(local, EngineRequest("lora-base", PARAMS, prompt_token_ids=IMPORT_OS))
     assert _tokens(remote) != _tokens(base)  # the adapter changed the output
 
 
@@ -153,7 +160,9 @@ async def test_an_engine_that_lost_an_adapter_gets_it_again(
     digest = await services[0].engine.register_adapter(folder)
     await client.ensure_adapter(digest, folder)
     services[0].engine.retire_adapter(digest)  # as if the engine restarted without it
-    outputs = await _collect(client, EngineRequest("lost-1", PARAMS, prompt="x", adapter=digest))
+    outputs = await _collect(
+        client, EngineRequest("lost-1", PARAMS, prompt_token_ids=[7], adapter=digest)
+    )
     assert outputs[-1].finish_reason == "length"
 
 
@@ -161,7 +170,7 @@ async def test_closing_the_stream_midway_aborts_and_frees_every_block(
     client: RemoteEngineClient,
 ) -> None:
     params = SamplingParams(max_tokens=490, ignore_eos=True)
-    stream = client.generate(EngineRequest("abort-1", params, prompt="class Tree:"))
+    stream = client.generate(EngineRequest("abort-1", params, prompt_token_ids=CLASS_TREE))
     for _ in range(3):
         assert not (await anext(stream)).finished
     await stream.aclose()  # type: ignore[attr-defined]
@@ -178,7 +187,7 @@ async def test_an_aborted_stream_ends_with_usage_counting_every_token_generated(
     client: RemoteEngineClient,
 ) -> None:
     params = SamplingParams(max_tokens=490, ignore_eos=True)
-    stream = client.generate(EngineRequest("abort-2", params, prompt="class Tree:"))
+    stream = client.generate(EngineRequest("abort-2", params, prompt_token_ids=CLASS_TREE))
     outputs = [await anext(stream) for _ in range(3)]
     await client.abort("abort-2")
     outputs += [out async for out in stream]
@@ -201,7 +210,7 @@ async def test_requests_for_one_adapter_land_on_one_engine(
             digests.append(digest)
             await both.ensure_adapter(digest, folder)
         requests = [
-            EngineRequest(f"aff-{i}-{j}", PARAMS, prompt=f"def f{j}():", adapter=d)
+            EngineRequest(f"aff-{i}-{j}", PARAMS, prompt_token_ids=[40 + j, 9, 11], adapter=d)
             for i, d in enumerate(digests)
             for j in range(3)
         ]
@@ -217,7 +226,7 @@ async def test_when_an_engine_stops_requests_go_to_the_other(
 ) -> None:
     folder = demo_adapter_dirs[5]
     digest = local.register_adapter(folder)
-    request = EngineRequest("fo-1", PARAMS, prompt="while True:", adapter=digest)
+    request = EngineRequest("fo-1", PARAMS, prompt_token_ids=WHILE_TRUE, adapter=digest)
     with (
         engine_service(demo_model_dir, tmp_path / "a") as a,
         engine_service(demo_model_dir, tmp_path / "b") as b,
@@ -230,11 +239,11 @@ async def test_when_an_engine_stops_requests_go_to_the_other(
             [preferred] = _served_by([a, b], digest)
             [a, b][preferred].stop()
             again = await _collect(
-                pair, EngineRequest("fo-2", PARAMS, prompt="while True:", adapter=digest)
+                pair, EngineRequest("fo-2", PARAMS, prompt_token_ids=WHILE_TRUE, adapter=digest)
             )
             assert _served_by([a, b], digest) == [0, 1]
             assert _tokens(again) == _tokens(first) == _tokens(_local(local, request))
-            base = await _collect(pair, EngineRequest("fo-3", PARAMS, prompt="x = 1"))
+            base = await _collect(pair, EngineRequest("fo-3", PARAMS, prompt_token_ids=[7, 8]))
             assert base[-1].finish_reason == "length"
             assert await pair.ready()
             assert len(await pair.stats()) == 1
@@ -243,7 +252,7 @@ async def test_when_an_engine_stops_requests_go_to_the_other(
 
 
 def test_routing_prefers_the_affine_engine_unless_it_is_down_or_much_busier() -> None:
-    endpoints = [Endpoint(f"http://engine-{i}") for i in range(4)]
+    endpoints = [Endpoint(f"tcp://engine-{i}:8100") for i in range(4)]
     order = route(endpoints, "adapter:abc")
     preferred = order[0]
     assert route(endpoints, "adapter:abc")[0] is preferred  # stable

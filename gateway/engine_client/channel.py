@@ -1,0 +1,161 @@
+"""One gateway's connection to one engine: a ZeroMQ DEALER socket speaking engine.service.wire.
+
+A receiver task hands each message to the stream or call it answers (by ref). A monitor task
+follows the connection: when it drops (the engine died, restarted, or the network failed) every
+stream and call waiting on it fails at once with EngineStoppedError, and the endpoint is marked
+down; ZeroMQ reconnects by itself. Messages are only queued on a live connection (IMMEDIATE):
+while there is none, sending fails after CONNECT_WAIT_SECONDS instead of waiting for an engine
+that may never come back. Heartbeats find a peer that vanished without closing its socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import struct
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine.errors import EngineStoppedError
+from engine.service.wire import (
+    Abort,
+    Call,
+    Delta,
+    Failed,
+    Op,
+    Reply,
+    ToEngine,
+    decode_to_gateway,
+    encode,
+    error_from,
+)
+from gateway.engine_client.routing import Endpoint
+
+log = logging.getLogger(__name__)
+
+CONNECT_WAIT_SECONDS = 0.5
+"""How long a send waits for a connection before the engine counts as unreachable."""
+HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 1000, 5000
+
+StreamItem = Delta | Exception
+
+
+class Channel:
+    def __init__(self, context: zmq.asyncio.Context, endpoint: Endpoint, token: str | None):
+        self.endpoint = endpoint
+        self.token = token or ""
+        self.streams: dict[str, asyncio.Queue[StreamItem]] = {}
+        self._calls: dict[str, asyncio.Future[Any]] = {}
+        self._refs = itertools.count()
+        self._connected = asyncio.Event()
+        self.socket = context.socket(zmq.DEALER)
+        for option, value in (
+            (zmq.LINGER, 0),
+            (zmq.IMMEDIATE, 1),
+            (zmq.RCVHWM, 0),  # never drop a delta
+            (zmq.RECONNECT_IVL, 100),
+            (zmq.RECONNECT_IVL_MAX, 1000),
+            (zmq.HEARTBEAT_IVL, HEARTBEAT_MS),
+            (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
+        ):
+            self.socket.setsockopt(option, value)
+        self._monitor = self.socket.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        )
+        self.socket.connect(endpoint.url)
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._fail_all(EngineStoppedError("the engine client closed"))
+        self.socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self.socket.close(linger=0)
+
+    async def send(self, message: ToEngine) -> None:
+        """Queue `message` on the live connection; EngineStoppedError (and the endpoint marked
+        down) when there is none."""
+        if not self._connected.is_set():
+            try:
+                await asyncio.wait_for(self._connected.wait(), CONNECT_WAIT_SECONDS)
+            except TimeoutError:
+                self.endpoint.mark_down()
+                raise EngineStoppedError(f"engine {self.endpoint.url} is unreachable") from None
+        try:
+            await self.socket.send(encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            self.endpoint.mark_down()
+            raise EngineStoppedError(f"engine {self.endpoint.url} is unreachable") from None
+
+    def abort(self, request_id: str) -> None:
+        """Ask the engine to abort `request_id`, without waiting; lost with the connection (and
+        then the engine aborts it by itself when its next delta finds no one)."""
+        try:
+            self.socket.send(encode(Abort(self.token, request_id)), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.info("could not abort %s on %s: %s", request_id, self.endpoint.url, exc)
+
+    async def call(self, op: Op, timeout: float, **fields: Any) -> Any:
+        """The engine's answer to `op`; its typed error when it refused. No answer in `timeout`
+        seconds: EngineStoppedError, and the endpoint is marked down."""
+        ref = str(next(self._refs))
+        answer = self._calls[ref] = asyncio.get_running_loop().create_future()
+        try:
+            await self.send(Call(self.token, ref, op, **fields))
+            return await asyncio.wait_for(answer, timeout)
+        except TimeoutError:
+            self.endpoint.mark_down()
+            raise EngineStoppedError(f"engine {self.endpoint.url} did not answer {op}") from None
+        finally:
+            self._calls.pop(ref, None)
+
+    async def _receive(self) -> None:
+        while True:
+            frame = await self.socket.recv()
+            try:
+                message = decode_to_gateway(frame)
+            except msgspec.DecodeError as exc:
+                log.error("engine %s sent a malformed message: %s", self.endpoint.url, exc)
+                continue
+            if isinstance(message, Reply):
+                self._answer(message.ref, message.value)
+            elif isinstance(message, Failed) and message.call:
+                self._answer(message.ref, error_from(message))
+            else:
+                stream = self.streams.get(message.ref)
+                if stream is not None:
+                    item = error_from(message) if isinstance(message, Failed) else message
+                    stream.put_nowait(item)
+
+    def _answer(self, ref: str, value: Any) -> None:
+        answer = self._calls.get(ref)
+        if answer is None or answer.done():
+            return
+        if isinstance(value, Exception):
+            answer.set_exception(value)
+        else:
+            answer.set_result(value)
+
+    async def _watch(self) -> None:
+        while True:
+            frames = await self._monitor.recv_multipart()
+            (event,) = struct.unpack("=H", frames[0][:2])
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connected.set()
+                continue
+            self._connected.clear()
+            self.endpoint.mark_down()
+            log.warning("lost the connection to engine %s", self.endpoint.url)
+            self._fail_all(EngineStoppedError(f"lost the connection to engine {self.endpoint.url}"))
+
+    def _fail_all(self, error: EngineStoppedError) -> None:
+        for stream in self.streams.values():
+            stream.put_nowait(error)
+        for answer in self._calls.values():
+            if not answer.done():
+                answer.set_exception(error)

@@ -1,0 +1,55 @@
+"""Text at the edge: the gateway turns prompts into token ids and generated ids back into text,
+so the engine never handles text.
+
+Prompts are chat-templated and tokenized once per request, on a small pool of threads (one
+tokenizer per thread: a Rust tokenizer must not be used from two threads at once), never on the
+event loop. Generated ids are detokenized incrementally on the event loop, where each new token
+costs one short decode, with stop strings matched there too (engine.detokenizer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import EngineRequest
+from engine.prompt import prompt_token_ids
+
+TOKENIZER_THREADS = 2
+
+
+class PromptTokens:
+    def __init__(self, model_dir: Path, vocab_size: int, max_model_len: int):
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="loramux-tokenize")
+        self._loop_tokenizer = self._tokenizer()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def prompt_ids(self, request: EngineRequest) -> list[int]:
+        """The request's prompt as token ids (engine.prompt.prompt_token_ids), off the loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._prompt_ids, request)
+
+    def detokenizer(self, stop: tuple[str, ...]) -> IncrementalDetokenizer:
+        """A detokenizer for one generation; use it on the event loop's thread only."""
+        return IncrementalDetokenizer(self._loop_tokenizer, stop=stop)
+
+    def _prompt_ids(self, request: EngineRequest) -> list[int]:
+        tokenizer = getattr(self._local, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._local.tokenizer = self._tokenizer()
+        return prompt_token_ids(tokenizer, request, self.vocab_size, self.max_model_len)
+
+    def _tokenizer(self) -> Any:
+        return AutoTokenizer.from_pretrained(str(self.model_dir))
