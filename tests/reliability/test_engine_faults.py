@@ -44,11 +44,11 @@ FAULT_MIX = Mix(disconnect=0.0, cancel=0.0, bad=0.0, max_tokens=(4, 12))
 
 
 class EngineProcess:
-    """`loramux engine` in a process group of its own, on one port across restarts."""
+    """`loramux engine` in a process group of its own, at one address across restarts."""
 
     def __init__(self, model_dir: Path, data_dir: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port, self.health_port = free_port(), free_port()
+        self.url = f"tcp://127.0.0.1:{self.port}"
         self.log = data_dir / "engine.log"
         self.env = os.environ | {
             "LORAMUX_MODEL": str(model_dir),
@@ -63,7 +63,8 @@ class EngineProcess:
 
     def start(self) -> None:
         """Start it and return once it answers /health (a minute at most)."""
-        command = [sys.executable, "-m", "gateway.cli", "engine", "--port", str(self.port)]
+        command = [sys.executable, "-m", "gateway.cli", "engine", "--address", self.url]
+        command += ["--health-port", str(self.health_port)]
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 command, env=self.env, stdout=log, stderr=log, start_new_session=True
@@ -72,7 +73,7 @@ class EngineProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the engine exited:\n{self.log.read_text()[-3000:]}")
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                if httpx.get(f"http://127.0.0.1:{self.health_port}/health", timeout=1).status_code == 200:
                     return
             time.sleep(0.05)
         raise RuntimeError(f"the engine did not start:\n{self.log.read_text()[-3000:]}")
