@@ -73,7 +73,10 @@ class EngineProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the engine exited:\n{self.log.read_text()[-3000:]}")
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"http://127.0.0.1:{self.health_port}/health", timeout=1).status_code == 200:
+                if (
+                    httpx.get(f"http://127.0.0.1:{self.health_port}/health", timeout=1).status_code
+                    == 200
+                ):
                     return
             time.sleep(0.05)
         raise RuntimeError(f"the engine did not start:\n{self.log.read_text()[-3000:]}")
