@@ -7,9 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.lora.batch import order_by_adapter
+from engine.lora.manager import LoraManager
 from engine.model.config import ModelConfig
-from engine.model.llama import LlamaModel, LoraApplier, StepContext
+from engine.model.llama import LlamaModel, StepContext
+from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledChunk
+from kernels.lora_meta import LoraMetaBuffers
 from kernels.paged_attention import AttentionMetadata
 
 
@@ -21,19 +25,33 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) 
 
 @dataclass(frozen=True)
 class StepInputs:
+    chunks: list[ScheduledChunk]
+    """The step's chunks in the order they run (grouped by adapter)."""
     input_ids: torch.Tensor
     context: StepContext
     logits_indices: torch.Tensor
     """Row of the final token of each chunk that samples, in chunk order."""
 
+    @property
+    def sampling_params(self) -> list[SamplingParams]:
+        return [c.seq.params for c in self.chunks if c.samples]
+
+    @property
+    def generators(self) -> list[torch.Generator | None]:
+        return [c.seq.generator for c in self.chunks if c.samples]
+
 
 class ModelRunner:
     """Owns the model and the KV pool: `num_blocks` blocks per layer for keys and for values."""
 
-    def __init__(self, config: EngineConfig, model: LlamaModel, num_blocks: int):
+    def __init__(
+        self, config: EngineConfig, model: LlamaModel, num_blocks: int, lora: LoraManager | None
+    ):
         self.config = config
         self.model = model
+        self.lora = lora
         self.device = torch.device(config.device)
+        self._lora_buffers = LoraMetaBuffers(config.max_num_batched_tokens, self.device)
         mc = model.config
         shape = (num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = [
@@ -44,8 +62,10 @@ class ModelRunner:
             for _ in range(mc.num_layers)
         ]
 
-    def prepare(self, chunks: list[ScheduledChunk], lora: LoraApplier | None = None) -> StepInputs:
-        """Flatten the step's chunks into one token batch."""
+    def prepare(self, scheduled: list[ScheduledChunk]) -> StepInputs:
+        """Order the step's chunks by adapter and flatten them into one token batch."""
+        lora = order_by_adapter(scheduled, self.lora, self._lora_buffers)
+        chunks = lora.chunks
         bs = self.config.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -69,9 +89,10 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             attention=AttentionMetadata.build(q_lens, seq_lens, tables, device=dev),
             kv_caches=self.kv_caches,
-            lora=lora,
+            lora=lora.batch,
         )
         return StepInputs(
+            chunks=chunks,
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             context=context,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),

@@ -32,29 +32,31 @@ BASE_ADAPTER = "base"
 class Sequence:
     """One request's tokens and progress.
 
-    Invariants: `num_computed_tokens <= len(token_ids)`; positions `[0, num_computed_tokens)` have
-    their K/V in the blocks of `block_table`; `num_cached_tokens` of them came from the prefix cache.
-    A sequence samples a token in a step only when that step computes its last token.
+    Invariants: positions `[0, num_computed_tokens)` have their K/V in the blocks of
+    `block_table`, or are being computed by a step the scheduler has handed out;
+    `num_computed_tokens <= len(self)`. A sequence samples a token in a step only when that step
+    computes its last position; the token lands in `token_ids` when the step is postprocessed.
     """
 
     request_id: str
     token_ids: list[int]
+    """Prompt, then every sampled token that has landed."""
     params: SamplingParams
-    arrival: int
-    """Monotonic admission ticket: lower is older (first come, first served)."""
     adapter_id: str = BASE_ADAPTER
     cache_salt: str | None = None
     """Prefix-cache namespace (see `EngineRequest.cache_salt`)."""
-    num_prompt_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    """Sampling one of these ends the request (EOS unless `ignore_eos`, and `stop_token_ids`)."""
+    num_prompt_tokens: int = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache when it was admitted before producing any
+    token (usage reports them)."""
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: FinishReason | None = None
-    generator: torch.Generator | None = None
-    num_preemptions: int = 0
     slot_wait_steps: int = 0
     """Steps this request has waited at the head for an adapter slot (see Scheduler)."""
+    generator: torch.Generator | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -70,12 +72,8 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self) - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

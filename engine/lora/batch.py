@@ -1,17 +1,21 @@
-"""One step's LoRA work: which tokens use which slot, and the kernel calls that add the deltas.
+"""One step's LoRA work: the order its chunks run in, which tokens use which slot, and the
+kernel calls that add the deltas.
 
-The runner orders a step's chunks by adapter slot, so each adapter's tokens form one segment.
-Decode-only steps use the per-token kernels (BGMV), others the segmented ones (SGMV). On CUDA
-these are the Triton kernels; elsewhere their torch twins, which are the CPU serving path.
+`order_by_adapter` puts a step's chunks in adapter-slot order, so each adapter's tokens form one
+segment. Decode-only steps use the per-token kernels (BGMV), others the segmented ones (SGMV).
+On CUDA these are the Triton kernels; elsewhere their torch twins, the CPU serving path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from adapters.layout import LoraStack
+from engine.lora.manager import LoraManager
+from engine.scheduler import ScheduledChunk
 from kernels.lora_expand import bgmv_expand, sgmv_expand
 from kernels.lora_meta import LoraBatchMeta, LoraMetaBuffers
 from kernels.lora_ref import bgmv_expand_ref, bgmv_shrink_ref, sgmv_expand_ref, sgmv_shrink_ref
@@ -76,3 +80,24 @@ class LoraBatch:
                 m.seg_slots,
                 y,
             )
+
+
+@dataclass(frozen=True)
+class LoraStep:
+    chunks: list[ScheduledChunk]
+    """The step's chunks in the order they run: by adapter slot, base-model chunks last."""
+    batch: LoraBatch | None
+    """The LoRA work of the step; None when no chunk uses an adapter."""
+
+
+def order_by_adapter(
+    chunks: list[ScheduledChunk], manager: LoraManager | None, buffers: LoraMetaBuffers
+) -> LoraStep:
+    """Order the step's chunks by adapter slot (one segment per adapter) and build its LoRA work."""
+    if manager is None:
+        return LoraStep(chunks, None)
+    slots = {id(c): manager.slot_of(c.seq.adapter_id) for c in chunks}
+    ordered = sorted(chunks, key=lambda c: (slots[id(c)] is None, slots[id(c)] or 0))
+    token_slots = [slots[id(c)] for c in ordered for _ in range(c.num_tokens)]
+    per_token = all(c.num_tokens == 1 for c in ordered)
+    return LoraStep(ordered, LoraBatch.build(manager.stack, buffers, token_slots, per_token))
