@@ -77,7 +77,7 @@ class LLMEngine:
             self.max_model_len,
             self.lora,
         )
-        self.runner = ModelRunner(config, self.model, num_blocks, self.lora)
+        self.runner = ModelRunner(config, self.model, num_blocks, self.max_model_len, self.lora)
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_ids = frozenset(self.model_config.eos_token_ids)
         self._steps = 0
@@ -200,7 +200,8 @@ class LLMEngine:
         try:
             inputs = self.runner.prepare(batch.chunks)
             logits = self.runner.run(inputs)
-            tokens = sample(logits, inputs.sampling_params, inputs.generators)
+            sampling = [c.seq for c in inputs.chunks if c.samples]
+            tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
         except Exception:
             return self._fail_step(batch)
         self._steps += 1

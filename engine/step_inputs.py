@@ -1,0 +1,173 @@
+"""A step's model inputs, in buffers allocated once and filled in place every step.
+
+Each per-step tensor has a fixed capacity: pinned host staging that the CPU writes, and a device
+twin that one asynchronous copy fills (on the CPU they are the same tensor). A step uses the
+first rows, so the device tensors keep their addresses from step to step (CUDA graphs rely on
+it). Sizes, for max_num_batched_tokens T = 512, max_num_seqs S = 64 and max_model_len 2048 in
+16-token blocks (W = 128 blocks per sequence):
+
+    input_ids, positions, slot_mapping   int64 [T]        3 × 4 KiB
+    logits_indices                       int64 [S]        512 B
+    cu_seqlens_q                         int32 [S + 1]    260 B
+    seq_lens                             int32 [S]        256 B
+    block_tables                         int32 [S, W]     32 KiB, with staging of the same size
+
+A step of 3 decodes and one 100-token prefill chunk, whose longest block table has w blocks,
+uses input_ids[:103], logits_indices[:4], cu_seqlens_q[:5], seq_lens[:4] and copies a
+compact [4, w] block table to the host staging's front, then into block_tables[:4, :w] on the
+device (a long context's W is large; a step copies only what its tables use).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.model.llama import LoraApplier, StepContext
+from engine.scheduler import ScheduledChunk
+from kernels.paged_attention import AttentionMetadata
+
+
+class StagedTensor:
+    """A fixed-capacity tensor written on the host (`host`, pinned when the device is CUDA, with
+    `array` its numpy view) and copied to the device one prefix at a time."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        on_cuda = device.type == "cuda"
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=on_cuda)
+        self.device = torch.zeros_like(self.host, device=device) if on_cuda else self.host
+        self.array = self.host.numpy()
+
+    def to_device(self, n: int) -> torch.Tensor:
+        """The device view of the first `n` rows, after an asynchronous copy of them."""
+        if self.device is not self.host:
+            self.device[:n].copy_(self.host[:n], non_blocking=True)
+        return self.device[:n]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's model inputs: device views into `StepBuffers`, valid until its next fill."""
+
+    chunks: list[ScheduledChunk]
+    """The step's chunks in the order they run (grouped by adapter)."""
+    input_ids: torch.Tensor
+    context: StepContext
+    logits_indices: torch.Tensor
+    """Row of the final token of each chunk that samples, in chunk order."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+class StepBuffers:
+    """The preallocated per-step tensors of one runner (see the module docstring).
+
+    A fill may begin while the device still copies the previous step's inputs (the host runs
+    ahead of the device): it first waits for those copies, so staging is never overwritten
+    before it was read.
+    """
+
+    def __init__(
+        self,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+    ):
+        self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        self.device = device
+        self.input_ids = StagedTensor((max_tokens,), torch.int64, device)
+        self.positions = StagedTensor((max_tokens,), torch.int64, device)
+        self.slot_mapping = StagedTensor((max_tokens,), torch.int64, device)
+        self.logits_indices = StagedTensor((max_seqs,), torch.int64, device)
+        self.cu_seqlens_q = StagedTensor((max_seqs + 1,), torch.int32, device)
+        self.seq_lens = StagedTensor((max_seqs,), torch.int32, device)
+        self.block_table_staging = StagedTensor(
+            (max_seqs * max_blocks_per_seq,), torch.int32, device
+        )
+        self.block_tables = torch.zeros(
+            max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device
+        )
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+
+    def fill(
+        self,
+        chunks: list[ScheduledChunk],
+        block_size: int,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        lora: LoraApplier | None,
+    ) -> StepInputs:
+        """Write the step's chunks (in run order) into the buffers and copy them to the device."""
+        assert len(chunks) <= self.max_seqs, "more chunks than sequences in a step"
+        if self._copied is not None:
+            self._copied.synchronize()
+        num_tokens, num_samples = self._write_tokens(chunks, block_size)
+        width = self._write_block_tables([c.seq.block_table for c in chunks])
+        batch = len(chunks)
+        attention = AttentionMetadata(
+            block_tables=self._copy_block_tables(batch, width),
+            cu_seqlens_q=self.cu_seqlens_q.to_device(batch + 1),
+            seq_lens=self.seq_lens.to_device(batch),
+            q_lens=tuple(c.num_tokens for c in chunks),
+            seq_lens_host=tuple(c.end for c in chunks),
+        )
+        context = StepContext(
+            positions=self.positions.to_device(num_tokens),
+            slot_mapping=self.slot_mapping.to_device(num_tokens),
+            attention=attention,
+            kv_caches=kv_caches,
+            lora=lora,
+        )
+        inputs = StepInputs(
+            chunks=chunks,
+            input_ids=self.input_ids.to_device(num_tokens),
+            context=context,
+            logits_indices=self.logits_indices.to_device(num_samples),
+        )
+        if self._copied is not None:
+            self._copied.record()
+        return inputs
+
+    def _write_tokens(self, chunks: list[ScheduledChunk], block_size: int) -> tuple[int, int]:
+        """Token ids, positions, KV slots, query offsets and KV lengths of every chunk; returns
+        the step's token count and how many chunks sample."""
+        ids, positions, slots = self.input_ids.array, self.positions.array, self.slot_mapping.array
+        cu, seq_lens = self.cu_seqlens_q.array, self.seq_lens.array
+        num_tokens = num_samples = 0
+        cu[0] = 0
+        for i, chunk in enumerate(chunks):
+            seq, start, end = chunk.seq, chunk.start, chunk.end
+            rows = slice(num_tokens, num_tokens + chunk.num_tokens)
+            assert rows.stop <= self.max_tokens, "more tokens than the step's token budget"
+            ids[rows] = seq.token_ids[start:end]
+            pos = np.arange(start, end)
+            positions[rows] = pos
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            slots[rows] = table[pos // block_size] * block_size + pos % block_size
+            num_tokens = rows.stop
+            cu[i + 1] = num_tokens
+            seq_lens[i] = end
+            if chunk.samples:
+                self.logits_indices.array[num_samples] = num_tokens - 1
+                num_samples += 1
+        return num_tokens, num_samples
+
+    def _write_block_tables(self, tables: Sequence[list[int]]) -> int:
+        """Pack the tables as rows of the step's longest one into the staging's front."""
+        width = max(len(t) for t in tables)
+        staging = self.block_table_staging.array
+        for i, table in enumerate(tables):
+            staging[i * width : i * width + len(table)] = table
+        return width
+
+    def _copy_block_tables(self, batch: int, width: int) -> torch.Tensor:
+        """Rows [:batch] of the device's block tables, their first `width` entries the step's
+        (entries past a table's end hold earlier steps' blocks: any valid index will do)."""
+        packed = self.block_table_staging.to_device(batch * width).view(batch, width)
+        self.block_tables[:batch, :width].copy_(packed)
+        return self.block_tables[:batch]

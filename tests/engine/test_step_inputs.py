@@ -1,0 +1,69 @@
+"""Step inputs: written into buffers allocated once, each step a prefix of them."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampling import SamplingParams
+from engine.scheduler import ScheduledChunk
+from engine.sequence import Sequence
+from engine.step_inputs import StepBuffers
+
+BLOCK = 4
+
+
+def _chunk(
+    name: str, length: int, start: int, num_tokens: int, blocks: list[int]
+) -> ScheduledChunk:
+    seq = Sequence(name, list(range(100, 100 + length)), SamplingParams())
+    seq.block_table = blocks
+    return ScheduledChunk(seq, start, num_tokens, start + num_tokens == length)
+
+
+def _fill(buffers: StepBuffers, chunks: list[ScheduledChunk]):  # type: ignore[no-untyped-def]
+    return buffers.fill(chunks, BLOCK, kv_caches=[], lora=None)
+
+
+def test_a_step_is_written_as_flat_tokens_with_their_positions_slots_and_tables() -> None:
+    buffers = StepBuffers(
+        max_tokens=16, max_seqs=4, max_blocks_per_seq=8, device=torch.device("cpu")
+    )
+    decode = _chunk("decode", 6, 5, 1, [7, 3])  # position 5: block 3, offset 1
+    prefill = _chunk("prefill", 10, 4, 3, [1, 2, 9])  # positions 4-6 of 10: no sample
+    inputs = _fill(buffers, [decode, prefill])
+    assert inputs.input_ids.tolist() == [105, 104, 105, 106]
+    assert inputs.context.positions.tolist() == [5, 4, 5, 6]
+    assert inputs.context.slot_mapping.tolist() == [3 * 4 + 1, 2 * 4, 2 * 4 + 1, 2 * 4 + 2]
+    assert inputs.logits_indices.tolist() == [0]
+    meta = inputs.context.attention
+    assert meta.cu_seqlens_q.tolist() == [0, 1, 4] and meta.seq_lens.tolist() == [6, 7]
+    assert (meta.q_lens, meta.seq_lens_host) == ((1, 3), (6, 7))
+    assert meta.block_tables[0, :2].tolist() == [7, 3] and meta.block_tables[1, :3].tolist() == [
+        1,
+        2,
+        9,
+    ]
+
+
+def test_every_step_reuses_the_same_storage() -> None:
+    buffers = StepBuffers(
+        max_tokens=16, max_seqs=4, max_blocks_per_seq=8, device=torch.device("cpu")
+    )
+    first = _fill(buffers, [_chunk("a", 9, 0, 9, [4, 5, 6])])
+    pointers = (
+        first.input_ids.data_ptr(),
+        first.context.positions.data_ptr(),
+        first.context.slot_mapping.data_ptr(),
+        first.context.attention.block_tables.data_ptr(),
+    )
+    second = _fill(buffers, [_chunk("b", 3, 2, 1, [8]), _chunk("c", 13, 12, 1, [0, 1, 2, 3])])
+    assert pointers == (
+        second.input_ids.data_ptr(),
+        second.context.positions.data_ptr(),
+        second.context.slot_mapping.data_ptr(),
+        second.context.attention.block_tables.data_ptr(),
+    )
+    assert second.input_ids.tolist() == [102, 112]
+    assert second.context.attention.block_tables[:, :1].tolist() == [[8], [0]]
+    assert second.context.attention.block_tables[1, :4].tolist() == [0, 1, 2, 3]
+    assert second.logits_indices.tolist() == [0, 1]
