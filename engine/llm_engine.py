@@ -39,7 +39,7 @@ from engine.model.loader import load_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.output_processor import OutputProcessor
 from engine.outputs import MAX_CACHE_SALT_CHARS, EngineRequest, EngineStats, RequestOutput
-from engine.sampler import sample
+from engine.sampler import NO_TOKEN, sample
 from engine.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from engine.sequence import BASE_ADAPTER, FinishReason, Sequence
 
@@ -200,8 +200,8 @@ class LLMEngine:
         try:
             inputs = self.runner.prepare(batch.chunks)
             logits = self.runner.run(inputs)
-            sampling = [c.seq for c in inputs.chunks if c.samples]
-            tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+            sampled = sample(logits, inputs.sampling)
+            tokens = [None if t == NO_TOKEN else t for t in sampled.tolist()]
         except Exception:
             return self._fail_step(batch)
         self._steps += 1

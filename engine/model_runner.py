@@ -50,6 +50,7 @@ class ModelRunner:
             config.max_num_batched_tokens,
             config.max_num_seqs,
             max_blocks_per_seq,
+            mc.vocab_size,
             self.device,
         )
         self._lora_buffers = LoraMetaBuffers(config.max_num_batched_tokens, self.device)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.sampling import SamplingParams
 
 
@@ -56,13 +54,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     slot_wait_steps: int = 0
     """Steps this request has waited at the head for an adapter slot (see Scheduler)."""
-    generator: torch.Generator | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
-        seed = self.params.generator_seed
-        if seed is not None:
-            self.generator = torch.Generator().manual_seed(seed)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from engine.model.llama import LoraApplier, StepContext
+from engine.sampler import SamplingBatch, SamplingBuffers
 from engine.scheduler import ScheduledChunk
 from kernels.paged_attention import AttentionMetadata
 
@@ -58,6 +59,8 @@ class StepInputs:
     context: StepContext
     logits_indices: torch.Tensor
     """Row of the final token of each chunk that samples, in chunk order."""
+    sampling: SamplingBatch
+    """How each of those rows samples."""
 
     @property
     def num_tokens(self) -> int:
@@ -77,9 +80,11 @@ class StepBuffers:
         max_tokens: int,
         max_seqs: int,
         max_blocks_per_seq: int,
+        vocab_size: int,
         device: torch.device,
     ):
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        self.vocab_size = vocab_size
         self.device = device
         self.input_ids = StagedTensor((max_tokens,), torch.int64, device)
         self.positions = StagedTensor((max_tokens,), torch.int64, device)
@@ -93,6 +98,7 @@ class StepBuffers:
         self.block_tables = torch.zeros(
             max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device
         )
+        self.sampling = SamplingBuffers(max_seqs, device)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def fill(
@@ -128,6 +134,7 @@ class StepBuffers:
             input_ids=self.input_ids.to_device(num_tokens),
             context=context,
             logits_indices=self.logits_indices.to_device(num_samples),
+            sampling=self.sampling.fill([c for c in chunks if c.samples], self.vocab_size),
         )
         if self._copied is not None:
             self._copied.record()

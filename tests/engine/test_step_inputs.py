@@ -20,14 +20,16 @@ def _chunk(
     return ScheduledChunk(seq, start, num_tokens, start + num_tokens == length)
 
 
+def _buffers() -> StepBuffers:
+    return StepBuffers(16, 4, max_blocks_per_seq=8, vocab_size=200, device=torch.device("cpu"))
+
+
 def _fill(buffers: StepBuffers, chunks: list[ScheduledChunk]):  # type: ignore[no-untyped-def]
     return buffers.fill(chunks, BLOCK, kv_caches=[], lora=None)
 
 
 def test_a_step_is_written_as_flat_tokens_with_their_positions_slots_and_tables() -> None:
-    buffers = StepBuffers(
-        max_tokens=16, max_seqs=4, max_blocks_per_seq=8, device=torch.device("cpu")
-    )
+    buffers = _buffers()
     decode = _chunk("decode", 6, 5, 1, [7, 3])  # position 5: block 3, offset 1
     prefill = _chunk("prefill", 10, 4, 3, [1, 2, 9])  # positions 4-6 of 10: no sample
     inputs = _fill(buffers, [decode, prefill])
@@ -46,9 +48,7 @@ def test_a_step_is_written_as_flat_tokens_with_their_positions_slots_and_tables(
 
 
 def test_every_step_reuses_the_same_storage() -> None:
-    buffers = StepBuffers(
-        max_tokens=16, max_seqs=4, max_blocks_per_seq=8, device=torch.device("cpu")
-    )
+    buffers = _buffers()
     first = _fill(buffers, [_chunk("a", 9, 0, 9, [4, 5, 6])])
     pointers = (
         first.input_ids.data_ptr(),
