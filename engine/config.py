@@ -42,6 +42,10 @@ class EngineConfig:
     """Adapters kept parsed in host memory (the tier between disk and device slots)."""
     max_lora_rank: int = 64
     """Largest adapter rank accepted (up to 256); slots are sized for it."""
+    async_scheduling: bool | None = None
+    """Schedule and prepare step N + 1 while the device computes step N. None: where the
+    device runs asynchronously (CUDA); True: anywhere (on the CPU the same code runs without
+    any overlap, which tests use); False: never."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -5,6 +5,10 @@
 Each stage has its module: `Scheduler.schedule`, `ModelRunner.prepare` and `.run`, `sample`,
 `Scheduler.postprocess` (tokens, blocks, finishing), then `OutputProcessor` (text, stop strings).
 
+With asynchronous scheduling (`EngineConfig.async_scheduling`, on CUDA by default) a step's
+device work is queued before the previous step is postprocessed, so the host schedules and
+prepares step N + 1 while the device computes step N; `step()` then returns step N's outputs.
+
 Faults stay with their requests: a step the device cannot compute fails the requests in it, a
 request whose logits are not finite or whose output cannot be made fails alone; only a broken
 device (or broken bookkeeping, which raises out of `step`) stops the engine.
@@ -39,9 +43,10 @@ from engine.model.loader import load_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.output_processor import OutputProcessor
 from engine.outputs import MAX_CACHE_SALT_CHARS, EngineRequest, EngineStats, RequestOutput
-from engine.sampler import NO_TOKEN, sample
-from engine.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
+from engine.sampler import SampledTokens, sample
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, SequenceUpdate
 from engine.sequence import BASE_ADAPTER, FinishReason, Sequence
+from engine.step_inputs import LaunchedStep
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +85,12 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model, num_blocks, self.max_model_len, self.lora)
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_ids = frozenset(self.model_config.eos_token_ids)
+        self.async_scheduling = (
+            config.async_scheduling
+            if config.async_scheduling is not None
+            else self.runner.device.type == "cuda"
+        )
+        self._in_flight: LaunchedStep | None = None
         self._steps = 0
 
     def _num_blocks(self) -> int:
@@ -187,25 +198,38 @@ class LLMEngine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """schedule → prepare → run → sample → postprocess; the outputs of the step."""
+        """schedule → prepare → run → sample → postprocess; the outputs of the step landed."""
         if self.lora is not None:
             self.lora.sweep()
         batch = self.scheduler.schedule()
-        if not batch.chunks:
-            return []
-        try:
-            inputs = self.runner.prepare(batch.chunks)
-            logits = self.runner.run(inputs)
-            sampled = sample(logits, inputs.sampling)
-            tokens = [None if t == NO_TOKEN else t for t in sampled.tolist()]
-        except Exception:
-            return self._fail_step(batch)
+        outputs: list[RequestOutput] = []
+        launched: LaunchedStep | None = None
+        if batch.chunks:
+            try:
+                launched = self._launch(batch.chunks)
+            except Exception:
+                outputs = self._fail_step(batch)
+        if self.async_scheduling:
+            launched, self._in_flight = self._in_flight, launched
+        if launched is not None:
+            outputs += self._land(launched)
+        return outputs
+
+    def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep:
+        """Prepare, run and sample: the step's device work, queued (computed, on the CPU)."""
+        inputs = self.runner.prepare(chunks, self._in_flight)
+        logits = self.runner.run(inputs)
+        return LaunchedStep(inputs.chunks, SampledTokens(sample(logits, inputs.sampling)))
+
+    def _land(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Wait for the step's tokens and postprocess it."""
+        tokens = step.sampled.tolist()
         self._steps += 1
-        updates = self.scheduler.postprocess(inputs.chunks, tokens)
+        updates = self.scheduler.postprocess(step.chunks, tokens)
         return [self._output(update) for update in updates]
 
     def _fail_step(self, batch: SchedulerOutput) -> list[RequestOutput]:

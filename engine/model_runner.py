@@ -10,7 +10,7 @@ from engine.lora.manager import LoraManager
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaModel
 from engine.scheduler import ScheduledChunk
-from engine.step_inputs import StepBuffers, StepInputs
+from engine.step_inputs import LaunchedStep, StepBuffers, StepInputs
 from kernels.lora_meta import LoraMetaBuffers
 
 
@@ -55,10 +55,14 @@ class ModelRunner:
         )
         self._lora_buffers = LoraMetaBuffers(config.max_num_batched_tokens, self.device)
 
-    def prepare(self, scheduled: list[ScheduledChunk]) -> StepInputs:
-        """Order the step's chunks by adapter and write them into the step buffers."""
+    def prepare(
+        self, scheduled: list[ScheduledChunk], previous: LaunchedStep | None = None
+    ) -> StepInputs:
+        """Order the step's chunks by adapter and write them into the step buffers; tokens
+        still pending come from `previous`'s sampled ids, on the device."""
         lora = order_by_adapter(scheduled, self.lora, self._lora_buffers)
-        return self.buffers.fill(lora.chunks, self.config.block_size, self.kv_caches, lora.batch)
+        bs = self.config.block_size
+        return self.buffers.fill(lora.chunks, bs, self.kv_caches, lora.batch, previous)
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """float32 logits [num sampling chunks, vocab]."""

@@ -113,6 +113,27 @@ class SamplingBuffers:
         )
 
 
+class SampledTokens:
+    """One step's sampled ids (`sample`'s result): on the device, where the next step's pending
+    inputs read them, and on their way to the host, which reads them once."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+        self._copied: torch.cuda.Event | None = None
+        self._host = ids
+        if ids.is_cuda:
+            self._host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self._host.copy_(ids, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def tolist(self) -> list[int | None]:
+        """Each row's token, None where the logits were not finite; waits for the device."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return [None if t == NO_TOKEN else t for t in self._host.tolist()]
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """float32 logits [N, vocab] → int64 [N] on the same device: each row's token, or NO_TOKEN
     where the row holds NaN or an infinity."""

@@ -9,9 +9,13 @@ sequence is preempted (its blocks freed, to be recomputed later — usually larg
 cache). The oldest running sequence can always proceed, since the pool holds at least one full
 context, so the scheduler never deadlocks and never runs out of memory.
 
-A scheduled chunk counts as computed at once (`num_computed_tokens` moves when it is scheduled);
-its sampled token lands, full blocks are published in the prefix cache and finishing is decided
-when the step is postprocessed.
+A scheduled chunk counts as computed at once (`num_computed_tokens` moves when it is scheduled)
+and a chunk that samples adds a pending token (`Sequence.num_pending_tokens`), so the next step
+can be scheduled before this one has been postprocessed: a decode of the pending token takes its
+value on the device. The token lands, full blocks are published in the prefix cache and
+finishing is decided when the step is postprocessed; a sequence that a pending token will end
+for its length is not scheduled again meanwhile (one ended by a stop token computes one wasted
+token, which its postprocessing drops).
 """
 
 from __future__ import annotations
@@ -55,7 +59,9 @@ class ScheduledChunk:
         assert num_tokens > 0, "a scheduled chunk computes at least one token"
         start = seq.num_computed_tokens
         seq.num_computed_tokens += num_tokens
-        return cls(seq, start, num_tokens, start + num_tokens == len(seq))
+        samples = start + num_tokens == len(seq)
+        seq.num_pending_tokens += samples
+        return cls(seq, start, num_tokens, samples)
 
     @property
     def end(self) -> int:
@@ -133,6 +139,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._reaches_its_length(seq):
+                i += 1
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.can_append(seq, n):
                 victim = self.running[-1]
@@ -186,8 +195,17 @@ class Scheduler:
             budget -= allocation.num_new_tokens
         self.waiting.extendleft(reversed(passed))
 
+    def _reaches_its_length(self, seq: Sequence) -> bool:
+        """Its pending tokens will end it at max_tokens or the context length."""
+        completion = len(seq) - seq.num_prompt_tokens
+        return seq.num_pending_tokens > 0 and (
+            completion >= seq.params.max_tokens or len(seq) >= self.max_model_len
+        )
+
     def _start(self, seq: Sequence, allocation: Allocation, out: SchedulerOutput) -> None:
         """Move an admitted request to running: pin its adapter, attach its cached prefix, grow."""
+        # A preempted sequence waits at least one step, so its pending token has landed.
+        assert seq.num_pending_tokens == 0, "admitted with a token still on the device"
         if self.adapters is not None:
             self.adapters.acquire(seq)
         self.block_manager.allocate(seq, allocation)
@@ -236,6 +254,7 @@ class Scheduler:
                 continue
             prompt_end = min(chunk.end, seq.num_prompt_tokens)
             self.stats.prompt_tokens_computed += max(0, prompt_end - chunk.start)
+            seq.num_pending_tokens -= chunk.samples
             if chunk.samples and token is None:
                 # Its blocks are not sealed: KV that led to non-finite logits is never shared.
                 self.finish(seq)
@@ -253,7 +272,10 @@ class Scheduler:
         finish: FinishReason | None = None
         if token in seq.stop_token_ids:
             finish = FinishReason.STOP
-        elif seq.num_completion_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+        elif (
+            seq.num_completion_tokens >= seq.params.max_tokens
+            or len(seq.token_ids) >= self.max_model_len
+        ):
             finish = FinishReason.LENGTH
         if finish is not None:
             self.finish(seq)

@@ -33,7 +33,9 @@ class Sequence:
     Invariants: positions `[0, num_computed_tokens)` have their K/V in the blocks of
     `block_table`, or are being computed by a step the scheduler has handed out;
     `num_computed_tokens <= len(self)`. A sequence samples a token in a step only when that step
-    computes its last position; the token lands in `token_ids` when the step is postprocessed.
+    computes its last position; the token is *pending* (counted in `len`, its value still on the
+    device) until the step is postprocessed and it lands in `token_ids`. Only the last token can
+    be pending when a step is prepared, and only from the step before (asynchronous scheduling).
     """
 
     request_id: str
@@ -46,6 +48,8 @@ class Sequence:
     stop_token_ids: frozenset[int] = frozenset()
     """Sampling one of these ends the request (EOS unless `ignore_eos`, and `stop_token_ids`)."""
     num_prompt_tokens: int = field(init=False)
+    num_pending_tokens: int = 0
+    """Tokens sampled by scheduled steps that have not landed yet."""
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache when it was admitted before producing any
@@ -59,10 +63,12 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        """Tokens once every scheduled step has landed: the KV positions are [0, len)."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_completion_tokens(self) -> int:
+        """Sampled tokens that have landed."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property

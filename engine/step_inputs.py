@@ -12,14 +12,21 @@ it). Sizes, for max_num_batched_tokens T = 512, max_num_seqs S = 64 and max_mode
     seq_lens                             int32 [S]        256 B
     block_tables                         int32 [S, W]     32 KiB, with staging of the same size
 
+    pending_inputs                       int64 [S, 2]     1 KiB
+
 A step of 3 decodes and one 100-token prefill chunk, whose longest block table has w blocks,
 uses input_ids[:103], logits_indices[:4], cu_seqlens_q[:5], seq_lens[:4] and copies a
 compact [4, w] block table to the host staging's front, then into block_tables[:4, :w] on the
 device (a long context's W is large; a step copies only what its tables use).
+
+Pending inputs: with asynchronous scheduling a decode may read a token the previous step is
+still sampling. Its input row is written as 0 and listed in `pending_inputs` as (row, the
+previous step's sample row); after the copy, the device fills it from that step's ids.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,8 +34,9 @@ import numpy as np
 import torch
 
 from engine.model.llama import LoraApplier, StepContext
-from engine.sampler import SamplingBatch, SamplingBuffers
+from engine.sampler import SampledTokens, SamplingBatch, SamplingBuffers
 from engine.scheduler import ScheduledChunk
+from engine.sequence import Sequence as EngineSequence
 from kernels.paged_attention import AttentionMetadata
 
 
@@ -67,6 +75,23 @@ class StepInputs:
         return self.input_ids.shape[0]
 
 
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step whose device work is queued: its chunks in run order and its sampled tokens (on
+    the device, and on their way to the host)."""
+
+    chunks: list[ScheduledChunk]
+    sampled: SampledTokens
+
+    @functools.cached_property
+    def _sample_rows(self) -> dict[EngineSequence, int]:
+        return {c.seq: row for row, c in enumerate(c for c in self.chunks if c.samples)}
+
+    def sample_row(self, seq: EngineSequence) -> int:
+        """The row of `sampled` holding the token `seq` samples in this step."""
+        return self._sample_rows[seq]
+
+
 class StepBuffers:
     """The preallocated per-step tensors of one runner (see the module docstring).
 
@@ -98,6 +123,7 @@ class StepBuffers:
         self.block_tables = torch.zeros(
             max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device
         )
+        self.pending_inputs = StagedTensor((max_seqs, 2), torch.int64, device)
         self.sampling = SamplingBuffers(max_seqs, device)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
@@ -107,12 +133,14 @@ class StepBuffers:
         block_size: int,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         lora: LoraApplier | None,
+        previous: LaunchedStep | None,
     ) -> StepInputs:
-        """Write the step's chunks (in run order) into the buffers and copy them to the device."""
+        """Write the step's chunks (in run order) into the buffers and copy them to the device;
+        pending inputs come from `previous`, the step before (still running, maybe)."""
         assert len(chunks) <= self.max_seqs, "more chunks than sequences in a step"
         if self._copied is not None:
             self._copied.synchronize()
-        num_tokens, num_samples = self._write_tokens(chunks, block_size)
+        num_tokens, num_samples, pending = self._write_tokens(chunks, block_size, previous)
         width = self._write_block_tables([c.seq.block_table for c in chunks])
         batch = len(chunks)
         attention = AttentionMetadata(
@@ -129,9 +157,16 @@ class StepBuffers:
             kv_caches=kv_caches,
             lora=lora,
         )
+        input_ids = self.input_ids.to_device(num_tokens)
+        if pending:
+            assert previous is not None
+            self.pending_inputs.array[: len(pending)] = pending
+            rows = self.pending_inputs.to_device(len(pending))
+            # A row whose logits were not finite has no token; its request fails, so any id does.
+            input_ids[rows[:, 0]] = previous.sampled.ids[rows[:, 1]].clamp_min(0)
         inputs = StepInputs(
             chunks=chunks,
-            input_ids=self.input_ids.to_device(num_tokens),
+            input_ids=input_ids,
             context=context,
             logits_indices=self.logits_indices.to_device(num_samples),
             sampling=self.sampling.fill([c for c in chunks if c.samples], self.vocab_size),
@@ -140,18 +175,25 @@ class StepBuffers:
             self._copied.record()
         return inputs
 
-    def _write_tokens(self, chunks: list[ScheduledChunk], block_size: int) -> tuple[int, int]:
+    def _write_tokens(
+        self, chunks: list[ScheduledChunk], block_size: int, previous: LaunchedStep | None
+    ) -> tuple[int, int, list[tuple[int, int]]]:
         """Token ids, positions, KV slots, query offsets and KV lengths of every chunk; returns
-        the step's token count and how many chunks sample."""
+        the step's token count, how many chunks sample, and the pending inputs."""
         ids, positions, slots = self.input_ids.array, self.positions.array, self.slot_mapping.array
         cu, seq_lens = self.cu_seqlens_q.array, self.seq_lens.array
         num_tokens = num_samples = 0
+        pending: list[tuple[int, int]] = []
         cu[0] = 0
         for i, chunk in enumerate(chunks):
             seq, start, end = chunk.seq, chunk.start, chunk.end
             rows = slice(num_tokens, num_tokens + chunk.num_tokens)
             assert rows.stop <= self.max_tokens, "more tokens than the step's token budget"
-            ids[rows] = seq.token_ids[start:end]
+            landed = min(end, len(seq.token_ids))
+            ids[rows.start : rows.start + landed - start] = seq.token_ids[start:landed]
+            if landed < end:
+                assert end == landed + 1 and previous is not None, "a token pending too long"
+                pending.append((rows.stop - 1, previous.sample_row(seq)))
             pos = np.arange(start, end)
             positions[rows] = pos
             table = np.asarray(seq.block_table, dtype=np.int64)
@@ -162,7 +204,7 @@ class StepBuffers:
             if chunk.samples:
                 self.logits_indices.array[num_samples] = num_tokens - 1
                 num_samples += 1
-        return num_tokens, num_samples
+        return num_tokens, num_samples, pending
 
     def _write_block_tables(self, tables: Sequence[list[int]]) -> int:
         """Pack the tables as rows of the step's longest one into the staging's front."""

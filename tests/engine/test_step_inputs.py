@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from engine.sampler import SampledTokens
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledChunk
 from engine.sequence import Sequence
-from engine.step_inputs import StepBuffers
+from engine.step_inputs import LaunchedStep, StepBuffers
 
 BLOCK = 4
 
@@ -25,7 +26,7 @@ def _buffers() -> StepBuffers:
 
 
 def _fill(buffers: StepBuffers, chunks: list[ScheduledChunk]):  # type: ignore[no-untyped-def]
-    return buffers.fill(chunks, BLOCK, kv_caches=[], lora=None)
+    return buffers.fill(chunks, BLOCK, kv_caches=[], lora=None, previous=None)
 
 
 def test_a_step_is_written_as_flat_tokens_with_their_positions_slots_and_tables() -> None:
@@ -67,3 +68,16 @@ def test_every_step_reuses_the_same_storage() -> None:
     assert second.context.attention.block_tables[:, :1].tolist() == [[8], [0]]
     assert second.context.attention.block_tables[1, :4].tolist() == [0, 1, 2, 3]
     assert second.logits_indices.tolist() == [0, 1]
+
+
+def test_a_token_still_being_sampled_is_filled_from_the_previous_steps_ids() -> None:
+    buffers = _buffers()
+    a, b = _chunk("a", 5, 4, 1, [0, 1]), _chunk("b", 7, 6, 1, [2, 3])
+    previous = LaunchedStep([a, b], SampledTokens(torch.tensor([41, 42])))
+    for chunk in (a, b):  # each has its token from `previous` pending: position 5, resp. 7
+        chunk.seq.num_pending_tokens = 1
+    b_next = ScheduledChunk(b.seq, 7, 1, True)
+    a_next = ScheduledChunk(a.seq, 5, 1, True)
+    inputs = buffers.fill([b_next, a_next], BLOCK, kv_caches=[], lora=None, previous=previous)
+    assert inputs.input_ids.tolist() == [42, 41]
+    assert inputs.context.positions.tolist() == [7, 5]
