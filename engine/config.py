@@ -14,6 +14,9 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 class EngineConfig:
     model: Path
     """A local Hugging Face folder of a Llama-family model."""
+    random_weights: bool = False
+    """Give the model seeded random weights instead of reading the folder's (which then needs
+    only config.json and the tokenizer): benchmarks of shapes that exist only as a config."""
     dtype: str = "float32"
     """Weights and activations: float32, float16 or bfloat16."""
     device: str = "cpu"

@@ -67,7 +67,11 @@ class LLMEngine:
         self.request_tokenizer: Any = AutoTokenizer.from_pretrained(str(config.model))
         self.max_model_len = _max_model_len(config)
         self.model: LlamaModel = load_model(
-            config.model, config.torch_dtype, config.device, self.max_model_len
+            config.model,
+            config.torch_dtype,
+            config.device,
+            self.max_model_len,
+            config.random_weights,
         )
         self.model_config = self.model.config
         num_blocks = self._num_blocks()
