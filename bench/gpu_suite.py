@@ -17,7 +17,10 @@ the demo model in --quick):
    device-to-device copy;
 2. LoRA: the decode step at batch 64 with the requests spread over 8 and over 64 adapters
    (rank 16, all seven projections) against all on the base model;
-3. asynchronous scheduling (overlap) against none, at batch 1/8/64.
+3. decode steps replayed as CUDA graphs against eager ones, at batch 1 to 32;
+4. asynchronous scheduling (overlap) against none, at batch 1/8/64.
+Three engines are built in turn (the main one, one without graphs, one without overlap), each
+freed before the next.
 Writes bench/results/gpu_suite-<gpu>.json (gpu_suite-quick.json for --quick).
 """
 
@@ -82,6 +85,7 @@ class Workload:
     kv_cache_bytes: int
     lora_batch: int
     adapter_counts: tuple[int, ...]
+    graph_batches: tuple[int, ...]
     overlap_batches: tuple[int, ...]
     """A subset of `batches`."""
     copy_bytes: int
@@ -91,11 +95,11 @@ class Workload:
 
 WORKLOADS = {
     "full": Workload(
-        (1, 8, 64, 256), 512, 3, 20, 1024, 8192, 24 << 30, 64, (8, 64), (1, 8, 64), 1 << 30, 20,
-        360,
+        (1, 8, 64, 256), 512, 3, 20, 1024, 8192, 24 << 30, 64, (8, 64), (1, 2, 4, 8, 16, 32),
+        (1, 8, 64), 1 << 30, 20, 360,
     ),
     "quick": Workload(
-        (1, 2, 4), 16, 1, 3, 64, 64, 64 << 20, 4, (2, 4), (1, 4), 1 << 24, 3, 360,
+        (1, 2, 4), 16, 1, 3, 64, 64, 64 << 20, 4, (2, 4), (1, 2), (1, 4), 1 << 24, 3, 360,
     ),
 }  # fmt: skip
 
@@ -195,7 +199,8 @@ def engine_config(settings: RunSettings, folder: Path, w: Workload) -> EngineCon
 def measure_main(
     engine: LLMEngine, w: Workload, adapters: list[Path], bandwidth: float
 ) -> dict[str, Any]:
-    """Decode steps against the roofline, then with adapters, on the main engine."""
+    """Decode steps against the roofline, at the graph batches, then with adapters, on the
+    main engine."""
     rng = random.Random(0)
     time_decode(engine, [None], w.prompt_len, 1, 2, rng)  # compile and warm up
     roofline = []
@@ -205,21 +210,25 @@ def measure_main(
         roofline.append(
             asdict(timing) | {"bytes": step_bytes(engine, timing), "roofline_ms": bound_ms}
         )
+    graphs = [
+        asdict(time_decode(engine, [None] * b, w.prompt_len, w.warmup_steps, w.steps, rng))
+        for b in w.graph_batches
+    ]
     digests = [engine.register_adapter(folder) for folder in adapters]
     lora: dict[str, float] = {}
     for count in (0, *w.adapter_counts):
         spread = [digests[i % count] if count else None for i in range(w.lora_batch)]
         timing = time_decode(engine, spread, w.prompt_len, w.warmup_steps, w.steps, rng)
         lora[f"{count}_adapters_ms"] = timing.step_ms
-    return {"roofline": roofline, "lora": lora}
+    return {"roofline": roofline, "graphs": graphs, "lora": lora}
 
 
-def measure_sync(engine: LLMEngine, w: Workload) -> list[dict[str, Any]]:
+def measure_batches(engine: LLMEngine, w: Workload, batches: Sequence[int]) -> list[dict[str, Any]]:
     rng = random.Random(1)
     time_decode(engine, [None], w.prompt_len, 1, 2, rng)
     return [
         asdict(time_decode(engine, [None] * b, w.prompt_len, w.warmup_steps, w.steps, rng))
-        for b in w.overlap_batches
+        for b in batches
     ]
 
 
@@ -238,10 +247,12 @@ def run_benchmarks(settings: RunSettings, workdir: Path, w: Workload) -> dict[st
     bandwidth = copy_bandwidth(w.copy_bytes, settings.device, w.copy_iters)
     config = engine_config(settings, folder, w)
     main = with_engine(config, lambda e: measure_main(e, w, adapters, bandwidth))
+    eager_config = dataclasses.replace(config, cuda_graphs=False, max_num_seqs=max(w.graph_batches))
+    eager = with_engine(eager_config, lambda e: measure_batches(e, w, w.graph_batches))
     sync_config = dataclasses.replace(
         config, async_scheduling=False, max_num_seqs=max(w.overlap_batches)
     )
-    sync = with_engine(sync_config, lambda e: measure_sync(e, w))
+    sync = with_engine(sync_config, lambda e: measure_batches(e, w, w.overlap_batches))
     settings_out = asdict(config)
     settings_out.pop("model")
     return {
@@ -249,6 +260,7 @@ def run_benchmarks(settings: RunSettings, workdir: Path, w: Workload) -> dict[st
         "engine_settings": settings_out,
         "copy_bandwidth_bytes_per_s": bandwidth,
         **main,
+        "eager": eager,
         "no_overlap": sync,
     }
 
@@ -279,6 +291,14 @@ def figures(tests: TestRun | None, bench: dict[str, Any] | None, cuda: bool) -> 
         goal = LORA_GOAL if adapters <= 8 and cuda else None
         ratio = lora["0_adapters_ms"] / lora[count]
         out.append(Figure(f"decode step base / LoRA, {adapters} adapters", ratio, "ratio", goal))
+    graphs = {r["batch"]: r["step_ms"] for r in bench["graphs"]}
+    for r in bench["eager"]:
+        ratio = r["step_ms"] / graphs[r["batch"]]
+        out.append(
+            Figure(
+                f"eager / CUDA graphs, batch {r['batch']}", ratio, "ratio", 1.0 if cuda else None
+            )
+        )
     overlapped = {r["batch"]: r["step_ms"] for r in bench["roofline"]}
     for r in bench["no_overlap"]:
         ratio = r["step_ms"] / overlapped[r["batch"]]

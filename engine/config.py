@@ -24,7 +24,8 @@ class EngineConfig:
     block_size: int = 16
     """Tokens per KV-cache block."""
     kv_cache_bytes: int = 256 * 1024 * 1024
-    """Memory budget for the KV-cache pool (keys and values of every layer)."""
+    """Memory budget for the KV-cache pool (keys and values of every layer) and, on CUDA, the
+    decode graphs' memory."""
     num_kv_blocks: int | None = None
     """Exact pool size in blocks; overrides `kv_cache_bytes` (tests use it to force preemption)."""
     max_num_seqs: int = 64
@@ -45,6 +46,9 @@ class EngineConfig:
     """Adapters kept parsed in host memory (the tier between disk and device slots)."""
     max_lora_rank: int = 64
     """Largest adapter rank accepted (up to 256); slots are sized for it."""
+    cuda_graphs: bool = True
+    """On CUDA, decode steps replay captured CUDA graphs (a ladder of batch sizes up to
+    max_num_seqs; their memory counts in `kv_cache_bytes`). LORAMUX_CUDA_GRAPHS=0 turns it off."""
     async_scheduling: bool | None = None
     """Schedule and prepare step N + 1 while the device computes step N. None: where the
     device runs asynchronously (CUDA); True: anywhere (on the CPU the same code runs without

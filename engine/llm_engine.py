@@ -74,11 +74,13 @@ class LLMEngine:
             config.random_weights,
         )
         self.model_config = self.model.config
-        num_blocks = self._num_blocks()
+        self.lora = self._lora_manager()
+        self.runner = ModelRunner(config, self.model, self.max_model_len, self.lora)
+        num_blocks = self._num_blocks(self.runner.graph_memory())
+        self.runner.allocate_kv(num_blocks)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.lora = self._lora_manager()
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
@@ -86,7 +88,6 @@ class LLMEngine:
             self.max_model_len,
             self.lora,
         )
-        self.runner = ModelRunner(config, self.model, num_blocks, self.max_model_len, self.lora)
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_ids = frozenset(self.model_config.eos_token_ids)
         self.async_scheduling = (
@@ -97,15 +98,19 @@ class LLMEngine:
         self._in_flight: LaunchedStep | None = None
         self._steps = 0
 
-    def _num_blocks(self) -> int:
+    def _num_blocks(self, graph_bytes: int) -> int:
+        """Blocks in the KV pool: `num_kv_blocks`, or what the KV budget holds once the decode
+        graphs' memory is counted in it."""
         c = self.config
         per_block = kv_bytes_per_block(self.model_config, c.block_size, c.torch_dtype)
-        num_blocks = c.num_kv_blocks or c.kv_cache_bytes // per_block
+        num_blocks = c.num_kv_blocks or max(0, c.kv_cache_bytes - graph_bytes) // per_block
         needed = -(-self.max_model_len // c.block_size)
         if num_blocks < needed:
+            graphs = f" after the decode graphs' {graph_bytes >> 20} MiB" if graph_bytes else ""
             raise ValueError(
-                f"the KV pool ({num_blocks} blocks of {c.block_size}) cannot hold one sequence of "
-                f"max_model_len {self.max_model_len}; raise the KV budget or lower max_model_len"
+                f"the KV pool ({num_blocks} blocks of {c.block_size}{graphs}) cannot hold one "
+                f"sequence of max_model_len {self.max_model_len}; raise the KV budget or lower "
+                "max_model_len"
             )
         return num_blocks
 
@@ -237,9 +242,9 @@ class LLMEngine:
         return [self._output(update) for update in updates]
 
     def _fail_step(self, batch: SchedulerOutput) -> list[RequestOutput]:
-        """The device could not compute this step: fail exactly its requests (it changed no
-        bookkeeping, only the KV of their chunks). Raises if the device itself has failed: a
-        CUDA error (an illegal memory access, say) is sticky, every later step would fail too."""
+        """The device could not compute this step: fail exactly its requests (it wrote only the
+        KV of their chunks, and they end here). Raises if the device itself has failed: a CUDA
+        error (an illegal memory access, say) is sticky, every later step would fail too."""
         log.exception("a step of %d requests failed; failing them", len(batch.chunks))
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)

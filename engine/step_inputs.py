@@ -19,6 +19,10 @@ uses input_ids[:103], logits_indices[:4], cu_seqlens_q[:5], seq_lens[:4] and cop
 compact [4, w] block table to the host staging's front, then into block_tables[:4, :w] on the
 device (a long context's W is large; a step copies only what its tables use).
 
+Padding: a step replayed as a CUDA graph of batch G > B writes rows [B, G) as padding — token
+0 at position 0, its K/V written to and read from the KV pool's padding block (never a
+sequence's), one query and one KV position each — and copies G rows.
+
 Pending inputs: with asynchronous scheduling a decode may read a token the previous step is
 still sampling. Its input row is written as 0 and listed in `pending_inputs` as (row, the
 previous step's sample row); after the copy, the device fills it from that step's ids.
@@ -69,6 +73,9 @@ class StepInputs:
     """Row of the final token of each chunk that samples, in chunk order."""
     sampling: SamplingBatch
     """How each of those rows samples."""
+    graph_batch: int | None
+    """The CUDA graph batch the step is padded to (rows past its chunks are padding); None:
+    it runs eagerly, unpadded."""
 
     @property
     def num_tokens(self) -> int:
@@ -106,9 +113,11 @@ class StepBuffers:
         max_seqs: int,
         max_blocks_per_seq: int,
         vocab_size: int,
+        padding_block: int,
         device: torch.device,
     ):
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        self.padding_block = padding_block
         self.vocab_size = vocab_size
         self.device = device
         self.input_ids = StagedTensor((max_tokens,), torch.int64, device)
@@ -134,46 +143,63 @@ class StepBuffers:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         lora: LoraApplier | None,
         previous: LaunchedStep | None,
+        pad_to: int | None = None,
     ) -> StepInputs:
         """Write the step's chunks (in run order) into the buffers and copy them to the device;
-        pending inputs come from `previous`, the step before (still running, maybe)."""
+        pending inputs come from `previous`, the step before (still running, maybe). `pad_to`:
+        the batch of the CUDA graph it replays, for a step whose chunks are one token each."""
         assert len(chunks) <= self.max_seqs, "more chunks than sequences in a step"
         if self._copied is not None:
             self._copied.synchronize()
         num_tokens, num_samples, pending = self._write_tokens(chunks, block_size, previous)
-        width = self._write_block_tables([c.seq.block_table for c in chunks])
         batch = len(chunks)
-        attention = AttentionMetadata(
-            block_tables=self._copy_block_tables(batch, width),
-            cu_seqlens_q=self.cu_seqlens_q.to_device(batch + 1),
-            seq_lens=self.seq_lens.to_device(batch),
-            q_lens=tuple(c.num_tokens for c in chunks),
-            seq_lens_host=tuple(c.end for c in chunks),
-        )
+        if pad_to is not None:
+            assert num_tokens == batch <= pad_to, "only one-token chunks replay a graph"
+            self._write_padding(batch, pad_to, block_size)
+            num_tokens = batch = pad_to
         context = StepContext(
             positions=self.positions.to_device(num_tokens),
             slot_mapping=self.slot_mapping.to_device(num_tokens),
-            attention=attention,
+            attention=self._attention(chunks, batch),
             kv_caches=kv_caches,
             lora=lora,
         )
         input_ids = self.input_ids.to_device(num_tokens)
         if pending:
             assert previous is not None
-            self.pending_inputs.array[: len(pending)] = pending
-            rows = self.pending_inputs.to_device(len(pending))
-            # A row whose logits were not finite has no token; its request fails, so any id does.
-            input_ids[rows[:, 0]] = previous.sampled.ids[rows[:, 1]].clamp_min(0)
+            self._fill_pending(input_ids, pending, previous)
         inputs = StepInputs(
             chunks=chunks,
             input_ids=input_ids,
             context=context,
             logits_indices=self.logits_indices.to_device(num_samples),
             sampling=self.sampling.fill([c for c in chunks if c.samples], self.vocab_size),
+            graph_batch=pad_to,
         )
         if self._copied is not None:
             self._copied.record()
         return inputs
+
+    def _attention(self, chunks: list[ScheduledChunk], batch: int) -> AttentionMetadata:
+        """The attention metadata of `batch` rows: the chunks', then padding rows."""
+        width = self._write_block_tables([c.seq.block_table for c in chunks])
+        padding = (1,) * (batch - len(chunks))
+        return AttentionMetadata(
+            block_tables=self._copy_block_tables(len(chunks), batch, width),
+            cu_seqlens_q=self.cu_seqlens_q.to_device(batch + 1),
+            seq_lens=self.seq_lens.to_device(batch),
+            q_lens=tuple(c.num_tokens for c in chunks) + padding,
+            seq_lens_host=tuple(c.end for c in chunks) + padding,
+        )
+
+    def _fill_pending(
+        self, input_ids: torch.Tensor, pending: list[tuple[int, int]], previous: LaunchedStep
+    ) -> None:
+        """On the device, copy each pending input's token from the previous step's ids."""
+        self.pending_inputs.array[: len(pending)] = pending
+        rows = self.pending_inputs.to_device(len(pending))
+        # A row whose logits were not finite has no token; its request fails, so any id does.
+        input_ids[rows[:, 0]] = previous.sampled.ids[rows[:, 1]].clamp_min(0)
 
     def _write_tokens(
         self, chunks: list[ScheduledChunk], block_size: int, previous: LaunchedStep | None
@@ -206,17 +232,29 @@ class StepBuffers:
                 num_samples += 1
         return num_tokens, num_samples, pending
 
+    def _write_padding(self, start: int, end: int, block_size: int) -> None:
+        """Rows [start, end) as padding rows (see the module docstring)."""
+        rows = slice(start, end)
+        self.input_ids.array[rows] = 0
+        self.positions.array[rows] = 0
+        self.slot_mapping.array[rows] = self.padding_block * block_size
+        self.cu_seqlens_q.array[start + 1 : end + 1] = np.arange(start + 1, end + 1)
+        self.seq_lens.array[rows] = 1
+
     def _write_block_tables(self, tables: Sequence[list[int]]) -> int:
         """Pack the tables as rows of the step's longest one into the staging's front."""
-        width = max(len(t) for t in tables)
+        width = max((len(t) for t in tables), default=0)
         staging = self.block_table_staging.array
         for i, table in enumerate(tables):
             staging[i * width : i * width + len(table)] = table
         return width
 
-    def _copy_block_tables(self, batch: int, width: int) -> torch.Tensor:
+    def _copy_block_tables(self, num_seqs: int, batch: int, width: int) -> torch.Tensor:
         """Rows [:batch] of the device's block tables, their first `width` entries the step's
-        (entries past a table's end hold earlier steps' blocks: any valid index will do)."""
-        packed = self.block_table_staging.to_device(batch * width).view(batch, width)
-        self.block_tables[:batch, :width].copy_(packed)
+        (entries past a table's end hold earlier steps' blocks: any valid index will do);
+        padding rows [num_seqs, batch) start with the padding block."""
+        packed = self.block_table_staging.to_device(num_seqs * width).view(num_seqs, width)
+        self.block_tables[:num_seqs, :width].copy_(packed)
+        if batch > num_seqs:
+            self.block_tables[num_seqs:batch, 0] = self.padding_block
         return self.block_tables[:batch]

@@ -22,7 +22,7 @@ def _chunk(
 
 
 def _buffers() -> StepBuffers:
-    return StepBuffers(16, 4, max_blocks_per_seq=8, vocab_size=200, device=torch.device("cpu"))
+    return StepBuffers(16, 4, 8, vocab_size=200, padding_block=99, device=torch.device("cpu"))
 
 
 def _fill(buffers: StepBuffers, chunks: list[ScheduledChunk]):  # type: ignore[no-untyped-def]
@@ -81,3 +81,17 @@ def test_a_token_still_being_sampled_is_filled_from_the_previous_steps_ids() -> 
     inputs = buffers.fill([b_next, a_next], BLOCK, kv_caches=[], lora=None, previous=previous)
     assert inputs.input_ids.tolist() == [42, 41]
     assert inputs.context.positions.tolist() == [7, 5]
+
+
+def test_padding_rows_of_a_graph_batch_touch_only_the_padding_block() -> None:
+    buffers = _buffers()  # padding block 99
+    chunk = _chunk("a", 6, 5, 1, [7, 3])
+    inputs = buffers.fill([chunk], BLOCK, kv_caches=[], lora=None, previous=None, pad_to=4)
+    assert inputs.graph_batch == 4
+    assert inputs.input_ids.tolist() == [105, 0, 0, 0]
+    assert inputs.context.positions.tolist() == [5, 0, 0, 0]
+    assert inputs.context.slot_mapping.tolist() == [13, 99 * 4, 99 * 4, 99 * 4]
+    meta = inputs.context.attention
+    assert meta.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4] and meta.seq_lens.tolist() == [6, 1, 1, 1]
+    assert meta.block_tables[1:, 0].tolist() == [99, 99, 99]
+    assert inputs.logits_indices.tolist() == [0]
