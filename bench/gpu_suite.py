@@ -141,9 +141,16 @@ def run_gpu_tests(timeout_s: int) -> TestRun:
         command += ["-p", "no:tests.redis", "-p", "no:tests.postgres"]
         command += ["-m", "gpu", f"--junitxml={report}", *files]
         started = time.monotonic()
-        proc = subprocess.run(
-            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
-        )
+        try:
+            proc = subprocess.run(
+                command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
+            )
+        except subprocess.TimeoutExpired as exc:
+            out = (exc.stdout or b"") + (exc.stderr or b"")
+            tail = out.decode(errors="replace") if isinstance(out, bytes) else out
+            return TestRun(
+                files, 0, 0, 0, [f"timed out after {timeout_s} s"], timeout_s, source, tail[-4000:]
+            )
         seconds = time.monotonic() - started
         tail = (proc.stdout + proc.stderr)[-4000:]
         if not report.is_file():
