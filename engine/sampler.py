@@ -67,14 +67,14 @@ class SamplingBatch:
 
 class SamplingBuffers:
     """Preallocated staging for `SamplingBatch`: [max_rows, 2] float32 (temperature, top_p)
-    and [max_rows, 6] int64 (row, top_k, seed low and high, position, spare) on the host,
-    pinned on CUDA, and their device twins; a step with R random rows copies R rows of each
-    (64 rows: 512 B + 3 KiB). An all-greedy step copies nothing."""
+    and [max_rows, 5] int64 (row, top_k, seed low and high, position) on the host, pinned on
+    CUDA, and their device twins; a step with R random rows copies R rows of each (64 rows:
+    512 B + 2.5 KiB). An all-greedy step copies nothing."""
 
     def __init__(self, max_rows: int, device: torch.device):
         on_cuda = device.type == "cuda"
         self._floats = torch.zeros(max_rows, 2, dtype=torch.float32, pin_memory=on_cuda)
-        self._ints = torch.zeros(max_rows, 6, dtype=torch.int64, pin_memory=on_cuda)
+        self._ints = torch.zeros(max_rows, 5, dtype=torch.int64, pin_memory=on_cuda)
         self._floats_dev = self._floats.to(device) if on_cuda else self._floats
         self._ints_dev = self._ints.to(device) if on_cuda else self._ints
 
@@ -94,7 +94,7 @@ class SamplingBuffers:
             filters |= top_k < vocab or p.top_p < 1.0
             floats[r] = (min(p.temperature, FLOAT32_MAX), p.top_p)
             seed = p.seed_bits or 0
-            ints[r, :5] = (i, top_k, seed & _MASK32, seed >> 32, rows[i].end)
+            ints[r] = (i, top_k, seed & _MASK32, seed >> 32, rows[i].end)
         n = len(order)
         if self._floats_dev is not self._floats:
             self._floats_dev[:n].copy_(self._floats[:n], non_blocking=True)
