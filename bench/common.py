@@ -188,11 +188,16 @@ def prepare_model(settings: RunSettings, workdir: Path) -> tuple[Path, dict[str,
         demo = build_demo_model(workdir / "demo")
         path = build_random_llama(workdir / "llama-1b", demo, settings.device)
         name = "llama-1b-random (bench.common.llama_1b_config, seed 0)"
-    config = LlamaConfig.from_pretrained(path)
-    return path, {
+    return path, describe_model(path, name, settings.dtype, settings.device)
+
+
+def describe_model(folder: Path, name: str, dtype: str, device: str) -> dict[str, Any]:
+    """A result's `model`: its name, dtype, device, architecture sizes and parameter count."""
+    config = LlamaConfig.from_pretrained(folder)
+    return {
         "name": name,
-        "dtype": settings.dtype,
-        "device": settings.device,
+        "dtype": dtype,
+        "device": device,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "num_hidden_layers": config.num_hidden_layers,
@@ -211,18 +216,38 @@ def _parameter_count(config: LlamaConfig) -> int:
 def llama_1b_config() -> LlamaConfig:
     """The GPU variant's model: Llama-shaped, ~1.1B parameters (hidden 2048, 16 layers,
     32 query / 8 KV heads of 64, SwiGLU 8192, vocab 32000); its EOS and padding are the demo's."""
+    return _llama_config(2048, 8192, 16, 32, 8, 64, 32000, 4096, 10000.0)
+
+
+def llama3_8b_config() -> LlamaConfig:
+    """Llama-3-8B's shapes (hidden 4096, 32 layers, 32 query / 8 KV heads of 128, SwiGLU
+    14336, vocab 128256, rope theta 500000); its EOS and padding are the demo tokenizer's."""
+    return _llama_config(4096, 14336, 32, 32, 8, 128, 128256, 8192, 500000.0)
+
+
+def _llama_config(
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    vocab: int,
+    max_positions: int,
+    rope_theta: float,
+) -> LlamaConfig:
     return LlamaConfig(
         architectures=["LlamaForCausalLM"],
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
         hidden_act="silu",
-        max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=max_positions,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         bos_token_id=None,
@@ -230,6 +255,23 @@ def llama_1b_config() -> LlamaConfig:
         pad_token_id=END_OF_TEXT_ID,
         dtype="bfloat16",
     )
+
+
+def shapes_only_folder(config: LlamaConfig, tokenizer_dir: Path, out_dir: Path) -> Path:
+    """A model folder with config.json and the demo tokenizer but no weights: the engine gives
+    it seeded random ones (`EngineConfig.random_weights`). Ids past the tokenizer's vocabulary
+    decode to nothing."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out_dir)
+    _copy_tokenizer(tokenizer_dir, out_dir)
+    return out_dir
+
+
+def _copy_tokenizer(tokenizer_dir: Path, out_dir: Path) -> None:
+    """The demo model's tokenizer files and generation config."""
+    for file in (*_SHARED_FILES, _GENERATION_CONFIG):
+        if (tokenizer_dir / file).is_file():
+            shutil.copy(tokenizer_dir / file, out_dir / file)
 
 
 def build_random_llama(out_dir: Path, tokenizer_dir: Path, device: str, seed: int = 0) -> Path:
@@ -258,9 +300,7 @@ def build_random_llama(out_dir: Path, tokenizer_dir: Path, device: str, seed: in
         drawn = torch.randn(shape, generator=generator, device=device) * std
         weights[name] = drawn.to(torch.bfloat16).cpu()
     save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
-    for file in (*_SHARED_FILES, _GENERATION_CONFIG):
-        if (tokenizer_dir / file).is_file():
-            shutil.copy(tokenizer_dir / file, out_dir / file)
+    _copy_tokenizer(tokenizer_dir, out_dir)
     return out_dir
 
 

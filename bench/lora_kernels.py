@@ -257,24 +257,28 @@ def kernel_cases(w: Workload) -> list[KernelCase]:
 
 
 # -- part 2: LoRA overhead in the engine ------------------------------------------------------
-def write_adapter(folder: Path, base: BaseModelSpec, rank: int, seed: int) -> Path:
+def write_adapter(
+    folder: Path, base: BaseModelSpec, rank: int, seed: int, device: str = "cpu"
+) -> Path:
     """A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors, PEFT's key
     names) adapting all seven projections of every layer at `rank`, with seeded weights small
-    enough to keep activations O(1)."""
+    enough to keep activations O(1), drawn on `device` (fast on a GPU for large models)."""
     folder.mkdir(parents=True, exist_ok=True)
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "bias": "none"}
     config["target_modules"] = [f"{proj}_proj" for proj in PROJECTIONS]
     (folder / "adapter_config.json").write_text(json.dumps(config))
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device).manual_seed(seed)
     tensors = {}
     for layer in range(base.num_layers):
         for proj in PROJECTIONS:
             shape = base.projection_shape(proj)
             key = f"base_model.model.model.layers.{layer}.{PARENT_MODULE[proj]}.{proj}_proj"
-            a = torch.randn(rank, shape.in_features, generator=gen) / shape.in_features**0.5
-            b = torch.randn(shape.out_features, rank, generator=gen) * (0.1 / rank**0.5)
-            tensors[f"{key}.lora_A.weight"] = a.to(torch.bfloat16)
-            tensors[f"{key}.lora_B.weight"] = b.to(torch.bfloat16)
+            a = torch.randn(rank, shape.in_features, generator=gen, device=device)
+            b = torch.randn(shape.out_features, rank, generator=gen, device=device)
+            a = a / shape.in_features**0.5
+            b = b * (0.1 / rank**0.5)
+            tensors[f"{key}.lora_A.weight"] = a.to(torch.bfloat16).cpu()
+            tensors[f"{key}.lora_B.weight"] = b.to(torch.bfloat16).cpu()
     save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
     return folder
 

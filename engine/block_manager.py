@@ -67,12 +67,36 @@ class BlockStats:
     """Free blocks that still hold a reusable prefix."""
 
 
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The longest cached prefix of a sequence: its blocks and their chained hashes, in order."""
+
+    block_ids: tuple[int, ...]
+    hashes: tuple[PrefixHash, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What admitting a sequence takes: its cached prefix and the uncached tokens its first
+    chunk computes. `can_allocate` makes it and `allocate` consumes it, with no change to the
+    pool in between (both run within one `Scheduler.schedule`)."""
+
+    prefix: PrefixMatch
+    num_new_tokens: int
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.prefix.num_tokens
+
+
 class BlockManager:
     """Owns the pool of KV blocks and each sequence's block table.
 
-    Methods come in pairs: `can_allocate`/`allocate` admit a sequence (matching its prefix),
-    `can_append`/`append` grow it for the tokens of the next step. `free` releases a sequence's
-    blocks; `seal_full_blocks` publishes newly full blocks in the prefix cache.
+    Methods come in pairs: `can_allocate`/`allocate` admit a sequence (matching its prefix
+    once), `can_append`/`append` grow it for the tokens of the next step. `free` releases a
+    sequence's blocks; `seal_full_blocks` publishes newly computed full blocks in the prefix
+    cache.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -81,7 +105,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[PrefixHash, int] = {}
-        # Hash of each sequence's last sealed block, so sealing stays O(new blocks).
+        # Hash of each sequence's sealed blocks, so sealing stays O(new blocks).
         self._seq_hashes: dict[str, list[PrefixHash]] = {}
 
     @property
@@ -97,47 +121,46 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- admission -------------------------------------------------------------------------
-    def match_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix of `seq`, leaving at least one token to compute."""
-        if not self.enable_prefix_caching:
-            return []
-        matched: list[int] = []
-        parent = _root(seq)
-        max_blocks = (len(seq) - 1) // self.block_size
-        for i in range(max_blocks):
-            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            parent = prefix_hash(parent, tokens)
-            block_id = self._by_hash.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
-                break
-            matched.append(block_id)
-        return matched
-
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Whether `seq` can be admitted to compute its first `num_new_tokens` uncached tokens."""
-        matched = self.match_prefix(seq)
-        reclaimed = sum(1 for b in matched if self.blocks[b].ref_count == 0)
-        cached_tokens = len(matched) * self.block_size
-        needed = self.blocks_needed(cached_tokens + num_new_tokens) - len(matched)
-        return needed <= self.num_free_blocks - reclaimed
-
-    def allocate(self, seq: Sequence) -> int:
-        """Attach the cached prefix to `seq`; returns the number of tokens it covers."""
-        assert not seq.block_table, "sequence already holds blocks"
-        matched = self.match_prefix(seq)
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+        """The longest cached prefix of `seq`, leaving at least one token to compute."""
+        block_ids: list[int] = []
         hashes: list[PrefixHash] = []
-        for block_id in matched:
+        if self.enable_prefix_caching:
+            parent = _root(seq)
+            for i in range((len(seq) - 1) // self.block_size):
+                tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+                parent = prefix_hash(parent, tokens)
+                block_id = self._by_hash.get(parent)
+                if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+                    break
+                block_ids.append(block_id)
+                hashes.append(parent)
+        return PrefixMatch(tuple(block_ids), tuple(hashes), len(block_ids) * self.block_size)
+
+    def can_allocate(self, seq: Sequence, token_budget: int) -> Allocation | None:
+        """How `seq` would be admitted to compute up to `token_budget` of its uncached tokens;
+        None when the free blocks cannot hold that."""
+        prefix = self.match_prefix(seq)
+        num_new = min(len(seq) - prefix.num_tokens, token_budget)
+        reclaimed = sum(1 for b in prefix.block_ids if self.blocks[b].ref_count == 0)
+        needed = self.blocks_needed(prefix.num_tokens + num_new) - len(prefix.block_ids)
+        if needed > self.num_free_blocks - reclaimed:
+            return None
+        return Allocation(prefix, num_new)
+
+    def allocate(self, seq: Sequence, allocation: Allocation) -> None:
+        """Attach the cached prefix to `seq` and give it the blocks of its first chunk."""
+        assert not seq.block_table, "sequence already holds blocks"
+        for block_id, h in zip(allocation.prefix.block_ids, allocation.prefix.hashes, strict=True):
             block = self.blocks[block_id]
+            assert block.hash == h, "the pool changed between can_allocate and allocate"
             if block.ref_count == 0:
                 del self._free[block_id]
             block.ref_count += 1
-            assert block.hash is not None
-            hashes.append(block.hash)
-        seq.block_table = list(matched)
-        self._seq_hashes[seq.request_id] = hashes
-        cached = len(matched) * self.block_size
-        seq.num_computed_tokens = seq.num_cached_tokens = cached
-        return cached
+        seq.block_table = list(allocation.prefix.block_ids)
+        self._seq_hashes[seq.request_id] = list(allocation.prefix.hashes)
+        seq.num_computed_tokens = allocation.num_cached_tokens
+        self.append(seq, allocation.num_new_tokens)
 
     # -- growth ------------------------------------------------------------------------------
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -160,13 +183,13 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
-    def seal_full_blocks(self, seq: Sequence) -> None:
-        """Publish every full, computed block of `seq` not yet in the prefix cache."""
+    def seal_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Publish every full block of `seq` within its first `num_tokens` positions (tokens
+        known and KV computed) not yet in the prefix cache."""
         if not self.enable_prefix_caching:
             return
         hashes = self._seq_hashes.setdefault(seq.request_id, [])
-        num_full = seq.num_computed_tokens // self.block_size
-        for i in range(len(hashes), num_full):
+        for i in range(len(hashes), num_tokens // self.block_size):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             h = prefix_hash(hashes[-1] if hashes else _root(seq), tokens)
             hashes.append(h)
@@ -187,5 +210,5 @@ class BlockManager:
                 if block.hash is None:
                     self._free.move_to_end(block_id, last=False)
         seq.block_table = []
-        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0
         self._seq_hashes.pop(seq.request_id, None)

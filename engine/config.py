@@ -14,6 +14,9 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 class EngineConfig:
     model: Path
     """A local Hugging Face folder of a Llama-family model."""
+    random_weights: bool = False
+    """Give the model seeded random weights instead of reading the folder's (which then needs
+    only config.json and the tokenizer): benchmarks of shapes that exist only as a config."""
     dtype: str = "float32"
     """Weights and activations: float32, float16 or bfloat16."""
     device: str = "cpu"
@@ -21,7 +24,8 @@ class EngineConfig:
     block_size: int = 16
     """Tokens per KV-cache block."""
     kv_cache_bytes: int = 256 * 1024 * 1024
-    """Memory budget for the KV-cache pool (keys and values of every layer)."""
+    """Memory budget for the KV-cache pool (keys and values of every layer) and, on CUDA, the
+    decode graphs' memory."""
     num_kv_blocks: int | None = None
     """Exact pool size in blocks; overrides `kv_cache_bytes` (tests use it to force preemption)."""
     max_num_seqs: int = 64
@@ -42,6 +46,13 @@ class EngineConfig:
     """Adapters kept parsed in host memory (the tier between disk and device slots)."""
     max_lora_rank: int = 64
     """Largest adapter rank accepted (up to 256); slots are sized for it."""
+    cuda_graphs: bool = True
+    """On CUDA, decode steps replay captured CUDA graphs (a ladder of batch sizes up to
+    max_num_seqs; their memory counts in `kv_cache_bytes`). LORAMUX_CUDA_GRAPHS=0 turns it off."""
+    async_scheduling: bool | None = None
+    """Schedule and prepare step N + 1 while the device computes step N. None: where the
+    device runs asynchronously (CUDA); True: anywhere (on the CPU the same code runs without
+    any overlap, which tests use); False: never."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -1,16 +1,26 @@
-"""Turns a scheduled step into tensors, runs the model over the paged KV cache, returns logits."""
+"""Turns a scheduled step into tensors, runs the model over the paged KV cache, returns logits.
+
+Decode steps replay captured CUDA graphs where they can (engine.cuda_graphs); every other step
+runs eagerly over the same preallocated step buffers.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
 
 import torch
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, graph_batches
+from engine.lora.batch import order_by_adapter
+from engine.lora.manager import LoraManager
 from engine.model.config import ModelConfig
-from engine.model.llama import LlamaModel, LoraApplier, StepContext
+from engine.model.llama import LlamaModel
 from engine.scheduler import ScheduledChunk
-from kernels.paged_attention import AttentionMetadata
+from engine.step_inputs import LaunchedStep, StepBuffers, StepInputs
+from kernels.lora_meta import LoraMetaBuffers
+
+log = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -19,65 +29,103 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) 
     return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * element
 
 
-@dataclass(frozen=True)
-class StepInputs:
-    input_ids: torch.Tensor
-    context: StepContext
-    logits_indices: torch.Tensor
-    """Row of the final token of each chunk that samples, in chunk order."""
-
-
 class ModelRunner:
-    """Owns the model and the KV pool: `num_blocks` blocks per layer for keys and for values."""
+    """Owns the model, the KV pool, the preallocated per-step buffers and the decode graphs.
 
-    def __init__(self, config: EngineConfig, model: LlamaModel, num_blocks: int):
+    The KV pool holds the block manager's `num_blocks` blocks per layer, for keys and for
+    values, plus one padding block (id `num_blocks`) that padded graph rows write and read.
+    Until `allocate_kv` sizes it, the pool is the padding block alone.
+    """
+
+    def __init__(
+        self, config: EngineConfig, model: LlamaModel, max_model_len: int, lora: LoraManager | None
+    ):
         self.config = config
         self.model = model
+        self.lora = lora
         self.device = torch.device(config.device)
-        mc = model.config
-        shape = (num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
+        self.max_blocks_per_seq = -(-max_model_len // config.block_size)
+        use_graphs = config.cuda_graphs and self.device.type == "cuda"
+        max_batch = min(config.max_num_seqs, config.max_num_batched_tokens)
+        self.graph_batches = graph_batches(max_batch) if use_graphs else ()
+        self.graphs: DecodeGraphs | None = None
+        self._lora_buffers = LoraMetaBuffers(config.max_num_batched_tokens, self.device)
+        self.allocate_kv(0)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """Allocate the KV pool for `num_blocks` blocks (and the padding block), the step
+        buffers, and capture the decode graphs over them."""
+        self.graphs = None
+        c, mc = self.config, self.model.config
+        shape = (num_blocks + 1, c.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=config.torch_dtype, device=self.device),
-                torch.zeros(shape, dtype=config.torch_dtype, device=self.device),
+                torch.zeros(shape, dtype=c.torch_dtype, device=self.device),
+                torch.zeros(shape, dtype=c.torch_dtype, device=self.device),
             )
             for _ in range(mc.num_layers)
         ]
+        self.buffers = StepBuffers(
+            c.max_num_batched_tokens,
+            c.max_num_seqs,
+            self.max_blocks_per_seq,
+            mc.vocab_size,
+            padding_block=num_blocks,
+            device=self.device,
+        )
+        if num_blocks and self.graph_batches:
+            self.graphs = DecodeGraphs.capture(
+                self.graph_batches, self._prepare_padding, self._forward_padded
+            )
 
-    def prepare(self, chunks: list[ScheduledChunk], lora: LoraApplier | None = None) -> StepInputs:
-        """Flatten the step's chunks into one token batch."""
+    def graph_memory(self) -> int:
+        """Bytes the decode graphs will hold: the peak of one eager forward pass of the largest
+        graph batch (what its captured allocations come to), over padding rows only."""
+        if not self.graph_batches:
+            return 0
+        batch = max(self.graph_batches)
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._prepare_padding(batch)
+        self._forward_padded(batch)
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - before
+
+    def prepare(
+        self,
+        scheduled: list[ScheduledChunk],
+        previous: LaunchedStep | None = None,
+        pad_to: int | None = None,
+    ) -> StepInputs:
+        """Order the step's chunks by adapter and write them into the step buffers; tokens
+        still pending come from `previous`'s sampled ids, on the device. A step of one-token
+        chunks is padded to `pad_to` rows, by default to the batch of the smallest captured
+        graph that holds it (if any)."""
+        one_token = all(c.num_tokens == 1 for c in scheduled)
+        if pad_to is None and self.graphs is not None and one_token:
+            pad_to = self.graphs.batch_for(len(scheduled))
+        lora = order_by_adapter(scheduled, self.lora, self._lora_buffers, pad_to)
         bs = self.config.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_rows: list[int] = []
-        q_lens, seq_lens, tables = [], [], []
-        for chunk in chunks:
-            seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
-            ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            q_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append(table)
-            if chunk.samples:
-                logits_rows.append(len(ids) - 1)
-        dev = self.device
-        context = StepContext(
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            attention=AttentionMetadata.build(q_lens, seq_lens, tables, device=dev),
-            kv_caches=self.kv_caches,
-            lora=lora,
-        )
-        return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            context=context,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
-        )
+        return self.buffers.fill(lora.chunks, bs, self.kv_caches, lora.batch, previous, pad_to)
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
-        """float32 logits [num sampling chunks, vocab]."""
-        hidden = self.model(inputs.input_ids, inputs.context)
+        """float32 logits [num sampling chunks, vocab]: the captured graph of the step's batch
+        replayed, or the model run eagerly (padding rows too, if any)."""
+        if self.graphs is not None and inputs.graph_batch in self.graphs.batches:
+            hidden = self.graphs.replay(inputs.graph_batch)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.context)
         return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def _prepare_padding(self, batch: int) -> None:
+        """Step buffers holding `batch` padding rows and nothing else, as graphs are captured."""
+        lora = order_by_adapter([], self.lora, self._lora_buffers, batch)
+        bs = self.config.block_size
+        self._padded = self.buffers.fill([], bs, self.kv_caches, lora.batch, None, batch)
+
+    def _forward_padded(self, batch: int) -> torch.Tensor:
+        """The model over the step buffers' first `batch` rows: what a graph captures."""
+        inputs = self._padded
+        assert inputs.graph_batch == batch
+        return self.model(inputs.input_ids, inputs.context)

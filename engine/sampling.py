@@ -3,7 +3,7 @@
 Every number a request gives is checked against what the sampler's arithmetic supports, so no
 request can make a step divide by zero, overflow to infinity or hand NaN to the random draw:
 non-finite values are refused, a temperature too small to divide by is greedy, and a seed of any
-size is folded into the generator's range.
+size is folded into the 64 bits the sampler reads.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ sampling there is greedy but for exact ties; smaller temperatures only add ways 
 logits divided by 1e-38 overflow to infinity, and 5e-324 is 0 in float32."""
 
 SEED_RANGE = 2**64
-"""`torch.Generator.manual_seed` takes seeds in [0, 2^64); every integer seed is taken mod this."""
+"""The sampler's seeded draws read 64 bits of seed (`engine.sampler.seeded_exponential`); every
+integer seed is taken mod this."""
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,9 @@ class SamplingParams:
     """Keep the k most likely tokens; 0 keeps all."""
     seed: int | None = None
     """Any integer (negative, or past 64 bits, too). Same seed, same sampled output, whatever
-    else shares the batch. The generator is seeded with `seed mod 2^64` (Python's `%`, so the
-    result is never negative): seeds that differ by a multiple of 2^64, like -1 and 2^64 - 1,
-    draw the same tokens."""
+    else shares the batch. The sampler draws from `seed mod 2^64` (Python's `%`, so the result
+    is never negative): seeds that differ by a multiple of 2^64, like -1 and 2^64 - 1, draw the
+    same tokens."""
     stop: tuple[str, ...] = ()
     """Stop strings: output ends before the first occurrence, which is not included. Matched on
     text by whoever detokenizes (the gateway, which then aborts the engine's sequence); the
@@ -76,8 +77,8 @@ class SamplingParams:
         return self.temperature < MIN_TEMPERATURE
 
     @property
-    def generator_seed(self) -> int | None:
-        """The seed in the generator's range [0, 2^64); None when the request gave no seed."""
+    def seed_bits(self) -> int | None:
+        """The seed in the sampler's range [0, 2^64); None when the request gave no seed."""
         return None if self.seed is None else self.seed % SEED_RANGE
 
 

@@ -1,4 +1,5 @@
-"""Iteration-level scheduling: which sequences compute how many tokens in the next step.
+"""Iteration-level scheduling: which sequences compute how many tokens in the next step, and
+what a computed step changes (`postprocess`).
 
 One token budget per step is shared by decode tokens and prefill chunks. Running sequences
 are served first, oldest first; then waiting ones are admitted in arrival order while budget,
@@ -7,6 +8,14 @@ whom and why no request starves. When blocks run out for a running sequence, the
 sequence is preempted (its blocks freed, to be recomputed later — usually largely from the prefix
 cache). The oldest running sequence can always proceed, since the pool holds at least one full
 context, so the scheduler never deadlocks and never runs out of memory.
+
+A scheduled chunk counts as computed at once (`num_computed_tokens` moves when it is scheduled)
+and a chunk that samples adds a pending token (`Sequence.num_pending_tokens`), so the next step
+can be scheduled before this one has been postprocessed: a decode of the pending token takes its
+value on the device. The token lands, full blocks are published in the prefix cache and
+finishing is decided when the step is postprocessed; a sequence that a pending token will end
+for its length is not scheduled again meanwhile (one ended by a stop token computes one wasted
+token, which its postprocessing drops).
 """
 
 from __future__ import annotations
@@ -16,9 +25,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.block_manager import BlockManager
+from engine.block_manager import Allocation, BlockManager
 from engine.lora.manager import Readiness
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 class AdapterGate(Protocol):
@@ -46,9 +55,17 @@ class ScheduledChunk:
 
     @classmethod
     def of(cls, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        """The next `num_tokens` of `seq`, which from now on count as computed."""
         assert num_tokens > 0, "a scheduled chunk computes at least one token"
         start = seq.num_computed_tokens
-        return cls(seq, start, num_tokens, start + num_tokens == len(seq))
+        seq.num_computed_tokens += num_tokens
+        samples = start + num_tokens == len(seq)
+        seq.num_pending_tokens += samples
+        return cls(seq, start, num_tokens, samples)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
 
 
 @dataclass
@@ -59,6 +76,26 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class SequenceUpdate:
+    """What a postprocessed step did to one sequence that sampled in it."""
+
+    seq: Sequence
+    token: int | None
+    """The token appended to it; None when its logits were not finite (it then fails)."""
+    finish: FinishReason | None
+    """Set when this token ended it (it is finished and its blocks are free)."""
+
+
+@dataclass
+class SchedulerStats:
+    prefix_cache_hit_tokens: int = 0
+    """Prompt tokens served from the prefix cache at admission (before any token was made)."""
+    prompt_tokens_computed: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
 
 
 class Scheduler:
@@ -72,12 +109,15 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_model_len: int,
         adapters: AdapterGate | None = None,
     ):
         self.block_manager = block_manager
         self.adapters = adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.stats = SchedulerStats()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         """Running sequences in admission order: the last is the newest, preempted first."""
@@ -99,6 +139,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._reaches_its_length(seq):
+                i += 1
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.can_append(seq, n):
                 victim = self.running[-1]
@@ -144,24 +187,34 @@ class Scheduler:
                 slot_waiter = seq
                 passed.append(self.waiting.popleft())
                 continue
-            cached = len(self.block_manager.match_prefix(seq)) * self.block_manager.block_size
-            n = min(len(seq) - cached, budget)
-            if not self.block_manager.can_allocate(seq, n):
+            allocation = self.block_manager.can_allocate(seq, budget)
+            if allocation is None:
                 break
             self.waiting.popleft()
-            self._start(seq, n, out)
-            budget -= n
+            self._start(seq, allocation, out)
+            budget -= allocation.num_new_tokens
         self.waiting.extendleft(reversed(passed))
 
-    def _start(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> None:
+    def _reaches_its_length(self, seq: Sequence) -> bool:
+        """Its pending tokens will end it at max_tokens or the context length."""
+        completion = len(seq) - seq.num_prompt_tokens
+        return seq.num_pending_tokens > 0 and (
+            completion >= seq.params.max_tokens or len(seq) >= self.max_model_len
+        )
+
+    def _start(self, seq: Sequence, allocation: Allocation, out: SchedulerOutput) -> None:
         """Move an admitted request to running: pin its adapter, attach its cached prefix, grow."""
+        # A preempted sequence waits at least one step, so its pending token has landed.
+        assert seq.num_pending_tokens == 0, "admitted with a token still on the device"
         if self.adapters is not None:
             self.adapters.acquire(seq)
-        self.block_manager.allocate(seq)
-        self.block_manager.append(seq, num_tokens)
+        self.block_manager.allocate(seq, allocation)
+        if seq.num_completion_tokens == 0:
+            seq.num_cached_tokens = allocation.num_cached_tokens
+            self.stats.prefix_cache_hit_tokens += allocation.num_cached_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        out.chunks.append(ScheduledChunk.of(seq, num_tokens))
+        out.chunks.append(ScheduledChunk.of(seq, allocation.num_new_tokens))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free `seq`'s blocks and put it back at the head of the queue, to be recomputed."""
@@ -170,9 +223,9 @@ class Scheduler:
         if self.adapters is not None:
             self.adapters.release(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
+        self.stats.preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence wherever it is and free its blocks."""
@@ -184,3 +237,46 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
+
+    # -- after a step --------------------------------------------------------------------------
+    def postprocess(
+        self, chunks: list[ScheduledChunk], tokens: list[int | None]
+    ) -> list[SequenceUpdate]:
+        """Land a computed step: publish its newly full blocks, append each sampled token
+        (`tokens`: one per sampling chunk, in order; None for non-finite logits) and finish the
+        sequences it ends. A sequence finished while the step ran (aborted) is left alone."""
+        sampled = iter(tokens)
+        updates: list[SequenceUpdate] = []
+        for chunk in chunks:
+            token = next(sampled) if chunk.samples else None
+            seq = chunk.seq
+            if seq.is_finished:
+                continue
+            prompt_end = min(chunk.end, seq.num_prompt_tokens)
+            self.stats.prompt_tokens_computed += max(0, prompt_end - chunk.start)
+            seq.num_pending_tokens -= chunk.samples
+            if chunk.samples and token is None:
+                # Its blocks are not sealed: KV that led to non-finite logits is never shared.
+                self.finish(seq)
+                updates.append(SequenceUpdate(seq, None, FinishReason.ERROR))
+                continue
+            if seq.status is SequenceStatus.RUNNING:  # not preempted since it was scheduled
+                self.block_manager.seal_full_blocks(seq, chunk.end)
+            if token is not None:
+                updates.append(self._append(seq, token))
+        return updates
+
+    def _append(self, seq: Sequence, token: int) -> SequenceUpdate:
+        seq.token_ids.append(token)
+        self.stats.generated_tokens += 1
+        finish: FinishReason | None = None
+        if token in seq.stop_token_ids:
+            finish = FinishReason.STOP
+        elif (
+            seq.num_completion_tokens >= seq.params.max_tokens
+            or len(seq.token_ids) >= self.max_model_len
+        ):
+            finish = FinishReason.LENGTH
+        if finish is not None:
+            self.finish(seq)
+        return SequenceUpdate(seq, token, finish)

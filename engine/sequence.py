@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.sampling import SamplingParams
 
 
@@ -32,50 +30,50 @@ BASE_ADAPTER = "base"
 class Sequence:
     """One request's tokens and progress.
 
-    Invariants: `num_computed_tokens <= len(token_ids)`; positions `[0, num_computed_tokens)` have
-    their K/V in the blocks of `block_table`; `num_cached_tokens` of them came from the prefix cache.
-    A sequence samples a token in a step only when that step computes its last token.
+    Invariants: positions `[0, num_computed_tokens)` have their K/V in the blocks of
+    `block_table`, or are being computed by a step the scheduler has handed out;
+    `num_computed_tokens <= len(self)`. A sequence samples a token in a step only when that step
+    computes its last position; the token is *pending* (counted in `len`, its value still on the
+    device) until the step is postprocessed and it lands in `token_ids`. Only the last token can
+    be pending when a step is prepared, and only from the step before (asynchronous scheduling).
     """
 
     request_id: str
     token_ids: list[int]
+    """Prompt, then every sampled token that has landed."""
     params: SamplingParams
-    arrival: int
-    """Monotonic admission ticket: lower is older (first come, first served)."""
     adapter_id: str = BASE_ADAPTER
     cache_salt: str | None = None
     """Prefix-cache namespace (see `EngineRequest.cache_salt`)."""
-    num_prompt_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    """Sampling one of these ends the request (EOS unless `ignore_eos`, and `stop_token_ids`)."""
+    num_prompt_tokens: int = field(init=False)
+    num_pending_tokens: int = 0
+    """Tokens sampled by scheduled steps that have not landed yet."""
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache when it was admitted before producing any
+    token (usage reports them)."""
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: FinishReason | None = None
-    generator: torch.Generator | None = None
-    num_preemptions: int = 0
     slot_wait_steps: int = 0
     """Steps this request has waited at the head for an adapter slot (see Scheduler)."""
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
-        seed = self.params.generator_seed
-        if seed is not None:
-            self.generator = torch.Generator().manual_seed(seed)
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        """Tokens once every scheduled step has landed: the KV positions are [0, len)."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_completion_tokens(self) -> int:
+        """Sampled tokens that have landed."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self) - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

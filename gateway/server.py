@@ -39,6 +39,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         max_loras=s.max_loras,
         max_cpu_loras=s.max_cpu_loras,
         max_lora_rank=s.max_lora_rank,
+        cuda_graphs=s.cuda_graphs,
     )
 
 

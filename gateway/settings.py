@@ -51,6 +51,8 @@ class EngineSettings:
     """LORAMUX_MAX_CPU_LORAS: adapters kept parsed in host memory."""
     max_lora_rank: int = field(default_factory=lambda: _env("MAX_LORA_RANK", 64, int))
     """LORAMUX_MAX_LORA_RANK: largest adapter rank accepted (up to 256); uploads above are refused."""
+    cuda_graphs: bool = field(default_factory=lambda: _env("CUDA_GRAPHS", True, bool))
+    """LORAMUX_CUDA_GRAPHS: on CUDA, decode steps replay captured CUDA graphs; 0 turns it off."""
 
 
 @dataclass(frozen=True)

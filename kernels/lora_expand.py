@@ -198,6 +198,7 @@ def bgmv_expand(
     indices distinct; y [T, N]):
         for p in range(T'):
             i, slot = token_indices[p], token_slots[p]
+            if slot == NO_SLOT: continue                    # -1: no adapter, row untouched
             for l in range(L):
                 r, c0, c1 = ranks[slot, l], off[l], off[l+1]   # r == 0: no work
                 y[i, c0:c1] += lora_b[slot, c0:c1, :r] @ t[l, i, :r]
@@ -243,8 +244,9 @@ def _bgmv_expand_kernel(
     width = tl.load(offsets_ptr + slice_id + 1) - col_begin
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < num_active
-    slots = tl.load(token_slots_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-    rank = tl.load(ranks_ptr + slots * stride_rs + slice_id * stride_rl, mask=m_mask, other=0)
+    slots = tl.load(token_slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
+    active = slots >= 0  # NO_SLOT (-1): a token without an adapter
+    rank = tl.load(ranks_ptr + slots * stride_rs + slice_id * stride_rl, mask=active, other=0)
     max_rank = tl.max(rank, 0)
     if (pid_n * BLOCK_N >= width) | (max_rank == 0):
         return

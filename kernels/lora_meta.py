@@ -12,6 +12,12 @@ A segment is a maximal run of consecutive tokens with the same slot, so the engi
 step's tokens by adapter to get one segment per adapter; an adapter split over two runs is two
 segments, which the kernels accept. There are never more segments than tokens, so one capacity
 (``max_tokens``) bounds all five arrays.
+
+Padded per-token layout (``pad_to``, for a CUDA graph captured at a batch size): every row is
+listed, padding included, and rows without an adapter carry NO_SLOT, which the per-token
+kernels skip. For the example padded to 8:
+
+    token_indices [0, 1, 2, 3, 4, 5, 6, 7]    token_slots [3, 3, 3, -1, 7, 7, 3, -1]
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+NO_SLOT = -1
+"""A per-token kernel's slot for a token served by the base model alone: no work for it."""
+
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
 """True when Triton kernels run under the CPU interpreter: kernels then cast tl.dot inputs to
 float32 (bf16 dots are wrong there) and launches pick large tiles (cost grows per program)."""
@@ -35,7 +44,8 @@ class LoraBatchMeta:
     device, a view into ``LoraMetaBuffers`` storage that stays valid until its next ``build``.
 
     Invariants: segments are disjoint runs in token order with ``seg_lens >= 1``; a token with
-    no adapter appears in no segment and not in ``token_indices``.
+    no adapter appears in no segment, and in ``token_indices`` only in the padded layout, with
+    slot NO_SLOT.
     """
 
     seg_starts: torch.Tensor
@@ -55,10 +65,11 @@ class LoraBatchMeta:
 
 class LoraMetaBuffers:
     """Preallocated storage for ``LoraBatchMeta``, on the host (pinned when the device is CUDA)
-    and on the device: 5 x ``max_tokens`` int32 each (8192 tokens: 160 KiB). A build packs
-    seg_starts, seg_lens, seg_slots (G each) and token_indices, token_slots (T' each) back to
-    back, 3G + 2T' <= 5 x max_tokens, and issues one asynchronous copy of that prefix; the
-    next build waits for the copy before it rewrites the host buffer.
+    and on the device: 5 x ``max_tokens`` int32 each (8192 tokens: 160 KiB). token_indices
+    lives at [0, T), token_slots at [T, 2T) — the same addresses every step, which CUDA graphs
+    need — and seg_starts, seg_lens, seg_slots (G each) are packed from 2T. A build issues one
+    asynchronous copy per used range; the next build waits for them before it rewrites the
+    host buffer.
     """
 
     def __init__(self, max_tokens: int, device: torch.device) -> None:
@@ -68,33 +79,39 @@ class LoraMetaBuffers:
         self._device = torch.zeros_like(self._host, device=device) if on_cuda else self._host
         self._copied = torch.cuda.Event() if on_cuda else None
 
-    def build(self, token_slots: Sequence[int | None]) -> LoraBatchMeta:
-        """The metadata for a step whose token i uses adapter slot ``token_slots[i]``."""
-        if len(token_slots) > self.max_tokens:
-            raise ValueError(f"{len(token_slots)} tokens exceed the capacity of {self.max_tokens}")
-        # -1 marks "no adapter" only inside this computation; slots are never negative.
-        slots = torch.tensor([-1 if s is None else s for s in token_slots], dtype=torch.int32)
+    def build(self, token_slots: Sequence[int | None], pad_to: int | None = None) -> LoraBatchMeta:
+        """The metadata for a step whose token i uses adapter slot ``token_slots[i]``; with
+        ``pad_to``, the padded per-token layout of that many rows (see the module docstring)."""
+        assert pad_to is None or pad_to >= len(token_slots), "padding cannot drop tokens"
+        rows = max(len(token_slots), pad_to or 0)
+        if rows > self.max_tokens:
+            raise ValueError(f"{rows} tokens exceed the capacity of {self.max_tokens}")
+        slots = torch.tensor([NO_SLOT if s is None else s for s in token_slots], dtype=torch.int32)
         active = slots >= 0
-        edge = torch.tensor([-1], dtype=torch.int32)
+        edge = torch.tensor([NO_SLOT], dtype=torch.int32)
         seg_starts = (active & (slots != torch.cat([edge, slots[:-1]]))).nonzero().flatten()
         seg_ends = (active & (slots != torch.cat([slots[1:], edge]))).nonzero().flatten()
-        token_indices = active.nonzero().flatten()
-        rows = (
-            seg_starts,
-            seg_ends - seg_starts + 1,
-            slots[seg_starts],
-            token_indices,
-            slots[token_indices],
-        )
-        used = sum(row.shape[0] for row in rows)
+        segments = torch.cat([seg_starts, seg_ends - seg_starts + 1, slots[seg_starts]])
+        if pad_to is None:
+            token_indices = active.nonzero().flatten()
+            per_token = slots[token_indices]
+        else:
+            token_indices = torch.arange(pad_to)
+            per_token = torch.cat([slots, torch.full((pad_to - len(slots),), NO_SLOT)])
+        t, n, g = self.max_tokens, token_indices.shape[0], seg_starts.shape[0]
+        used = [(0, token_indices), (t, per_token), (2 * t, segments)]
         if self._copied is not None:
             self._copied.synchronize()
-        torch.cat(rows, out=self._host[:used])
+        for start, values in used:
+            self._host[start : start + values.shape[0]] = values
+            if self._copied is not None:
+                end = start + values.shape[0]
+                self._device[start:end].copy_(self._host[start:end], non_blocking=True)
         if self._copied is not None:
-            self._device[:used].copy_(self._host[:used], non_blocking=True)
             self._copied.record()
-        views = self._device[:used].split([row.shape[0] for row in rows])
-        return LoraBatchMeta(*views)
+        d = self._device
+        seg = d[2 * t : 2 * t + 3 * g].split([g, g, g])
+        return LoraBatchMeta(seg[0], seg[1], seg[2], d[:n], d[t : t + n])
 
 
 def pow2_clamp(n: int, low: int, high: int) -> int:

@@ -65,8 +65,10 @@ def sgmv_expand_ref(
 def _slot_runs(
     token_indices: torch.Tensor, token_slots: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The listed tokens ordered by slot: (their rows as int64, and seg_starts, seg_lens,
-    seg_slots of the runs that ordering forms, one run per distinct slot)."""
+    """The listed tokens that have a slot (not NO_SLOT, -1), ordered by slot: (their rows as
+    int64, and seg_starts, seg_lens, seg_slots of the runs that ordering forms, one per slot)."""
+    adapted = token_slots >= 0
+    token_indices, token_slots = token_indices[adapted], token_slots[adapted]
     order = torch.argsort(token_slots, stable=True)
     seg_slots, seg_lens = torch.unique_consecutive(token_slots[order], return_counts=True)
     return token_indices[order].long(), torch.cumsum(seg_lens, 0) - seg_lens, seg_lens, seg_slots

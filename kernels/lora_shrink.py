@@ -198,6 +198,7 @@ def bgmv_shrink(
     token_indices, token_slots int32 [T'], indices distinct; t float32 [L, T, R], zeroed):
         for p in range(T'):
             i, slot = token_indices[p], token_slots[p]
+            if slot == NO_SLOT: continue                    # -1: no adapter, x[i] not read
             for l in range(L):
                 r = ranks[slot, l]                          # 0: slice not targeted, no work
                 t[l, i, :r] = lora_a[slot, l, :r] @ x[i]                  # fp32 accumulate
@@ -244,8 +245,9 @@ def _bgmv_shrink_kernel(
     pid_k = tl.program_id(2) % SPLIT_K
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < num_active
-    slots = tl.load(token_slots_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-    rank = tl.load(ranks_ptr + slots * stride_rs + slice_id * stride_rl, mask=m_mask, other=0)
+    slots = tl.load(token_slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
+    active = slots >= 0  # NO_SLOT (-1): a token without an adapter
+    rank = tl.load(ranks_ptr + slots * stride_rs + slice_id * stride_rl, mask=active, other=0)
     if pid_n * BLOCK_N >= tl.max(rank, 0):
         return
     rows = tl.load(token_indices_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
@@ -258,7 +260,7 @@ def _bgmv_shrink_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(k_iters):
         k_mask = offs_k < hidden
-        xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        xt = tl.load(x_ptrs, mask=active[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         at = tl.load(a_ptrs, mask=mn_mask[:, :, None] & k_mask[None, None, :], other=0.0)
         acc += tl.sum(at.to(tl.float32) * xt[:, None, :], axis=2)
         offs_k += BLOCK_K

@@ -1,20 +1,26 @@
-"""One step's LoRA work: which tokens use which slot, and the kernel calls that add the deltas.
+"""One step's LoRA work: the order its chunks run in, which tokens use which slot, and the
+kernel calls that add the deltas.
 
-The runner orders a step's chunks by adapter slot, so each adapter's tokens form one segment.
-Decode-only steps use the per-token kernels (BGMV), others the segmented ones (SGMV). On CUDA
-these are the Triton kernels; elsewhere their torch twins, which are the CPU serving path.
+`order_by_adapter` puts a step's chunks in adapter-slot order, so each adapter's tokens form one
+segment. Decode-only steps use the per-token kernels (BGMV), others the segmented ones (SGMV).
+On CUDA these are the Triton kernels; elsewhere their torch twins, the CPU serving path. A step
+replayed as a CUDA graph lists every row of the graph's batch, padding and base-model rows with
+no slot (kernels.lora_meta's padded layout), so the kernels' grid is the graph's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from adapters.layout import LoraStack
+from engine.lora.manager import LoraManager
+from engine.scheduler import ScheduledChunk
 from kernels.lora_expand import bgmv_expand, sgmv_expand
 from kernels.lora_meta import LoraBatchMeta, LoraMetaBuffers
-from kernels.lora_ref import bgmv_expand_ref, bgmv_shrink_ref, sgmv_expand_ref, sgmv_shrink_ref
+from kernels.lora_ref import sgmv_expand_ref, sgmv_shrink_ref
 from kernels.lora_shrink import bgmv_shrink, sgmv_shrink
 
 
@@ -33,8 +39,12 @@ class LoraBatch:
         buffers: LoraMetaBuffers,
         token_slots: Sequence[int | None],
         per_token: bool,
+        pad_to: int | None = None,
     ) -> LoraBatch | None:
-        """None when no token of the step uses an adapter: the step then costs no LoRA work."""
+        """None when no token of the step uses an adapter: the step then costs no LoRA work.
+        With `pad_to` (a CUDA graph's batch) there is always a batch, in the padded layout."""
+        if pad_to is not None:
+            return cls(stack, buffers.build(token_slots, pad_to), per_token=True)
         if all(s is None for s in token_slots):
             return None
         return cls(stack, buffers.build(token_slots), per_token)
@@ -50,10 +60,8 @@ class LoraBatch:
         # The runner orders tokens by slot, so on the CPU the segmented twins serve decodes too
         # (the per-token twins would regroup them first); per-token kernels pay off on a GPU.
         if self.per_token and on_gpu:
-            shrink = bgmv_shrink if on_gpu else bgmv_shrink_ref
-            expand = bgmv_expand if on_gpu else bgmv_expand_ref
-            shrink(x, stacked.lora_a, stacked.ranks, m.token_indices, m.token_slots, t)
-            expand(
+            bgmv_shrink(x, stacked.lora_a, stacked.ranks, m.token_indices, m.token_slots, t)
+            bgmv_expand(
                 t,
                 stacked.lora_b,
                 stacked.slice_offsets,
@@ -76,3 +84,29 @@ class LoraBatch:
                 m.seg_slots,
                 y,
             )
+
+
+@dataclass(frozen=True)
+class LoraStep:
+    chunks: list[ScheduledChunk]
+    """The step's chunks in the order they run: by adapter slot, base-model chunks last."""
+    batch: LoraBatch | None
+    """The LoRA work of the step; None when no chunk uses an adapter."""
+
+
+def order_by_adapter(
+    chunks: list[ScheduledChunk],
+    manager: LoraManager | None,
+    buffers: LoraMetaBuffers,
+    pad_to: int | None = None,
+) -> LoraStep:
+    """Order the step's chunks by adapter slot (one segment per adapter) and build its LoRA
+    work; `pad_to`: the batch of the CUDA graph the step replays."""
+    if manager is None:
+        return LoraStep(chunks, None)
+    slots = {id(c): manager.slot_of(c.seq.adapter_id) for c in chunks}
+    ordered = sorted(chunks, key=lambda c: (slots[id(c)] is None, slots[id(c)] or 0))
+    token_slots = [slots[id(c)] for c in ordered for _ in range(c.num_tokens)]
+    per_token = all(c.num_tokens == 1 for c in ordered)
+    batch = LoraBatch.build(manager.stack, buffers, token_slots, per_token, pad_to)
+    return LoraStep(ordered, batch)

@@ -1,13 +1,16 @@
-"""Load a local Hugging Face Llama-family folder (safetensors) into `LlamaModel`."""
+"""Load a local Hugging Face Llama-family folder (safetensors) into `LlamaModel`, or give a
+folder's architecture seeded random weights (benchmarks of shapes that exist only as a config)."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from engine.demo_model import LOGIT_STD
 from engine.errors import UnsupportedModelError
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaModel
@@ -57,18 +60,19 @@ def _fuse(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.
     return tensors
 
 
-def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int) -> LlamaModel:
-    """Build the model from `folder`'s config and weights. Raises UnsupportedModelError."""
+def load_model(
+    folder: Path, dtype: torch.dtype, device: str, max_len: int, random_weights: bool = False
+) -> LlamaModel:
+    """Build the model from `folder`'s config and weights (seeded random ones instead with
+    `random_weights`). Raises UnsupportedModelError."""
     config = ModelConfig.from_folder(folder)
-    tensors = _fuse(_read_checkpoint(folder), config.num_layers)
-    if "lm_head.weight" in tensors and config.tie_word_embeddings:
-        tensors.pop("lm_head.weight")
-    if "lm_head.weight" not in tensors:
-        tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
-    tensors = {k: v for k, v in tensors.items() if "rotary_emb" not in k}
     rope = RotaryEmbedding(config, max_len, dtype)
     with torch.device("meta"):
         model = LlamaModel(config, rope)
+    if random_weights:
+        tensors = _random_weights(model, dtype, torch.device(device))
+    else:
+        tensors = _checkpoint_weights(folder, config)
     expected = set(model.state_dict().keys())
     missing, unexpected = expected - tensors.keys(), tensors.keys() - expected
     if missing or unexpected:
@@ -78,3 +82,34 @@ def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int) -> L
         )
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, assign=True)
     return model.to(device).eval()
+
+
+def _checkpoint_weights(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    tensors = _fuse(_read_checkpoint(folder), config.num_layers)
+    if "lm_head.weight" in tensors and config.tie_word_embeddings:
+        tensors.pop("lm_head.weight")
+    if "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
+    return {k: v for k, v in tensors.items() if "rotary_emb" not in k}
+
+
+def _random_weights(
+    model: LlamaModel, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Seeded weights drawn on `device`, scaled as the demo model's (engine.demo_model):
+    embeddings N(0, 1), projections N(0, 1/fan_in), norms 1, biases 0, lm_head N(0,
+    LOGIT_STD^2 / hidden), so activations stay O(1) and greedy choices have clear margins."""
+    generator = torch.Generator(device).manual_seed(seed)
+    hidden = model.config.hidden_size
+    weights: dict[str, torch.Tensor] = {}
+    for name, meta in sorted(model.state_dict().items()):
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(meta.shape, dtype=dtype, device=device)
+        elif name.endswith("bias"):
+            weights[name] = torch.zeros(meta.shape, dtype=dtype, device=device)
+        else:
+            std = {"embed_tokens.weight": 1.0, "lm_head.weight": LOGIT_STD / math.sqrt(hidden)}
+            scale = std.get(name, 1.0 / math.sqrt(meta.shape[1]))
+            drawn = torch.randn(meta.shape, generator=generator, device=device) * scale
+            weights[name] = drawn.to(dtype)
+    return weights

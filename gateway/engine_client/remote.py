@@ -281,7 +281,7 @@ def _output(delta: Delta) -> RequestOutput:
 def _wire_params(params: SamplingParams) -> SamplingParams:
     """`params` within msgpack's 64-bit integers, meaning the same: the seed folded into the
     generator's range as the engine would, top_k capped (past the vocabulary it keeps all)."""
-    return replace(params, seed=params.generator_seed, top_k=min(params.top_k, MAX_WIRE_INT))
+    return replace(params, seed=params.seed_bits, top_k=min(params.top_k, MAX_WIRE_INT))
 
 
 def _read_adapter(folder: Path) -> tuple[bytes, bytes]:

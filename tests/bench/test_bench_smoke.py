@@ -37,10 +37,12 @@ def prefix(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> An
     return run_smoke(prefix_cache.main, demo_model_dir, tmp_path_factory.mktemp("results"))
 
 
-def assert_complete(path: Path, result: dict[str, Any], name: str, goals: int) -> None:
-    assert path.name == f"{name}-smoke.json"
+def assert_complete(
+    path: Path, result: dict[str, Any], name: str, goals: int, mode: str = "smoke"
+) -> None:
+    assert path.name == f"{name}-{mode}.json"
     assert result.keys() >= RESULT_FIELDS
-    assert (result["benchmark"], result["mode"]) == (name, "smoke")
+    assert (result["benchmark"], result["mode"]) == (name, mode)
     assert result["machine"].keys() >= MACHINE_FIELDS
     assert result["model"]["parameters"] > 0
     figures = result["figures"]

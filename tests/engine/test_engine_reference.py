@@ -89,8 +89,10 @@ def test_prefix_cache_distinguishes_adapter_identity(demo_model_dir: Path, token
     matched = engine.block_manager.match_prefix
     from engine.sequence import Sequence
 
-    assert len(matched(Sequence("x", prompt, params, 0))) == 2
-    assert matched(Sequence("y", prompt, params, 0, adapter_id="digest-of-some-adapter")) == []
+    assert len(matched(Sequence("x", prompt, params)).block_ids) == 2
+    assert (
+        matched(Sequence("y", prompt, params, adapter_id="digest-of-some-adapter")).num_tokens == 0
+    )
     assert engine.stats().prefix_cache_hit_tokens == hits
 
 

@@ -101,3 +101,23 @@ def test_unsupported_rope_and_pickled_weights_are_refused(
         (tmp_path / f).write_bytes((demo_model_dir / f).read_bytes())
     with pytest.raises(UnsupportedModelError, match="safetensors"):
         make_engine(tmp_path)
+
+
+def test_random_weights_need_only_the_config_and_tokenizer(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    shapes_only = tmp_path / "shapes-only"
+    shapes_only.mkdir()
+    for f in demo_model_dir.iterdir():
+        if not f.name.endswith(".safetensors"):
+            (shapes_only / f.name).write_bytes(f.read_bytes())
+    engines = [make_engine(shapes_only, random_weights=True) for _ in range(2)]
+    first, second = (e.model.state_dict() for e in engines)
+    assert first.keys() == make_engine(demo_model_dir).model.state_dict().keys()
+    assert all(torch.equal(first[k], second[k]) for k in first), "seeded"
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    outs = [
+        run_to_completion(e, [EngineRequest("r", params, prompt_token_ids=[5, 6, 7])])["r"]
+        for e in engines
+    ]
+    assert outs[0][-1].finish_reason == "length" and outs[0] == outs[1]

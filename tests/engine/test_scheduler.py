@@ -5,24 +5,32 @@ from __future__ import annotations
 from engine.block_manager import BlockManager
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import FinishReason, Sequence
 
 
-def _seq(i: int, n: int) -> Sequence:
-    return Sequence(f"s{i}", list(range(1000 * i, 1000 * i + n)), SamplingParams(), i)
+def _seq(i: int, n: int, **params: object) -> Sequence:
+    sampling = SamplingParams(**params)  # type: ignore[arg-type]
+    return Sequence(f"s{i}", list(range(1000 * i, 1000 * i + n)), sampling, stop_token_ids={2})
 
 
-def _advance(sched: Scheduler) -> list[tuple[str, int]]:
+def _scheduler(num_blocks: int, block_size: int, max_num_batched_tokens: int) -> Scheduler:
+    return Scheduler(
+        BlockManager(num_blocks, block_size),
+        max_num_seqs=8,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=num_blocks * block_size,
+    )
+
+
+def _advance(sched: Scheduler, token: int = 1) -> list[tuple[str, int]]:
+    """Schedule a step and land it, every sampling sequence drawing `token`."""
     out = sched.schedule()
-    for c in out.chunks:
-        c.seq.num_computed_tokens += c.num_tokens
-        if c.samples:
-            c.seq.token_ids.append(1)
+    sched.postprocess(out.chunks, [token for c in out.chunks if c.samples])
     return [(c.seq.request_id, c.num_tokens) for c in out.chunks]
 
 
 def test_decodes_and_prefill_chunks_share_one_token_budget() -> None:
-    sched = Scheduler(BlockManager(64, 16), max_num_seqs=8, max_num_batched_tokens=32)
+    sched = _scheduler(64, 16, max_num_batched_tokens=32)
     sched.add(_seq(1, 5))
     assert _advance(sched) == [("s1", 5)]
     sched.add(_seq(2, 100))
@@ -31,7 +39,7 @@ def test_decodes_and_prefill_chunks_share_one_token_budget() -> None:
 
 
 def test_waiting_head_is_never_skipped() -> None:
-    sched = Scheduler(BlockManager(8, 16), max_num_seqs=8, max_num_batched_tokens=512)
+    sched = _scheduler(8, 16, max_num_batched_tokens=512)
     sched.add(_seq(1, 100))  # 7 blocks
     sched.add(_seq(2, 40))  # needs 3: does not fit beside s1
     sched.add(_seq(3, 5))  # would fit, but must not jump the queue
@@ -40,7 +48,7 @@ def test_waiting_head_is_never_skipped() -> None:
 
 
 def test_newest_running_sequence_is_preempted_when_blocks_run_out() -> None:
-    sched = Scheduler(BlockManager(4, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    sched = _scheduler(4, 4, max_num_batched_tokens=64)
     sched.add(_seq(1, 8))
     sched.add(_seq(2, 8))
     _advance(sched)  # both admitted with 2 full blocks each: the pool is full
@@ -48,3 +56,45 @@ def test_newest_running_sequence_is_preempted_when_blocks_run_out() -> None:
     assert [s.request_id for s in out.preempted] == ["s2"]
     assert [c.seq.request_id for c in out.chunks] == ["s1"]
     assert sched.waiting[0].request_id == "s2" and sched.waiting[0].num_computed_tokens == 0
+
+
+def test_postprocess_appends_tokens_and_finishes_on_stop_tokens_and_lengths() -> None:
+    sched = _scheduler(16, 4, max_num_batched_tokens=64)
+    stops, short, long = _seq(1, 3), _seq(2, 3, max_tokens=2), _seq(3, 3)
+    for seq in (stops, short, long):
+        sched.add(seq)
+    out = sched.schedule()
+    updates = sched.postprocess(out.chunks, [7, 7, 7])
+    assert [(u.token, u.finish) for u in updates] == [(7, None)] * 3
+    out = sched.schedule()
+    updates = sched.postprocess(out.chunks, [2, 7, 7])  # 2 is a stop token
+    assert [u.finish for u in updates] == [FinishReason.STOP, FinishReason.LENGTH, None]
+    assert stops.is_finished and short.is_finished and sched.running == [long]
+    assert stops.token_ids[-2:] == [7, 2] and stops.num_completion_tokens == 2
+    assert sched.block_manager.num_free_blocks == 16 - len(long.block_table)
+
+
+def test_non_finite_logits_finish_the_sequence_without_publishing_its_blocks() -> None:
+    sched = _scheduler(16, 4, max_num_batched_tokens=64)
+    bad, good = _seq(1, 8), _seq(2, 8)
+    sched.add(bad)
+    sched.add(good)
+    out = sched.schedule()
+    updates = sched.postprocess(out.chunks, [None, 5])
+    assert [(u.seq, u.token, u.finish) for u in updates] == [
+        (bad, None, FinishReason.ERROR),
+        (good, 5, None),
+    ]
+    assert bad.is_finished and sched.running == [good]
+    assert sched.block_manager.match_prefix(_seq(1, 9)).num_tokens == 0
+    assert sched.block_manager.match_prefix(_seq(2, 9)).num_tokens == 8
+
+
+def test_a_sequence_aborted_while_its_step_ran_is_left_alone() -> None:
+    sched = _scheduler(16, 4, max_num_batched_tokens=64)
+    seq = _seq(1, 5)
+    sched.add(seq)
+    out = sched.schedule()
+    sched.finish(seq)
+    assert sched.postprocess(out.chunks, [7]) == []
+    assert seq.token_ids == list(range(1000, 1005)) and sched.block_manager.num_free_blocks == 16

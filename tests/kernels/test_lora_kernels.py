@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kernels.lora_expand import bgmv_expand, sgmv_expand
-from kernels.lora_meta import INTERPRET, LoraBatchMeta, LoraMetaBuffers
+from kernels.lora_meta import INTERPRET, NO_SLOT, LoraBatchMeta, LoraMetaBuffers
 from kernels.lora_ref import bgmv_expand_ref, bgmv_shrink_ref, sgmv_expand_ref, sgmv_shrink_ref
 from kernels.lora_shrink import bgmv_shrink, bgmv_shrink_tiles, sgmv_shrink, sgmv_shrink_tiles
 
@@ -382,3 +382,41 @@ def test_meta_buffers_copy_to_the_device() -> None:
         gpu_values = getattr(on_gpu, field)
         assert gpu_values.is_cuda
         assert gpu_values.tolist() == getattr(on_cpu, field).tolist()
+
+
+def per_token_padded(p: Problem) -> tuple[torch.Tensor, ...]:
+    """Every row listed, rows without an adapter as NO_SLOT (a CUDA graph's layout)."""
+    meta = LoraMetaBuffers(len(p.token_slots), p.x.device).build(
+        p.token_slots, pad_to=len(p.token_slots)
+    )
+    return meta.token_indices, meta.token_slots
+
+
+PADDED_CASES = [c for c in CASES if c.spread == "some_none"]
+
+
+@pytest.mark.parametrize("case", PADDED_CASES, ids=str)
+@pytest.mark.parametrize(
+    ("kernel", "twin", "check"),
+    [(bgmv_shrink, bgmv_shrink_ref, check_shrink), (bgmv_expand, bgmv_expand_ref, check_expand)],
+    ids=["bgmv_shrink", "bgmv_expand"],
+)
+def test_per_token_kernels_skip_rows_without_a_slot(
+    case: Case, kernel: Op, twin: Op, check: Callable[..., None]
+) -> None:
+    p = make_problem(case).to(KERNEL_DEVICE)
+    meta = per_token_padded(p)
+    assert int((meta[1] == NO_SLOT).sum()) == p.token_slots.count(None) > 0
+    check(case, p, kernel, twin, meta)
+
+
+def test_the_padded_layout_keeps_its_per_token_arrays_in_place() -> None:
+    buffers = LoraMetaBuffers(max_tokens=16, device=torch.device("cpu"))
+    meta = buffers.build([3, 3, 3, None, 7, 7, 3], pad_to=8)
+    assert meta.token_indices.tolist() == list(range(8))
+    assert meta.token_slots.tolist() == [3, 3, 3, NO_SLOT, 7, 7, 3, NO_SLOT]
+    assert [t.tolist() for t in (meta.seg_starts, meta.seg_lens)] == [[0, 4, 6], [3, 2, 1]]
+    again = buffers.build([None, 5], pad_to=8)
+    assert again.token_slots.data_ptr() == meta.token_slots.data_ptr()
+    assert again.token_indices.data_ptr() == meta.token_indices.data_ptr()
+    assert again.token_slots.tolist() == [NO_SLOT, 5, *[NO_SLOT] * 6]
