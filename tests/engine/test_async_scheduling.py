@@ -23,7 +23,7 @@ from tests.engine.conftest import make_engine
 
 def _workload(adapters: list[str]) -> list[tuple[int, EngineRequest]]:
     """(step it arrives at, request): greedy and seeded, on the base model and on adapters, with
-    EOS, stop strings, short and long outputs, and prompts sharing prefixes."""
+    EOS, stop token ids, short and long outputs, and prompts sharing prefixes."""
     shared = [(37 * i) % 4000 + 10 for i in range(48)]
     out: list[tuple[int, EngineRequest]] = []
     for i in range(14):
@@ -32,7 +32,7 @@ def _workload(adapters: list[str]) -> list[tuple[int, EngineRequest]]:
             temperature=0.0 if i % 3 else 0.9,
             top_p=0.9 if i % 2 else 1.0,
             seed=None if i % 3 else 100 + i,
-            stop=("e",) if i % 4 == 1 else (),
+            stop_token_ids=(17, 42) if i % 4 == 1 else (),
             ignore_eos=i % 5 == 0,
         )
         prompt = shared[: 8 + 5 * i] + [500 + i] * (i % 4 + 1)
@@ -44,7 +44,7 @@ def _workload(adapters: list[str]) -> list[tuple[int, EngineRequest]]:
 
 
 def _run(engine: LLMEngine, workload: list[tuple[int, EngineRequest]]) -> dict[str, Any]:
-    """Step until idle, adding each request at its step; every request's tokens, text, finish
+    """Step until idle, adding each request at its step; every request's tokens, finish
     reason and token counts. (Prefix-cache hits are left out: when a block is published
     depends on when its step is postprocessed, which is what overlapping changes.)"""
     outputs: dict[str, list[RequestOutput]] = {r.request_id: [] for _, r in workload}
@@ -59,7 +59,6 @@ def _run(engine: LLMEngine, workload: list[tuple[int, EngineRequest]]) -> dict[s
     return {
         rid: (
             [t for o in outs for t in o.token_ids],
-            "".join(o.text for o in outs),
             outs[-1].finish_reason,
             (outs[-1].usage.prompt_tokens, outs[-1].usage.completion_tokens)
             if outs[-1].usage
@@ -139,8 +138,8 @@ def test_non_finite_logits_fail_only_their_request_with_steps_in_flight(
         EngineRequest("base", params, prompt_token_ids=list(range(100, 120))),
     ]
     results = _run(engine, [(0, r) for r in requests])
-    assert results["bad"][2] is FinishReason.ERROR
-    assert [results[r][2] for r in ("good", "base")] == ["length", "length"]
+    assert results["bad"][1] is FinishReason.ERROR
+    assert [results[r][1] for r in ("good", "base")] == ["length", "length"]
     assert all(len(results[r][0]) == 6 for r in ("good", "base"))
     assert engine.stats().kv_blocks_used == 0
 
