@@ -87,14 +87,21 @@ def _chat(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> None:
     """The gateway with its private redis-server and its engine as supervised child processes
     (each only when no external one is configured); see gateway.serve."""
-    from gateway.serve import serve_forever
+    from gateway.serve import Bind, serve_forever
+    from gateway.serve_workers import default_workers
+
+    if args.workers is not None and args.workers < 1:
+        raise SystemExit("--workers must be at least 1")
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per call to the engine
     settings = Settings()
     model_dir = ensure_model(settings)
     host = args.host or settings.server.host
     port = args.port or settings.server.port
-    asyncio.run(serve_forever(settings, model_dir, host, port))
+    workers = args.workers or default_workers()
+    control = Path(args.control_socket) if args.control_socket else None
+    bind = Bind(host, port, workers, args.reuse_port, control)
+    asyncio.run(serve_forever(settings, model_dir, bind))
 
 
 def _engine(args: argparse.Namespace) -> None:
@@ -156,6 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="gateway processes sharing the port, the engine and Redis "
+        "(default: one per two cores, at most 8)",
+    )
+    p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--control-socket", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_serve)
 
     p = sub.add_parser(

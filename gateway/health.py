@@ -8,6 +8,7 @@ only lengthen the outage. /health answers 503 when a supervised child keeps fail
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from litestar import Response, get
@@ -24,10 +25,10 @@ async def health(gw: GW) -> Response[dict[str, Any]]:
     """Liveness: 200 while this process serves, or is bringing a child process back (a degraded
     state that /ready reports as not ready); 503 once a child it supervises keeps failing, when
     only restarting the whole service can help. The body says what is down:
-    `status` ok | degraded | failing, `engine` up | down, and under `loramux serve` the state of
+    `status` ok | degraded | failing, `engine` up | down, `pid` (which worker answered), and under `loramux serve` the state of
     each child process (up, pid, restarts, why it last exited, failing)."""
     engine_up = await gw.engine.ready()
-    body: dict[str, Any] = {"engine": "up" if engine_up else "down"}
+    body: dict[str, Any] = {"engine": "up" if engine_up else "down", "pid": os.getpid()}
     failing = False
     down = not engine_up
     if gw.children is not None:

@@ -6,6 +6,9 @@ Start: redis-server and the engine are spawned first; while the engine loads its
 process imports the gateway and migrates the database (each takes seconds, so they overlap); the
 gateway starts serving once both children are ready. Stop: SIGTERM or SIGINT lets requests in
 flight finish (up to GRACEFUL_SECONDS), then stops the children.
+
+With `--workers N` (N > 1) the gateway itself runs as N supervised worker processes sharing the
+port (gateway.serve_workers); this process then only supervises.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import contextlib
 import importlib
 import logging
 import signal
+import socket
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,7 @@ import uvicorn
 
 from gateway.engine_child import engine_child
 from gateway.redis_server import redis_child
+from gateway.serve_workers import listening_sockets, worker_child
 from gateway.settings import Settings
 from gateway.supervisor import SupervisedChild, Supervisor
 
@@ -33,24 +39,31 @@ GRACEFUL_SECONDS = 30
 """On stop, requests in flight get this long to finish before they are cut."""
 
 
-async def serve_forever(settings: Settings, model_dir: Path, host: str, port: int) -> None:
+@dataclass(frozen=True)
+class Bind:
+    host: str
+    port: int
+    workers: int = 1
+    """Gateway processes; with more than one, each is a child (gateway.serve_workers)."""
+    reuse_port: bool = False
+    """Bind the port with SO_REUSEPORT: this process is one of several workers."""
+    control_socket: Path | None = None
+    """A worker's own Unix socket, where its parent probes it."""
+
+
+async def serve_forever(settings: Settings, model_dir: Path, bind: Bind) -> None:
     """Run until SIGTERM or SIGINT; however it ends, no child outlives it."""
     with StopSignals() as stop, Supervisor() as children:
         try:
-            await _serve(settings, model_dir, host, port, children, stop)
+            await _serve(settings, model_dir, bind, children, stop)
         except asyncio.CancelledError:
             if stop.received is None:
                 raise
-            log.info("stopped by %s while starting", stop.received.name)
+            log.info("stopped by %s", stop.received.name)
 
 
 async def _serve(
-    settings: Settings,
-    model_dir: Path,
-    host: str,
-    port: int,
-    children: Supervisor,
-    stop: StopSignals,
+    settings: Settings, model_dir: Path, bind: Bind, children: Supervisor, stop: StopSignals
 ) -> None:
     starting: list[SupervisedChild] = []
     redis_url = settings.server.redis_url
@@ -62,6 +75,12 @@ async def _serve(
         engine = engine_child(settings)
         starting.append(children.spawn(engine.spec))
         engine_urls, engine_token = [engine.url], engine.token
+    if bind.workers > 1:
+        shared = {"LORAMUX_REDIS_URL": redis_url, "LORAMUX_ENGINE_URLS": ",".join(engine_urls)}
+        if engine_token is not None:
+            shared["LORAMUX_ENGINE_TOKEN"] = engine_token
+        await _supervise_workers(settings, bind, starting, children, shared)
+        return
 
     # Imported now, after the children were spawned, so that importing the gateway (torch,
     # sentence-transformers: seconds) overlaps the engine's start; on a thread, so that the
@@ -83,13 +102,44 @@ async def _serve(
     await first_start(state, model_dir)
     config = uvicorn.Config(
         create_app(state),
-        host=host,
-        port=port,
+        host=bind.host,
+        port=bind.port,
         log_level="info",
         lifespan="on",
         timeout_graceful_shutdown=GRACEFUL_SECONDS,
     )
-    await stop.serve(_Server(config))
+    sockets = None
+    if bind.reuse_port:
+        sockets = listening_sockets(bind.host, bind.port, bind.control_socket)
+    await stop.serve(_Server(config), sockets)
+
+
+async def _supervise_workers(
+    settings: Settings,
+    bind: Bind,
+    starting: list[SupervisedChild],
+    children: Supervisor,
+    shared: dict[str, str],
+) -> None:
+    """Start the workers once redis-server and the engine are up (worker 0 first and alone: it
+    migrates the database and runs the first-start setup), then supervise until stopped. On stop
+    the workers go first, letting their requests in flight finish, then the engine and Redis."""
+    for child in starting:
+        await child.started()
+    specs = [
+        worker_child(i, bind.host, bind.port, settings.data_dir, shared)
+        for i in range(bind.workers)
+    ]
+    workers = [children.spawn(specs[0])]
+    try:
+        await workers[0].started()
+        workers += [children.spawn(spec) for spec in specs[1:]]
+        for worker in workers[1:]:
+            await worker.started()
+        log.info("%d gateway workers serve on %s:%d", bind.workers, bind.host, bind.port)
+        await asyncio.Event().wait()  # until a stop signal cancels this task
+    finally:
+        await asyncio.to_thread(children.stop, workers, GRACEFUL_SECONDS)
 
 
 class _Server(uvicorn.Server):
@@ -126,10 +176,10 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
-    async def serve(self, server: uvicorn.Server) -> None:
+    async def serve(self, server: uvicorn.Server, sockets: list[socket.socket] | None) -> None:
         self._server = server
         server.should_exit = self.received is not None
-        await server.serve()
+        await server.serve(sockets)
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.received is not None:

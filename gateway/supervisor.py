@@ -265,6 +265,16 @@ class Supervisor:
     def report(self) -> dict[str, dict[str, Any]]:
         return {c.spec.name: c.report() for c in self.children}
 
+    def stop(self, children: list[SupervisedChild], seconds: float) -> None:
+        """SIGTERM `children` at once, wait up to `seconds` for them (then kill them), and
+        forget them."""
+        self.children = [c for c in self.children if c not in children]
+        deadline = time.monotonic() + seconds
+        for child in children:
+            child.terminate()
+        for child in children:
+            child.stop(deadline)
+
     def stop_all(self) -> None:
         """SIGTERM every child at once, then wait for each (the last started first). Once."""
         children, self.children = self.children, []

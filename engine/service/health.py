@@ -1,7 +1,7 @@
 """The engine's one HTTP endpoint, for orchestrators and scrapers only (no token, no requests):
 
 GET /health    200 while the step loop runs, 503 otherwise
-GET /metrics   the engine's stats as Prometheus gauges and counters
+GET /metrics   the engine's stats as Prometheus gauges and counters, and the pinned adapter slots
 """
 
 from __future__ import annotations
@@ -32,7 +32,16 @@ async def metrics(engine: Engine) -> Response[str]:
         kind = "gauge" if name in GAUGES else "counter"
         metric = f"loramux_engine_{name}" + ("" if kind == "gauge" else "_total")
         lines += [f"# TYPE {metric} {kind}", f"{metric} {value}"]
+    lines += ["# TYPE loramux_engine_adapter_slots_pinned gauge"]
+    lines += [f"loramux_engine_adapter_slots_pinned {pinned_adapter_slots(engine)}"]
     return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+def pinned_adapter_slots(engine: AsyncEngine) -> int:
+    """Pins held on the device's adapter slots: one per running request on an adapter, so zero
+    whenever the engine is idle (read off the step thread: a snapshot, for scrapers)."""
+    lora = engine.engine.lora
+    return 0 if lora is None else sum(slot.pins for slot in lora.slots)
 
 
 def create_health_app(engine: AsyncEngine) -> Litestar:

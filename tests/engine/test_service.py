@@ -188,6 +188,7 @@ def test_info_stats_and_metrics(gateway: Gateway, service: RunningEngineService)
     metrics = httpx.get(f"{service.health_url}/metrics").text
     assert f"loramux_engine_kv_blocks_total {stats['kv_blocks_total']}" in metrics
     assert "# TYPE loramux_engine_generated_tokens_total counter" in metrics
+    assert "loramux_engine_adapter_slots_pinned 0" in metrics  # idle: no request holds a slot
 
 
 def test_uploaded_adapter_is_served_listed_then_retired(

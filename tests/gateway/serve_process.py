@@ -100,13 +100,15 @@ class Serve:
 
 
 @contextlib.contextmanager
-def serve(data_dir: Path, env: dict[str, str], *, wait: bool = True) -> Iterator[Serve]:
+def serve(
+    data_dir: Path, env: dict[str, str], *, wait: bool = True, args: tuple[str, ...] = ()
+) -> Iterator[Serve]:
     """Start `loramux serve` on a free port and (with `wait`) wait until /ready; kill everything
     at the end."""
     port = free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     log = (data_dir / "serve.log").open("wb")
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), *args]
     proc = subprocess.Popen(
         cmd,
         env=os.environ | env | {"LORAMUX_DATA_DIR": str(data_dir)},

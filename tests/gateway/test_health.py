@@ -3,6 +3,8 @@ fails once a child process serve supervises keeps dying."""
 
 from __future__ import annotations
 
+import os
+
 import httpx
 
 from gateway.server import RunningServer
@@ -17,7 +19,7 @@ async def _ready() -> bool:
 def test_health_says_ok_and_engine_up(gateway: RunningServer) -> None:
     r = httpx.get(f"{gateway.url}/health", timeout=10)
     assert r.status_code == 200
-    assert r.json() == {"status": "ok", "engine": "up"}
+    assert r.json() == {"status": "ok", "engine": "up", "pid": os.getpid()}  # served in-thread
 
 
 def test_health_fails_once_a_supervised_child_keeps_dying(gateway: RunningServer) -> None:

@@ -1,0 +1,77 @@
+"""`loramux serve --workers 2`: two gateway processes share the port, one engine process and one
+private redis-server; what is registered through one serves through the other, and SIGTERM stops
+every process serve started."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import httpx
+
+from adapters.demo import build_demo_adapters
+from gateway.auth.admin_jwt import AdminAuth
+from tests.gateway.serve_process import Serve, alive, serve, wait_for
+from tests.gateway.tenants import new_tenant, upload_adapter
+
+SECRET = "workers-test-secret-" + "x" * 32
+
+
+def _worker(running: Serve, index: int, **headers: str) -> httpx.Client:
+    """A client of one worker alone, through its control socket."""
+    socket = running.data_dir.resolve() / "workers" / f"{index}.sock"
+    transport = httpx.HTTPTransport(uds=str(socket))
+    return httpx.Client(base_url="http://worker", transport=transport, headers=headers, timeout=60)
+
+
+def test_two_workers_share_one_engine_and_redis_and_sigterm_stops_them_all(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    env = {
+        "LORAMUX_MODEL": str(demo_model_dir),
+        "LORAMUX_MODEL_NAME": "demo-model",
+        "LORAMUX_MAX_MODEL_LEN": "512",
+        "LORAMUX_KV_CACHE_MB": "8",
+        "LORAMUX_ADMIN_SECRET": SECRET,
+    }
+    with serve(tmp_path / "serve", env, args=("--workers", "2")) as running:
+        wait_for(lambda: len(running.children()) == 4, 60, "serve runs 4 children")
+        commands = list(running.children().values())
+        assert sum(" engine " in c for c in commands) == 1, commands
+        assert sum("redis-server" in c for c in commands) == 1, commands
+        workers = {pid for pid, c in running.children().items() if "--reuse-port" in c}
+        assert len(workers) == 2, commands
+
+        # Connections to the shared port land on both workers.
+        answered: set[int] = set()
+
+        def both_answered() -> bool:
+            answered.add(httpx.get(f"{running.url}/health", timeout=10).json()["pid"])
+            return answered == workers
+
+        wait_for(both_answered, 60, "both workers answered on the shared port")
+
+        admin = {"authorization": f"Bearer {AdminAuth(SECRET).mint('workers-test')}"}
+        [folder] = build_demo_adapters(demo_model_dir, tmp_path / "adapter", 1)
+        with _worker(running, 0, **admin) as first:
+            tenant = new_tenant(first, "workers")
+            upload_adapter(first, tenant.tenant_id, "story", folder)
+        body = {"model": "story", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        user = {"authorization": f"Bearer {tenant.key}"}
+        with _worker(running, 1, **user) as second:
+            r = second.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] is not None
+            assert second.get("/health").json()["pid"] != _worker_pid(running, 0)
+
+        children = running.children()
+        running.proc.send_signal(signal.SIGTERM)
+        assert running.proc.wait(timeout=90) == 0, running.output()
+        assert not [pid for pid in children if alive(pid)], running.output()
+        assert not (running.data_dir / "redis" / "redis.pid").exists()
+
+
+def _worker_pid(running: Serve, index: int) -> int:
+    with _worker(running, index) as client:
+        pid: int = client.get("/health").json()["pid"]
+    return pid
