@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import re
 import secrets
-from typing import Any
 
-from litestar import Litestar, Request
+from litestar import Litestar
 from litestar.datastructures import MutableScopeHeaders
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.admin.router import admin_router
-from gateway.auth.api_keys import Principal
 from gateway.dashboard import dashboard_routes
 from gateway.errors import exception_handler
 from gateway.health import health, metrics, ready
 from gateway.metrics import Metrics
-from gateway.openai import openai_routes
+from gateway.openai import openai_router
 from gateway.state import GatewayState
 
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics")
@@ -69,21 +67,17 @@ def create_app(gw: GatewayState) -> Litestar:
     async def provide_state() -> GatewayState:
         return gw
 
-    async def provide_principal(request: Request[Any, Any, Any]) -> Principal:
-        return await gw.keys.authenticate(request.headers.get("authorization"))
-
     return Litestar(
         route_handlers=[
             health,
             ready,
             metrics,
-            *openai_routes,
+            openai_router(gw),
             admin_router(gw),
             *dashboard_routes,
         ],
         dependencies={
             "gw": Provide(provide_state),
-            "principal": Provide(provide_principal),
         },
         exception_handlers={Exception: exception_handler},
         middleware=[lambda app: request_id_middleware(app, gw.metrics)],
