@@ -9,6 +9,7 @@ from litestar import Litestar
 from litestar.datastructures import MutableScopeHeaders
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.admin.router import admin_router
@@ -81,7 +82,14 @@ def create_app(gw: GatewayState) -> Litestar:
         },
         exception_handlers={Exception: exception_handler},
         middleware=[lambda app: request_id_middleware(app, gw.metrics)],
-        openapi_config=OpenAPIConfig(title="loramux", version="0.1.0", path="/schema"),
+        openapi_config=OpenAPIConfig(
+            title="loramux",
+            version="0.1.0",
+            path="/schema",
+            # The explorer for operators, at /schema/ (and /schema/swagger). Its assets come
+            # from the plugin's CDN (jsdelivr): an offline copy is not served yet.
+            render_plugins=[SwaggerRenderPlugin()],
+        ),
         request_max_body_size=gw.settings.server.max_body_kb << 10,
         on_startup=[gw.start],
         on_shutdown=[gw.close],

@@ -145,3 +145,10 @@ def test_completions_document_their_stream_as_server_sent_events(
     assert chat["text/event-stream"]["schema"]["$ref"].endswith("/ChatCompletionChunk")
     text = document["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
     assert text["text/event-stream"]["schema"]["$ref"].endswith("/TextCompletion")
+
+
+@pytest.mark.parametrize("path", ["/schema/", "/schema/swagger"])
+def test_operators_get_an_api_explorer(gateway: RunningServer, path: str) -> None:
+    r = httpx.get(f"{gateway.url}{path}", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), r.text
+    assert "SwaggerUIBundle" in r.text
