@@ -1,7 +1,7 @@
 """OpenAI response shapes: whole responses, stream chunks, usage, SSE framing.
 
 The builders write dicts; the structs below name the same shapes for the OpenAPI document
-(tests decode real responses into them strictly, so the two cannot drift apart)."""
+(`forbid_unknown_fields`, so a real response can be decoded into them to check they agree)."""
 
 from __future__ import annotations
 
