@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import re
 import secrets
-from typing import Any
 
-from litestar import Litestar, Request
+from litestar import Litestar
 from litestar.datastructures import MutableScopeHeaders
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.admin.router import admin_router
-from gateway.auth.api_keys import Principal
 from gateway.dashboard import dashboard_routes
 from gateway.errors import exception_handler
 from gateway.health import health, metrics, ready
 from gateway.metrics import Metrics
-from gateway.openai import openai_routes
+from gateway.openai import openai_router
 from gateway.state import GatewayState
 
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics")
@@ -69,25 +68,28 @@ def create_app(gw: GatewayState) -> Litestar:
     async def provide_state() -> GatewayState:
         return gw
 
-    async def provide_principal(request: Request[Any, Any, Any]) -> Principal:
-        return await gw.keys.authenticate(request.headers.get("authorization"))
-
     return Litestar(
         route_handlers=[
             health,
             ready,
             metrics,
-            *openai_routes,
+            openai_router(gw),
             admin_router(gw),
             *dashboard_routes,
         ],
         dependencies={
             "gw": Provide(provide_state),
-            "principal": Provide(provide_principal),
         },
         exception_handlers={Exception: exception_handler},
         middleware=[lambda app: request_id_middleware(app, gw.metrics)],
-        openapi_config=OpenAPIConfig(title="loramux", version="0.1.0", path="/schema"),
+        openapi_config=OpenAPIConfig(
+            title="loramux",
+            version="0.1.0",
+            path="/schema",
+            # The explorer for operators, at /schema/ (and /schema/swagger). Its assets come
+            # from the plugin's CDN (jsdelivr): an offline copy is not served yet.
+            render_plugins=[SwaggerRenderPlugin()],
+        ),
         request_max_body_size=gw.settings.server.max_body_kb << 10,
         on_startup=[gw.start],
         on_shutdown=[gw.close],

@@ -29,6 +29,20 @@ from engine.errors import (
 log = logging.getLogger(__name__)
 
 
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(msgspec.Struct):
+    """The body of every error response (what `GatewayError.body` writes), as the OpenAPI
+    document names it."""
+
+    error: ErrorDetail
+
+
 class GatewayError(Exception):
     status: ClassVar[int] = 400
     type: ClassVar[str] = "invalid_request_error"

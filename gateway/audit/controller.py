@@ -9,6 +9,7 @@ from litestar.di import NamedDependency
 from litestar.params import QueryParameter
 
 from gateway.admin.wire import utc
+from gateway.api_docs import admin_errors
 from gateway.audit.schemas import AuditOut
 from gateway.audit.service import AuditLog
 
@@ -17,7 +18,7 @@ class AuditController(Controller):
     path = "/audit"
     tags = ("admin: audit",)
 
-    @get()
+    @get(responses=admin_errors(400))
     async def audit_log(
         self,
         audit_log: NamedDependency[AuditLog],

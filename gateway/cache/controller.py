@@ -8,6 +8,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody
 
 from gateway.admin.wire import given
+from gateway.api_docs import admin_errors
 from gateway.audit.action import audited_as
 from gateway.audit.service import AuditRecord
 from gateway.cache.schemas import CacheSettingsOut, CacheSettingsUpdate, Purged
@@ -25,6 +26,7 @@ class CacheController(Controller):
     @put(
         "/tenants/{tenant_id:str}/cache",
         description=_BODY,
+        responses=admin_errors(400, 404),
         opt=audited_as("cache.settings.set", "{tenant_id}"),
     )
     async def set_cache_settings(
@@ -37,13 +39,18 @@ class CacheController(Controller):
         entry.detail = given(data)
         return await cache_admin.update_settings(tenant_id, given(data))
 
-    @get("/tenants/{tenant_id:str}/cache")
+    @get("/tenants/{tenant_id:str}/cache", responses=admin_errors(400, 404))
     async def get_cache_settings(
         self, tenant_id: FromPath[str], cache_admin: NamedDependency[CacheAdmin]
     ) -> CacheSettingsOut:
         return await cache_admin.get_settings(tenant_id)
 
-    @delete("/cache", status_code=200, opt=audited_as("cache.purge"))
+    @delete(
+        "/cache",
+        status_code=200,
+        responses=admin_errors(400, 404),
+        opt=audited_as("cache.purge"),
+    )
     async def purge_cache(
         self,
         tenant: FromQuery[str],

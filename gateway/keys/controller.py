@@ -6,6 +6,7 @@ from litestar import Controller, delete, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 
+from gateway.api_docs import admin_errors
 from gateway.audit.action import audited_as
 from gateway.audit.service import AuditRecord
 from gateway.keys.schemas import KeyCreate, KeyOut, NewKeyOut
@@ -16,7 +17,11 @@ class KeyController(Controller):
     path = "/"
     tags = ("admin: keys",)
 
-    @post("/tenants/{tenant_id:str}/keys", opt=audited_as("key.create"))
+    @post(
+        "/tenants/{tenant_id:str}/keys",
+        responses=admin_errors(400, 404),
+        opt=audited_as("key.create"),
+    )
     async def create_key(
         self,
         tenant_id: FromPath[str],
@@ -30,14 +35,19 @@ class KeyController(Controller):
         entry.target = key.id
         return key
 
-    @get("/tenants/{tenant_id:str}/keys")
+    @get("/tenants/{tenant_id:str}/keys", responses=admin_errors(400, 404))
     async def list_keys(
         self, tenant_id: FromPath[str], keys: NamedDependency[KeyService]
     ) -> list[KeyOut]:
         """Every key of the tenant (no secrets), revoked and expired ones included."""
         return await keys.list_for_tenant(tenant_id)
 
-    @delete("/keys/{key_id:str}", status_code=200, opt=audited_as("key.revoke", "{key_id}"))
+    @delete(
+        "/keys/{key_id:str}",
+        status_code=200,
+        responses=admin_errors(400, 404),
+        opt=audited_as("key.revoke", "{key_id}"),
+    )
     async def revoke_key(
         self,
         key_id: FromPath[str],

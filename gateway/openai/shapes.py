@@ -1,10 +1,15 @@
-"""OpenAI response shapes: whole responses, stream chunks, usage, SSE framing."""
+"""OpenAI response shapes: whole responses, stream chunks, usage, SSE framing.
+
+The builders write dicts; the structs below name the same shapes for the OpenAPI document
+(`forbid_unknown_fields`, so a real response can be decoded into them to check they agree)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from msgspec import Struct
 
 Kind = Literal["chat", "text"]
 
@@ -17,6 +22,103 @@ class ResponseMeta:
     id: str
     created: int
     model: str
+
+
+class PromptTokensDetails(Struct, forbid_unknown_fields=True):
+    cached_tokens: int
+    """Prompt tokens served from the prefix cache."""
+
+
+class Usage(Struct, forbid_unknown_fields=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(Struct, forbid_unknown_fields=True):
+    role: Literal["assistant"]
+    content: str
+    refusal: None
+
+
+class ChatChoice(Struct, forbid_unknown_fields=True):
+    index: int
+    finish_reason: str | None
+    logprobs: None
+    message: AssistantMessage
+
+
+class ChatCompletion(Struct, forbid_unknown_fields=True):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(Struct, forbid_unknown_fields=True):
+    role: Literal["assistant"] | None = None
+    """Only in the first chunk."""
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct, forbid_unknown_fields=True):
+    index: int
+    finish_reason: str | None
+    logprobs: None
+    delta: ChatDelta
+
+
+class ChatCompletionChunk(Struct, forbid_unknown_fields=True):
+    """One `data:` event of a chat stream; the stream ends with `data: [DONE]`. With
+    `stream_options.include_usage` the last chunk has no choices and the usage."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: None
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class TextChoice(Struct, forbid_unknown_fields=True):
+    index: int
+    finish_reason: str | None
+    logprobs: None
+    text: str
+
+
+class TextCompletion(Struct, forbid_unknown_fields=True):
+    """A whole text completion, or one `data:` event of a stream of them (a stream's chunks
+    have no usage, but for the last one with `stream_options.include_usage`; it ends with
+    `data: [DONE]`)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: None
+    choices: list[TextChoice]
+    usage: Usage | None = None
+
+
+class Model(Struct, omit_defaults=True, forbid_unknown_fields=True):
+    id: str
+    """What a request's `model` names: the base model, an adapter, or `shared/<name>`."""
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    parent: str | None = None
+    """The base model of an adapter."""
+
+
+class ModelList(Struct, forbid_unknown_fields=True):
+    object: Literal["list"]
+    data: list[Model]
 
 
 def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from litestar import Controller, get, put
 from litestar.di import NamedDependency
-from litestar.params import FromPath, JSONBody
+from litestar.openapi.spec import Example
+from litestar.params import Body, FromPath
 
 from gateway.admin.wire import given
+from gateway.api_docs import admin_errors
 from gateway.audit.action import audited_as
 from gateway.audit.service import AuditRecord
 from gateway.quotas.limits import QuotaLimits
 from gateway.quotas.schemas import QuotaOut, QuotaUpdate
+
+_QUOTA_EXAMPLE = Example(
+    summary="Limit the rate and budget, lift the concurrency limit",
+    value={
+        "rpm": 600,
+        "tpm": 200000,
+        "max_concurrent": None,
+        "token_budget": 5000000,
+        "budget_period": "month",
+    },
+)
+Quotas = Annotated[QuotaUpdate, Body(examples=[_QUOTA_EXAMPLE])]
 
 _BODY = """Body: any of `rpm`, `tpm`, `max_concurrent`, `token_budget` (positive integers) and
 `budget_period` (`day` or `month`); a field left out keeps its limit, `null` removes it."""
@@ -23,38 +39,42 @@ class QuotaController(Controller):
     @put(
         "/tenants/{tenant_id:str}/quotas",
         description=_BODY,
+        responses=admin_errors(400, 404),
         opt=audited_as("quota.tenant.set", "{tenant_id}"),
     )
     async def set_tenant_quotas(
         self,
         tenant_id: FromPath[str],
-        data: JSONBody[QuotaUpdate],
+        data: Quotas,
         quotas: NamedDependency[QuotaLimits],
         entry: NamedDependency[AuditRecord],
     ) -> QuotaOut:
         entry.detail = given(data)
         return await quotas.set_for_tenant(tenant_id, data)
 
-    @get("/tenants/{tenant_id:str}/quotas")
+    @get("/tenants/{tenant_id:str}/quotas", responses=admin_errors(400, 404))
     async def get_tenant_quotas(
         self, tenant_id: FromPath[str], quotas: NamedDependency[QuotaLimits]
     ) -> QuotaOut:
         return await quotas.get_for_tenant(tenant_id)
 
     @put(
-        "/keys/{key_id:str}/quotas", description=_BODY, opt=audited_as("quota.key.set", "{key_id}")
+        "/keys/{key_id:str}/quotas",
+        description=_BODY,
+        responses=admin_errors(400, 404),
+        opt=audited_as("quota.key.set", "{key_id}"),
     )
     async def set_key_quotas(
         self,
         key_id: FromPath[str],
-        data: JSONBody[QuotaUpdate],
+        data: Quotas,
         quotas: NamedDependency[QuotaLimits],
         entry: NamedDependency[AuditRecord],
     ) -> QuotaOut:
         entry.detail = given(data)
         return await quotas.set_for_key(key_id, data)
 
-    @get("/keys/{key_id:str}/quotas")
+    @get("/keys/{key_id:str}/quotas", responses=admin_errors(400, 404))
     async def get_key_quotas(
         self, key_id: FromPath[str], quotas: NamedDependency[QuotaLimits]
     ) -> QuotaOut:

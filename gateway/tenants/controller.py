@@ -2,25 +2,34 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from litestar import Controller, delete, get, patch, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath, JSONBody
+from litestar.openapi.spec import Example
+from litestar.params import Body, FromPath, JSONBody
 
 from gateway.admin.wire import Deleted, given
+from gateway.api_docs import admin_errors
 from gateway.audit.action import audited_as
 from gateway.audit.service import AuditRecord
 from gateway.tenants.schemas import TenantCreate, TenantOut, TenantUpdate
 from gateway.tenants.service import TenantService
+
+_CREATE_EXAMPLE = Example(
+    summary="A tenant whose prompts may share the prefix cache",
+    value={"name": "acme-support", "prefix_cache_scope": "shared"},
+)
 
 
 class TenantController(Controller):
     path = "/tenants"
     tags = ("admin: tenants",)
 
-    @post(opt=audited_as("tenant.create"))
+    @post(responses=admin_errors(400, 409), opt=audited_as("tenant.create"))
     async def create_tenant(
         self,
-        data: JSONBody[TenantCreate],
+        data: Annotated[TenantCreate, Body(examples=[_CREATE_EXAMPLE])],
         tenants: NamedDependency[TenantService],
         entry: NamedDependency[AuditRecord],
     ) -> TenantOut:
@@ -30,17 +39,21 @@ class TenantController(Controller):
         entry.target = tenant.id
         return tenant
 
-    @get()
+    @get(responses=admin_errors())
     async def list_tenants(self, tenants: NamedDependency[TenantService]) -> list[TenantOut]:
         return await tenants.list_all()
 
-    @get("/{tenant_id:str}")
+    @get("/{tenant_id:str}", responses=admin_errors(400, 404))
     async def get_tenant(
         self, tenant_id: FromPath[str], tenants: NamedDependency[TenantService]
     ) -> TenantOut:
         return await tenants.get(tenant_id)
 
-    @patch("/{tenant_id:str}", opt=audited_as("tenant.update", "{tenant_id}"))
+    @patch(
+        "/{tenant_id:str}",
+        responses=admin_errors(400, 404, 409),
+        opt=audited_as("tenant.update", "{tenant_id}"),
+    )
     async def update_tenant(
         self,
         tenant_id: FromPath[str],
@@ -52,7 +65,12 @@ class TenantController(Controller):
         entry.detail = given(data)
         return await tenants.update(tenant_id, data)
 
-    @delete("/{tenant_id:str}", status_code=200, opt=audited_as("tenant.delete", "{tenant_id}"))
+    @delete(
+        "/{tenant_id:str}",
+        status_code=200,
+        responses=admin_errors(400, 404),
+        opt=audited_as("tenant.delete", "{tenant_id}"),
+    )
     async def delete_tenant(
         self,
         tenant_id: FromPath[str],

@@ -8,6 +8,7 @@ from litestar import Controller, get
 from litestar.di import NamedDependency
 from litestar.params import FromQuery, QueryParameter
 
+from gateway.api_docs import admin_errors
 from gateway.usage.schemas import UsageReport
 from gateway.usage.service import GroupBy, UsageReports, parse_query
 
@@ -16,7 +17,7 @@ class UsageController(Controller):
     path = "/usage"
     tags = ("admin: usage",)
 
-    @get()
+    @get(responses=admin_errors(400))
     async def usage(
         self,
         usage_reports: NamedDependency[UsageReports],
