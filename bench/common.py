@@ -7,7 +7,7 @@ A result file is one JSON object:
              torch, transformers, [gpu, triton]},
     model {name, dtype, device, architecture sizes, parameters},
     workload {...}, settings {...},
-    figures [{name, value, unit, goal, met}],   goal: ">= x" or null; met: bool or null
+    figures [{name, value, unit, goal, met}],   goal: ">= x", "<= x" or null; met: bool or null
     details {...}
 Full runs write `bench/results/<name>.json` (`<name>-<gpu>.json` on CUDA); quick and smoke runs
 add `-quick` / `-smoke` to the stem, so they never overwrite a full result.
@@ -86,6 +86,21 @@ class Figure:
             "goal": goal,
             "met": self.met,
         }
+
+
+@dataclass(frozen=True)
+class CeilingFigure(Figure):
+    """A figure whose goal is an upper bound (`Figure` only knows lower bounds)."""
+
+    goal_max: float | None = None
+
+    @property
+    def met(self) -> bool | None:
+        return None if self.goal_max is None else self.value <= self.goal_max
+
+    def as_dict(self) -> dict[str, Any]:
+        goal = None if self.goal_max is None else f"<= {self.goal_max:g}"
+        return {**super().as_dict(), "goal": goal}
 
 
 @dataclass(frozen=True)
@@ -334,6 +349,15 @@ class Stopwatch:
         self.cpu_seconds = time.process_time() - self._cpu
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), q in [0, 100]."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
 def median(values: Sequence[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
@@ -344,7 +368,7 @@ def median(values: Sequence[float]) -> float:
 def format_table(figures: Sequence[Figure]) -> str:
     rows = [("figure", "value", "unit", "goal", "met")]
     for f in figures:
-        goal = "" if f.goal_min is None else f">= {f.goal_min:g}"
+        goal = f.as_dict()["goal"] or ""
         met = "" if f.met is None else ("yes" if f.met else "NO")
         rows.append((f.name, f"{f.value:,.3f}", f.unit, goal, met))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

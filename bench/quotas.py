@@ -37,8 +37,17 @@ from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from bench import usage_workload
-from bench.common import Figure, Result, RunSettings, Stopwatch, configure, parse_args, report
-from bench.gateway_overhead import CeilingFigure, percentile
+from bench.common import (
+    CeilingFigure,
+    Figure,
+    Result,
+    RunSettings,
+    Stopwatch,
+    configure,
+    parse_args,
+    percentile,
+    report,
+)
 from gateway.auth.api_keys import Principal
 from gateway.db import ApiKey, Quota, Tenant
 from gateway.db.migrate import upgrade

@@ -36,8 +36,7 @@ import httpx
 import numpy as np
 from redis.asyncio import Redis
 
-from bench.common import Figure, Result, RunSettings, run_benchmark
-from bench.gateway_overhead import CeilingFigure, percentile
+from bench.common import CeilingFigure, Figure, Result, RunSettings, percentile, run_benchmark
 from cache.embedder import Embedder
 from cache.keys import semantic_question
 from cache.response_cache import ResponseCache

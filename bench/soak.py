@@ -34,6 +34,7 @@ from bench.common import (
     available_cores,
     configure,
     parse_args,
+    percentile,
     prepare_model,
     report,
 )
@@ -96,15 +97,6 @@ class Arm:
 
     def latency_ms(self, q: float) -> float:
         return percentile([o.latency for o in self.read_whole], q) * 1000
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks, q in [0, 100]."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def staying(plans: list[Plan]) -> list[Plan]:

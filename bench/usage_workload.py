@@ -31,8 +31,7 @@ import httpx
 from sqlalchemy import create_engine as create_sync_engine
 from sqlalchemy import func, insert, select
 
-from bench.common import Figure
-from bench.gateway_overhead import CeilingFigure, percentile
+from bench.common import CeilingFigure, Figure, percentile
 from gateway.auth.api_keys import mint_key
 from gateway.dashboard.pages import dashboard_page
 from gateway.dashboard.session import Viewer
