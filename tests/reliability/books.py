@@ -141,10 +141,11 @@ def open_reservations(redis_url: str, tenants: Sequence[Tenant]) -> dict[str, li
         now_ms = seconds * 1000 + micros // 1000
         for t in tenants:
             for key in client.scan_iter(match=f"lmx:q:{{{t.id}}}:*"):
+                members: list[str]
                 if key.endswith(":conc"):
-                    members = list(client.zrangebyscore(key, now_ms, "+inf"))
+                    members = [str(m) for m in client.zrangebyscore(key, now_ms, "+inf")]
                 elif ":budget:" in key:
-                    members = [f for f in client.hkeys(key) if f != "spent"]
+                    members = [str(f) for f in client.hkeys(key) if f != "spent"]
                 else:
                     continue
                 if members:

@@ -97,8 +97,8 @@ def plan_requests(count: int | None, tenants: int, mix: Mix, seed: int) -> Itera
         tenant = rng.randrange(tenants)
         roll = rng.random()
         if roll < mix.bad:
-            body, expect = rng.choice(BAD_BODIES)
-            yield Plan(i, tenant, "bad", False, body, "", 0, False, expect=expect)
+            bad_body, expect = rng.choice(BAD_BODIES)
+            yield Plan(i, tenant, "bad", False, bad_body, "", 0, False, expect=expect)
             continue
         roll -= mix.bad
         ending: Ending = "complete"
