@@ -8,12 +8,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.gateway.serve_process import START_SECONDS, wait_for
 
 SECRETS = ["lmx-querysecret1", "eyJquerysecret2", "lmx-baresecret3", "querysecret4"]
 REQUESTS = {
@@ -50,7 +51,7 @@ def served(demo_model_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[tup
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: ready(url, proc, log), "the gateway did not become ready")
+        wait_for(lambda: ready(url, proc, log), START_SECONDS, "the gateway is ready")
         yield url, log
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -70,22 +71,15 @@ def ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> bool:
         return False
 
 
-def wait_until(condition: Callable[[], bool], message: str, seconds: float = 180) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, message
-        time.sleep(0.1)
-
-
 def test_query_values_never_reach_the_access_log(served: tuple[str, Path]) -> None:
     url, log = served
     with httpx.Client(base_url=url, timeout=30) as client:
         for target in REQUESTS:
             client.get(target)
-    wait_until(
+    wait_for(
         lambda: all(f'"GET {logged} HTTP/1.1"' in log.read_text() for logged in REQUESTS.values()),
-        f"the access log lacks a request:\n{log.read_text()[-3000:]}",
-        seconds=30,
+        30,
+        "the access log holds every request",
     )
     text = log.read_text()
     leaked = [secret for secret in SECRETS if secret in text]
