@@ -106,7 +106,12 @@ class AsyncEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Validate (raising before anything is queued), then yield the request's deltas."""
         self._check_running()
-        prompt_ids = self.engine.validate(request)
+        if request.params.structured is None:
+            prompt_ids = self.engine.validate(request)
+        else:
+            # Compiling a grammar takes up to tens of milliseconds (bounded, see
+            # engine.structured.grammar): not on the event loop, nor on the step thread.
+            prompt_ids = await asyncio.to_thread(self.engine.validate, request)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             # Under the lock the step loop takes to fail every stream: none is left behind.

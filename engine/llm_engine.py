@@ -42,7 +42,10 @@ from engine.prompt import prompt_token_ids
 from engine.sampler import SampledTokens, sample
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, SequenceUpdate
 from engine.sequence import BASE_ADAPTER, FinishReason, Sequence
-from engine.step_inputs import LaunchedStep
+from engine.step_inputs import LaunchedStep, StepInputs
+from engine.structured import StructuredOutputError
+from engine.structured.grammar import GrammarCompiler, GrammarMatcher
+from engine.structured.mask import GrammarBitmask
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,7 @@ NON_FINITE_LOGITS = (
     "an adapter with out-of-range weights does this"
 )
 STEP_FAILED = "the engine failed while computing this request; the error is in the engine's log"
+GRAMMAR_FAILED = "the structured output's grammar could not follow this request's tokens"
 
 
 class LLMEngine:
@@ -84,6 +88,12 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor()
         self.eos_ids = frozenset(self.model_config.eos_token_ids)
+        self.grammars = _grammar_compiler(
+            self.tokenizer, self.model_config.vocab_size, self.eos_ids
+        )
+        self.grammar_masks = GrammarBitmask(
+            config.max_num_seqs, self.model_config.vocab_size, self.runner.device
+        )
         self.async_scheduling = (
             config.async_scheduling
             if config.async_scheduling is not None
@@ -139,7 +149,9 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> list[int]:
-        """Token ids of the request's prompt; raises InvalidRequestError and queues nothing."""
+        """Token ids of the request's prompt; raises InvalidRequestError and queues nothing.
+        Compiles (and caches) the request's structured output, if any: call it off the step
+        thread (the async facade does), and `add_request` finds the grammar compiled."""
         if request.adapter is not None and (
             self.lora is None or not self.lora.is_servable(request.adapter)
         ):
@@ -149,9 +161,21 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters"
             )
-        return prompt_token_ids(
+        ids = prompt_token_ids(
             self.tokenizer, request, self.model_config.vocab_size, self.max_model_len
         )
+        self._grammar(request)
+        return ids
+
+    def _grammar(self, request: EngineRequest) -> GrammarMatcher | None:
+        """A fresh matcher of the request's structured output; StructuredOutputError says why
+        there can be none."""
+        spec = request.params.structured
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise StructuredOutputError("this model's tokenizer does not support structured output")
+        return self.grammars.compile(spec).matcher()
 
     def add_request(self, request: EngineRequest, prompt_ids: list[int] | None = None) -> None:
         """Queue a request (`prompt_ids`: what `validate` returned for it). Raises before
@@ -159,6 +183,7 @@ class LLMEngine:
         if self.outputs.get(request.request_id) is not None:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         ids = prompt_ids if prompt_ids is not None else self.validate(request)
+        grammar = self._grammar(request)
         params = request.params
         seq = Sequence(
             request.request_id,
@@ -166,6 +191,7 @@ class LLMEngine:
             params,
             adapter_id=request.adapter or BASE_ADAPTER,
             cache_salt=request.cache_salt,
+            grammar=grammar,
             stop_token_ids=frozenset(params.stop_token_ids)
             | (frozenset() if params.ignore_eos else self.eos_ids),
         )
@@ -195,21 +221,40 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         launched: LaunchedStep | None = None
         if batch.chunks:
-            try:
-                launched = self._launch(batch.chunks)
-            except Exception:
-                outputs = self._fail_step(batch)
+            launched, outputs = self._launch(batch)
         if self.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
         if launched is not None:
             outputs += self._land(launched)
         return outputs
 
-    def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep:
-        """Prepare, run and sample: the step's device work, queued (computed, on the CPU)."""
+    def _launch(self, batch: SchedulerOutput) -> tuple[LaunchedStep | None, list[RequestOutput]]:
+        """Prepare, run and sample: the step's device work, queued (computed, on the CPU). With
+        it, the outputs of anything that ended meanwhile: the step in flight, landed early
+        because a grammar's mask needs its tokens, or this step's requests if it failed."""
+        outputs: list[RequestOutput] = []
+        try:
+            inputs, logits = self._forward(batch.chunks)
+        except Exception:
+            return None, self._fail_step(batch)
+        if self._in_flight is not None and self.grammar_masks.waits_for_landing(inputs.chunks):
+            # The device goes on with this step's forward pass while the step before lands.
+            outputs, self._in_flight = self._land(self._in_flight), None
+        try:
+            return self._sample(inputs, logits), outputs
+        except Exception:
+            return None, outputs + self._fail_step(batch)
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> tuple[StepInputs, torch.Tensor]:
         inputs = self.runner.prepare(chunks, self._in_flight)
-        logits = self.runner.run(inputs)
-        return LaunchedStep(inputs.chunks, SampledTokens(sample(logits, inputs.sampling)))
+        return inputs, self.runner.run(inputs)
+
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> LaunchedStep:
+        """Mask the constrained rows (filled on the host while the device runs the forward
+        pass) and sample."""
+        grammar = self.grammar_masks.fill(inputs.chunks)
+        sampled = SampledTokens(sample(logits, inputs.sampling, grammar))
+        return LaunchedStep(inputs.chunks, sampled)
 
     def _land(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for the step's tokens and postprocess it."""
@@ -225,13 +270,17 @@ class LLMEngine:
         log.exception("a step of %d requests failed; failing them", len(batch.chunks))
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
-        return [self._end(c.seq, FinishReason.ERROR, error=STEP_FAILED) for c in batch.chunks]
+        failed = [c.seq for c in batch.chunks if not c.seq.is_finished]
+        return [self._end(seq, FinishReason.ERROR, error=STEP_FAILED) for seq in failed]
 
     def _output(self, update: SequenceUpdate) -> RequestOutput:
         """The delta of one sequence that sampled; if making it raises, that request fails."""
         seq, token = update.seq, update.token
         if token is None:
             return self._end(seq, FinishReason.ERROR, error=NON_FINITE_LOGITS)
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            log.warning("request %s: grammar failed: %s", seq.request_id, seq.grammar.error)
+            return self._end(seq, FinishReason.ERROR, error=GRAMMAR_FAILED)
         try:
             if self.lora is not None:
                 self.lora.count_tokens(seq.adapter_id, 1)
@@ -273,6 +322,18 @@ class LLMEngine:
             aborted=self._aborted,
             steps=self._steps,
         )
+
+
+def _grammar_compiler(
+    tokenizer: Any, vocab_size: int, eos_ids: frozenset[int]
+) -> GrammarCompiler | None:
+    """The compiler of structured outputs for the engine's tokenizer; None (and structured
+    requests refused) when the grammar library cannot read the tokenizer."""
+    try:
+        return GrammarCompiler(tokenizer, vocab_size, eos_ids)
+    except (ValueError, TypeError):
+        log.warning("structured output is off: the tokenizer is not supported", exc_info=True)
+        return None
 
 
 def _max_model_len(config: EngineConfig) -> int:

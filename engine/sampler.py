@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.scheduler import ScheduledChunk
+from engine.structured.mask import TokenMask
 
 NO_TOKEN = -1
 """What `sample` returns for a row whose logits hold NaN or an infinity."""
@@ -134,14 +135,19 @@ class SampledTokens:
         return [None if t == NO_TOKEN else t for t in self._host.tolist()]
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, grammar: TokenMask | None = None
+) -> torch.Tensor:
     """float32 logits [N, vocab] → int64 [N] on the same device: each row's token, or NO_TOKEN
-    where the row holds NaN or an infinity."""
+    where the row holds NaN or an infinity. `grammar` masks the constrained rows' disallowed
+    tokens to -inf (in place) once the logits are known finite."""
     assert logits.shape[0] == batch.num_rows
+    finite = torch.isfinite(logits).all(dim=-1)
+    if grammar is not None:
+        grammar.apply_(logits)
     tokens = logits.argmax(dim=-1)
     if batch.num_random:
         tokens[batch.random_rows] = _draw(logits[batch.random_rows], batch)
-    finite = torch.isfinite(logits).all(dim=-1)
     return torch.where(finite, tokens, NO_TOKEN)
 
 

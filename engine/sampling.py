@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError, number_text
+from engine.structured import StructuredOutput
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures below this are greedy. At 1e-5 a logit gap of 0.001 already becomes 100, so
@@ -46,6 +47,9 @@ class SamplingParams:
     """Extra token ids that end the output (the model's EOS ids always do)."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks use it to fix output lengths)."""
+    structured: StructuredOutput | None = None
+    """Constrain the output to JSON (see `StructuredOutput`); None leaves it free. Not with
+    `ignore_eos`: a constrained output ends when its value is complete."""
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -71,6 +75,11 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must be non-empty strings")
         for token_id in self.stop_token_ids:
             _require_int("stop_token_ids", token_id)
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise InvalidRequestError("structured must be a StructuredOutput")
+            if self.ignore_eos:
+                raise InvalidRequestError("ignore_eos cannot be combined with structured output")
 
     @property
     def greedy(self) -> bool:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured.grammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -47,6 +51,9 @@ class Sequence:
     """Prefix-cache namespace (see `EngineRequest.cache_salt`)."""
     stop_token_ids: frozenset[int] = frozenset()
     """Sampling one of these ends the request (EOS unless `ignore_eos`, and `stop_token_ids`)."""
+    grammar: GrammarMatcher | None = None
+    """Where its structured output's grammar stands (`SamplingParams.structured`); it has
+    consumed exactly the landed completion tokens, so recomputing after preemption leaves it."""
     num_prompt_tokens: int = field(init=False)
     num_pending_tokens: int = 0
     """Tokens sampled by scheduled steps that have not landed yet."""

@@ -25,6 +25,7 @@ from engine.errors import (
     RequestFailedError,
     UnknownAdapterError,
 )
+from engine.structured import StructuredOutputError
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,8 @@ def to_gateway_error(exc: Exception) -> GatewayError | None:
             return BadRequest(str(exc), param="messages", code="context_length_exceeded")
         case UnknownAdapterError():
             return NotFound(str(exc), param="model")
+        case StructuredOutputError():
+            return BadRequest(str(exc), param="response_format", code="invalid_request")
         case InvalidRequestError():
             return BadRequest(str(exc))
         case EngineOverloadedError():

@@ -34,6 +34,7 @@ from engine.errors import (
 )
 from engine.outputs import Usage
 from engine.sampling import SamplingParams
+from engine.structured import StructuredOutputError
 
 
 class UnauthorizedError(EngineError):
@@ -117,6 +118,7 @@ def decode_to_gateway(frame: bytes) -> ToGateway:
 ENGINE_ERRORS: tuple[tuple[type[EngineError], str], ...] = (
     (PromptTooLongError, "prompt_too_long"),
     (UnknownAdapterError, "unknown_adapter"),
+    (StructuredOutputError, "invalid_structured_output"),
     (InvalidRequestError, "invalid_request"),
     (EngineOverloadedError, "engine_overloaded"),
     (EngineStoppedError, "engine_stopped"),

@@ -1,0 +1,97 @@
+"""JSON schemas the structured-output tests and benchmark generate against: each bounds its
+strings, arrays and numbers, so the grammar itself forces the value to close."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def _object(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+
+
+NESTED = _object(
+    {
+        "user": _object(
+            {
+                "name": {"type": "string", "maxLength": 8},
+                "address": _object(
+                    {
+                        "city": {"type": "string", "maxLength": 8},
+                        "zip": {"type": "integer", "minimum": 10000, "maximum": 99999},
+                    },
+                    ["city", "zip"],
+                ),
+            },
+            ["name", "address"],
+        )
+    },
+    ["user"],
+)
+ARRAYS = _object(
+    {
+        "scores": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 100},
+            "minItems": 1,
+            "maxItems": 4,
+        },
+        "labels": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3},
+    },
+    ["scores", "labels"],
+)
+ENUMS = _object(
+    {
+        "color": {"enum": ["red", "green", "blue"]},
+        "size": {"type": "string", "enum": ["S", "M", "L", "XL"]},
+        "flag": {"enum": [True, None, 3]},
+    },
+    ["color", "size", "flag"],
+)
+NUMBERS = _object(
+    {
+        "count": {"type": "integer", "minimum": -10, "maximum": 10},
+        "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+        "offset": {"type": "integer", "exclusiveMinimum": -50, "exclusiveMaximum": 50},
+    },
+    ["count", "ratio", "offset"],
+)
+OPTIONAL = _object(
+    {
+        "id": {"type": "integer", "minimum": 1, "maximum": 999},
+        "nickname": {"type": "string", "maxLength": 6},
+        "active": {"type": "boolean"},
+        "note": {"type": "string", "maxLength": 6},
+    },
+    ["id"],
+)
+RECURSIVE = {
+    "$defs": {
+        "node": _object(
+            {
+                "v": {"type": "integer", "minimum": 0, "maximum": 9},
+                "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2},
+            },
+            ["v"],
+        )
+    },
+    "$ref": "#/$defs/node",
+}
+
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "nested": NESTED,
+    "arrays": ARRAYS,
+    "enums": ENUMS,
+    "numbers": NUMBERS,
+    "optional": OPTIONAL,
+}
+
+
+def schema_text(schema: dict[str, Any]) -> str:
+    return json.dumps(schema)

@@ -1,0 +1,209 @@
+"""Structured outputs on the real engine over the demo model (random weights): with a grammar,
+every output is JSON that validates against its schema, whatever the sampling temperature, the
+adapters and the unconstrained requests in the same batches, preemption or asynchronous
+scheduling; a schema the grammar library cannot compile is refused before anything is queued."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineRequest, RequestOutput
+from engine.sampling import SamplingParams
+from engine.sequence import FinishReason
+from engine.structured import StructuredOutput, StructuredOutputError
+from tests.engine.conftest import make_engine, run_to_completion
+from tests.engine.structured_schemas import RECURSIVE, SCHEMAS, schema_text
+
+PROMPT = "Answer in JSON:"
+
+
+@pytest.fixture(scope="module")
+def engine(demo_model_dir: Path) -> LLMEngine:
+    return make_engine(demo_model_dir, max_loras=4)
+
+
+def _constrained(schema: dict[str, Any]) -> StructuredOutput:
+    return StructuredOutput("json_schema", schema_text(schema))
+
+
+def _text(engine: LLMEngine, outputs: list[RequestOutput]) -> tuple[str, FinishReason | None]:
+    """The output's text without its final EOS, and how it finished."""
+    ids = [t for o in outputs for t in o.token_ids]
+    if ids and ids[-1] in engine.eos_ids:
+        ids = ids[:-1]
+    return engine.tokenizer.decode(ids), outputs[-1].finish_reason
+
+
+def test_constrained_outputs_validate_when_mixed_with_free_requests_and_adapters(
+    engine: LLMEngine, demo_adapter_dirs: list[Path]
+) -> None:
+    adapters = [None] + [engine.register_adapter(f) for f in demo_adapter_dirs[:3]]
+    schemas = list(SCHEMAS.values())
+    requests: list[EngineRequest] = []
+    expected: dict[str, dict[str, Any]] = {}
+    for i in range(50):
+        schema = schemas[i % len(schemas)]
+        params = SamplingParams(
+            max_tokens=200, temperature=1.0, seed=i, structured=_constrained(schema)
+        )
+        requests.append(
+            EngineRequest(f"c{i}", params, prompt=f"{PROMPT} {i}", adapter=adapters[i % 4])
+        )
+        expected[f"c{i}"] = schema
+        if i % 4 == 0:  # free requests in between, on the same adapters
+            free = SamplingParams(max_tokens=24, temperature=1.0, seed=i)
+            requests.append(EngineRequest(f"f{i}", free, prompt=PROMPT, adapter=adapters[i % 3]))
+    outputs = run_to_completion(engine, requests)
+
+    assert engine.stats().steps < 200, "constrained and free requests were meant to share steps"
+    for request_id, schema in expected.items():
+        text, finish = _text(engine, outputs[request_id])
+        assert finish is FinishReason.STOP, (request_id, text)
+        jsonschema.validate(json.loads(text), schema)
+    assert all(len(outputs[r.request_id][-1].token_ids) >= 0 for r in requests)
+
+
+def test_json_object_outputs_that_end_are_json_objects(engine: LLMEngine) -> None:
+    requests = [
+        EngineRequest(
+            f"o{i}",
+            SamplingParams(
+                max_tokens=48, temperature=1.0, seed=i, structured=StructuredOutput("json_object")
+            ),
+            prompt=PROMPT,
+        )
+        for i in range(12)
+    ]
+    outputs = run_to_completion(engine, requests)
+    finished = [_text(engine, outputs[r.request_id]) for r in requests]
+    complete = [text for text, finish in finished if finish is FinishReason.STOP]
+    assert complete, "some object was meant to close within 48 tokens"
+    assert all(isinstance(json.loads(text), dict) for text in complete)
+    # An object cut by max_tokens is reported as such, and is a prefix of an object.
+    assert all(text.startswith("{") for text, _ in finished)
+
+
+def test_a_recursive_schema_generates_valid_trees(engine: LLMEngine) -> None:
+    structured = _constrained(RECURSIVE)
+    requests = [
+        EngineRequest(
+            f"t{i}",
+            SamplingParams(max_tokens=200, temperature=1.0, seed=i, structured=structured),
+            prompt=PROMPT,
+        )
+        for i in range(6)
+    ]
+    outputs = run_to_completion(engine, requests)
+    for r in requests:
+        text, finish = _text(engine, outputs[r.request_id])
+        if finish is FinishReason.STOP:
+            jsonschema.validate(json.loads(text), RECURSIVE)
+
+
+def _preemption_run(demo_model_dir: Path, **overrides: Any) -> tuple[dict[str, str], LLMEngine]:
+    engine = make_engine(demo_model_dir, max_model_len=160, max_num_batched_tokens=48, **overrides)
+    schemas = list(SCHEMAS.values())
+    requests = [
+        EngineRequest(
+            f"p{i}",
+            SamplingParams(max_tokens=90, structured=_constrained(schemas[i % len(schemas)])),
+            prompt_token_ids=list(range(10 + i, 30 + 2 * i)),
+        )
+        for i in range(5)
+    ]
+    outputs = run_to_completion(engine, requests)
+    texts = {}
+    for i, r in enumerate(requests):
+        text, finish = _text(engine, outputs[r.request_id])
+        assert finish is FinishReason.STOP, (r.request_id, text)
+        jsonschema.validate(json.loads(text), schemas[i % len(schemas)])
+        texts[r.request_id] = text
+    return texts, engine
+
+
+def test_preempted_recomputed_or_overlapped_constrained_requests_stay_valid_and_unchanged(
+    demo_model_dir: Path,
+) -> None:
+    """Recompute after preemption leaves each grammar where it was; with asynchronous
+    scheduling a constrained row's mask waits for the token still in flight."""
+    roomy, _ = _preemption_run(demo_model_dir, num_kv_blocks=256)
+    cramped, engine = _preemption_run(demo_model_dir, num_kv_blocks=12)
+    overlapped, async_engine = _preemption_run(
+        demo_model_dir, num_kv_blocks=12, async_scheduling=True
+    )
+    assert engine.stats().preemptions > 0 and async_engine.stats().preemptions > 0
+    assert cramped == roomy == overlapped
+
+
+@pytest.mark.parametrize(
+    ("schema", "reason"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ("true", "must be a JSON object"),
+        ('{"a":' * 1000 + "1" + "}" * 1000, "nests 1000 levels"),
+        ('{"type": "string", "pattern": "("}', "cannot be compiled"),
+        ('{"type": "integer", "minimum": 5, "maximum": 1}', "cannot be compiled"),
+        ('{"$ref": "#/$defs/missing"}', "cannot be compiled"),
+        ('{"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"}', "cannot be compiled"),
+        ('{"type": "string", "format": "no-such-format"}', "cannot be compiled"),
+        ('{"not": {"type": "string"}}', "cannot be compiled"),
+    ],
+)
+def test_an_uncompilable_schema_is_refused_before_anything_is_queued(
+    engine: LLMEngine, schema: str, reason: str
+) -> None:
+    before = engine.stats()
+    request = EngineRequest(
+        "bad", SamplingParams(structured=StructuredOutput("json_schema", schema)), prompt=PROMPT
+    )
+    with pytest.raises(StructuredOutputError, match=reason):
+        engine.add_request(request)
+    after = engine.stats()
+    assert (after.waiting, after.running) == (before.waiting, before.running)
+    assert engine.outputs.get("bad") is None
+
+
+def test_a_huge_schema_is_refused_when_the_request_is_made() -> None:
+    with pytest.raises(StructuredOutputError, match="characters long"):
+        StructuredOutput("json_schema", '{"enum": [' + '"x",' * 50_000 + '"x"]}')
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "array", "items": {"type": "string"}, "minItems": 100_000},
+        {"type": "string", "maxLength": 1_000_000_000},
+        {"anyOf": [{"anyOf": [{"type": "integer"}, {"type": "string"}]}] * 20},
+        {"enum": [f"value-{i}" for i in range(3000)]},
+    ],
+)
+def test_a_large_but_valid_schema_compiles_and_serves(
+    engine: LLMEngine, schema: dict[str, Any]
+) -> None:
+    structured = _constrained(schema)
+    request = EngineRequest(
+        "big", SamplingParams(max_tokens=8, structured=structured), prompt=PROMPT
+    )
+    outputs = run_to_completion(engine, [request])["big"]
+    assert outputs[-1].finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+def test_structured_output_is_validated_with_the_sampling_parameters() -> None:
+    with pytest.raises(InvalidRequestError, match="ignore_eos"):
+        SamplingParams(ignore_eos=True, structured=StructuredOutput("json_object"))
+    with pytest.raises(StructuredOutputError, match="kind"):
+        StructuredOutput("yaml")  # type: ignore[arg-type]
+    with pytest.raises(StructuredOutputError, match="takes no schema"):
+        StructuredOutput("json_object", "{}")
+    with pytest.raises(StructuredOutputError, match="needs the schema"):
+        StructuredOutput("json_schema")
+    with pytest.raises(InvalidRequestError, match="structured"):
+        SamplingParams(structured="json")  # type: ignore[arg-type]
