@@ -68,7 +68,7 @@ class Workload:
 
 WORKLOADS = {
     "full": Workload((1, 32), steps=64, warmup_steps=4, rounds=3),
-    "quick": Workload((1, 32), steps=24, warmup_steps=2, rounds=2),
+    "quick": Workload((1, 32), steps=16, warmup_steps=2, rounds=4),
     "smoke": Workload((1, 4), steps=4, warmup_steps=1, rounds=1),
 }
 

@@ -44,7 +44,7 @@ from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequenc
 from engine.sequence import BASE_ADAPTER, FinishReason, Sequence
 from engine.step_inputs import LaunchedStep, StepInputs
 from engine.structured import StructuredOutputError
-from engine.structured.grammar import GrammarCompiler, GrammarMatcher
+from engine.structured.grammar import CompiledGrammar, GrammarCompiler
 from engine.structured.mask import GrammarBitmask
 
 log = logging.getLogger(__name__)
@@ -164,18 +164,18 @@ class LLMEngine:
         ids = prompt_token_ids(
             self.tokenizer, request, self.model_config.vocab_size, self.max_model_len
         )
-        self._grammar(request)
+        self._compiled_grammar(request)
         return ids
 
-    def _grammar(self, request: EngineRequest) -> GrammarMatcher | None:
-        """A fresh matcher of the request's structured output; StructuredOutputError says why
-        there can be none."""
+    def _compiled_grammar(self, request: EngineRequest) -> CompiledGrammar | None:
+        """The request's structured output compiled (cached after the first time); raises
+        StructuredOutputError when it cannot be."""
         spec = request.params.structured
         if spec is None:
             return None
         if self.grammars is None:
             raise StructuredOutputError("this model's tokenizer does not support structured output")
-        return self.grammars.compile(spec).matcher()
+        return self.grammars.compile(spec)
 
     def add_request(self, request: EngineRequest, prompt_ids: list[int] | None = None) -> None:
         """Queue a request (`prompt_ids`: what `validate` returned for it). Raises before
@@ -183,7 +183,7 @@ class LLMEngine:
         if self.outputs.get(request.request_id) is not None:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         ids = prompt_ids if prompt_ids is not None else self.validate(request)
-        grammar = self._grammar(request)
+        compiled = self._compiled_grammar(request)
         params = request.params
         seq = Sequence(
             request.request_id,
@@ -191,7 +191,7 @@ class LLMEngine:
             params,
             adapter_id=request.adapter or BASE_ADAPTER,
             cache_salt=request.cache_salt,
-            grammar=grammar,
+            grammar=compiled.matcher() if compiled is not None else None,
             stop_token_ids=frozenset(params.stop_token_ids)
             | (frozenset() if params.ignore_eos else self.eos_ids),
         )
