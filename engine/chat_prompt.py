@@ -89,7 +89,7 @@ class _ControlTokens:
 
     @staticmethod
     def of(tokenizer: Any) -> _ControlTokens:
-        template = _chat_template(tokenizer)
+        template = chat_template(tokenizer)
         ids = {
             t.content: i
             for i, t in tokenizer.added_tokens_decoder.items()
@@ -120,7 +120,7 @@ def _patterns(control_tokens: tuple[str, ...]) -> tuple[re.Pattern[str], re.Patt
     return in_user_text, in_prompt
 
 
-def _chat_template(tokenizer: Any) -> str:
+def chat_template(tokenizer: Any) -> str:
     """The template `apply_chat_template` uses, or "" for a tokenizer without one."""
     try:
         return str(tokenizer.get_chat_template())

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from engine.chat_prompt import chat_template
 from gateway.openai.tools.schemas import FunctionCall, ToolCall
 
 
@@ -65,15 +66,11 @@ _OPENS_OUTPUT = {
 
 
 def tool_call_format(tokenizer_or_template: Any) -> ToolCallFormat | None:
-    """The format the model's chat template teaches it, from the template's source; None for a
-    template that renders no tools (a request offering tools to such a model is refused)."""
-    if isinstance(tokenizer_or_template, str):
-        template = tokenizer_or_template
-    else:
-        try:
-            template = str(tokenizer_or_template.get_chat_template())
-        except ValueError:  # no chat template at all
-            return None
+    """The format the model's chat template teaches it, from the template's source (or a
+    tokenizer's); None for a template that renders no tools."""
+    template = tokenizer_or_template
+    if not isinstance(template, str):
+        template = chat_template(tokenizer_or_template)
     if "tools" not in template:
         return None
     if "[TOOL_CALLS]" in template:

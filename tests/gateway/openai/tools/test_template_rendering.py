@@ -13,7 +13,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.chat_prompt import chat_prompt_ids
+from engine.demo_model import VOCAB_SIZE
 from engine.errors import InvalidRequestError
+from engine.outputs import EngineRequest
+from engine.sampling import SamplingParams
 from gateway.errors import BadRequest
 from gateway.openai.tools import (
     FunctionCall,
@@ -23,6 +26,7 @@ from gateway.openai.tools import (
     template_tool_result,
     tool_call_format,
 )
+from gateway.prompt_tokens import PromptTokens
 from tests.engine.chat_families import family_tokenizer
 from tests.gateway.openai.tools.family_templates import (
     LLAMA31_TEMPLATE,
@@ -210,3 +214,18 @@ def test_history_arguments_that_are_not_a_json_object_are_refused(arguments: str
     with pytest.raises(BadRequest, match=why) as caught:
         template_tool_calls(calls, ToolCallFormat.HERMES, "messages[3].tool_calls")
     assert caught.value.param == "messages[3].tool_calls[1].function.arguments"
+
+
+async def test_the_gateway_renders_a_requests_tools_into_its_prompt(
+    demo_model_dir: Path, demo: Any
+) -> None:
+    prompts = PromptTokens(demo_model_dir, VOCAB_SIZE, 2048)
+    try:
+        assert tool_call_format(prompts.chat_template) is ToolCallFormat.HERMES
+        messages = conversation(demo)
+        request = EngineRequest("r", SamplingParams(max_tokens=1), messages=messages, tools=tools())
+        assert await prompts.prompt_ids(request) == chat_prompt_ids(demo, messages, tools())
+        with pytest.raises(InvalidRequestError, match="tools go with messages"):
+            await prompts.prompt_ids(EngineRequest("r", prompt="hi", tools=tools()))
+    finally:
+        prompts.close()
