@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from adapters.peft_format import nesting_depth
 from gateway.errors import BadRequest
 
 MAX_TOOLS = 128
@@ -119,21 +120,7 @@ def _check_parameters(schema: dict[str, Any], param: str) -> None:
         raise BadRequest(
             "a function's parameters must be a JSON Schema of type object", param=param
         )
-    if nesting_depth(schema) > MAX_SCHEMA_DEPTH:
+    if nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
         raise BadRequest(
             f"a function's parameters may nest at most {MAX_SCHEMA_DEPTH} levels deep", param=param
         )
-
-
-def nesting_depth(value: Any) -> int:
-    """How deep objects and arrays nest in a JSON value (a scalar is 0), without recursion: a
-    hostile value may nest far deeper than Python's stack."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            node = list(node.values())
-        if isinstance(node, list):
-            deepest = max(deepest, depth)
-            stack.extend((child, depth + 1) for child in node)
-    return deepest

@@ -16,9 +16,10 @@ import json
 import re
 from typing import Any
 
+from adapters.peft_format import nesting_depth
 from gateway.errors import BadRequest
 from gateway.openai.tools.formats import ToolCallFormat
-from gateway.openai.tools.schemas import MAX_SCHEMA_DEPTH, ToolCall, nesting_depth
+from gateway.openai.tools.schemas import MAX_SCHEMA_DEPTH, ToolCall
 
 MISTRAL_ID_LENGTH = 9
 _NOT_ALNUM = re.compile(r"[^a-zA-Z0-9]")
@@ -68,7 +69,7 @@ def _arguments(text: str, param: str) -> dict[str, Any]:
         raise BadRequest(f"the arguments are not valid JSON: {exc}", param=param) from None
     if not isinstance(arguments, dict):
         raise BadRequest("the arguments must be a JSON object", param=param)
-    if nesting_depth(arguments) > MAX_SCHEMA_DEPTH:
+    if nesting_depth(arguments, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
         raise BadRequest(f"the arguments nest deeper than {MAX_SCHEMA_DEPTH} levels", param=param)
     try:
         json.dumps(arguments, ensure_ascii=False).encode("utf-8")

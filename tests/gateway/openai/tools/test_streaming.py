@@ -125,3 +125,43 @@ def test_feeding_a_long_region_one_character_at_a_time_stays_linear() -> None:
         out += parser.feed(ch)
     out += parser.finish()
     assert len(out) == 2 and len(parser.calls) == 1
+
+
+PIECES = [
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_",
+    "[TOOL_CALLS]",
+    "<|python_tag|>",
+    '{"name": "f", "arguments": {"a": 1}}',
+    '{"name": "g", "parameters": {}}',
+    '[{"name": "h", "arguments": {}}]',
+    "{",
+    "}",
+    "[",
+    "]",
+    ";",
+    '"',
+    "\\",
+    " ",
+    "\n",
+    "text",
+    "é東",
+    "\ud800",
+]
+
+
+@pytest.mark.parametrize("fmt", list(F))
+def test_random_junk_never_fails_keeps_its_text_and_streams_like_the_whole_parse(
+    fmt: ToolCallFormat,
+) -> None:
+    rng = random.Random(str(fmt))
+    for _ in range(300):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 12)))
+        whole = parse_tool_calls(text, fmt, "req_1")
+        cuts = sorted(rng.sample(range(1, len(text)), min(5, len(text) - 1))) if text else []
+        assert reassemble(stream(text, fmt, cuts)) == whole, (text, cuts)
+        if not whole.calls:
+            assert whole.content == text  # nothing is lost or added
+        for call in whole.calls:
+            call.function.arguments.encode("utf-8")
