@@ -1,11 +1,12 @@
 """Chat templates that render tools, for the families whose tool-less templates
 tests/engine/chat_families.py already carries, on those families' small offline tokenizers.
 
-The template texts follow the public `tokenizer_config.json` of Qwen/Qwen2.5-7B-Instruct and
-meta-llama/Llama-3.1-8B-Instruct (the Hugging Face cache here is empty and offline). The Llama
-one is abridged: its built-in tools (`brave_search`, `wolfram_alpha`, `<|eom_id|>`) are left out;
-the parts that render custom tools, calls and results are as published. Mistral v0.3's template
-with tools is tests/engine/chat_families.py's own.
+The template texts are written after the public `tokenizer_config.json` of
+Qwen/Qwen2.5-7B-Instruct and meta-llama/Llama-3.1-8B-Instruct (the Hugging Face cache here is
+empty and offline, so they were not copied from the files): where tools go, how calls and results
+are written and which control tokens surround them are as published, not checked byte for byte.
+The Llama one leaves out the built-in tools (`brave_search`, `wolfram_alpha`, `<|eom_id|>`).
+Mistral v0.3's template with tools is tests/engine/chat_families.py's own.
 """
 
 from __future__ import annotations

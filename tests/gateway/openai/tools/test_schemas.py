@@ -9,7 +9,15 @@ import msgspec
 import pytest
 
 from gateway.errors import BadRequest
-from gateway.openai.tools import NamedToolChoice, Tool, ToolCall, ToolChoice, checked_tools
+from gateway.openai.tools import (
+    FunctionCallDelta,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    checked_tools,
+)
 from gateway.openai.tools.schemas import MAX_SCHEMA_DEPTH, MAX_TOOLS
 
 
@@ -132,3 +140,19 @@ def test_assistant_tool_calls_decode_in_openais_shape() -> None:
         "function": {"name": "f", "arguments": "{}"},
         "type": "function",
     }
+
+
+def test_stream_deltas_encode_as_openai_chunks_write_them() -> None:
+    first = ToolCallDelta(
+        0, FunctionCallDelta(name="f", arguments=""), id="call_1", type="function"
+    )
+    later = ToolCallDelta(0, FunctionCallDelta(arguments='{"a": 1}'))
+    assert msgspec.json.decode(msgspec.json.encode([first, later])) == [
+        {
+            "index": 0,
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "f", "arguments": ""},
+        },
+        {"index": 0, "function": {"arguments": '{"a": 1}'}},
+    ]
