@@ -9,40 +9,16 @@ import random
 import pytest
 
 from gateway.openai.tools import (
-    FunctionCall,
-    ParsedToolCalls,
     StreamDelta,
-    ToolCall,
     ToolCallDelta,
     ToolCallFormat,
     ToolCallStreamParser,
     parse_tool_calls,
 )
+from tests.gateway.openai.tools.reassembly import reassemble
 from tests.gateway.openai.tools.samples import SAMPLES
 
 F = ToolCallFormat
-
-
-def reassemble(deltas: list[StreamDelta]) -> ParsedToolCalls:
-    """What an OpenAI client builds from a stream: content appended, and per call index the id,
-    type and name of its first delta and the arguments of all its deltas joined."""
-    content = ""
-    by_index: dict[int, list[ToolCallDelta]] = {}
-    for delta in deltas:
-        if isinstance(delta, str):
-            content += delta
-        else:
-            by_index.setdefault(delta.index, []).append(delta)
-    calls = []
-    for index in sorted(by_index):
-        first, *rest = by_index[index]
-        assert first.id is not None and first.type == "function"
-        assert first.function.name is not None and first.function.arguments == ""
-        assert all(d.id is None and d.function.name is None for d in rest)
-        arguments = "".join(d.function.arguments or "" for d in rest)
-        calls.append(ToolCall(first.id, FunctionCall(first.function.name, arguments)))
-    assert sorted(by_index) == list(range(len(by_index)))
-    return ParsedToolCalls(None if calls and not content else content, calls)
 
 
 def stream(
