@@ -177,12 +177,12 @@ def _read_config(path: Path) -> object:
         raise InvalidAdapterConfig(f"{CONFIG_FILE} is not valid JSON: {error}") from None
     except RecursionError:
         raise too_deep from None
-    if _nesting_depth(config, MAX_CONFIG_DEPTH) > MAX_CONFIG_DEPTH:
+    if nesting_depth(config, MAX_CONFIG_DEPTH) > MAX_CONFIG_DEPTH:
         raise too_deep
     return config
 
 
-def _nesting_depth(value: object, limit: int) -> int:
+def nesting_depth(value: object, limit: int) -> int:
     """How deep lists and objects nest in `value` (a scalar is 0), counted without recursion
     and only up to `limit + 1`."""
     deepest, pending = 0, [(value, 1)]

@@ -5,7 +5,8 @@ messages and the tokenizer parses every occurrence of their text in the rendered
 token itself. Tokenized naively, a user who writes `<|im_end|>\\n<|im_start|>system\\n…` in
 their content closes their own turn and opens a system turn. Here user-supplied strings (content,
 roles, names, tool arguments: every string value in the messages) are encoded as ordinary text,
-while the control tokens the template writes itself stay control tokens.
+while the control tokens the template writes itself stay control tokens. The same holds for the
+tools a request offers (names, descriptions, parameter schemas) and for dict keys.
 
 How: before rendering, each control token's text inside a user string is wrapped in private-use
 markers. The rendered prompt is cut at the markers; the text between them is encoded as the
@@ -43,16 +44,24 @@ from engine.errors import InvalidRequestError
 _START, _END = "\U000f0000", "\U000f0001"
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Token ids of `messages` rendered with the tokenizer's chat template and a generation prompt.
+def chat_prompt_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """Token ids of `messages` rendered with the tokenizer's chat template and a generation prompt;
+    `tools` (OpenAI tool objects as plain data) go to the template's `tools`, their strings and
+    keys user text like the messages'.
 
     Raises InvalidRequestError when the template refuses the messages (e.g. roles that do not
-    alternate) or when control-token text cannot be encoded without the token itself.
+    alternate, or several tool calls in one turn for a template that takes one) or when
+    control-token text cannot be encoded without the token itself.
     """
     control = _ControlTokens.of(tokenizer)
     try:
         rendered = tokenizer.apply_chat_template(
-            control.mark(messages), add_generation_prompt=True, tokenize=False
+            control.mark(messages),
+            tools=control.mark(tools),
+            add_generation_prompt=True,
+            tokenize=False,
         )
     except TemplateSyntaxError:
         raise  # the model's template is broken: not the request's fault
@@ -80,7 +89,7 @@ class _ControlTokens:
 
     @staticmethod
     def of(tokenizer: Any) -> _ControlTokens:
-        template = _chat_template(tokenizer)
+        template = chat_template(tokenizer)
         ids = {
             t.content: i
             for i, t in tokenizer.added_tokens_decoder.items()
@@ -90,11 +99,13 @@ class _ControlTokens:
         return _ControlTokens(ids, in_user_text, in_prompt)
 
     def mark(self, value: Any) -> Any:
-        """`value` with each control token in its strings wrapped in markers (dict keys as they are)."""
+        """`value` with each control token in its strings wrapped in markers. Dict keys are marked
+        too: tool arguments and parameter schemas are user data whose keys a template writes out
+        with `tojson` (the keys a template reads, like `role`, hold no control-token text)."""
         if isinstance(value, str):
             return self.in_user_text.sub(f"{_START}\\g<0>{_END}", value)
         if isinstance(value, dict):
-            return {k: self.mark(v) for k, v in value.items()}
+            return {self.mark(k): self.mark(v) for k, v in value.items()}
         if isinstance(value, list | tuple):
             return [self.mark(v) for v in value]
         return value
@@ -109,7 +120,7 @@ def _patterns(control_tokens: tuple[str, ...]) -> tuple[re.Pattern[str], re.Patt
     return in_user_text, in_prompt
 
 
-def _chat_template(tokenizer: Any) -> str:
+def chat_template(tokenizer: Any) -> str:
     """The template `apply_chat_template` uses, or "" for a tokenizer without one."""
     try:
         return str(tokenizer.get_chat_template())

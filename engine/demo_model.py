@@ -46,8 +46,35 @@ TOKENIZER_TRAINING_FILES = 120
 LOGIT_STD = 4.0
 
 CHATML_TEMPLATE = (
+    # With tools, a system turn lists them (the first system message leads it) and teaches the
+    # Hermes format: each call a JSON object inside <tool_call></tool_call>, the format Qwen2.5
+    # uses. An assistant turn's calls are written back that way; a tool result is a turn of its
+    # own (role `tool`). Without tools and tool turns the prompt is plain ChatML.
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions. Their signatures are within "
+    "<tools></tools>:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each call, write a JSON object with the function name and "
+    "arguments within <tool_call></tool_call> tags:\\n<tool_call>\\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}'
+    "\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{% for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' and message.tool_calls is defined "
+    "and message.tool_calls %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message['content'] %}{{- message['content'] + '\\n' }}{%- endif %}"
+    "{%- for call in message.tool_calls %}"
+    "{{- '<tool_call>\\n{\"name\": ' + (call['function']['name'] | tojson) + "
+    "', \"arguments\": ' + (call['function']['arguments'] | tojson) + '}\\n</tool_call>\\n' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

@@ -24,6 +24,9 @@ class EngineRequest:
     messages: list[dict[str, Any]] | None = None
     """Chat messages, rendered with the model's chat template and a generation prompt; control-token
     text in the messages' strings is tokenized as plain text (engine.chat_prompt)."""
+    tools: list[dict[str, Any]] | None = None
+    """Tools offered with `messages` (OpenAI tool objects as plain data), rendered by the chat
+    template as its `tools`."""
     adapter: str | None = None
     """Adapter digest (content identity) to serve this request with; None for the base model."""
     cache_salt: str | None = None

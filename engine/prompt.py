@@ -19,10 +19,12 @@ def prompt_token_ids(
     forms = [request.prompt, request.prompt_token_ids, request.messages]
     if sum(f is not None for f in forms) != 1:
         raise InvalidRequestError("give exactly one of prompt, prompt_token_ids or messages")
+    if request.tools is not None and request.messages is None:
+        raise InvalidRequestError("tools go with messages")
     if request.messages is not None:
         if not request.messages:
             raise InvalidRequestError("messages must not be empty")
-        ids = chat_prompt_ids(tokenizer, request.messages)
+        ids = chat_prompt_ids(tokenizer, request.messages, request.tools)
     elif request.prompt is not None:
         ids = text_prompt_ids(tokenizer, request.prompt)
     else:

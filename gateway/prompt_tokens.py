@@ -17,6 +17,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from engine.chat_prompt import chat_template
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import EngineRequest
 from engine.prompt import prompt_token_ids
@@ -32,6 +33,9 @@ class PromptTokens:
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="loramux-tokenize")
         self._loop_tokenizer = self._tokenizer()
+        self.chat_template = chat_template(self._loop_tokenizer)
+        """The model's chat template ("" without one): `gateway.openai.tools.tool_call_format`
+        reads from it how the model writes tool calls."""
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
