@@ -186,9 +186,9 @@ def test_info_stats_and_metrics(gateway: Gateway, service: RunningEngineService)
     stats = _wait_idle(gateway)
     assert stats["kv_blocks_total"] == stats["kv_blocks_free"] + stats["kv_blocks_used"] > 0
     metrics = httpx.get(f"{service.health_url}/metrics").text
-    assert f"loramux_engine_kv_blocks_total {stats['kv_blocks_total']}" in metrics
-    assert "# TYPE loramux_engine_generated_tokens_total counter" in metrics
-    assert "loramux_engine_adapter_slots_pinned 0" in metrics  # idle: no request holds a slot
+    assert f"loramux_kv_cache_blocks {float(stats['kv_blocks_total'])}" in metrics
+    assert "# TYPE loramux_generation_tokens_total counter" in metrics
+    assert "loramux_lora_slots_pinned 0.0" in metrics  # idle: no request holds a slot
 
 
 def test_uploaded_adapter_is_served_listed_then_retired(
