@@ -12,12 +12,15 @@ from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from opentelemetry.trace import StatusCode
 
+from gateway import tracing
 from gateway.admin.router import admin_router
 from gateway.dashboard import dashboard_routes
 from gateway.errors import exception_handler
 from gateway.health import health, metrics, ready
 from gateway.metrics import Metrics, route_label
+from gateway.metrics.routes import CHAT, COMPLETIONS
 from gateway.openai import openai_router
 from gateway.state import GatewayState
 
@@ -27,7 +30,8 @@ CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,64}")
 
 def request_id_middleware(app: ASGIApp, metrics: Metrics) -> ASGIApp:
     """Give every request an id of its own, echo an id on the response, and count the request
-    by route and status code, and time it to its end.
+    by route and status code, and time it to its end. A completion request is traced
+    (gateway.tracing) when tracing is on.
 
     The gateway's id (`req_<random>`, in `scope["state"]["request_id"]`) keys the request in
     the engine and names its response (`chatcmpl-…`) and usage event. A client's
@@ -53,11 +57,31 @@ def request_id_middleware(app: ASGIApp, metrics: Metrics) -> ASGIApp:
             await send(message)
 
         try:
-            await app(scope, receive, send_with_id)
+            if route in (CHAT, COMPLETIONS) and tracing.enabled():
+                await _traced(app, scope, receive, send_with_id, route)
+            else:
+                await app(scope, receive, send_with_id)
         finally:
             metrics.http.duration.labels(route).observe(time.perf_counter() - started)
 
     return middleware
+
+
+async def _traced(app: ASGIApp, scope: Scope, receive: Receive, send: Send, route: str) -> None:
+    """Run the request under its SERVER span, which records the response's status."""
+    operation = tracing.OPERATIONS["chat" if route == CHAT else "text"]
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+    request_id = scope["state"]["request_id"]
+    with tracing.request_span(operation, route, request_id, headers) as span:
+
+        async def send_status(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                span.set_attribute("http.response.status_code", message["status"])
+                if message["status"] >= 500:
+                    span.set_status(StatusCode.ERROR)
+            await send(message)
+
+        await app(scope, receive, send_status)
 
 
 def create_app(gw: GatewayState) -> Litestar:

@@ -26,6 +26,7 @@ from typing import Any
 from cache.types import CachedResponse, CacheHit, CachePolicy, CacheRequest
 from engine.outputs import EngineRequest
 from engine.sampling import SamplingParams
+from gateway import tracing
 from gateway.auth.api_keys import Principal
 from gateway.cache_policy import cache_policy, cache_request
 from gateway.catalog import ResolvedModel
@@ -98,6 +99,7 @@ class CompletionService:
         """Validate, resolve, admit and look up the cache; raises before anything is sent."""
         refuse_unsupported(req)
         model = await self.gw.catalog.resolve(principal, req.model)
+        kind: Kind = "chat" if isinstance(req, ChatCompletionRequest) else "text"
         if model.digest is not None:
             await self.gw.engine.ensure_adapter(model.digest, self.gw.store.root / model.digest)
         requested = req.max_completion_tokens if isinstance(req, ChatCompletionRequest) else None
@@ -122,7 +124,9 @@ class CompletionService:
             adapter=model.digest,
             cache_salt=salt,
         )
-        kind: Kind = "chat" if isinstance(req, ChatCompletionRequest) else "text"
+        tracing.describe_request(
+            tracing.OPERATIONS[kind], model.name, params, req.stream, principal.tenant_id
+        )
         admission = await self._admit(principal, prompt_tokens, params.max_tokens)
         try:
             deterministic = params.temperature == 0.0 or params.seed is not None
@@ -161,7 +165,8 @@ class CompletionService:
 
     async def _admit(self, principal: Principal, prompt_tokens: int, max_tokens: int) -> Admission:
         try:
-            return await self.gw.quotas.admit(principal, prompt_tokens, max_tokens)
+            with tracing.step("admission"):
+                return await self.gw.quotas.admit(principal, prompt_tokens, max_tokens)
         except (RateLimited, InsufficientQuota) as refused:
             reason = refused.reason if isinstance(refused, RateLimited) else "budget"
             self.gw.metrics.admission.quota_refusals.labels(reason).inc()
@@ -172,7 +177,8 @@ class CompletionService:
             return None
         families = self.gw.metrics.admission
         families.cache_lookups.labels(route).inc()
-        hit = await self.gw.cache.lookup(key, policy)
+        with tracing.step("response_cache.lookup"):
+            hit = await self.gw.cache.lookup(key, policy)
         if hit is not None:
             families.cache_hits.labels(route, hit.kind).inc()
         return hit
@@ -284,6 +290,14 @@ class CompletionService:
         try:
             finish = {200: run.finish or "error", 499: "abort"}.get(run.status, "error")
             self._meter(p, prompt, completion, run.cached_tokens, run.status, run.ttft, finish)
+            tracing.describe_result(
+                p.meta.id,
+                p.model.name,
+                (p.prompt_tokens, completion),
+                finish,
+                p.cache_outcome,
+                run.timings,
+            )
             if run.status == 200 and run.finish is not None and p.policy.store:
                 response = CachedResponse(run.text, run.finish, p.prompt_tokens, completion)
                 await self.gw.cache.store(p.cache_key, p.policy, response)
@@ -295,6 +309,9 @@ class CompletionService:
         try:
             elapsed = time.perf_counter() - p.started
             self._meter(p, 0, 0, 0, 200, elapsed, hit.response.finish_reason)
+            r = hit.response
+            usage = (r.prompt_tokens, r.completion_tokens)
+            tracing.describe_result(p.meta.id, p.model.name, usage, r.finish_reason, hit.kind, None)
         finally:
             if p.admission is not None:
                 await p.admission.settle(0)
