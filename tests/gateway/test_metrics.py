@@ -14,6 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from adapters.demo import build_demo_adapters
 from gateway.server import RunningServer
 from tests.gateway.serve_process import wait_for
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
@@ -51,7 +52,10 @@ def chat(gateway: RunningServer, key: str, **body: Any) -> httpx.Response:
 
 @pytest.fixture(scope="module")
 def load(
-    gateway: RunningServer, admin_token: str, demo_adapter_dirs: list[Path]
+    gateway: RunningServer,
+    admin_token: str,
+    demo_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, Any]]:
     """The mixed load, run once: the scrapes before and after it, and what it used."""
     with httpx.Client(
@@ -59,7 +63,9 @@ def load(
     ) as admin:
         before, _ = scrape(gateway)
         tenant = new_tenant(admin, "metrics")
-        adapter = upload_adapter(admin, tenant.tenant_id, "metrics-bot", demo_adapter_dirs[0])
+        # An adapter of its own (a seed no other test uses): its digest is retired on delete.
+        [folder] = build_demo_adapters(demo_model_dir, tmp_path_factory.mktemp("a"), 1, seed=16)
+        adapter = upload_adapter(admin, tenant.tenant_id, "metrics-bot", folder)
         limited = new_tenant(admin, "metrics-limited")
         r = admin.put(f"/admin/keys/{limited.key_id}/quotas", json={"rpm": 1})
         assert r.status_code == 200, r.text
