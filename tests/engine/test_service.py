@@ -175,6 +175,8 @@ def test_an_abort_without_the_token_changes_nothing(gateway: Gateway) -> None:
     while not (isinstance(received[-1], Delta) and received[-1].finish_reason is not None):
         received.append(gateway.receive())
     assert isinstance(received[-1], Delta) and received[-1].finish_reason == "length"
+    timings = received[-1].timings  # the engine's timestamps travel with the final delta
+    assert timings is not None and timings.first_token is not None
     [refused] = [m for m in received if isinstance(m, Failed)]
     assert refused.code == "unauthorized"
 
