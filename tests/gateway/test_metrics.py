@@ -63,9 +63,10 @@ def load(
     ) as admin:
         before, _ = scrape(gateway)
         tenant = new_tenant(admin, "metrics")
-        # An adapter of its own (a seed no other test uses): its digest is retired on delete.
-        [folder] = build_demo_adapters(demo_model_dir, tmp_path_factory.mktemp("a"), 1, seed=16)
-        adapter = upload_adapter(admin, tenant.tenant_id, "metrics-bot", folder)
+        # Adapters of their own (a seed no other test uses): their digests retire on delete.
+        folders = build_demo_adapters(demo_model_dir, tmp_path_factory.mktemp("a"), 2, seed=16)
+        adapter = upload_adapter(admin, tenant.tenant_id, "metrics-bot", folders[0])
+        upload_adapter(admin, tenant.tenant_id, "other-bot", folders[1])
         limited = new_tenant(admin, "metrics-limited")
         r = admin.put(f"/admin/keys/{limited.key_id}/quotas", json={"rpm": 1})
         assert r.status_code == 200, r.text
@@ -85,7 +86,8 @@ def _run_load(gateway: RunningServer, tenant: TenantKey, limited: TenantKey) -> 
     assert chat(gateway, tenant.key, temperature=0).status_code == 200
     hit = chat(gateway, tenant.key, temperature=0)
     assert hit.headers["x-cache"] == "exact"
-    assert chat(gateway, tenant.key, model="metrics-bot", temperature=0.5).status_code == 200
+    for model in ("metrics-bot", "other-bot"):
+        assert chat(gateway, tenant.key, model=model, temperature=0.5).status_code == 200
     assert chat(gateway, tenant.key, max_tokens="many").status_code == 400
     assert chat(gateway, limited.key).status_code == 200
     assert chat(gateway, limited.key).status_code == 429
@@ -119,7 +121,7 @@ def test_counters_end_in_total_and_count_the_load(load: dict[str, Any]) -> None:
     assert grew(load, "loramux_http_requests_total", route=CHAT, status="400") == 1
     assert grew(load, "loramux_http_requests_total", route=CHAT, status="429") == 1
     assert grew(load, "loramux_quota_refusals_total", reason="requests") == 1
-    assert grew(load, "loramux_adapter_uploads_total") == 1
+    assert grew(load, "loramux_adapter_uploads_total") == 2
     assert grew(load, "loramux_response_cache_hits_total", route=CHAT, kind="exact") == 1
     assert grew(load, "loramux_response_cache_lookups_total", route=CHAT) >= 2
     assert grew(load, "loramux_generation_tokens_total") > 0
@@ -132,8 +134,8 @@ def test_finish_reasons_count_aborts_apart_from_errors(load: dict[str, Any]) -> 
         for reason in ("stop", "length", "abort", "error")
     }
     assert finished["abort"] >= 1 and finished["error"] == 0, finished
-    # Two plain answers, the adapter's and the cache hit: stop or length.
-    assert finished["stop"] + finished["length"] == 4, finished
+    # Two plain answers, the two adapters' and the cache hit: stop or length.
+    assert finished["stop"] + finished["length"] == 5, finished
 
 
 def test_histograms_observe_the_requests(load: dict[str, Any]) -> None:
@@ -145,9 +147,9 @@ def test_histograms_observe_the_requests(load: dict[str, Any]) -> None:
         "loramux_request_prefill_time_seconds",
         "loramux_request_decode_time_seconds",
     ):
-        assert grew(load, f"{name}_count") >= 4, name  # 4 ran in the engine, one was cached
-    assert grew(load, "loramux_gateway_time_to_first_token_seconds_count", route=CHAT) == 5
-    assert grew(load, "loramux_http_request_duration_seconds_count", route=CHAT) >= 7
+        assert grew(load, f"{name}_count") >= 5, name  # 5 ran in the engine, one was cached
+    assert grew(load, "loramux_gateway_time_to_first_token_seconds_count", route=CHAT) == 6
+    assert grew(load, "loramux_http_request_duration_seconds_count", route=CHAT) >= 8
     assert 0 <= total(load["after"], "loramux_kv_cache_usage_perc") <= 1
 
 
