@@ -20,6 +20,7 @@ Not thread-safe: one thread owns an LLMEngine (the async facade runs it off the 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, UnknownAdapterError
 from engine.lora.manager import AdapterStats, LoraManager
+from engine.metrics import EngineMetrics
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaModel
 from engine.model.loader import load_model
@@ -102,6 +104,7 @@ class LLMEngine:
         self._in_flight: LaunchedStep | None = None
         self._steps = 0
         self._aborted = 0
+        self.metrics = EngineMetrics(self)
 
     def _num_blocks(self, graph_bytes: int) -> int:
         """Blocks in the KV pool: `num_kv_blocks`, or what the KV budget holds once the decode
@@ -218,6 +221,10 @@ class LLMEngine:
         if self.lora is not None:
             self.lora.sweep()
         batch = self.scheduler.schedule()
+        now = time.time()
+        for chunk in batch.chunks:
+            if chunk.seq.scheduled_time is None:
+                chunk.seq.scheduled_time = now
         outputs: list[RequestOutput] = []
         launched: LaunchedStep | None = None
         if batch.chunks:
@@ -284,6 +291,7 @@ class LLMEngine:
         try:
             if self.lora is not None:
                 self.lora.count_tokens(seq.adapter_id, 1)
+            self.metrics.token_landed(seq)
             if update.finish is None:
                 return RequestOutput(seq.request_id, [token])
             return self._end(seq, update.finish, [token])
@@ -304,7 +312,10 @@ class LLMEngine:
             self.scheduler.finish(seq)
         if self.lora is not None and self.outputs.get(seq.request_id) is seq:
             self.lora.remove_user(seq)
-        return self.outputs.final(seq, reason, token_ids, error)
+        final = self.outputs.final(seq, reason, token_ids, error)
+        if final.timings is not None:
+            self.metrics.request_finished(final.timings)
+        return final
 
     def stats(self) -> EngineStats:
         blocks = self.block_manager.stats()
@@ -321,6 +332,7 @@ class LLMEngine:
             preemptions=c.preemptions,
             aborted=self._aborted,
             steps=self._steps,
+            prefix_cache_query_tokens=c.prefix_cache_query_tokens,
         )
 
 

@@ -7,7 +7,9 @@ client that left). The engine never handles text.
 
 from __future__ import annotations
 
-from engine.outputs import RequestOutput, Usage
+import time
+
+from engine.outputs import RequestOutput, RequestTimings, Usage
 from engine.sequence import FinishReason, Sequence
 
 
@@ -34,4 +36,7 @@ class OutputProcessor:
         """The request's last delta, with usage; it is no longer active afterwards."""
         self._active.pop(seq.request_id, None)
         usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_cached_tokens)
-        return RequestOutput(seq.request_id, token_ids or [], reason, usage, error)
+        timings = RequestTimings(
+            seq.arrival_time, seq.scheduled_time, seq.first_token_time, time.time()
+        )
+        return RequestOutput(seq.request_id, token_ids or [], reason, usage, error, timings)

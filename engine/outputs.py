@@ -50,6 +50,20 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class RequestTimings:
+    """When the engine handled one request, in wall-clock seconds (time.time()), reported with
+    its final output: metrics take durations from them and the gateway's trace makes the
+    engine's spans (queue, prefill, decode) from them after the fact. None: never reached."""
+
+    arrived: float
+    scheduled: float | None
+    """The first step that computed it: the queue ends and prefill starts."""
+    first_token: float | None
+    """Its first token landed: prefill ends and decode starts."""
+    finished: float
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """One streamed delta: the token ids generated since the last one; the last delta carries
     `finish_reason` and `usage`. Token ids only: whoever serves text (the gateway) detokenizes
@@ -69,6 +83,8 @@ class RequestOutput:
     usage: Usage | None = None
     error: str | None = None
     """Why the request failed; set only when `finish_reason` is ERROR."""
+    timings: RequestTimings | None = None
+    """Set on the final output only."""
 
     @property
     def finished(self) -> bool:
@@ -91,3 +107,5 @@ class EngineStats:
     aborted: int
     """Requests aborted (a client left, a stop string matched at the gateway, an abort call)."""
     steps: int
+    prefix_cache_query_tokens: int = 0
+    """Prompt tokens looked up in the prefix cache since start (hits / queries = hit rate)."""

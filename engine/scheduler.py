@@ -93,6 +93,8 @@ class SequenceUpdate:
 class SchedulerStats:
     prefix_cache_hit_tokens: int = 0
     """Prompt tokens served from the prefix cache at admission (before any token was made)."""
+    prefix_cache_query_tokens: int = 0
+    """Prompt tokens looked up in the prefix cache at those admissions."""
     prompt_tokens_computed: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
@@ -212,6 +214,7 @@ class Scheduler:
         if seq.num_completion_tokens == 0:
             seq.num_cached_tokens = allocation.num_cached_tokens
             self.stats.prefix_cache_hit_tokens += allocation.num_cached_tokens
+            self.stats.prefix_cache_query_tokens += seq.num_prompt_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         out.chunks.append(ScheduledChunk.of(seq, allocation.num_new_tokens))

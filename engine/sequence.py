@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -65,6 +66,12 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     slot_wait_steps: int = 0
     """Steps this request has waited at the head for an adapter slot (see Scheduler)."""
+    arrival_time: float = field(default_factory=time.time)
+    """Wall-clock seconds (time.time()) when it was added; the timings below are too."""
+    scheduled_time: float | None = None
+    """When a step first computed it: its queue time ends here."""
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import time
 
 from litestar import Litestar
 from litestar.datastructures import MutableScopeHeaders
@@ -11,24 +12,17 @@ from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from opentelemetry.trace import StatusCode
 
+from gateway import tracing
 from gateway.admin.router import admin_router
 from gateway.dashboard import dashboard_routes
 from gateway.errors import exception_handler
 from gateway.health import health, metrics, ready
-from gateway.metrics import Metrics
+from gateway.metrics import Metrics, route_label
+from gateway.metrics.routes import CHAT, COMPLETIONS
 from gateway.openai import openai_router
 from gateway.state import GatewayState
-
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics")
-
-
-def route_label(path: str) -> str:
-    """A bounded metric label for a request path (never ids or names)."""
-    if path in _ROUTES:
-        return path
-    return "/admin" if path.startswith("/admin") else "other"
-
 
 CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,64}")
 """An `x-request-id` a client may have echoed back: a plain token of at most 64 characters."""
@@ -36,7 +30,8 @@ CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,64}")
 
 def request_id_middleware(app: ASGIApp, metrics: Metrics) -> ASGIApp:
     """Give every request an id of its own, echo an id on the response, and count the request
-    by route and status class.
+    by route and status code, and time it to its end. A completion request is traced
+    (gateway.tracing) when tracing is on.
 
     The gateway's id (`req_<random>`, in `scope["state"]["request_id"]`) keys the request in
     the engine and names its response (`chatcmpl-…`) and usage event. A client's
@@ -52,16 +47,41 @@ def request_id_middleware(app: ASGIApp, metrics: Metrics) -> ASGIApp:
         echoed = incoming if CLIENT_REQUEST_ID.fullmatch(incoming) else request_id
         scope.setdefault("state", {})["request_id"] = request_id
 
+        route = route_label(scope["path"])
+        started = time.perf_counter()
+
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 MutableScopeHeaders.from_message(message)["x-request-id"] = echoed
-                status = f"{message['status'] // 100}xx"
-                metrics.requests.labels(route_label(scope["path"]), status).inc()
+                metrics.http.requests.labels(route, str(message["status"])).inc()
             await send(message)
 
-        await app(scope, receive, send_with_id)
+        try:
+            if route in (CHAT, COMPLETIONS) and tracing.enabled():
+                await _traced(app, scope, receive, send_with_id, route)
+            else:
+                await app(scope, receive, send_with_id)
+        finally:
+            metrics.http.duration.labels(route).observe(time.perf_counter() - started)
 
     return middleware
+
+
+async def _traced(app: ASGIApp, scope: Scope, receive: Receive, send: Send, route: str) -> None:
+    """Run the request under its SERVER span, which records the response's status."""
+    operation = tracing.OPERATIONS["chat" if route == CHAT else "text"]
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+    request_id = scope["state"]["request_id"]
+    with tracing.request_span(operation, route, request_id, headers) as span:
+
+        async def send_status(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                span.set_attribute("http.response.status_code", message["status"])
+                if message["status"] >= 500:
+                    span.set_status(StatusCode.ERROR)
+            await send(message)
+
+        await app(scope, receive, send_status)
 
 
 def create_app(gw: GatewayState) -> Litestar:

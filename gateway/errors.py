@@ -121,9 +121,18 @@ class RateLimited(GatewayError):
     status = 429
     default_code = "rate_limit_exceeded"
 
-    def __init__(self, message: str, *, limit_type: str, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        limit_type: str,
+        headers: dict[str, str] | None = None,
+        reason: str | None = None,
+    ):
         super().__init__(message, headers=headers)
         self.limit_type = limit_type
+        self.reason = reason or limit_type
+        """The limit that refused it (`requests`, `tokens` or `concurrency`), for metrics."""
 
     def body(self) -> dict[str, Any]:
         body = super().body()

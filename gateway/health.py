@@ -15,6 +15,7 @@ from litestar import Response, get
 from litestar.di import NamedDependency
 from sqlalchemy import text
 
+from gateway.metrics import Degradation
 from gateway.state import GatewayState
 
 GW = NamedDependency[GatewayState]
@@ -60,12 +61,9 @@ async def ready(gw: GW) -> Response[dict[str, Any]]:
 
 @get("/metrics", include_in_schema=False)
 async def metrics(gw: GW) -> Response[bytes]:
-    gw.metrics.observe_degradation(gw.cache.errors, gw.quotas.redis_down)
-    gw.metrics.observe_usage(len(gw.usage), gw.usage.dropped)
-    for stats in (await gw.engine.stats())[:1]:
-        gw.metrics.engine_running.set(stats.running)
-        gw.metrics.engine_waiting.set(stats.waiting)
-        gw.metrics.kv_used.set(stats.kv_blocks_used)
-        gw.metrics.kv_total.set(stats.kv_blocks_total)
-        gw.metrics.prefix_hits.set(stats.prefix_cache_hit_tokens)
-    return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")
+    """This process's series and every answering engine's (docs/metrics.md)."""
+    degradation = Degradation(
+        gw.cache.errors, dict(gw.quotas.redis_down), len(gw.usage), dict(gw.usage.dropped)
+    )
+    body = gw.metrics.render(degradation, await gw.engine.metrics())
+    return Response(body, media_type="text/plain; version=0.0.4")

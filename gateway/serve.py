@@ -28,7 +28,7 @@ import uvicorn
 
 from gateway.engine_child import engine_child
 from gateway.redis_server import redis_child
-from gateway.serve_workers import listening_sockets, worker_child
+from gateway.serve_workers import MULTIPROCESS_DIR, listening_sockets, metrics_folder, worker_child
 from gateway.settings import Settings
 from gateway.supervisor import SupervisedChild, Supervisor
 
@@ -79,6 +79,7 @@ async def _serve(
         shared = {"LORAMUX_REDIS_URL": redis_url, "LORAMUX_ENGINE_URLS": ",".join(engine_urls)}
         if engine_token is not None:
             shared["LORAMUX_ENGINE_TOKEN"] = engine_token
+        shared[MULTIPROCESS_DIR] = str(metrics_folder(settings.data_dir))
         await _supervise_workers(settings, bind, starting, children, shared)
         return
 

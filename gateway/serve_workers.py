@@ -7,6 +7,11 @@ spreads connections over them. What must be exact across workers already lives o
 tenants, keys and adapters in the database (and the adapter store in the data directory), quotas
 and the response cache in Redis; so an adapter uploaded through one worker serves through all.
 
+The workers' own metrics add up across them: prometheus-client's multiprocess mode, its files in
+`<data dir>/metrics` (emptied at each start), so that a scrape of the shared port counts every
+worker's requests whichever worker answers (gateway.metrics). The engine's series come from the
+engine itself and are the same from any worker.
+
 Each worker also answers on a Unix socket of its own, which serve probes for its readiness (on the
 shared port any worker could answer). Worker 0 starts first and alone, so the first-start setup
 (the demo tenant) runs once.
@@ -15,6 +20,7 @@ shared port any worker could answer). Worker 0 starts first and alone, so the fi
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -29,6 +35,18 @@ START_SECONDS = 300.0
 MAX_WORKERS = 8
 MAX_SOCKET_PATH = 100
 """A Unix socket's path has room for 107 bytes; a deeper data directory gets a temporary one."""
+
+
+MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus-client's variable: set, its metrics live in shared files in that folder."""
+
+
+def metrics_folder(data_dir: Path) -> Path:
+    """An empty folder for this start's worker metrics (the last start's counts are gone)."""
+    folder = data_dir.resolve() / "metrics"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(mode=0o700, parents=True)
+    return folder
 
 
 def default_workers() -> int:

@@ -16,6 +16,7 @@ from adapters.peft_format import AdapterLimits
 from adapters.store import AdapterStore
 from cache.embedder import Embedder
 from cache.response_cache import ResponseCache
+from gateway import tracing
 from gateway.access_log import redact_access_log
 from gateway.auth.admin_jwt import AdminAuth
 from gateway.auth.api_keys import ApiKeyAuth
@@ -112,6 +113,7 @@ async def build_state(
     private_folder(settings.data_dir)
     db = create_engine(settings.database_url)
     sessions = session_factory(db)
+    tracing.configure()
     await engine.start()
     info = await engine.info()
     redis = redis_client(redis_url)

@@ -184,6 +184,14 @@ class LoraManager:
                 self._load_host, digest, self._folders[digest]
             )
 
+    def resident(self) -> dict[str, str]:
+        """Adapters held in memory, by tier: `device` (in a slot) or `host` (any thread). Bounded
+        by the tiers' capacities, so metrics may label series by these digests."""
+        in_slots = dict(self._slot_of)
+        with self._lock:
+            in_host = list(self._host)
+        return {d: "host" for d in in_host} | {d: "device" for d in in_slots}
+
     def count_tokens(self, digest: str, tokens: int) -> None:
         if digest != BASE_ADAPTER:
             self.stats.setdefault(digest, AdapterStats()).tokens += tokens

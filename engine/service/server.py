@@ -140,7 +140,9 @@ class EngineServer:
         outputs: AsyncIterator[RequestOutput] = self.engine.generate(request)
         try:
             async for out in outputs:
-                delta = Delta(out.request_id, out.token_ids, out.finish_reason, out.usage)
+                delta = Delta(
+                    out.request_id, out.token_ids, out.finish_reason, out.usage, out.timings
+                )
                 if not await self._send(identity, delta):
                     log.info("gateway of %s left; aborting it", out.request_id)
                     return
@@ -175,6 +177,8 @@ class EngineServer:
             }
         if call.op == "stats":
             return asdict(engine.stats())
+        if call.op == "metrics":
+            return engine.engine.metrics.render()
         if call.op == "adapters":
             return self.served_digests()
         if call.digest is None:

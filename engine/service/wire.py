@@ -12,7 +12,7 @@ without one) and the engine checks it, in constant time, before it reads anythin
     any of them, refused                          Failed(ref, call, kind, code, message)
 
 Requests carry token ids and outputs carry token ids: the engine never sees text. `Call.op` is
-one of `info`, `stats`, `adapters` (the digests it serves), `register` (digest + PEFT files) and
+one of `info`, `stats`, `metrics` (the engine's Prometheus text), `adapters` (the digests it serves), `register` (digest + PEFT files) and
 `retire`. Every typed error has one stable `code`, so the client re-raises the same class.
 """
 
@@ -32,7 +32,7 @@ from engine.errors import (
     RequestFailedError,
     UnknownAdapterError,
 )
-from engine.outputs import Usage
+from engine.outputs import RequestTimings, Usage
 from engine.sampling import SamplingParams
 from engine.structured import StructuredOutputError
 
@@ -55,7 +55,7 @@ class Abort(msgspec.Struct, tag="abort", array_like=True):
     request_id: str
 
 
-Op = Literal["info", "stats", "adapters", "register", "retire"]
+Op = Literal["info", "stats", "metrics", "adapters", "register", "retire"]
 
 
 class Call(msgspec.Struct, tag="call", array_like=True):
@@ -72,6 +72,7 @@ class Delta(msgspec.Struct, tag="delta", array_like=True):
     token_ids: list[int]
     finish_reason: str | None = None
     usage: Usage | None = None
+    timings: RequestTimings | None = None
 
 
 class Reply(msgspec.Struct, tag="reply", array_like=True):

@@ -22,6 +22,7 @@ from gateway.admin.wire import Deleted
 from gateway.api_docs import admin_errors, documented_body
 from gateway.audit.action import audited_as
 from gateway.audit.service import AuditRecord
+from gateway.state import GatewayState
 
 _UPLOAD = """multipart/form-data with `name` (1-64 letters, digits, `.`, `_` or `-`, starting
 with a letter or digit, no `..`), `owner` (a tenant id or `shared`) and either `archive` (.zip
@@ -71,11 +72,13 @@ class AdapterController(Controller):
         adapters: NamedDependency[AdapterService],
         uploads: NamedDependency[UploadSpace],
         entry: NamedDependency[AuditRecord],
+        gw: NamedDependency[GatewayState],
     ) -> AdapterOut:
         with workspace(uploads.root) as work:
             upload = await receive_upload(request, work, uploads.max_bytes)
             entry.target = f"{upload.owner}/{upload.name}"
             adapter = await adapters.publish_upload(upload, work)
+        gw.metrics.admission.adapter_uploads.inc()
         entry.detail = {"version": adapter.version, "digest": adapter.digest}
         return adapter
 

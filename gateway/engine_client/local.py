@@ -52,5 +52,8 @@ class LocalEngineClient:
     async def stats(self) -> list[EngineStats]:
         return [self.engine.stats()]
 
+    async def metrics(self) -> list[str]:
+        return [self.engine.engine.metrics.render()]
+
     async def ready(self) -> bool:
         return self.engine.running

@@ -180,6 +180,18 @@ class RemoteEngineClient:
         answers = await asyncio.gather(*(self._stats_of(e) for e in self._endpoints))
         return [s for s in answers if s is not None]
 
+    async def metrics(self) -> list[str]:
+        """The Prometheus text of each engine that answers."""
+
+        async def of(endpoint: Endpoint) -> str | None:
+            try:
+                return str(await self._channel(endpoint).call("metrics", PROBE_SECONDS))
+            except EngineError:
+                return None
+
+        answers = await asyncio.gather(*(of(e) for e in self._endpoints))
+        return [a for a in answers if a is not None]
+
     async def ready(self) -> bool:
         """At least one engine answers."""
         return bool(await self.stats())
@@ -275,7 +287,7 @@ async def _next(stream: asyncio.Queue[StreamItem]) -> Delta:
 
 def _output(delta: Delta) -> RequestOutput:
     reason = None if delta.finish_reason is None else FinishReason(delta.finish_reason)
-    return RequestOutput(delta.ref, delta.token_ids, reason, delta.usage)
+    return RequestOutput(delta.ref, delta.token_ids, reason, delta.usage, timings=delta.timings)
 
 
 def _wire_params(params: SamplingParams) -> SamplingParams:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import EngineRequest, RequestOutput, Usage
+from engine.outputs import EngineRequest, RequestOutput, RequestTimings, Usage
 from engine.sequence import FinishReason
 from gateway.engine_client.base import EngineClient
 from gateway.errors import GatewayError, as_gateway_error
@@ -81,6 +81,8 @@ class Generation:
         self.finish: str | None = None
         self.error: GatewayError | None = None
         self.ttft: float | None = None
+        self.timings: RequestTimings | None = None
+        """The engine's timestamps of the request, from its final output."""
         self.left = False
         self.ended = False
         self._on_end = on_end
@@ -158,6 +160,7 @@ class Generation:
         if self.ttft is None:
             self.ttft = time.perf_counter() - self.started
         self.usage = out.usage or self.usage
+        self.timings = out.timings or self.timings
         if self.stopped_at is not None:
             return  # the rest of a stream whose stop string matched: the engine's abort
         detok = self.detokenizer

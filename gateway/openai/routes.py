@@ -17,6 +17,7 @@ from litestar.openapi.spec import Example, OpenAPIMediaType, Operation, Referenc
 from litestar.params import Body
 from litestar.response import Stream
 
+from gateway import tracing
 from gateway.api_docs import errors
 from gateway.auth.api_keys import Principal
 from gateway.db.adapter import SHARED_OWNER
@@ -160,7 +161,8 @@ def openai_router(gw: GatewayState) -> Router:
 
     async def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
         authorization = connection.headers.get("authorization")
-        connection.state[PRINCIPAL] = await gw.keys.authenticate(authorization)
+        with tracing.step("auth"):
+            connection.state[PRINCIPAL] = await gw.keys.authenticate(authorization)
 
     def caller(request: Request[Any, Any, Any]) -> Principal:
         principal: Principal = request.state[PRINCIPAL]

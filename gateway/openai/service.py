@@ -26,10 +26,12 @@ from typing import Any
 from cache.types import CachedResponse, CacheHit, CachePolicy, CacheRequest
 from engine.outputs import EngineRequest
 from engine.sampling import SamplingParams
+from gateway import tracing
 from gateway.auth.api_keys import Principal
 from gateway.cache_policy import cache_policy, cache_request
 from gateway.catalog import ResolvedModel
-from gateway.errors import BadRequest, ClientClosedRequest
+from gateway.errors import BadRequest, ClientClosedRequest, InsufficientQuota, RateLimited
+from gateway.metrics import completion_route
 from gateway.openai import shapes
 from gateway.openai.generation import Generation
 from gateway.openai.schemas import (
@@ -97,6 +99,7 @@ class CompletionService:
         """Validate, resolve, admit and look up the cache; raises before anything is sent."""
         refuse_unsupported(req)
         model = await self.gw.catalog.resolve(principal, req.model)
+        kind: Kind = "chat" if isinstance(req, ChatCompletionRequest) else "text"
         if model.digest is not None:
             await self.gw.engine.ensure_adapter(model.digest, self.gw.store.root / model.digest)
         requested = req.max_completion_tokens if isinstance(req, ChatCompletionRequest) else None
@@ -121,7 +124,10 @@ class CompletionService:
             adapter=model.digest,
             cache_salt=salt,
         )
-        admission = await self.gw.quotas.admit(principal, prompt_tokens, params.max_tokens)
+        tracing.describe_request(
+            tracing.OPERATIONS[kind], model.name, params, req.stream, principal.tenant_id
+        )
+        admission = await self._admit(principal, prompt_tokens, params.max_tokens)
         try:
             deterministic = params.temperature == 0.0 or params.seed is not None
             body_cache = (
@@ -133,11 +139,10 @@ class CompletionService:
             key = cache_request(
                 principal.tenant_id, self.gw.model_name, text_request, req.response_format
             )
-            hit = await self.gw.cache.lookup(key, policy) if policy.lookup else None
+            hit = await self._lookup(key, policy, completion_route(kind))
         except BaseException:
             await admission.settle(0)
             raise
-        kind: Kind = "chat" if isinstance(req, ChatCompletionRequest) else "text"
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         meta = ResponseMeta(
             kind, f"{prefix}-{request_id.removeprefix('req_')}", int(time.time()), model.name
@@ -157,6 +162,26 @@ class CompletionService:
             policy,
             hit,
         )
+
+    async def _admit(self, principal: Principal, prompt_tokens: int, max_tokens: int) -> Admission:
+        try:
+            with tracing.step("admission"):
+                return await self.gw.quotas.admit(principal, prompt_tokens, max_tokens)
+        except (RateLimited, InsufficientQuota) as refused:
+            reason = refused.reason if isinstance(refused, RateLimited) else "budget"
+            self.gw.metrics.admission.quota_refusals.labels(reason).inc()
+            raise
+
+    async def _lookup(self, key: CacheRequest, policy: CachePolicy, route: str) -> CacheHit | None:
+        if not policy.lookup:
+            return None
+        families = self.gw.metrics.admission
+        families.cache_lookups.labels(route).inc()
+        with tracing.step("response_cache.lookup"):
+            hit = await self.gw.cache.lookup(key, policy)
+        if hit is not None:
+            families.cache_hits.labels(route, hit.kind).inc()
+        return hit
 
     def _engine_request(
         self,
@@ -263,7 +288,16 @@ class CompletionService:
         completion = run.completion_tokens
         prompt = p.prompt_tokens if completion else 0
         try:
-            self._meter(p, prompt, completion, run.cached_tokens, run.status, run.ttft)
+            finish = {200: run.finish or "error", 499: "abort"}.get(run.status, "error")
+            self._meter(p, prompt, completion, run.cached_tokens, run.status, run.ttft, finish)
+            tracing.describe_result(
+                p.meta.id,
+                p.model.name,
+                (p.prompt_tokens, completion),
+                finish,
+                p.cache_outcome,
+                run.timings,
+            )
             if run.status == 200 and run.finish is not None and p.policy.store:
                 response = CachedResponse(run.text, run.finish, p.prompt_tokens, completion)
                 await self.gw.cache.store(p.cache_key, p.policy, response)
@@ -273,7 +307,11 @@ class CompletionService:
 
     async def _finish_hit(self, p: Prepared, hit: CacheHit) -> None:
         try:
-            self._meter(p, 0, 0, 0, 200, time.perf_counter() - p.started)
+            elapsed = time.perf_counter() - p.started
+            self._meter(p, 0, 0, 0, 200, elapsed, hit.response.finish_reason)
+            r = hit.response
+            usage = (r.prompt_tokens, r.completion_tokens)
+            tracing.describe_result(p.meta.id, p.model.name, usage, r.finish_reason, hit.kind, None)
         finally:
             if p.admission is not None:
                 await p.admission.settle(0)
@@ -286,14 +324,15 @@ class CompletionService:
         cached: int,
         status: int,
         ttft: float | None,
+        finish: str,
     ) -> None:
         latency = time.perf_counter() - p.started
         kind = "adapter" if p.model.digest else "base"
-        m = self.gw.metrics
-        m.latency.labels(p.meta.kind).observe(latency)
-        m.cache.labels(p.cache_outcome).inc()
+        route = completion_route(p.meta.kind)
+        m = self.gw.metrics.completions
+        m.finished.labels(route, finish).inc()
         if ttft is not None:
-            m.ttft.labels(kind).observe(ttft)
+            m.ttft.labels(route, kind).observe(ttft)
         m.tokens.labels(kind, "prompt").inc(prompt)
         m.tokens.labels(kind, "completion").inc(completion)
         self.gw.usage.record(

@@ -175,6 +175,8 @@ def test_an_abort_without_the_token_changes_nothing(gateway: Gateway) -> None:
     while not (isinstance(received[-1], Delta) and received[-1].finish_reason is not None):
         received.append(gateway.receive())
     assert isinstance(received[-1], Delta) and received[-1].finish_reason == "length"
+    timings = received[-1].timings  # the engine's timestamps travel with the final delta
+    assert timings is not None and timings.first_token is not None
     [refused] = [m for m in received if isinstance(m, Failed)]
     assert refused.code == "unauthorized"
 
@@ -186,9 +188,9 @@ def test_info_stats_and_metrics(gateway: Gateway, service: RunningEngineService)
     stats = _wait_idle(gateway)
     assert stats["kv_blocks_total"] == stats["kv_blocks_free"] + stats["kv_blocks_used"] > 0
     metrics = httpx.get(f"{service.health_url}/metrics").text
-    assert f"loramux_engine_kv_blocks_total {stats['kv_blocks_total']}" in metrics
-    assert "# TYPE loramux_engine_generated_tokens_total counter" in metrics
-    assert "loramux_engine_adapter_slots_pinned 0" in metrics  # idle: no request holds a slot
+    assert f"loramux_kv_cache_blocks {float(stats['kv_blocks_total'])}" in metrics
+    assert "# TYPE loramux_generation_tokens_total counter" in metrics
+    assert "loramux_lora_slots_pinned 0.0" in metrics  # idle: no request holds a slot
 
 
 def test_uploaded_adapter_is_served_listed_then_retired(

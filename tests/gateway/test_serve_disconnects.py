@@ -49,7 +49,7 @@ def _engine_metrics(running: Serve) -> dict[str, float]:
     assert port is not None, cmd
     text = httpx.get(f"http://127.0.0.1:{port[1]}/metrics", timeout=10).text
     pairs = (line.split() for line in text.splitlines() if not line.startswith("#"))
-    return {name.removeprefix("loramux_engine_"): float(value) for name, value in pairs}
+    return {name.removeprefix("loramux_"): float(value) for name, value in pairs}
 
 
 async def _stream(client: httpx.AsyncClient, url: str, key: str, model: str, seed: int) -> str:
@@ -124,12 +124,21 @@ def test_streams_abandoned_at_random_leave_no_kv_block_pin_or_reservation_behind
     deadline = time.monotonic() + SETTLE_SECONDS
     while True:
         engine = _engine_metrics(running)
-        held = {k: engine[k] for k in ("running", "waiting", "kv_blocks_used")}
-        held["adapter_slots_pinned"] = engine["adapter_slots_pinned"]
+        held = {
+            k: engine[k]
+            for k in (
+                "num_requests_running",
+                "num_requests_waiting",
+                "kv_cache_usage_perc",
+                "lora_slots_pinned",
+            )
+        }
         reservations = open_reservations(redis_url, tenants)
         if not any(held.values()) and not reservations:
             break
         assert time.monotonic() < deadline, f"still held once idle: {held}, {reservations}"
         time.sleep(0.1)
-    assert engine["aborted_total"] > 0, "abandoned streams were meant to abort engine sequences"
+    assert engine["engine_aborted_requests_total"] > 0, (
+        "abandoned streams were meant to abort engine sequences"
+    )
     assert httpx.get(f"{running.url}/health", timeout=10).json()["status"] == "ok"

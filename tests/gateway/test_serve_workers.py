@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from adapters.demo import build_demo_adapters
 from gateway.auth.admin_jwt import AdminAuth
@@ -63,12 +64,23 @@ def test_two_workers_share_one_engine_and_redis_and_sigterm_stops_them_all(
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["message"]["content"] is not None
             assert second.get("/health").json()["pid"] != _worker_pid(running, 0)
+        with _worker(running, 0) as first:  # the other worker's /metrics counts it too
+            assert _completions_counted(first.get("/metrics").text) == 1
 
         children = running.children()
         running.proc.send_signal(signal.SIGTERM)
         assert running.proc.wait(timeout=90) == 0, running.output()
         assert not [pid for pid in children if alive(pid)], running.output()
         assert not (running.data_dir / "redis" / "redis.pid").exists()
+
+
+def _completions_counted(metrics: str) -> float:
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+        if s.name == "loramux_request_success_total"
+    )
 
 
 def _worker_pid(running: Serve, index: int) -> int:

@@ -1,0 +1,90 @@
+"""Series read at scrape time: counts other parts keep (Redis failures, the usage recorder), and
+the engines' series, merged from the text each engine renders (engine.metrics)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+QUOTA_REDIS_DOWN = ("refused", "unchecked", "unsettled")
+USAGE_DROPS = ("buffer_full", "refused", "shutdown")
+"""The labels these counts take (gateway.quotas.service, gateway.usage.recorder): each is
+exposed from the start, at 0, so a rate over it is 0 rather than missing."""
+
+
+@dataclass(frozen=True)
+class Degradation:
+    """What the gateway's parts count themselves, read at each scrape."""
+
+    cache_errors: int
+    quota_redis_down: Mapping[str, int]
+    usage_buffered: int
+    usage_dropped: Mapping[str, int]
+
+
+@dataclass(eq=False)
+class DegradationCollector(Collector):
+    """The counts as of the last `update` (none before the first scrape)."""
+
+    latest: Degradation | None = None
+
+    def update(self, degradation: Degradation) -> None:
+        self.latest = degradation
+
+    def collect(self) -> Iterator[Metric]:
+        d = self.latest
+        if d is None:
+            return
+        yield CounterMetricFamily(
+            "loramux_response_cache_errors",
+            "Cache operations skipped because Redis (or the embedder) failed",
+            value=d.cache_errors,
+        )
+        down = CounterMetricFamily(
+            "loramux_quota_redis_down",
+            "Admissions decided without Redis, by outcome",
+            labels=["outcome"],
+        )
+        for outcome in sorted(set(QUOTA_REDIS_DOWN) | set(d.quota_redis_down)):
+            down.add_metric([outcome], d.quota_redis_down.get(outcome, 0))
+        yield down
+        yield GaugeMetricFamily(
+            "loramux_usage_events_buffered",
+            "Usage events waiting to be written",
+            value=d.usage_buffered,
+        )
+        dropped = CounterMetricFamily(
+            "loramux_usage_events_dropped",
+            "Usage events given up (billing data lost; each is logged at ERROR)",
+            labels=["reason"],
+        )
+        for reason in sorted(set(USAGE_DROPS) | set(d.usage_dropped)):
+            dropped.add_metric([reason], d.usage_dropped.get(reason, 0))
+        yield dropped
+
+
+@dataclass(eq=False)
+class EngineSeries(Collector):
+    """The engines' series as of the last `update`, each sample labelled `engine` with the
+    engine's index in LORAMUX_ENGINE_URLS (0 for the in-process one), as vLLM labels them."""
+
+    texts: list[str] = field(default_factory=list)
+
+    def update(self, texts: list[str]) -> None:
+        self.texts = texts
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for index, text in enumerate(self.texts):
+            for family in text_string_to_metric_families(text):
+                into = merged.setdefault(
+                    family.name, Metric(family.name, family.documentation, family.type)
+                )
+                for s in family.samples:
+                    labels = s.labels | {"engine": str(index)}
+                    into.add_sample(s.name, labels, s.value, s.timestamp, s.exemplar)
+        yield from merged.values()

@@ -1,0 +1,72 @@
+"""The engine's Prometheus metrics: request phases observed once per request, cumulative values
+as `_total` counters, and per-adapter series only while the adapter is resident."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.outputs import EngineRequest
+from engine.sampling import SamplingParams
+from tests.engine.conftest import make_engine, run_to_completion
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _value(text: str, name: str, **labels: str) -> float:
+    return _samples(text)[(name, tuple(sorted(labels.items())))]
+
+
+def test_each_finished_request_is_one_observation_of_every_phase(demo_model_dir: Path) -> None:
+    engine = make_engine(demo_model_dir)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    requests = [EngineRequest(f"r{i}", params, prompt_token_ids=[5, 6, 7, 8 + i]) for i in range(3)]
+    outputs = run_to_completion(engine, requests)
+    text = engine.metrics.render()
+    for phase in ("e2e_request_latency", "request_queue_time", "request_prefill_time",
+                  "request_decode_time", "request_inference_time", "time_to_first_token"):  # fmt: skip
+        assert _value(text, f"loramux_{phase}_seconds_count") == 3, phase
+    # 5 tokens per request: 4 intervals each.
+    assert _value(text, "loramux_inter_token_latency_seconds_count") == 12
+    assert _value(text, "loramux_generation_tokens_total") == 15
+    assert _value(text, "loramux_prefix_cache_queries_total") == 12
+    for outs in outputs.values():
+        timings = outs[-1].timings
+        assert timings is not None and timings.scheduled is not None
+        assert timings.first_token is not None
+        assert timings.arrived <= timings.scheduled <= timings.first_token <= timings.finished
+
+
+def test_an_aborted_waiting_request_counts_its_latency_but_no_phase(demo_model_dir: Path) -> None:
+    engine = make_engine(demo_model_dir)
+    engine.add_request(EngineRequest("gone", SamplingParams(max_tokens=4), prompt_token_ids=[9]))
+    final = engine.abort("gone")
+    assert final is not None and final.timings is not None and final.timings.scheduled is None
+    text = engine.metrics.render()
+    assert _value(text, "loramux_e2e_request_latency_seconds_count") == 1
+    assert _value(text, "loramux_request_queue_time_seconds_count") == 0
+    assert _value(text, "loramux_engine_aborted_requests_total") == 1
+
+
+def test_adapter_series_exist_while_it_is_resident(
+    demo_model_dir: Path, demo_adapter_dirs: list[Path]
+) -> None:
+    engine = make_engine(demo_model_dir, enable_lora=True, max_loras=1, max_cpu_loras=1)
+    digest = engine.register_adapter(demo_adapter_dirs[0])
+    params = SamplingParams(max_tokens=2)
+    run_to_completion(engine, [EngineRequest("a", params, prompt_token_ids=[5], adapter=digest)])
+    text = engine.metrics.render()
+    assert _value(text, "loramux_lora_adapter_loaded", adapter=digest, tier="device") == 1
+    assert _value(text, "loramux_lora_adapter_running_requests", adapter=digest) == 0
+    assert _value(text, "loramux_lora_adapter_loads_total", adapter=digest) >= 1
+
+    engine.retire_adapter(digest)
+    run_to_completion(engine, [EngineRequest("b", params, prompt_token_ids=[5])])  # a sweep
+    assert digest not in engine.metrics.render()

@@ -1,0 +1,184 @@
+"""/metrics after a short mixed load, as Prometheus and the shipped Grafana dashboard read it:
+counters end in `_total` and grow, histograms observe every request, per-adapter series live
+exactly while the adapter is resident, and every series a dashboard panel queries exists."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from adapters.demo import build_demo_adapters
+from gateway.server import RunningServer
+from tests.gateway.serve_process import wait_for
+from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
+
+DASHBOARD = Path(__file__).parents[2] / "docker" / "grafana" / "loramux.json"
+CHAT = "/v1/chat/completions"
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(gateway: RunningServer) -> tuple[Samples, dict[str, str]]:
+    """Every sample by (name, labels), and every family's type by name."""
+    text = httpx.get(f"{gateway.url}/metrics", timeout=30).text
+    samples: Samples = {}
+    types: dict[str, str] = {}
+    for family in text_string_to_metric_families(text):
+        types[family.name] = family.type
+        for s in family.samples:
+            samples[(s.name, frozenset(s.labels.items()))] = s.value
+    return samples, types
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """The sum over the series of `name` whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+def chat(gateway: RunningServer, key: str, **body: Any) -> httpx.Response:
+    payload = {"messages": [{"role": "user", "content": "metrics"}], "max_tokens": 4, **body}
+    payload.setdefault("model", "demo-model")
+    headers = {"authorization": f"Bearer {key}"}
+    return httpx.post(f"{gateway.url}{CHAT}", json=payload, headers=headers, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def load(
+    gateway: RunningServer,
+    admin_token: str,
+    demo_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, Any]]:
+    """The mixed load, run once: the scrapes before and after it, and what it used."""
+    with httpx.Client(
+        base_url=gateway.url, headers={"authorization": f"Bearer {admin_token}"}, timeout=120
+    ) as admin:
+        before, _ = scrape(gateway)
+        tenant = new_tenant(admin, "metrics")
+        # Adapters of their own (a seed no other test uses): their digests retire on delete.
+        folders = build_demo_adapters(demo_model_dir, tmp_path_factory.mktemp("a"), 2, seed=16)
+        adapter = upload_adapter(admin, tenant.tenant_id, "metrics-bot", folders[0])
+        upload_adapter(admin, tenant.tenant_id, "other-bot", folders[1])
+        limited = new_tenant(admin, "metrics-limited")
+        r = admin.put(f"/admin/keys/{limited.key_id}/quotas", json={"rpm": 1})
+        assert r.status_code == 200, r.text
+        _run_load(gateway, tenant, limited)
+        after, types = scrape(gateway)
+        yield {
+            "before": before,
+            "after": after,
+            "types": types,
+            "adapter": adapter,
+            "tenant": tenant,
+            "admin": admin,
+        }
+
+
+def _run_load(gateway: RunningServer, tenant: TenantKey, limited: TenantKey) -> None:
+    assert chat(gateway, tenant.key, temperature=0).status_code == 200
+    hit = chat(gateway, tenant.key, temperature=0)
+    assert hit.headers["x-cache"] == "exact"
+    for model in ("metrics-bot", "other-bot"):
+        assert chat(gateway, tenant.key, model=model, temperature=0.5).status_code == 200
+    assert chat(gateway, tenant.key, max_tokens="many").status_code == 400
+    assert chat(gateway, limited.key).status_code == 200
+    assert chat(gateway, limited.key).status_code == 429
+    body = {"model": "demo-model", "messages": [{"role": "user", "content": "long"}]}
+    body |= {"max_tokens": 300, "stream": True, "temperature": 0.7}
+    headers = {"authorization": f"Bearer {tenant.key}"}
+    with httpx.stream("POST", f"{gateway.url}{CHAT}", json=body, headers=headers) as r:
+        lines = r.iter_lines()
+        for _ in range(3):  # a streamed request, left after its first chunks
+            next(lines)
+
+    def aborted() -> bool:
+        samples, _ = scrape(gateway)
+        return total(samples, "loramux_request_success_total", finished_reason="abort") > 0
+
+    wait_for(aborted, 30, "the abandoned stream is counted as an abort")
+
+
+def grew(load: dict[str, Any], name: str, **labels: str) -> float:
+    return total(load["after"], name, **labels) - total(load["before"], name, **labels)
+
+
+def test_counters_end_in_total_and_count_the_load(load: dict[str, Any]) -> None:
+    for name, kind in load["types"].items():
+        assert name.startswith("loramux_"), name
+        if kind == "counter":
+            assert all(
+                n.endswith("_total") for n, _ in load["after"] if n.startswith(name + "_")
+            ), name
+    assert grew(load, "loramux_http_requests_total", route=CHAT, status="200") >= 5
+    assert grew(load, "loramux_http_requests_total", route=CHAT, status="400") == 1
+    assert grew(load, "loramux_http_requests_total", route=CHAT, status="429") == 1
+    assert grew(load, "loramux_quota_refusals_total", reason="requests") == 1
+    assert grew(load, "loramux_adapter_uploads_total") == 2
+    assert grew(load, "loramux_response_cache_hits_total", route=CHAT, kind="exact") == 1
+    assert grew(load, "loramux_response_cache_lookups_total", route=CHAT) >= 2
+    assert grew(load, "loramux_generation_tokens_total") > 0
+    assert grew(load, "loramux_prefix_cache_queries_total") > 0
+
+
+def test_finish_reasons_count_aborts_apart_from_errors(load: dict[str, Any]) -> None:
+    finished = {
+        reason: grew(load, "loramux_request_success_total", route=CHAT, finished_reason=reason)
+        for reason in ("stop", "length", "abort", "error")
+    }
+    assert finished["abort"] >= 1 and finished["error"] == 0, finished
+    # Two plain answers, the two adapters' and the cache hit: stop or length.
+    assert finished["stop"] + finished["length"] == 5, finished
+
+
+def test_histograms_observe_the_requests(load: dict[str, Any]) -> None:
+    for name in (
+        "loramux_time_to_first_token_seconds",
+        "loramux_inter_token_latency_seconds",
+        "loramux_e2e_request_latency_seconds",
+        "loramux_request_queue_time_seconds",
+        "loramux_request_prefill_time_seconds",
+        "loramux_request_decode_time_seconds",
+    ):
+        assert grew(load, f"{name}_count") >= 5, name  # 5 ran in the engine, one was cached
+    assert grew(load, "loramux_gateway_time_to_first_token_seconds_count", route=CHAT) == 6
+    assert grew(load, "loramux_http_request_duration_seconds_count", route=CHAT) >= 8
+    assert 0 <= total(load["after"], "loramux_kv_cache_usage_perc") <= 1
+
+
+def test_every_dashboard_query_reads_a_live_series(load: dict[str, Any]) -> None:
+    names = {n for n, _ in load["after"]}
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    queries = [t["expr"] for p in panels for t in p.get("targets", [])]
+    assert queries
+    for expr in queries:
+        for metric in re.findall(r"\bloramux_[A-Za-z0-9_:]*", expr):
+            assert metric in names, f"{metric} (in {expr!r}) is not in /metrics"
+
+
+def test_adapter_series_exist_while_it_is_resident(
+    gateway: RunningServer, load: dict[str, Any]
+) -> None:
+    digest = load["adapter"]["digest"]
+    assert total(load["after"], "loramux_lora_adapter_loaded", adapter=digest) == 1
+    assert (
+        "loramux_lora_adapter_running_requests",
+        frozenset({("adapter", digest), ("engine", "0")}),
+    ) in load["after"]
+    tenant = load["tenant"]
+    r = load["admin"].delete(f"/admin/adapters/{tenant.tenant_id}/metrics-bot")
+    assert r.status_code == 200, r.text
+
+    def gone() -> bool:
+        assert chat(gateway, tenant.key).status_code == 200  # a step sweeps retired adapters
+        samples, _ = scrape(gateway)
+        return not any(dict(labels).get("adapter") == digest for _, labels in samples)
+
+    wait_for(gone, 30, "the deleted adapter's series are gone")
