@@ -47,6 +47,15 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of one generated token, and the `top` most likely (id, logprob)
+    pairs at its position, best first."""
+
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """One streamed delta: the token ids generated since the last one; the last delta carries
     `finish_reason` and `usage`. Token ids only: whoever serves text (the gateway) detokenizes
@@ -66,6 +75,10 @@ class RequestOutput:
     usage: Usage | None = None
     error: str | None = None
     """Why the request failed; set only when `finish_reason` is ERROR."""
+    index: int = 0
+    """The choice (0..n-1) these tokens belong to."""
+    logprobs: list[TokenLogprob] | None = None
+    """Aligned with `token_ids` when the request asked for logprobs."""
 
     @property
     def finished(self) -> bool:

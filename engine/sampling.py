@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError, number_text
+from engine.structured import StructuredOutput
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures below this are greedy. At 1e-5 a logit gap of 0.001 already becomes 100, so
@@ -46,6 +47,15 @@ class SamplingParams:
     """Extra token ids that end the output (the model's EOS ids always do)."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks use it to fix output lengths)."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+    structured: StructuredOutput | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,1 @@
+"""Tool calling: the request and response shapes of OpenAI's tools."""
