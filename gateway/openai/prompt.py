@@ -14,6 +14,7 @@ from gateway.openai.schemas import (
     CompletionRequest,
     ContentPart,
 )
+from gateway.openai.tools.schemas import checked_tools
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -31,10 +32,9 @@ def refuse_tools(req: ChatCompletionRequest) -> None:
     """Tools are accepted in the request's shape, but calling them needs the tool-call parsers
     (`gateway.openai.tools`) this build does not have yet: refused unless the model may not
     call any (`tool_choice: "none"`)."""
-    if req.tools and req.tool_choice != "none":
+    tools, choice = checked_tools(req.tools, req.tool_choice)
+    if tools and choice != "none":
         raise BadRequest("tool calling is not served by this build", param="tools")
-    if req.tool_choice is not None and req.tool_choice != "none" and not req.tools:
-        raise BadRequest("tool_choice needs tools", param="tool_choice")
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -26,14 +26,12 @@ from gateway.openai.shapes import (
     ChatDelta,
     ChoiceLogprobs,
     Chunk,
-    FunctionDelta,
     TextChoice,
     TextCompletion,
     TextLogprobs,
-    ToolCallDelta,
     Usage,
 )
-from gateway.openai.tools.schemas import ToolCall
+from gateway.openai.tools.schemas import FunctionCallDelta, ToolCall, ToolCallDelta
 
 Kind = Literal["chat", "text"]
 Logprobs = ChoiceLogprobs | TextLogprobs
@@ -132,7 +130,7 @@ def replay_parts(answer: Answer) -> Iterator[Part]:
     with the first, the finish reason last."""
     text = answer.text
     calls = [
-        ToolCallDelta(i, call.id, "function", _function_delta(call))
+        ToolCallDelta(i, _function_delta(call), call.id, "function")
         for i, call in enumerate(answer.tool_calls or [])
     ]
     yield Part(0, text[:HIT_CHUNK_CHARS], None, answer.logprobs, calls or None)
@@ -141,8 +139,8 @@ def replay_parts(answer: Answer) -> Iterator[Part]:
     yield Part(0, "", answer.finish_reason)
 
 
-def _function_delta(call: ToolCall) -> FunctionDelta:
-    return FunctionDelta(call.function.name, call.function.arguments)
+def _function_delta(call: ToolCall) -> FunctionCallDelta:
+    return FunctionCallDelta(call.function.name, call.function.arguments)
 
 
 # -- the objects written -----------------------------------------------------------------------------

@@ -16,14 +16,13 @@ import msgspec
 from msgspec import Meta
 
 from gateway.errors import BadRequest
-from gateway.openai.tools.schemas import ToolCall, ToolChoice, ToolSpec
+from gateway.openai.tools.schemas import MAX_TOOLS, Tool, ToolCall, ToolChoice
 
 INT32_MAX = 2**31 - 1
 MAX_N = 16
 """Most choices one request may ask for (the engine's own limit)."""
 MAX_LOGIT_BIAS = 300
 """Most logit_bias entries (OpenAI's limit)."""
-MAX_TOOLS = 128
 
 TokenCount = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
@@ -122,7 +121,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
-    tools: Annotated[list[ToolSpec], Meta(max_length=MAX_TOOLS)] | None = None
+    tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # Declared to be refused when used (the deprecated form of tools):

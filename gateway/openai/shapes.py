@@ -13,7 +13,7 @@ from typing import Literal
 import msgspec
 from msgspec import Struct
 
-from gateway.openai.tools.schemas import ToolCall
+from gateway.openai.tools.schemas import ToolCall, ToolCallDelta
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -91,21 +91,6 @@ class ChatCompletion(Struct, forbid_unknown_fields=True):
     the adapter."""
     choices: list[ChatChoice]
     usage: Usage
-
-
-class FunctionDelta(Struct, forbid_unknown_fields=True, omit_defaults=True):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class ToolCallDelta(Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """A piece of a streamed tool call: the first of a call has its id, type and name, the
-    next ones fragments of its arguments."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: FunctionDelta | None = None
 
 
 class ChatDelta(Struct, forbid_unknown_fields=True, omit_defaults=True):
