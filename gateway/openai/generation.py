@@ -69,6 +69,8 @@ class ChoiceRun:
     received: int = 0
     stopped_at: int | None = None
     finish: str | None = None
+    engine_done: bool = False
+    """The engine ended this choice (it goes on after a stop string matched here)."""
 
     @property
     def text(self) -> str:
@@ -77,6 +79,7 @@ class ChoiceRun:
     def take(self, out: RequestOutput) -> ChoiceDelta | None:
         """The delta `out` makes; None once the choice ended (the tokens after a stop string,
         which nobody receives)."""
+        self.engine_done = self.engine_done or out.finish_reason is not None
         if self.finish is not None:
             self.received += len(out.token_ids)
             return None
@@ -212,12 +215,11 @@ class Generation:
             self.ttft = time.perf_counter() - self.started
         self.usage = out.usage or self.usage
         delta = self.choices[out.index].take(out)
-        if delta is None:
-            return
-        self._deltas.put_nowait(delta)
-        if delta.finish_reason == FinishReason.STOP and self.finished and not out.finished:
-            # A stop string ended the last running choice: the engine's sequence goes on
-            # until aborted (it matches no text).
+        if delta is not None:
+            self._deltas.put_nowait(delta)
+        if self.finished and not all(c.engine_done for c in self.choices):
+            # Every choice has ended here, some at a stop string, which the engine does not
+            # match: its sequences for those go on until aborted.
             self._abort_engine()
 
     def _abort_engine(self) -> None:
