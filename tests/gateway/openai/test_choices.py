@@ -30,12 +30,18 @@ def post(gateway: RunningServer, tenant: TenantKey, body: dict[str, Any]) -> htt
     )
 
 
+def limited(admin: httpx.Client, tpm: int) -> TenantKey:
+    """A new tenant whose key may use `tpm` tokens a minute."""
+    tenant = new_tenant(admin, "choices")
+    r = admin.put(f"/admin/keys/{tenant.key_id}/quotas", json={"tpm": tpm})
+    assert r.status_code == 200, r.text
+    return tenant
+
+
 def test_n_choices_reserve_n_times_max_tokens_and_settle_what_they_generated(
     gateway: RunningServer, admin_module: httpx.Client
 ) -> None:
-    tenant = new_tenant(admin_module, "choices")
-    r = admin_module.put(f"/admin/keys/{tenant.key_id}/quotas", json={"tpm": 100_000})
-    assert r.status_code == 200, r.text
+    tenant = limited(admin_module, 100_000)
     first = post(gateway, tenant, chat(n=4, max_tokens=8))
     assert first.status_code == 200, first.text
     body = first.json()
@@ -53,9 +59,7 @@ def test_n_choices_reserve_n_times_max_tokens_and_settle_what_they_generated(
 def test_a_reservation_of_n_times_max_tokens_over_the_limit_is_refused(
     gateway: RunningServer, admin_module: httpx.Client
 ) -> None:
-    tenant = new_tenant(admin_module, "choices")
-    r = admin_module.put(f"/admin/keys/{tenant.key_id}/quotas", json={"tpm": 200})
-    assert r.status_code == 200, r.text
+    tenant = limited(admin_module, 200)
     refused = post(gateway, tenant, chat(n=4, max_tokens=50))
     assert refused.status_code == 429, refused.text
     assert post(gateway, tenant, chat(n=1, max_tokens=50)).status_code == 200
