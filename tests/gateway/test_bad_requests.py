@@ -64,7 +64,10 @@ CASES = {
     "max_tokens float": (_with(max_tokens=1.5), 400),
     "top_p out of range": (_with(top_p=2), 400),
     "n above the limit": (_with(n=17), 400),
-    "tool name with a space": (_with(tools=[{"type": "function", "function": {"name": "f g"}}]), 400),
+    "tool name with a space": (
+        _with(tools=[{"type": "function", "function": {"name": "f g"}}]),
+        400,
+    ),
     "top_logprobs above 20": (_with(logprobs=True, top_logprobs=21), 400),
     "json_schema without a name": (
         _with(response_format={"type": "json_schema", "json_schema": {"schema": {}}}),
