@@ -209,9 +209,10 @@ class CompletionService:
             await asyncio.wait({gathering, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
-            if not gathering.done():
+            left = not gathering.done()
+            if left:  # closing the outputs aborts the run, which still ends and is billed
                 gathering.cancel()
-        if gathering.cancelled():
+        if left:
             raise ClientClosedRequest("the client closed the connection")
         ending = gathering.result()
         if ending.error is not None:
