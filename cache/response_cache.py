@@ -54,6 +54,8 @@ def encode_response(response: CachedResponse) -> bytes:
             "finish_reason": response.finish_reason,
             "prompt_tokens": response.prompt_tokens,
             "completion_tokens": response.completion_tokens,
+            "logprobs": response.logprobs,
+            "tool_calls": response.tool_calls,
         },
         ensure_ascii=False,
     ).encode()
@@ -62,7 +64,12 @@ def encode_response(response: CachedResponse) -> bytes:
 def decode_response(raw: bytes | str) -> CachedResponse:
     data = json.loads(raw)
     return CachedResponse(
-        data["text"], data["finish_reason"], data["prompt_tokens"], data["completion_tokens"]
+        data["text"],
+        data["finish_reason"],
+        data["prompt_tokens"],
+        data["completion_tokens"],
+        data.get("logprobs"),
+        data.get("tool_calls"),
     )
 
 

@@ -55,12 +55,15 @@ class CachePolicy:
 
 @dataclass(frozen=True)
 class CachedResponse:
-    """A finished completion as the cache keeps it (one choice, text only)."""
+    """A finished completion as the cache keeps it (one choice). `logprobs` and `tool_calls` are
+    the choice's as the API wrote them (JSON values), so a hit replays them exactly."""
 
     text: str
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    logprobs: Any = None
+    tool_calls: Any = None
 
 
 @dataclass(frozen=True)

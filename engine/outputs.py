@@ -63,6 +63,14 @@ class RequestTimings:
     finished: float
 
 
+class TokenLogprob:
+    """The log-probability of one generated token, and the `top` most likely (id, logprob)
+    pairs at its position, best first."""
+
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     """One streamed delta: the token ids generated since the last one; the last delta carries
@@ -85,6 +93,10 @@ class RequestOutput:
     """Why the request failed; set only when `finish_reason` is ERROR."""
     timings: RequestTimings | None = None
     """Set on the final output only."""
+    index: int = 0
+    """The choice (0..n-1) these tokens belong to."""
+    logprobs: list[TokenLogprob] | None = None
+    """Aligned with `token_ids` when the request asked for logprobs."""
 
     @property
     def finished(self) -> bool:

@@ -47,6 +47,14 @@ class SamplingParams:
     """Extra token ids that end the output (the model's EOS ids always do)."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks use it to fix output lengths)."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
     structured: StructuredOutput | None = None
     """Constrain the output to JSON (see `StructuredOutput`); None leaves it free. Not with
     `ignore_eos`: a constrained output ends when its value is complete."""

@@ -97,11 +97,13 @@ def cache_request(
     base_model: str,
     request: EngineRequest,
     response_format: dict[str, Any] | None = None,
+    tools: dict[str, Any] | None = None,
 ) -> CacheRequest:
-    """The cache's identity of an engine request, after the model is resolved.
+    """The cache's identity of an engine request, after the model is resolved. `tools` holds
+    the request's tools, tool_choice and parallel_tool_calls (as JSON values).
 
-    Greedy requests leave out top_p, top_k and seed: greedy decoding ignores them, so requests
-    that differ only there get the same answer and share an entry.
+    Greedy requests leave out top_p, top_k, min_p and seed: greedy decoding ignores them, so
+    requests that differ only there get the same answer and share an entry.
     """
     p = request.params
     params: dict[str, Any] = {
@@ -111,12 +113,21 @@ def cache_request(
         "stop_token_ids": p.stop_token_ids,
         "ignore_eos": p.ignore_eos,
         "response_format": _canonical(response_format),
+        "n": p.n,
+        "presence_penalty": float(p.presence_penalty),
+        "frequency_penalty": float(p.frequency_penalty),
+        "repetition_penalty": float(p.repetition_penalty),
+        "logit_bias": p.logit_bias,
+        "logprobs": p.logprobs,
+        "top_logprobs": p.top_logprobs,
+        "tools": _canonical(tools),
     }
     if not p.greedy:
-        params |= {"top_p": float(p.top_p), "top_k": p.top_k, "seed": p.seed}
+        params |= {"top_p": float(p.top_p), "top_k": p.top_k, "min_p": p.min_p, "seed": p.seed}
     messages = None
     if request.messages is not None:
         messages = tuple((str(m["role"]), str(m["content"])) for m in request.messages)
+        params["tool_turns"] = _tool_turns(request.messages)
     prompt: str | tuple[int, ...] | None = request.prompt
     if request.prompt_token_ids is not None:
         prompt = tuple(request.prompt_token_ids)
@@ -131,8 +142,19 @@ def cache_request(
     )
 
 
+def _tool_turns(messages: list[dict[str, Any]]) -> str | None:
+    """The calls and call ids of a history's tool turns, which (role, content) pairs miss."""
+    turns = [
+        [i, m.get("tool_calls"), m.get("tool_call_id")]
+        for i, m in enumerate(messages)
+        if "tool_calls" in m or "tool_call_id" in m
+    ]
+    return json.dumps(turns, sort_keys=True, separators=(",", ":")) if turns else None
+
+
 def _canonical(value: dict[str, Any] | None) -> str | None:
-    """`response_format` as canonical JSON; `{"type": "text"}` is the default, so it is None."""
+    """`response_format` (or the tools) as canonical JSON; `{"type": "text"}` is the default
+    response format, so it is None."""
     if not value or value == {"type": "text"}:
         return None
     return json.dumps(value, sort_keys=True, separators=(",", ":"))

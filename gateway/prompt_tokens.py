@@ -49,6 +49,11 @@ class PromptTokens:
         """A detokenizer for one generation; use it on the event loop's thread only."""
         return IncrementalDetokenizer(self._loop_tokenizer, stop=stop)
 
+    @property
+    def loop_tokenizer(self) -> Any:
+        """The tokenizer of the event loop's thread (for detokenizing there)."""
+        return self._loop_tokenizer
+
     def _prompt_ids(self, request: EngineRequest) -> list[int]:
         tokenizer = getattr(self._local, "tokenizer", None)
         if tokenizer is None:

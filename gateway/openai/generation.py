@@ -5,11 +5,13 @@ disconnects mid-stream, leaves before a non-streamed answer is ready), the task 
 engine's stream to its end and then calls `on_end` exactly once: the service meters, caches and
 settles the reservation there, by the tokens the engine generated.
 
-The engine streams token ids; the text is made here (one IncrementalDetokenizer per run), and
-so are stop strings matched. When a stop string matches, the text ends before it, the run
-finishes with `stop`, and the engine's sequence is aborted: it may have generated a token or
-two more by then, which nobody receives and nobody is billed for (the run counts the tokens up
-to the one that completed the stop string).
+The engine streams token ids, each output tagged with its choice (`RequestOutput.index`, 0..n-1
+for a request with n choices); the text is made here (one IncrementalDetokenizer per choice), and
+so are stop strings matched. When a stop string matches in a choice, its text ends before it and
+the choice finishes with `stop`. The engine aborts whole requests only, so the choice ends here:
+the tokens the engine still generates for it are dropped, and once every choice has ended the
+engine's request is aborted. Nobody receives those tokens and nobody is billed for them (a
+choice counts its tokens up to the one that completed the stop string).
 
 A client that leaves calls `abort`: the engine stops the sequence and ends the stream with a
 final output whose usage counts every token it generated, delivered or not. A request that
@@ -22,11 +24,11 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import EngineRequest, RequestOutput, RequestTimings, Usage
+from engine.outputs import EngineRequest, RequestOutput, RequestTimings, TokenLogprob, Usage
 from engine.sequence import FinishReason
 from gateway.engine_client.base import EngineClient
 from gateway.errors import GatewayError, as_gateway_error
@@ -38,11 +40,76 @@ _IN_FLIGHT: set[asyncio.Task[Any]] = set()
 
 
 @dataclass(frozen=True)
-class TextDelta:
-    """What a run adds to the response: text made from the engine's token ids."""
+class ChoiceDelta:
+    """What a run adds to one choice: text made from the engine's token ids, the tokens it was
+    made from (with their logprobs when asked for, and where each token's text starts in the
+    choice's text), and the choice's finish reason on its last delta."""
 
+    index: int
     text: str
     finish_reason: str | None
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    offsets: list[int]
+
+
+@dataclass
+class ChoiceRun:
+    """One choice of a run: its detokenizer (which matches the stop strings) and what it
+    produced so far. `received` counts every token id the engine sent for it, those after a
+    stop string matched included; `stopped_at` is how many had been received when one did."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    chars: int = 0
+    received: int = 0
+    stopped_at: int | None = None
+    finish: str | None = None
+    engine_done: bool = False
+    """The engine ended this choice (it goes on after a stop string matched here)."""
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def take(self, out: RequestOutput) -> ChoiceDelta | None:
+        """The delta `out` makes; None once the choice ended (the tokens after a stop string,
+        which nobody receives)."""
+        self.engine_done = self.engine_done or out.finish_reason is not None
+        if self.finish is not None:
+            self.received += len(out.token_ids)
+            return None
+        detok = self.detokenizer
+        text, ids, offsets = "", [], []
+        for token in out.token_ids:
+            self.received += 1
+            ids.append(token)
+            offsets.append(self.chars + len(text))
+            text += detok.add(token)
+            if detok.stopped:
+                self.stopped_at = self.received
+                break
+        finish = FinishReason.STOP if detok.stopped else out.finish_reason
+        if finish is not None:
+            text += detok.flush()
+            self.finish = finish
+        logprobs = out.logprobs[: len(ids)] if out.logprobs is not None else None
+        self._keep(text, ids, logprobs, offsets)
+        return ChoiceDelta(self.index, text, finish, ids, logprobs, offsets)
+
+    def _keep(
+        self, text: str, ids: list[int], logprobs: list[TokenLogprob] | None, offsets: list[int]
+    ) -> None:
+        self.texts.append(text)
+        self.chars += len(text)
+        self.token_ids += ids
+        self.offsets += offsets
+        if logprobs is not None:
+            self.logprobs += logprobs
 
 
 def _spawn(work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -53,32 +120,27 @@ def _spawn(work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
 
 
 class Generation:
-    """A running engine request and what it produced so far.
+    """A running engine request and what it produced so far, choice by choice.
 
     `left` is set when the client went away before the end (`abort`); `error` is the error that
-    ended the stream, if any. Read the deltas with `deltas()` (one reader) or wait for the end
-    with `wait()`.
+    ended the stream, if any. Read the deltas with `deltas()` (one reader); they end once the
+    run has ended and been billed.
     """
 
     def __init__(
         self,
         engine: EngineClient,
         request: EngineRequest,
-        detokenizer: IncrementalDetokenizer,
+        detokenizer: Callable[[], IncrementalDetokenizer],
         started: float,
         on_end: Callable[[Generation], Awaitable[None]],
     ):
         self.engine = engine
         self.request = request
-        self.detokenizer = detokenizer
         self.started = started
-        self.texts: list[str] = []
-        self.received_tokens = 0
-        """Token ids of the deltas received."""
+        """When the request arrived (time.perf_counter): the time to first token counts from it."""
+        self.choices = [ChoiceRun(i, detokenizer()) for i in range(request.params.n)]
         self.usage: Usage | None = None
-        self.stopped_at: int | None = None
-        """Tokens received when a stop string matched; None while none has."""
-        self.finish: str | None = None
         self.error: GatewayError | None = None
         self.ttft: float | None = None
         self.timings: RequestTimings | None = None
@@ -87,21 +149,25 @@ class Generation:
         self.ended = False
         self._on_end = on_end
         self._submitted = False
-        self._deltas: asyncio.Queue[TextDelta | None] = asyncio.Queue()
+        self._aborted = False
+        self._deltas: asyncio.Queue[ChoiceDelta | None] = asyncio.Queue()
         self.task = _spawn(self._run())
 
     @property
-    def text(self) -> str:
-        return "".join(self.texts)
+    def finished(self) -> bool:
+        """Every choice has its finish reason."""
+        return all(c.finish is not None for c in self.choices)
 
     @property
     def completion_tokens(self) -> int:
-        """Tokens the engine generated: up to the stop string's when one matched, else its own
-        count when it reported one (a finished or aborted request), else the token ids
-        received (a stream that broke)."""
-        if self.stopped_at is not None:
-            return self.stopped_at
-        return self.usage.completion_tokens if self.usage is not None else self.received_tokens
+        """Tokens billed: each choice's up to its stop string when one matched, else those
+        received; plus, when the engine reported its count (a finished or aborted request),
+        what it generated beyond what was received, unless every choice ended at a stop string
+        (the engine's abort then only cut the tokens nobody receives)."""
+        billed = sum(c.received if c.stopped_at is None else c.stopped_at for c in self.choices)
+        if self.usage is None or all(c.stopped_at is not None for c in self.choices):
+            return billed
+        return billed + max(0, self.usage.completion_tokens - sum(c.received for c in self.choices))
 
     @property
     def cached_tokens(self) -> int:
@@ -120,22 +186,12 @@ class Generation:
         if self.ended or self.left:
             return
         self.left = True
-        if self._submitted:
-            _spawn(self.engine.abort(self.request.request_id))
+        self._abort_engine()
 
-    async def deltas(self) -> AsyncIterator[TextDelta]:
-        """The engine's outputs as they arrive, ending once the run has ended and been billed."""
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """The choices' deltas as they arrive, ending once the run has ended and been billed."""
         while (out := await self._deltas.get()) is not None:
             yield out
-
-    async def wait(self, client_gone: Awaitable[None]) -> None:
-        """Until the run has ended and been billed, or the client is gone (then abort)."""
-        watcher = asyncio.ensure_future(client_gone)
-        try:
-            await asyncio.wait({self.task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            self.abort()
 
     async def _run(self) -> None:
         try:
@@ -161,25 +217,15 @@ class Generation:
             self.ttft = time.perf_counter() - self.started
         self.usage = out.usage or self.usage
         self.timings = out.timings or self.timings
-        if self.stopped_at is not None:
-            return  # the rest of a stream whose stop string matched: the engine's abort
-        detok = self.detokenizer
-        text = ""
-        for token in out.token_ids:
-            self.received_tokens += 1
-            text += detok.add(token)
-            if detok.stopped:
-                self._stop()
-                break
-        finish = FinishReason.STOP if detok.stopped else out.finish_reason
-        if finish is not None:
-            text += detok.flush()
-            self.finish = finish
-        self.texts.append(text)
-        self._deltas.put_nowait(TextDelta(text, finish))
+        delta = self.choices[out.index].take(out)
+        if delta is not None:
+            self._deltas.put_nowait(delta)
+        if self.finished and not all(c.engine_done for c in self.choices):
+            # Every choice has ended here, some at a stop string, which the engine does not
+            # match: its sequences for those go on until aborted.
+            self._abort_engine()
 
-    def _stop(self) -> None:
-        """A stop string matched: end the text here and stop the engine's sequence."""
-        self.stopped_at = self.received_tokens
-        if not self.left:
+    def _abort_engine(self) -> None:
+        if self._submitted and not self._aborted:
+            self._aborted = True
             _spawn(self.engine.abort(self.request.request_id))

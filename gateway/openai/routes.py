@@ -14,14 +14,17 @@ from litestar.connection import ASGIConnection
 from litestar.di import NamedDependency, Provide
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi.spec import Example, OpenAPIMediaType, Operation, Reference, Schema
-from litestar.params import Body
+from litestar.params import Body, FromPath
 from litestar.response import Stream
 
 from gateway import tracing
 from gateway.api_docs import errors
 from gateway.auth.api_keys import Principal
-from gateway.db.adapter import SHARED_OWNER
 from gateway.openai.body import CompletionRequestBody
+from gateway.openai.finish import Metering
+from gateway.openai.logprobs import TokenPieces
+from gateway.openai.models import ModelDirectory
+from gateway.openai.prepared import ServingLimits
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.openai.service import CompletionService
 from gateway.openai.shapes import (
@@ -33,8 +36,9 @@ from gateway.openai.shapes import (
 )
 from gateway.state import GatewayState
 
-GW = NamedDependency[GatewayState]
 Caller = NamedDependency[Principal]
+Completions = NamedDependency[CompletionService]
+Models = NamedDependency[ModelDirectory]
 PRINCIPAL = "principal"
 """Where the guard leaves the caller, in the connection's state."""
 
@@ -61,12 +65,11 @@ class JsonOrEventStream(Operation):
 
 
 async def _respond(
-    gw: GatewayState,
+    service: CompletionService,
     request: Request[Any, Any, Any],
     body: ChatCompletionRequest | CompletionRequest,
     principal: Principal,
 ) -> Response[Any]:
-    service = CompletionService(gw)
     request_id = request.scope["state"]["request_id"]
     prepared = await service.prepare(
         principal, body, request_id, request.headers.get("cache-control")
@@ -114,11 +117,11 @@ _COMPLETION_EXAMPLE = Example(
 async def chat_completions(
     request: Request[Any, Any, Any],
     data: Annotated[ChatCompletionRequest, Body(examples=[_CHAT_EXAMPLE])],
-    gw: GW,
+    completions: Completions,
     principal: Caller,
 ) -> Response[ChatCompletion | ChatCompletionChunk]:
     """OpenAI chat completions; `model` is an adapter name, `owner/name`, or the base model id."""
-    return await _respond(gw, request, data, principal)
+    return await _respond(completions, request, data, principal)
 
 
 @post(
@@ -131,29 +134,25 @@ async def chat_completions(
 async def completions(
     request: Request[Any, Any, Any],
     data: Annotated[CompletionRequest, Body(examples=[_COMPLETION_EXAMPLE])],
-    gw: GW,
+    completions: Completions,
     principal: Caller,
 ) -> Response[TextCompletion]:
     """OpenAI text completions for a raw prompt."""
-    return await _respond(gw, request, data, principal)
+    return await _respond(completions, request, data, principal)
 
 
 @get("/models", responses=errors(401, 503))
-async def list_models(gw: GW, principal: Caller) -> ModelList:
+async def list_models(models: Models, principal: Caller) -> ModelList:
     """The base model and every adapter this key may use (own adapters first; a shared adapter
     shadowed by an own one of the same name is listed as `shared/<name>`)."""
-    models = [Model(gw.model_name, "model", 0, "loramux")]
-    own: set[str] = set()
-    for row in await gw.catalog.visible(principal.tenant_id):
-        shadowed = row.owner == SHARED_OWNER and row.name in own
-        model_id = f"{SHARED_OWNER}/{row.name}" if shadowed else row.name
-        if row.owner != SHARED_OWNER:
-            own.add(row.name)
-        owned_by = "shared" if row.owner == SHARED_OWNER else principal.tenant_name
-        models.append(
-            Model(model_id, "model", int(row.created_at.timestamp()), owned_by, gw.model_name)
-        )
-    return ModelList("list", [m for m in models if principal.may_use(m.id)])
+    return await models.list(principal)
+
+
+@get("/models/{model:path}", responses=errors(400, 401, 404, 503))
+async def retrieve_model(model: FromPath[str], models: Models, principal: Caller) -> Model:
+    """One model of the list (`shared/<name>` and `owner/name` included); 404 for a model this
+    key may not use, as for one that does not exist."""
+    return await models.get(principal, model.removeprefix("/"))
 
 
 def openai_router(gw: GatewayState) -> Router:
@@ -168,9 +167,38 @@ def openai_router(gw: GatewayState) -> Router:
         principal: Principal = request.state[PRINCIPAL]
         return principal
 
+    completion_service = completion_service_of(gw)
+    model_directory = ModelDirectory(gw.catalog, gw.model_name)
     return Router(
         "/v1",
-        route_handlers=[chat_completions, completions, list_models],
+        route_handlers=[chat_completions, completions, list_models, retrieve_model],
         guards=[guard],
-        dependencies={"principal": Provide(caller, sync_to_thread=False)},
+        dependencies={
+            "principal": Provide(caller, sync_to_thread=False),
+            "completions": Provide(
+                lambda: completion_service, sync_to_thread=False, use_cache=True
+            ),
+            "models": Provide(lambda: model_directory, sync_to_thread=False, use_cache=True),
+        },
+    )
+
+
+def completion_service_of(gw: GatewayState) -> CompletionService:
+    """The completion service composed from the process's state."""
+    limits = ServingLimits(
+        base_model=gw.model_name,
+        max_model_len=gw.max_model_len,
+        vocab_size=gw.prompts.vocab_size,
+        default_max_tokens=gw.settings.server.default_max_tokens,
+    )
+    return CompletionService(
+        engine=gw.engine,
+        catalog=gw.catalog,
+        adapters=gw.store,
+        prompts=gw.prompts,
+        pieces=TokenPieces(gw.prompts.loop_tokenizer),
+        quotas=gw.quotas,
+        cache=gw.cache,
+        metering=Metering(gw.metrics, gw.usage),
+        limits=limits,
     )

@@ -1,369 +1,305 @@
 """The rules of a completion request, in the order of the request path:
 
-    resolve model → tokenize the prompt (once, off the event loop) → admission (quotas) → response cache →
-    engine → finish (usage event, cache store, settle the reservation)
+    resolve model → sampling parameters → tokenize the prompt (once, off the event loop) →
+    admission (quotas) → response cache → engine → finish (usage event, cache store, settle)
 
 `prepare` does everything that can refuse the request, before a byte of the response is sent.
 Once admitted, the request runs as a `Generation` of its own, and the reservation is settled
 exactly once when it ends (success, error, or a client that left, which aborts it), by what the
 engine generated: the prompt plus every completion token, or nothing when no token was
-generated (refused by the engine, or left before its first token).
+generated (refused by the engine, or left before its first token). A request for n choices
+reserves n × max_tokens.
 
 Cache hits count as one request against request and concurrency limits but consume no tokens:
 their reservation is settled with 0, and their usage event records 0 billable tokens (the
-response's `usage` still shows the original counts, as the client expects).
+response's `usage` still shows the original counts, as the client expects). A request for more
+than one choice is neither looked up nor stored: the cache keeps one choice per entry.
 """
 
 from __future__ import annotations
 
-import logging
+import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
-from cache.types import CachedResponse, CacheHit, CachePolicy, CacheRequest
+import msgspec
+
+from adapters.store import AdapterStore
+from cache.response_cache import ResponseCache
+from cache.types import CacheHit, CachePolicy, CacheRequest
 from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
 from gateway import tracing
 from gateway.auth.api_keys import Principal
-from gateway.cache_policy import cache_policy, cache_request
-from gateway.catalog import ResolvedModel
-from gateway.errors import BadRequest, ClientClosedRequest, InsufficientQuota, RateLimited
+from gateway.cache_policy import cache_policy, cache_request, is_deterministic
+from gateway.catalog import ModelCatalog, ResolvedModel
+from gateway.engine_client.base import EngineClient
+from gateway.errors import ClientClosedRequest, InsufficientQuota, RateLimited
 from gateway.metrics import completion_route
-from gateway.openai import shapes
+from gateway.openai.finish import Metering
 from gateway.openai.generation import Generation
-from gateway.openai.schemas import (
-    INT32_MAX,
-    ChatCompletionRequest,
-    CompletionRequest,
-    chat_messages,
-    refuse_unsupported,
+from gateway.openai.logprobs import TokenPieces
+from gateway.openai.models import system_fingerprint
+from gateway.openai.prepared import CacheLookup, Prepared, ServingLimits, Tokenized
+from gateway.openai.prompt import engine_prompt
+from gateway.openai.responses import (
+    Ending,
+    Kind,
+    Part,
+    ResponseMeta,
+    answer_of,
+    cached,
+    chunk,
+    openings,
+    part_of,
+    replay_parts,
+    replayed,
+    usage_chunk,
+    whole,
 )
-from gateway.openai.shapes import Kind, ResponseMeta
+from gateway.openai.sampling import sampling_params
+from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, refuse_unsupported
+from gateway.openai.shapes import SSE_DONE, ChatCompletion, TextCompletion, Usage, sse
 from gateway.prefix_cache import cache_salt
-from gateway.quotas import Admission
-from gateway.state import GatewayState
-from gateway.usage import UsageRecord
+from gateway.prompt_tokens import PromptTokens
+from gateway.quotas import Admission, QuotaService
 
-log = logging.getLogger(__name__)
-
-HIT_CHUNK_CHARS = 16
-"""A streamed cache hit is sent in pieces of this many characters."""
+Body = ChatCompletionRequest | CompletionRequest
 
 
-@dataclass
-class Prepared:
-    request: EngineRequest
-    """What the engine gets: the prompt as token ids, sampling without stop strings."""
-    stop: tuple[str, ...]
-    """Stop strings, matched on the text as the gateway detokenizes."""
-    meta: ResponseMeta
-    model: ResolvedModel
-    principal: Principal
-    prompt_tokens: int
-    stream: bool
-    include_usage: bool
-    admission: Admission | None
-    cache_key: CacheRequest
-    policy: CachePolicy
-    hit: CacheHit | None = None
-    started: float = field(default_factory=time.perf_counter)
-
-    @property
-    def cache_outcome(self) -> str:
-        if self.hit is not None:
-            return self.hit.kind
-        return "miss" if self.policy.lookup else "bypass"
-
-    def headers(self) -> dict[str, str]:
-        headers = dict(self.admission.headers) if self.admission is not None else {}
-        headers["x-cache"] = self.cache_outcome
-        if self.hit is not None and self.hit.similarity is not None:
-            headers["x-cache-similarity"] = f"{self.hit.similarity:.4f}"
-        return headers
-
-
+@dataclass(frozen=True)
 class CompletionService:
-    def __init__(self, gw: GatewayState):
-        self.gw = gw
+    """Completions for the OpenAI routes: one per process, provided to the handlers."""
 
+    engine: EngineClient
+    catalog: ModelCatalog
+    adapters: AdapterStore
+    prompts: PromptTokens
+    pieces: TokenPieces
+    quotas: QuotaService
+    cache: ResponseCache
+    metering: Metering
+    limits: ServingLimits
+
+    # -- preparing: everything that can refuse the request ---------------------------------------
     async def prepare(
-        self,
-        principal: Principal,
-        req: ChatCompletionRequest | CompletionRequest,
-        request_id: str,
-        cache_control: str | None = None,
+        self, principal: Principal, req: Body, request_id: str, cache_control: str | None = None
     ) -> Prepared:
-        """Validate, resolve, admit and look up the cache; raises before anything is sent."""
+        """Validate, resolve, tokenize, admit and look up the cache; raises before anything is
+        sent."""
         refuse_unsupported(req)
-        model = await self.gw.catalog.resolve(principal, req.model)
-        kind: Kind = "chat" if isinstance(req, ChatCompletionRequest) else "text"
-        if model.digest is not None:
-            await self.gw.engine.ensure_adapter(model.digest, self.gw.store.root / model.digest)
-        requested = req.max_completion_tokens if isinstance(req, ChatCompletionRequest) else None
-        requested = requested if requested is not None else req.max_tokens
-        salt = cache_salt(principal.tenant_id, principal.tenant_settings)
-        text_request = self._engine_request(
-            req, request_id, model, 1 if requested is None else requested, salt
+        model = await self._resolve(principal, req.model)
+        tokenized = await self._tokenize(req, request_id, model, principal)
+        params = tokenized.text_request.params
+        meta = self._meta(req, request_id, model)
+        operation = tracing.OPERATIONS[meta.kind]
+        tracing.describe_request(operation, model.name, params, req.stream, principal.tenant_id)
+        admission = await self._admit(
+            principal, len(tokenized.prompt_ids), params.n * params.max_tokens
         )
-        prompt_ids = await self.gw.prompts.prompt_ids(text_request)
-        prompt_tokens = len(prompt_ids)
-        params = text_request.params
-        if requested is None:
-            room = self.gw.max_model_len - prompt_tokens
-            cap = self.gw.settings.server.default_max_tokens
-            params = replace(params, max_tokens=max(1, min(room, cap)))
-            text_request = replace(text_request, params=params)
-        # What crosses to the engine: token ids, and no stop strings (matched here, on text).
-        engine_request = EngineRequest(
-            request_id,
-            replace(params, stop=()),
-            prompt_token_ids=prompt_ids,
-            adapter=model.digest,
-            cache_salt=salt,
-        )
-        tracing.describe_request(
-            tracing.OPERATIONS[kind], model.name, params, req.stream, principal.tenant_id
-        )
-        admission = await self._admit(principal, prompt_tokens, params.max_tokens)
         try:
-            deterministic = params.temperature == 0.0 or params.seed is not None
-            body_cache = (
-                {"semantic": req.cache.semantic, "ttl": req.cache.ttl} if req.cache else None
+            lookup = await self._look_up(
+                principal, req, tokenized.text_request, cache_control, completion_route(meta.kind)
             )
-            policy = cache_policy(
-                principal.tenant_settings, cache_control, body_cache, deterministic
-            )
-            key = cache_request(
-                principal.tenant_id, self.gw.model_name, text_request, req.response_format
-            )
-            hit = await self._lookup(key, policy, completion_route(kind))
         except BaseException:
             await admission.settle(0)
             raise
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        meta = ResponseMeta(
-            kind, f"{prefix}-{request_id.removeprefix('req_')}", int(time.time()), model.name
-        )
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Prepared(
-            engine_request,
-            params.stop,
-            meta,
-            model,
-            principal,
-            prompt_tokens,
-            req.stream,
-            include_usage,
-            admission,
-            key,
-            policy,
-            hit,
+            request=tokenized.engine_request,
+            stop=params.stop,
+            meta=meta,
+            model=model,
+            principal=principal,
+            prompt_tokens=len(tokenized.prompt_ids),
+            stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            admission=admission,
+            cache=lookup,
         )
+
+    async def _resolve(self, principal: Principal, name: str) -> ResolvedModel:
+        """The model `name` means for this caller, its adapter loaded on the engine."""
+        model = await self.catalog.resolve(principal, name)
+        if model.digest is not None:
+            await self.engine.ensure_adapter(model.digest, self.adapters.root / model.digest)
+        return model
+
+    async def _tokenize(
+        self, req: Body, request_id: str, model: ResolvedModel, principal: Principal
+    ) -> Tokenized:
+        """The request's prompt as token ids and its sampling parameters; without a max_tokens,
+        the room left in the context (at most the server's default)."""
+        requested = req.max_completion_tokens if isinstance(req, ChatCompletionRequest) else None
+        requested = requested if requested is not None else req.max_tokens
+        params = sampling_params(req, requested or 1, self.limits.vocab_size)
+        salt = cache_salt(principal.tenant_id, principal.tenant_settings)
+        text_request = EngineRequest(
+            request_id, params, adapter=model.digest, cache_salt=salt, **engine_prompt(req)
+        )
+        prompt_ids = await self.prompts.prompt_ids(text_request)
+        if requested is None:
+            room = self.limits.max_model_len - len(prompt_ids)
+            params = replace(params, max_tokens=max(1, min(room, self.limits.default_max_tokens)))
+            text_request = replace(text_request, params=params)
+        return Tokenized(text_request, prompt_ids)
 
     async def _admit(self, principal: Principal, prompt_tokens: int, max_tokens: int) -> Admission:
         try:
             with tracing.step("admission"):
-                return await self.gw.quotas.admit(principal, prompt_tokens, max_tokens)
+                return await self.quotas.admit(principal, prompt_tokens, max_tokens)
         except (RateLimited, InsufficientQuota) as refused:
             reason = refused.reason if isinstance(refused, RateLimited) else "budget"
-            self.gw.metrics.admission.quota_refusals.labels(reason).inc()
+            self.metering.metrics.admission.quota_refusals.labels(reason).inc()
             raise
 
-    async def _lookup(self, key: CacheRequest, policy: CachePolicy, route: str) -> CacheHit | None:
+    async def _look_up(
+        self,
+        principal: Principal,
+        req: Body,
+        text_request: EngineRequest,
+        cache_control: str | None,
+        route: str,
+    ) -> CacheLookup:
+        params = text_request.params
+        body_cache = {"semantic": req.cache.semantic, "ttl": req.cache.ttl} if req.cache else None
+        policy = cache_policy(
+            principal.tenant_settings, cache_control, body_cache, is_deterministic(params)
+        )
+        if params.n > 1:
+            policy = replace(policy, lookup=False, store=False)
+        key = cache_request(
+            principal.tenant_id,
+            self.limits.base_model,
+            text_request,
+            msgspec.to_builtins(req.response_format),
+            _tools(req),
+        )
+        hit = await self._cache_hit(key, policy, route)
+        return CacheLookup(key, policy, hit)
+
+    async def _cache_hit(
+        self, key: CacheRequest, policy: CachePolicy, route: str
+    ) -> CacheHit | None:
         if not policy.lookup:
             return None
-        families = self.gw.metrics.admission
+        families = self.metering.metrics.admission
         families.cache_lookups.labels(route).inc()
         with tracing.step("response_cache.lookup"):
-            hit = await self.gw.cache.lookup(key, policy)
+            hit = await self.cache.lookup(key, policy)
         if hit is not None:
             families.cache_hits.labels(route, hit.kind).inc()
         return hit
 
-    def _engine_request(
-        self,
-        req: ChatCompletionRequest | CompletionRequest,
-        request_id: str,
-        model: ResolvedModel,
-        max_tokens: int,
-        salt: str,
-    ) -> EngineRequest:
-        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        if len(stop) > 4:
-            raise BadRequest("at most 4 stop sequences are allowed", param="stop")
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
-            seed=req.seed,
-            stop=stop,
-        )
-        prompt: dict[str, Any]
-        if isinstance(req, ChatCompletionRequest):
-            prompt = {"messages": chat_messages(req.messages)}
-        else:
-            prompt = _completion_prompt(req.prompt)
-        return EngineRequest(request_id, params, adapter=model.digest, cache_salt=salt, **prompt)
+    def _meta(self, req: Body, request_id: str, model: ResolvedModel) -> ResponseMeta:
+        kind: Kind = "chat" if isinstance(req, ChatCompletionRequest) else "text"
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        response_id = f"{prefix}-{request_id.removeprefix('req_')}"
+        fingerprint = system_fingerprint(self.limits.base_model, model.digest)
+        return ResponseMeta(kind, response_id, int(time.time()), model.name, fingerprint)
 
-    # -- running ---------------------------------------------------------------------------------
-    def _generate(self, p: Prepared) -> Generation:
-        detokenizer = self.gw.prompts.detokenizer(p.stop)
-        return Generation(
-            self.gw.engine, p.request, detokenizer, p.started, partial(self._finish, p)
-        )
+    # -- answering: one sequence of parts, streamed or gathered ------------------------------------
+    async def outputs(self, p: Prepared) -> AsyncGenerator[Part | Ending]:
+        """The response's parts as they come, then how it ended: from the engine, or replayed
+        from the cache. Closing it early aborts the run (which still ends and is billed)."""
+        if p.cache.hit is not None:
+            async for out in self._replay(p, p.cache.hit):
+                yield out
+            return
+        detokenizer = partial(self.prompts.detokenizer, p.stop)
+        run = Generation(self.engine, p.request, detokenizer, p.started, partial(self._finish, p))
+        try:
+            async for delta in run.deltas():
+                if delta.text or delta.finish_reason or (delta.token_ids and delta.logprobs):
+                    yield part_of(delta, p.meta.kind, self.pieces)
+            usage = Usage.of(p.prompt_tokens, run.completion_tokens, run.cached_tokens)
+            yield Ending(p.answers, usage, run.error)
+        finally:
+            run.abort()
+
+    async def _replay(self, p: Prepared, hit: CacheHit) -> AsyncIterator[Part | Ending]:
+        answer = replayed(hit.response, p.meta.kind)
+        try:
+            for part in replay_parts(answer):
+                yield part
+            usage = Usage.of(hit.response.prompt_tokens, hit.response.completion_tokens, 0)
+            yield Ending([answer], usage)
+        finally:
+            await self.metering.settle_hit(p)
 
     async def complete(
         self, p: Prepared, client_gone: Callable[[], Awaitable[None]]
-    ) -> dict[str, Any]:
-        """The whole response as one JSON object; generation is aborted if `client_gone()`
-        returns first (the client closed its connection)."""
-        if p.hit is not None:
-            return await self._complete_hit(p, p.hit)
-        run = self._generate(p)
-        await run.wait(client_gone())
-        if run.left:
+    ) -> ChatCompletion | TextCompletion:
+        """The whole response; generation is aborted if `client_gone()` returns first (the
+        client closed its connection)."""
+        gathering = asyncio.ensure_future(_ending(self.outputs(p)))
+        watcher = asyncio.ensure_future(client_gone())
+        try:
+            await asyncio.wait({gathering, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            left = not gathering.done()
+            if left:  # closing the outputs aborts the run, which still ends and is billed
+                gathering.cancel()
+        if left:
             raise ClientClosedRequest("the client closed the connection")
-        if run.error is not None:
-            raise run.error
-        usage = shapes.usage_json(p.prompt_tokens, run.completion_tokens, run.cached_tokens)
-        return shapes.whole(p.meta, run.text, run.finish, usage)
+        ending = gathering.result()
+        if ending.error is not None:
+            raise ending.error
+        return whole(p.meta, ending)
 
     async def stream(self, p: Prepared) -> AsyncIterator[bytes]:
         """SSE chunks as OpenAI sends them, ending with `data: [DONE]`. The run ends (and is
         billed) before the end is sent, so the client's next request finds its cache entry and
         settled quota; a client that stops reading aborts it."""
-        if p.hit is not None:
-            async for piece in self._stream_hit(p, p.hit):
-                yield piece
-            return
-        run = self._generate(p)
+        outputs = self.outputs(p)
         try:
             if p.meta.kind == "chat":
-                yield shapes.sse(shapes.chunk(p.meta, None, None, role=True))
-            async for out in run.deltas():
-                if out.text or out.finish_reason:
-                    yield shapes.sse(shapes.chunk(p.meta, out.text, out.finish_reason))
-            if run.error is not None:
-                yield shapes.sse(run.error.body())
-                return
-            if p.include_usage:
-                usage = shapes.usage_json(p.prompt_tokens, run.completion_tokens, run.cached_tokens)
-                yield shapes.sse(shapes.usage_chunk(p.meta, usage))
-            yield shapes.SSE_DONE
+                for opening in openings(p.meta, p.request.params.n):
+                    yield sse(opening)
+            async for out in outputs:
+                if isinstance(out, Part):
+                    yield sse(chunk(p.meta, out))
+                elif out.error is not None:
+                    yield sse(out.error.body())
+                else:
+                    if p.include_usage:
+                        yield sse(usage_chunk(p.meta, out.usage))
+                    yield SSE_DONE
         finally:
-            run.abort()
+            await outputs.aclose()
 
-    async def _complete_hit(self, p: Prepared, hit: CacheHit) -> dict[str, Any]:
-        r = hit.response
-        await self._finish_hit(p, hit)
-        return shapes.whole(
-            p.meta,
-            r.text,
-            r.finish_reason,
-            shapes.usage_json(r.prompt_tokens, r.completion_tokens, 0),
-        )
-
-    async def _stream_hit(self, p: Prepared, hit: CacheHit) -> AsyncIterator[bytes]:
-        r = hit.response
-        try:
-            if p.meta.kind == "chat":
-                yield shapes.sse(shapes.chunk(p.meta, None, None, role=True))
-            for i in range(0, len(r.text), HIT_CHUNK_CHARS):
-                yield shapes.sse(shapes.chunk(p.meta, r.text[i : i + HIT_CHUNK_CHARS], None))
-            yield shapes.sse(shapes.chunk(p.meta, None, r.finish_reason))
-            if p.include_usage:
-                usage = shapes.usage_json(p.prompt_tokens, r.completion_tokens, 0)
-                yield shapes.sse(shapes.usage_chunk(p.meta, usage))
-            yield shapes.SSE_DONE
-        finally:
-            await self._finish_hit(p, hit)
-
-    # -- finishing -------------------------------------------------------------------------------
     async def _finish(self, p: Prepared, run: Generation) -> None:
-        """Meter, store in the cache, and settle the reservation (exactly once)."""
+        """The run ended: its answers, then meter, cache and settle (exactly once)."""
+        p.answers = [
+            answer_of(c, p.meta.kind, self.pieces, p.request.params.logprobs) for c in run.choices
+        ]
         completion = run.completion_tokens
-        prompt = p.prompt_tokens if completion else 0
         try:
-            finish = {200: run.finish or "error", 499: "abort"}.get(run.status, "error")
-            self._meter(p, prompt, completion, run.cached_tokens, run.status, run.ttft, finish)
-            tracing.describe_result(
-                p.meta.id,
-                p.model.name,
-                (p.prompt_tokens, completion),
-                finish,
-                p.cache_outcome,
-                run.timings,
-            )
-            if run.status == 200 and run.finish is not None and p.policy.store:
-                response = CachedResponse(run.text, run.finish, p.prompt_tokens, completion)
-                await self.gw.cache.store(p.cache_key, p.policy, response)
+            self.metering.meter_run(p, run)
+            if run.status == 200 and run.finished and p.cache.policy.store:
+                entry = cached(p.answers[0], p.prompt_tokens, completion)
+                await self.cache.store(p.cache.key, p.cache.policy, entry)
         finally:
-            if p.admission is not None:
-                await p.admission.settle(prompt + completion)
-
-    async def _finish_hit(self, p: Prepared, hit: CacheHit) -> None:
-        try:
-            elapsed = time.perf_counter() - p.started
-            self._meter(p, 0, 0, 0, 200, elapsed, hit.response.finish_reason)
-            r = hit.response
-            usage = (r.prompt_tokens, r.completion_tokens)
-            tracing.describe_result(p.meta.id, p.model.name, usage, r.finish_reason, hit.kind, None)
-        finally:
-            if p.admission is not None:
-                await p.admission.settle(0)
-
-    def _meter(
-        self,
-        p: Prepared,
-        prompt: int,
-        completion: int,
-        cached: int,
-        status: int,
-        ttft: float | None,
-        finish: str,
-    ) -> None:
-        latency = time.perf_counter() - p.started
-        kind = "adapter" if p.model.digest else "base"
-        route = completion_route(p.meta.kind)
-        m = self.gw.metrics.completions
-        m.finished.labels(route, finish).inc()
-        if ttft is not None:
-            m.ttft.labels(route, kind).observe(ttft)
-        m.tokens.labels(kind, "prompt").inc(prompt)
-        m.tokens.labels(kind, "completion").inc(completion)
-        self.gw.usage.record(
-            UsageRecord(
-                request_id=p.request.request_id,
-                tenant_id=p.principal.tenant_id,
-                key_id=p.principal.key_id,
-                model=p.model.name,
-                adapter_digest=p.model.digest,
-                prompt_tokens=prompt,
-                completion_tokens=completion,
-                cached_tokens=cached,
-                cache=p.cache_outcome,
-                status=status,
-                latency_ms=latency * 1000,
-                ttft_ms=ttft * 1000 if ttft is not None else None,
-                admitted_at=p.admission.admitted_at if p.admission is not None else None,
-            )
-        )
+            await self.metering.settle_run(p, run)
 
 
-def _completion_prompt(prompt: str | list[Any], nested: bool = False) -> dict[str, Any]:
-    if isinstance(prompt, str):
-        return {"prompt": prompt}
-    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if not all(0 <= t <= INT32_MAX for t in prompt):
-            raise BadRequest("prompt token ids must be between 0 and 2^31 - 1", param="prompt")
-        return {"prompt_token_ids": list(prompt)}
-    if len(prompt) == 1 and not nested and isinstance(prompt[0], str | list):
-        return _completion_prompt(prompt[0], nested=True)
-    raise BadRequest(
-        "prompt must be a string, a list of token ids, or a list holding one of those",
-        param="prompt",
-    )
+async def _ending(outputs: AsyncIterator[Part | Ending]) -> Ending:
+    ending = None
+    async for out in outputs:
+        if isinstance(out, Ending):
+            ending = out
+    assert ending is not None, "outputs end with an Ending"
+    return ending
+
+
+def _tools(req: Body) -> dict[str, Any] | None:
+    """What of the request's tool use changes the output, as JSON values."""
+    if not isinstance(req, ChatCompletionRequest) or req.tools is None:
+        return None
+    return {
+        "tools": msgspec.to_builtins(req.tools),
+        "tool_choice": msgspec.to_builtins(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls,
+    }

@@ -1,27 +1,21 @@
-"""OpenAI response shapes: whole responses, stream chunks, usage, SSE framing.
+"""OpenAI response shapes as msgspec structs: whole responses, stream chunks, logprobs, models.
 
-The builders write dicts; the structs below name the same shapes for the OpenAPI document
-(`forbid_unknown_fields`, so a real response can be decoded into them to check they agree)."""
+They follow OpenAI's published OpenAPI document (tests validate real responses against the
+vendored copy, tests/fixtures/openai_openapi): required fields are always written, optional ones
+(`tool_calls`, a delta's `role`, a chunk's `usage`) only when set. `forbid_unknown_fields`, so a
+real response can be decoded into them to check they agree.
+"""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
+import msgspec
 from msgspec import Struct
 
-Kind = Literal["chat", "text"]
+from gateway.openai.tools.schemas import ToolCall, ToolCallDelta
 
-
-@dataclass(frozen=True)
-class ResponseMeta:
-    """What every object of one response shares."""
-
-    kind: Kind
-    id: str
-    created: int
-    model: str
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 class PromptTokensDetails(Struct, forbid_unknown_fields=True):
@@ -35,17 +29,55 @@ class Usage(Struct, forbid_unknown_fields=True):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
 
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+        total = prompt_tokens + completion_tokens
+        details = PromptTokensDetails(cached_tokens)
+        return cls(prompt_tokens, completion_tokens, total, details)
 
-class AssistantMessage(Struct, forbid_unknown_fields=True):
+
+class TopLogprob(Struct, forbid_unknown_fields=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    """The token's UTF-8 bytes (a byte-fallback token's one raw byte)."""
+
+
+class TokenLogprobEntry(Struct, forbid_unknown_fields=True):
+    """One generated token of a chat choice's `logprobs.content`."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(Struct, forbid_unknown_fields=True):
+    content: list[TokenLogprobEntry] | None
+    refusal: None = None
+
+
+class TextLogprobs(Struct, forbid_unknown_fields=True):
+    """The legacy completions API's logprobs: parallel lists, one entry per token;
+    `text_offset` is where the token's text starts in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class AssistantMessage(Struct, forbid_unknown_fields=True, omit_defaults=True):
     role: Literal["assistant"]
-    content: str
+    content: str | None
     refusal: None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(Struct, forbid_unknown_fields=True):
     index: int
     finish_reason: str | None
-    logprobs: None
+    logprobs: ChoiceLogprobs | None
     message: AssistantMessage
 
 
@@ -54,25 +86,28 @@ class ChatCompletion(Struct, forbid_unknown_fields=True):
     object: Literal["chat.completion"]
     created: int
     model: str
-    system_fingerprint: None
+    system_fingerprint: str
+    """Changes when what produces the output changes: the engine build, the base model or
+    the adapter."""
     choices: list[ChatChoice]
     usage: Usage
 
 
-class ChatDelta(Struct, forbid_unknown_fields=True):
+class ChatDelta(Struct, forbid_unknown_fields=True, omit_defaults=True):
     role: Literal["assistant"] | None = None
-    """Only in the first chunk."""
+    """Only in the first chunk of a choice."""
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Struct, forbid_unknown_fields=True):
     index: int
     finish_reason: str | None
-    logprobs: None
+    logprobs: ChoiceLogprobs | None
     delta: ChatDelta
 
 
-class ChatCompletionChunk(Struct, forbid_unknown_fields=True):
+class ChatCompletionChunk(Struct, forbid_unknown_fields=True, omit_defaults=True):
     """One `data:` event of a chat stream; the stream ends with `data: [DONE]`. With
     `stream_options.include_usage` the last chunk has no choices and the usage."""
 
@@ -80,7 +115,7 @@ class ChatCompletionChunk(Struct, forbid_unknown_fields=True):
     object: Literal["chat.completion.chunk"]
     created: int
     model: str
-    system_fingerprint: None
+    system_fingerprint: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
@@ -88,11 +123,11 @@ class ChatCompletionChunk(Struct, forbid_unknown_fields=True):
 class TextChoice(Struct, forbid_unknown_fields=True):
     index: int
     finish_reason: str | None
-    logprobs: None
+    logprobs: TextLogprobs | None
     text: str
 
 
-class TextCompletion(Struct, forbid_unknown_fields=True):
+class TextCompletion(Struct, forbid_unknown_fields=True, omit_defaults=True):
     """A whole text completion, or one `data:` event of a stream of them (a stream's chunks
     have no usage, but for the last one with `stream_options.include_usage`; it ends with
     `data: [DONE]`)."""
@@ -101,7 +136,7 @@ class TextCompletion(Struct, forbid_unknown_fields=True):
     object: Literal["text_completion"]
     created: int
     model: str
-    system_fingerprint: None
+    system_fingerprint: str
     choices: list[TextChoice]
     usage: Usage | None = None
 
@@ -121,63 +156,11 @@ class ModelList(Struct, forbid_unknown_fields=True):
     data: list[Model]
 
 
-def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
+Chunk = ChatCompletionChunk | TextCompletion
+
+_encoder = msgspec.json.Encoder()
 
 
-def whole(
-    meta: ResponseMeta, text: str, finish: str | None, usage: dict[str, Any]
-) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-    if meta.kind == "chat":
-        choice["message"] = {"role": "assistant", "content": text, "refusal": None}
-    else:
-        choice["text"] = text
-    return {
-        "id": meta.id,
-        "object": "chat.completion" if meta.kind == "chat" else "text_completion",
-        "created": meta.created,
-        "model": meta.model,
-        "system_fingerprint": None,
-        "choices": [choice],
-        "usage": usage,
-    }
-
-
-def chunk(
-    meta: ResponseMeta, text: str | None, finish: str | None, role: bool = False
-) -> dict[str, Any]:
-    """One stream chunk; `role` marks a chat stream's opening chunk."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-    if meta.kind == "chat":
-        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-        if text:
-            delta["content"] = text
-        choice["delta"] = delta
-    else:
-        choice["text"] = text or ""
-    return {
-        "id": meta.id,
-        "object": "chat.completion.chunk" if meta.kind == "chat" else "text_completion",
-        "created": meta.created,
-        "model": meta.model,
-        "system_fingerprint": None,
-        "choices": [choice],
-    }
-
-
-def usage_chunk(meta: ResponseMeta, usage: dict[str, Any]) -> dict[str, Any]:
-    """The final chunk of `stream_options.include_usage`: no choices, the usage."""
-    return {**chunk(meta, None, None), "choices": [], "usage": usage}
-
-
-def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
+def sse(payload: object) -> bytes:
+    """One server-sent event carrying `payload` as JSON."""
+    return b"data: " + _encoder.encode(payload) + b"\n\n"

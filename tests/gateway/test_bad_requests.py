@@ -52,7 +52,8 @@ CASES = {
     "missing messages": (_with(messages=...), 400),
     "messages not a list": (_with(messages="hi"), 400),
     "empty messages": (_with(messages=[]), 400),
-    "unknown role": (_with(messages=[{"role": "tool", "content": "x"}]), 400),
+    "unknown role": (_with(messages=[{"role": "robot", "content": "x"}]), 400),
+    "tool message without its call id": (_with(messages=[{"role": "tool", "content": "x"}]), 400),
     "image content": (
         _with(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
         400,
@@ -62,10 +63,16 @@ CASES = {
     "max_tokens zero": (_with(max_tokens=0), 400),
     "max_tokens float": (_with(max_tokens=1.5), 400),
     "top_p out of range": (_with(top_p=2), 400),
-    "n above one": (_with(n=3), 400),
-    "tools": (_with(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
-    "logprobs": (_with(logprobs=True), 400),
-    "json mode": (_with(response_format={"type": "json_object"}), 400),
+    "n above the limit": (_with(n=17), 400),
+    "tool name with a space": (
+        _with(tools=[{"type": "function", "function": {"name": "f g"}}]),
+        400,
+    ),
+    "top_logprobs above 20": (_with(logprobs=True, top_logprobs=21), 400),
+    "json_schema without a name": (
+        _with(response_format={"type": "json_schema", "json_schema": {"schema": {}}}),
+        400,
+    ),
     "five stops": (_with(stop=["a", "b", "c", "d", "e"]), 400),
     "stream not bool": (_with(stream="yes"), 400),
     "prompt over the context": (_with(messages=[{"role": "user", "content": "word " * 2000}]), 400),
@@ -115,7 +122,21 @@ def test_bad_completion_prompt(gateway: RunningServer, tenant: TenantKey, prompt
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
-NUMERIC_FIELDS = ["max_tokens", "max_completion_tokens", "seed", "top_k", "temperature", "top_p"]
+NUMERIC_FIELDS = [
+    "max_tokens",
+    "max_completion_tokens",
+    "seed",
+    "top_k",
+    "temperature",
+    "top_p",
+    "n",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+]
+NEGATIVE_ONE_ALLOWED = {"seed", "presence_penalty", "frequency_penalty"}
 HOSTILE_NUMBERS = {
     "1e400": "1e400",
     "-1e400": "-1e400",
@@ -131,8 +152,8 @@ HOSTILE_NUMBERS = {
 def test_numbers_out_of_range_are_refused_naming_the_field(
     gateway: RunningServer, tenant: TenantKey, field: str, number: str
 ) -> None:
-    if field == "seed" and number == "-1":
-        pytest.skip("-1 is a valid seed")
+    if field in NEGATIVE_ONE_ALLOWED and number == "-1":
+        pytest.skip(f"-1 is a valid {field}")
     r = httpx.post(
         f"{gateway.url}/v1/chat/completions",
         content=_raw(field, HOSTILE_NUMBERS[number]),
@@ -143,8 +164,8 @@ def test_numbers_out_of_range_are_refused_naming_the_field(
     assert r.json()["error"]["param"] == field
 
 
-@pytest.mark.parametrize("number", ["1e400", str(2**64 + 5), "2"])
-def test_n_other_than_one_is_refused_naming_the_field(
+@pytest.mark.parametrize("number", ["1e400", str(2**64 + 5), "0", "17", str(10**9)])
+def test_n_outside_1_to_16_is_refused_naming_the_field(
     gateway: RunningServer, tenant: TenantKey, number: str
 ) -> None:
     r = httpx.post(

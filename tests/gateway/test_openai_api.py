@@ -93,7 +93,7 @@ def test_errors_arrive_as_the_clients_exception_classes(
     with pytest.raises(openai.NotFoundError):
         good.chat.completions.create(model="no-such-adapter", messages=MESSAGES)  # type: ignore[arg-type]
     with pytest.raises(openai.BadRequestError):
-        good.chat.completions.create(model="demo-model", messages=MESSAGES, n=2)  # type: ignore[arg-type]
+        good.chat.completions.create(model="demo-model", messages=MESSAGES, n=17)  # type: ignore[arg-type]
     with pytest.raises(openai.BadRequestError):
         good.chat.completions.create(model="demo-model", messages=MESSAGES, max_tokens=100_000)  # type: ignore[arg-type]
     _, limited = new_key(admin_module, tenant.tenant_id, allowed_models=["some-other-model"])

@@ -1,0 +1,92 @@
+"""The end of a completion: its usage event and metrics, and its reservation settled."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from gateway import tracing
+from gateway.metrics import Metrics, completion_route
+from gateway.openai.generation import Generation
+from gateway.openai.prepared import Prepared
+from gateway.usage import UsageRecord, UsageRecorder
+
+
+@dataclass(frozen=True)
+class Metering:
+    metrics: Metrics
+    usage: UsageRecorder
+
+    def meter_run(self, p: Prepared, run: Generation) -> None:
+        """A run's usage: the prompt counts only when a token was generated."""
+        completion = run.completion_tokens
+        prompt = p.prompt_tokens if completion else 0
+        finish = run_finish(run)
+        self._meter(p, prompt, completion, run.cached_tokens, run.status, run.ttft, finish)
+        usage = (p.prompt_tokens, completion)
+        tracing.describe_result(
+            p.meta.id, p.model.name, usage, finish, p.cache.outcome, run.timings
+        )
+
+    async def settle_run(self, p: Prepared, run: Generation) -> None:
+        completion = run.completion_tokens
+        await p.admission.settle((p.prompt_tokens if completion else 0) + completion)
+
+    async def settle_hit(self, p: Prepared) -> None:
+        """A cache hit consumes no tokens."""
+        hit = p.cache.hit
+        assert hit is not None, "settle_hit settles a cache hit"
+        r = hit.response
+        try:
+            self._meter(p, 0, 0, 0, 200, time.perf_counter() - p.started, r.finish_reason)
+            usage = (r.prompt_tokens, r.completion_tokens)
+            tracing.describe_result(p.meta.id, p.model.name, usage, r.finish_reason, hit.kind, None)
+        finally:
+            await p.admission.settle(0)
+
+    def _meter(
+        self,
+        p: Prepared,
+        prompt: int,
+        completion: int,
+        cached: int,
+        status: int,
+        ttft: float | None,
+        finish: str,
+    ) -> None:
+        latency = time.perf_counter() - p.started
+        kind = "adapter" if p.model.digest else "base"
+        route = completion_route(p.meta.kind)
+        m = self.metrics.completions
+        m.finished.labels(route, finish).inc()
+        if ttft is not None:
+            m.ttft.labels(route, kind).observe(ttft)
+        m.tokens.labels(kind, "prompt").inc(prompt)
+        m.tokens.labels(kind, "completion").inc(completion)
+        self.usage.record(
+            UsageRecord(
+                request_id=p.request.request_id,
+                tenant_id=p.principal.tenant_id,
+                key_id=p.principal.key_id,
+                model=p.model.name,
+                adapter_digest=p.model.digest,
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                cached_tokens=cached,
+                cache=p.cache.outcome,
+                status=status,
+                latency_ms=latency * 1000,
+                ttft_ms=ttft * 1000 if ttft is not None else None,
+                admitted_at=p.admission.admitted_at,
+            )
+        )
+
+
+def run_finish(run: Generation) -> str:
+    """How a run ended, for metrics and traces: the first choice's finish reason when it was
+    served, `abort` when the client left, `error` otherwise."""
+    if run.status == 499:
+        return "abort"
+    if run.status != 200:
+        return "error"
+    return run.choices[0].finish or "error"

@@ -1,0 +1,99 @@
+"""Logprobs as the API reports them: the engine gives token ids and numbers; the token's text
+and bytes come from the tokenizer here.
+
+A token's bytes are what it contributes to the output: for a byte-level BPE (GPT-2, Llama 3,
+Qwen, the demo model) the bytes its symbols stand for, which may be part of a UTF-8 character;
+for a byte-fallback token (`<0xE2>`) its one raw byte; otherwise the UTF-8 of its text. Its
+`token` string is those bytes decoded, a partial character as U+FFFD.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
+from tokenizers import decoders
+
+from engine.outputs import TokenLogprob
+from gateway.openai.shapes import TextLogprobs, TokenLogprobEntry, TopLogprob
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's map from the printable symbols of a byte-level vocabulary back to bytes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    symbols = list(printable)
+    shifted = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            symbols.append(256 + shifted)
+            shifted += 1
+    return {chr(s): b for b, s in zip(printable, symbols, strict=True)}
+
+
+class TokenPieces:
+    """Token ids to (text, bytes), remembered per id. Use from one thread (the event loop)."""
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._byte_level = backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
+        self._pieces: dict[int, tuple[str, list[int]]] = {}
+
+    def piece(self, token_id: int) -> tuple[str, list[int]]:
+        found = self._pieces.get(token_id)
+        if found is None:
+            raw = self._bytes(token_id)
+            found = self._pieces[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return found
+
+    def _bytes(self, token_id: int) -> bytes:
+        token = self._tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(token, str):
+            return b""
+        if match := _BYTE_FALLBACK.fullmatch(token):
+            return bytes([int(match[1], 16)])
+        decoder = _byte_decoder()
+        if self._byte_level and all(c in decoder for c in token):
+            return bytes(decoder[c] for c in token)
+        if token.startswith("\u2581"):  # SentencePiece's word boundary is a space
+            return (" " + token[1:]).encode()
+        return str(self._tokenizer.decode([token_id])).encode()
+
+    def chat_entries(
+        self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]
+    ) -> list[TokenLogprobEntry]:
+        """A chat choice's `logprobs.content` for these tokens."""
+        entries = []
+        for token_id, lp in zip(token_ids, logprobs, strict=True):
+            text, raw = self.piece(token_id)
+            top = [TopLogprob(*self._text_first(t, p)) for t, p in lp.top]
+            entries.append(TokenLogprobEntry(text, lp.logprob, raw, top))
+        return entries
+
+    def _text_first(self, token_id: int, logprob: float) -> tuple[str, float, list[int]]:
+        text, raw = self.piece(token_id)
+        return text, logprob, raw
+
+    def text_logprobs(
+        self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob], offsets: Sequence[int]
+    ) -> TextLogprobs:
+        """The completions API's logprobs for these tokens, `offsets` their text offsets."""
+        tokens = [self.piece(t)[0] for t in token_ids]
+        tops = [{self.piece(t)[0]: p for t, p in lp.top} for lp in logprobs]
+        return TextLogprobs(tokens, [lp.logprob for lp in logprobs], tops, list(offsets))
+
+
+def merge_text_logprobs(parts: Sequence[TextLogprobs]) -> TextLogprobs:
+    """The logprobs of a whole choice from those of its streamed pieces."""
+    return TextLogprobs(
+        [t for p in parts for t in p.tokens],
+        [x for p in parts for x in p.token_logprobs],
+        [d for p in parts for d in p.top_logprobs],
+        [o for p in parts for o in p.text_offset],
+    )

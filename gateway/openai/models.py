@@ -1,0 +1,71 @@
+"""The models a key may name (`GET /v1/models`, `GET /v1/models/{model}`), and the system
+fingerprint of what produces a model's output."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from gateway.auth.api_keys import Principal
+from gateway.catalog import ModelCatalog
+from gateway.db.adapter import SHARED_OWNER
+from gateway.errors import NotFound
+from gateway.openai.shapes import Model, ModelList
+
+_BUILD_SOURCES = ("engine", "kernels")
+"""The packages whose code decides what the engine computes."""
+
+
+@cache
+def engine_build() -> str:
+    """A digest of the engine's and the kernels' source: changes with any change to them."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parents[2]
+    for package in _BUILD_SOURCES:
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def system_fingerprint(base_model: str, adapter_digest: str | None) -> str:
+    """`fp_` and a short hash of the engine build, the base model and the adapter's digest:
+    the same fingerprint means the same code, weights and adapter produced the output."""
+    identity = "\0".join((engine_build(), base_model, adapter_digest or "base"))
+    return "fp_" + hashlib.sha256(identity.encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class ModelDirectory:
+    """The base model and the adapters each tenant may use."""
+
+    catalog: ModelCatalog
+    base_model: str
+
+    async def list(self, principal: Principal) -> ModelList:
+        """The base model and every adapter this key may use (own adapters first; a shared
+        adapter shadowed by an own one of the same name is listed as `shared/<name>`)."""
+        models = [Model(self.base_model, "model", 0, "loramux")]
+        own: set[str] = set()
+        for row in await self.catalog.visible(principal.tenant_id):
+            shadowed = row.owner == SHARED_OWNER and row.name in own
+            model_id = f"{SHARED_OWNER}/{row.name}" if shadowed else row.name
+            if row.owner != SHARED_OWNER:
+                own.add(row.name)
+            owned_by = "shared" if row.owner == SHARED_OWNER else principal.tenant_name
+            created = int(row.created_at.timestamp())
+            models.append(Model(model_id, "model", created, owned_by, self.base_model))
+        return ModelList("list", [m for m in models if principal.may_use(m.id)])
+
+    async def get(self, principal: Principal, model_id: str) -> Model:
+        """One model of `list`; a model this key may not use is as unknown as one that does
+        not exist (404 either way)."""
+        for model in (await self.list(principal)).data:
+            if model.id == model_id:
+                return model
+        raise NotFound(
+            f"The model '{model_id}' does not exist or you do not have access to it.",
+            param="model",
+        )

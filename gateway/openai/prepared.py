@@ -1,0 +1,86 @@
+"""What `CompletionService.prepare` decides about a request before anything is sent."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from cache.types import CacheHit, CachePolicy, CacheRequest
+from engine.outputs import EngineRequest
+from gateway.auth.api_keys import Principal
+from gateway.catalog import ResolvedModel
+from gateway.openai.responses import Answer, ResponseMeta
+from gateway.quotas import Admission
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """What the served model and the server's settings allow."""
+
+    base_model: str
+    max_model_len: int
+    vocab_size: int
+    default_max_tokens: int
+    """max_tokens of a request that gives none (at most what the context has room for)."""
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """A request with its prompt as text or messages (`text_request`: what the cache keys on),
+    and that prompt's token ids."""
+
+    text_request: EngineRequest
+    prompt_ids: list[int]
+
+    @property
+    def engine_request(self) -> EngineRequest:
+        """What crosses to the engine: token ids, and no stop strings (matched on the text, at
+        the gateway)."""
+        r = self.text_request
+        return EngineRequest(
+            r.request_id,
+            replace(r.params, stop=()),
+            prompt_token_ids=self.prompt_ids,
+            adapter=r.adapter,
+            cache_salt=r.cache_salt,
+        )
+
+
+@dataclass(frozen=True)
+class CacheLookup:
+    key: CacheRequest
+    policy: CachePolicy
+    hit: CacheHit | None
+
+    @property
+    def outcome(self) -> str:
+        if self.hit is not None:
+            return self.hit.kind
+        return "miss" if self.policy.lookup else "bypass"
+
+
+@dataclass(kw_only=True)
+class Prepared:
+    request: EngineRequest
+    """What the engine gets: the prompt as token ids, sampling without stop strings."""
+    stop: tuple[str, ...]
+    """Stop strings, matched on the text as the gateway detokenizes."""
+    meta: ResponseMeta
+    model: ResolvedModel
+    principal: Principal
+    prompt_tokens: int
+    stream: bool
+    include_usage: bool
+    admission: Admission
+    cache: CacheLookup
+    started: float = field(default_factory=time.perf_counter)
+    answers: list[Answer] = field(default_factory=list)
+    """Each choice whole, once the run has ended."""
+
+    def headers(self) -> dict[str, str]:
+        headers = dict(self.admission.headers)
+        headers["x-cache"] = self.cache.outcome
+        hit = self.cache.hit
+        if hit is not None and hit.similarity is not None:
+            headers["x-cache-similarity"] = f"{hit.similarity:.4f}"
+        return headers

@@ -1,0 +1,113 @@
+"""The prompt of a request as the engine takes it: chat messages for the model's template (tool
+calls and tool results included), or a raw prompt as text or token ids."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gateway.errors import BadRequest
+from gateway.openai.schemas import (
+    INT32_MAX,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ContentPart,
+)
+from gateway.openai.tools.schemas import checked_tools
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def engine_prompt(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    """The EngineRequest fields that carry the prompt: `messages`, `prompt` or
+    `prompt_token_ids`."""
+    if isinstance(req, ChatCompletionRequest):
+        refuse_tools(req)
+        return {"messages": chat_messages(req.messages)}
+    return _completion_prompt(req.prompt)
+
+
+def refuse_tools(req: ChatCompletionRequest) -> None:
+    """Tools are accepted in the request's shape, but calling them needs the tool-call parsers
+    (`gateway.openai.tools`) this build does not have yet: refused unless the model may not
+    call any (`tool_choice: "none"`)."""
+    tools, choice = checked_tools(req.tools, req.tool_choice)
+    if tools and choice != "none":
+        raise BadRequest("tool calling is not served by this build", param="tools")
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates take them: roles system/user/assistant/tool, text content, an
+    assistant turn's `tool_calls` with arguments as objects, a tool turn's `tool_call_id`."""
+    if not messages:
+        raise BadRequest("messages must contain at least one message", param="messages")
+    return [_message(m, i) for i, m in enumerate(messages)]
+
+
+def _message(m: ChatMessage, i: int) -> dict[str, Any]:
+    role = "system" if m.role == "developer" else m.role
+    if role not in ROLES:
+        raise BadRequest(
+            f"messages[{i}].role '{m.role}' is not supported", param=f"messages[{i}].role"
+        )
+    out: dict[str, Any] = {"role": role, "content": _text(m.content, i)}
+    if m.tool_calls:
+        if role != "assistant":
+            raise BadRequest(
+                "only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls"
+            )
+        out["tool_calls"] = [_tool_call(call, i, j) for j, call in enumerate(m.tool_calls)]
+    if role == "tool":
+        if not m.tool_call_id:
+            raise BadRequest(
+                "a tool message names the call it answers", param=f"messages[{i}].tool_call_id"
+            )
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _tool_call(call: Any, i: int, j: int) -> dict[str, Any]:
+    """One call of an assistant turn: templates take its arguments as an object."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except (ValueError, RecursionError):
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise BadRequest(
+            "tool call arguments must be a JSON object",
+            param=f"messages[{i}].tool_calls[{j}].function.arguments",
+        )
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
+
+
+def _text(content: str | list[ContentPart] | None, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise BadRequest(
+                f"content parts of type '{part.type}' are not supported",
+                param=f"messages[{i}].content",
+            )
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _completion_prompt(prompt: str | list[Any], nested: bool = False) -> dict[str, Any]:
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t <= INT32_MAX for t in prompt):
+            raise BadRequest("prompt token ids must be between 0 and 2^31 - 1", param="prompt")
+        return {"prompt_token_ids": list(prompt)}
+    if len(prompt) == 1 and not nested and isinstance(prompt[0], str | list):
+        return _completion_prompt(prompt[0], nested=True)
+    raise BadRequest(
+        "prompt must be a string, a list of token ids, or a list holding one of those",
+        param="prompt",
+    )

@@ -1,0 +1,94 @@
+"""A request's sampling parameters, as the engine takes them.
+
+The body's types already bound every number (`gateway.openai.schemas`); the rules here span
+fields or need the model: at most 4 stop strings, top_logprobs only with logprobs, logit_bias
+keys that are token ids of this model's vocabulary, and `response_format` as the engine's
+`StructuredOutput`. Each refusal names its `param`.
+"""
+
+from __future__ import annotations
+
+import json
+
+from engine.sampling import SamplingParams
+from engine.structured import StructuredOutput
+from gateway.errors import BadRequest
+from gateway.openai.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    ResponseFormat,
+)
+
+MAX_STOP = 4
+
+
+def sampling_params(
+    req: ChatCompletionRequest | CompletionRequest, max_tokens: int, vocab_size: int
+) -> SamplingParams:
+    logprobs, top_logprobs = _logprobs(req)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        stop=_stop(req.stop),
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=_logit_bias(req.logit_bias, vocab_size),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        n=req.n or 1,
+        structured=structured_output(req.response_format),
+    )
+
+
+def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > MAX_STOP:
+        raise BadRequest(f"at most {MAX_STOP} stop sequences are allowed", param="stop")
+    if any(not s for s in stops):
+        raise BadRequest("stop sequences must not be empty", param="stop")
+    return stops
+
+
+def _logprobs(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, int]:
+    """(logprobs, top_logprobs). Chat asks with `logprobs: true` and `top_logprobs: k`; the
+    legacy completions API with `logprobs: k` alone (k = 0 reports the chosen token only)."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs is not None, req.logprobs or 0
+    if req.top_logprobs and not req.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+    return bool(req.logprobs), req.top_logprobs or 0
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """Keys are token ids written as decimal strings, each in [0, vocab_size)."""
+    if not bias:
+        return ()
+    entries = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdecimal()) or len(key) > 10 or int(key) >= vocab_size:
+            raise BadRequest(
+                f"logit_bias keys must be token ids from 0 to {vocab_size - 1}, got {key[:32]!r}",
+                param="logit_bias",
+            )
+        entries.append((int(key), float(value)))
+    return tuple(sorted(entries))
+
+
+def structured_output(fmt: ResponseFormat | None) -> StructuredOutput | None:
+    """The engine's constraint for `response_format`; None for text. A json_schema format
+    without a schema constrains to any JSON object."""
+    if isinstance(fmt, JsonObjectFormat):
+        return StructuredOutput("json_object")
+    if isinstance(fmt, JsonSchemaFormat):
+        schema = fmt.json_schema.schema
+        if schema is None:
+            return StructuredOutput("json_object")
+        return StructuredOutput("json_schema", json.dumps(schema, sort_keys=True))
+    return None

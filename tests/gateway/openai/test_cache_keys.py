@@ -1,0 +1,73 @@
+"""The response cache keys on every parameter that changes the output: a request that differs
+from a cached one only in such a parameter is not answered from the cache, and a hit replays
+the original answer exactly, logprobs included."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "logit_bias": {"logit_bias": {"5": 3.0}},
+    "n": {"n": 2},
+    "response_format": {"response_format": {"type": "json_object"}},
+    "logprobs": {"logprobs": True},
+    "top_logprobs": {"logprobs": True, "top_logprobs": 2},
+    "presence_penalty": {"presence_penalty": 0.5},
+    "frequency_penalty": {"frequency_penalty": 0.5},
+    "repetition_penalty": {"repetition_penalty": 1.3},
+}
+
+
+def body(**extra: Any) -> dict[str, Any]:
+    question = f"What is a lighthouse? ({uuid.uuid4().hex[:8]})"
+    return {
+        "model": "demo-model",
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": 6,
+        "temperature": 0,
+        **extra,
+    }
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_a_request_differing_only_in_an_output_parameter_is_a_miss(
+    api: httpx.Client, name: str
+) -> None:
+    base = body()
+    assert api.post("/chat/completions", json=base).headers["x-cache"] == "miss"
+    assert api.post("/chat/completions", json=base).headers["x-cache"] == "exact"
+    variant = api.post("/chat/completions", json=base | VARIANTS[name])
+    assert variant.status_code == 200, variant.text
+    # n > 1 is never looked up (the cache keeps one choice), the others miss
+    assert variant.headers["x-cache"] == ("bypass" if name == "n" else "miss")
+
+
+def test_a_hit_replays_the_logprobs_exactly(api: httpx.Client) -> None:
+    asked = body(logprobs=True, top_logprobs=3)
+    first = api.post("/chat/completions", json=asked)
+    hit = api.post("/chat/completions", json=asked)
+    assert (first.headers["x-cache"], hit.headers["x-cache"]) == ("miss", "exact")
+    assert hit.json()["choices"] == first.json()["choices"]
+    assert hit.json()["system_fingerprint"] == first.json()["system_fingerprint"]
+    streamed = []
+    with api.stream("POST", "/chat/completions", json=asked | {"stream": True}) as r:
+        assert r.headers["x-cache"] == "exact"
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line.removeprefix("data: "))["choices"]:
+                    streamed += (choice["logprobs"] or {}).get("content") or []
+    assert streamed == first.json()["choices"][0]["logprobs"]["content"]
+
+
+def test_a_completion_hit_replays_its_logprobs(api: httpx.Client) -> None:
+    asked = {"model": "demo-model", "prompt": uuid.uuid4().hex, "max_tokens": 5, "logprobs": 2}
+    asked["temperature"] = 0
+    first = api.post("/completions", json=asked)
+    hit = api.post("/completions", json=asked)
+    assert hit.headers["x-cache"] == "exact"
+    assert hit.json()["choices"] == first.json()["choices"]

@@ -1,0 +1,83 @@
+"""logprobs through the gateway and the official client: chat's per-token entries (token text,
+UTF-8 bytes, logprob, top alternatives) whole and streamed, and the legacy completions format.
+The values themselves are the engine's (tests/engine); here, that the API carries them."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+
+MESSAGES = [{"role": "user", "content": "Describe the sea in one sentence."}]
+
+
+def test_chat_logprobs_through_the_openai_client(oai: openai.OpenAI) -> None:
+    out = oai.chat.completions.create(
+        model="demo-model",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+    )
+    choice = out.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content
+    entries = choice.logprobs.content
+    assert out.usage is not None and len(entries) == out.usage.completion_tokens
+    for entry in entries:
+        assert entry.logprob <= 0.0 and entry.bytes is not None
+        assert len(entry.top_logprobs) == 5
+        top = [t.logprob for t in entry.top_logprobs]
+        assert top == sorted(top, reverse=True)
+        # greedy: the chosen token is the most likely one
+        assert (entry.token, entry.logprob) == (entry.top_logprobs[0].token, top[0])
+    if choice.finish_reason == "length":  # no end-of-sequence token among the entries
+        text = bytes(b for e in entries for b in e.bytes or []).decode()
+        assert text == choice.message.content
+
+
+def test_streamed_chat_logprobs_equal_the_whole_responses(api: httpx.Client) -> None:
+    body = {
+        "model": "demo-model",
+        "messages": MESSAGES,
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    headers = {"cache-control": "no-store"}
+    whole = api.post("/chat/completions", json=body, headers=headers).json()
+    streamed = []
+    with api.stream(
+        "POST", "/chat/completions", json=body | {"stream": True}, headers=headers
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line.removeprefix("data: "))["choices"]:
+                    streamed += (choice["logprobs"] or {}).get("content") or []
+    assert streamed == whole["choices"][0]["logprobs"]["content"]
+
+
+def test_completion_logprobs_in_the_legacy_format(oai: openai.OpenAI) -> None:
+    out = oai.completions.create(
+        model="demo-model", prompt="The sea is", max_tokens=8, temperature=0, logprobs=3
+    )
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.text_offset
+    assert lp.top_logprobs is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+    if choice.finish_reason == "length":
+        assert "".join(lp.tokens) == choice.text
+
+
+def test_no_logprobs_unless_asked(oai: openai.OpenAI) -> None:
+    out = oai.chat.completions.create(
+        model="demo-model",
+        messages=MESSAGES,
+        max_tokens=3,  # type: ignore[arg-type]
+    )
+    assert out.choices[0].logprobs is None

@@ -1,0 +1,185 @@
+"""Hostile sampling parameters are refused with a 400 naming the parameter, before anything is
+tokenized or queued: logit_bias with too many entries, keys that are not token ids, values out
+of range; logprobs counts out of range; response formats that are malformed or nest too deep;
+tool turns that are not what they claim. Valid ones of each kind are served."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from engine.outputs import EngineStats
+from gateway.server import RunningServer
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def raw(**fields: str) -> bytes:
+    """A chat body with `fields` set to JSON literals json.dumps cannot write."""
+    base = json.dumps({"model": "demo-model", "messages": MESSAGES, "max_tokens": 2})
+    return (base[:-1] + "".join(f', "{k}": {v}' for k, v in fields.items()) + "}").encode()
+
+
+def bias(entries: dict[str, Any]) -> str:
+    return json.dumps(entries)
+
+
+REFUSED: dict[str, tuple[bytes, str]] = {
+    "logit_bias with 301 entries": (
+        raw(logit_bias=bias({str(i): 1 for i in range(301)})),
+        "logit_bias",
+    ),
+    "logit_bias key not a number": (raw(logit_bias=bias({"abc": 1})), "logit_bias"),
+    "logit_bias key negative": (raw(logit_bias=bias({"-1": 1})), "logit_bias"),
+    "logit_bias key a float": (raw(logit_bias=bias({"1.5": 1})), "logit_bias"),
+    "logit_bias key past 64 bits": (raw(logit_bias=bias({str(2**70): 1})), "logit_bias"),
+    "logit_bias key in fullwidth digits": (raw(logit_bias=bias({"１２": 1})), "logit_bias"),
+    "logit_bias key past the vocabulary": (raw(logit_bias=bias({"10000000": 1})), "logit_bias"),
+    "logit_bias value above 100": (raw(logit_bias=bias({"5": 101})), "logit_bias"),
+    "logit_bias value 1e400": (raw(logit_bias='{"5": 1e400}'), "logit_bias"),
+    "logit_bias value NaN": (raw(logit_bias='{"5": NaN}'), ""),
+    "logit_bias not an object": (raw(logit_bias="[1, 2]"), "logit_bias"),
+    "top_logprobs 21": (raw(logprobs="true", top_logprobs="21"), "top_logprobs"),
+    "top_logprobs without logprobs": (raw(top_logprobs="2"), "top_logprobs"),
+    "logprobs a number": (raw(logprobs="3"), "logprobs"),
+    "n a billion": (raw(n=str(10**9)), "n"),
+    "n 2^70": (raw(n=str(2**70)), "n"),
+    "unknown response format": (raw(response_format='{"type": "xml"}'), "response_format"),
+    "json_schema bad name": (
+        raw(response_format='{"type": "json_schema", "json_schema": {"name": "a b"}}'),
+        "response_format",
+    ),
+    "json_schema nested past the body limit": (
+        raw(
+            response_format='{"type": "json_schema", "json_schema": {"name": "x", "schema": '
+            + '{"a": ' * 40
+            + "1"
+            + "}" * 40
+            + "}}"
+        ),
+        "",
+    ),
+    "tool call arguments not an object": (
+        raw(
+            messages=json.dumps(
+                [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "id": "c1",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "[1]"},
+                            }
+                        ],
+                    }
+                ]
+            )
+        ),
+        "messages[0].tool_calls[0].function.arguments",
+    ),
+    "tool calls on a user message": (
+        raw(
+            messages=json.dumps(
+                [
+                    {
+                        "role": "user",
+                        "content": "x",
+                        "tool_calls": [
+                            {
+                                "id": "c1",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "{}"},
+                            }
+                        ],
+                    }
+                ]
+            )
+        ),
+        "messages[0].tool_calls",
+    ),
+    "tool_choice without tools": (raw(tool_choice='"required"'), "tool_choice"),
+}
+
+
+def stats(gateway: RunningServer) -> EngineStats:
+    [s] = gateway.run(gateway.state.engine.stats())
+    return s
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_hostile_parameter_is_refused_naming_it_and_nothing_is_queued(
+    gateway: RunningServer, api: httpx.Client, case: str
+) -> None:
+    content, param = REFUSED[case]
+    before = stats(gateway)
+    r = api.post("/chat/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    if param:
+        assert (error["param"] or "").startswith(param), error
+    after = stats(gateway)
+    assert after.prompt_tokens_computed == before.prompt_tokens_computed
+    assert after.waiting == after.running == 0
+
+
+def test_a_million_logit_bias_entries_are_refused_unread(api: httpx.Client) -> None:
+    entries = ",".join(f'"{i}":1' for i in range(10**6))
+    r = api.post(
+        "/chat/completions",
+        content=raw(logit_bias="{" + entries + "}"),
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 413, r.text
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"logit_bias": {"5": -100, "6": 100}},
+        {"presence_penalty": -2, "frequency_penalty": 2},
+        {"repetition_penalty": 1.5, "min_p": 0.1},
+        {"logprobs": True, "top_logprobs": 20},
+        {"logprobs": False, "top_logprobs": 0},
+        {"response_format": {"type": "text"}},
+        {"response_format": {"type": "json_object"}},
+        {"n": 16, "max_tokens": 1},
+        {
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{}"},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            ]
+        },
+    ],
+    ids=[
+        "logit_bias",
+        "penalties",
+        "extensions",
+        "top_logprobs",
+        "no_logprobs",
+        "text",
+        "json",
+        "n16",
+        "tool_turns",
+    ],
+)
+def test_valid_parameters_are_served(api: httpx.Client, extra: dict[str, Any]) -> None:
+    body = {"model": "demo-model", "messages": MESSAGES, "max_tokens": 2} | extra
+    r = api.post("/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == extra.get("n", 1)

@@ -1,0 +1,74 @@
+"""A token's text and bytes as logprobs report them: the bytes of a text's tokens join to the
+text's UTF-8 whatever splits a character (byte-level BPE), and a byte-fallback token is its one
+raw byte."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from engine.outputs import TokenLogprob
+from gateway.openai.logprobs import TokenPieces
+
+TEXTS = [
+    "plain words",
+    "naïve café",
+    "日本語のテキスト",
+    "emoji 🦀🚀 and \u200b zero width",
+    "tab\tnew\nline",
+]
+
+
+@pytest.fixture(scope="module")
+def demo_pieces(demo_model_dir: Path) -> tuple[TokenPieces, object]:
+    tokenizer = AutoTokenizer.from_pretrained(str(demo_model_dir))
+    return TokenPieces(tokenizer), tokenizer
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_the_bytes_of_a_texts_tokens_join_to_its_utf8(
+    demo_pieces: tuple[TokenPieces, object], text: str
+) -> None:
+    pieces, tokenizer = demo_pieces
+    ids = tokenizer.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
+    joined = b"".join(bytes(pieces.piece(i)[1]) for i in ids)
+    assert joined == text.encode()
+
+
+def test_a_token_that_splits_a_character_reads_as_the_replacement_character(
+    demo_pieces: tuple[TokenPieces, object],
+) -> None:
+    pieces, tokenizer = demo_pieces
+    ids = tokenizer.encode("🦀", add_special_tokens=False)  # type: ignore[attr-defined]
+    partial = [pieces.piece(i) for i in ids if len(pieces.piece(i)[1]) < 4]
+    if not partial:
+        pytest.skip("the demo vocabulary holds the character whole")
+    assert all("\ufffd" in text for text, _ in partial)
+
+
+def test_a_byte_fallback_token_is_its_raw_byte() -> None:
+    vocab = {"<unk>": 0, "a": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+    bpe = models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(bpe), unk_token="<unk>")
+    pieces = TokenPieces(tokenizer)
+    assert pieces.piece(2 + 0xE2) == ("\ufffd", [0xE2])
+    assert pieces.piece(1) == ("a", [ord("a")])
+
+
+def test_chat_entries_carry_the_top_alternatives_in_order(
+    demo_pieces: tuple[TokenPieces, object],
+) -> None:
+    pieces, _ = demo_pieces
+    [entry] = pieces.chat_entries([5], [TokenLogprob(-0.5, [(5, -0.5), (6, -1.5)])])
+    assert (entry.token, entry.logprob, entry.bytes) == (
+        *pieces.piece(5)[:1],
+        -0.5,
+        pieces.piece(5)[1],
+    )
+    assert [(t.token, t.logprob) for t in entry.top_logprobs] == [
+        (pieces.piece(5)[0], -0.5),
+        (pieces.piece(6)[0], -1.5),
+    ]
