@@ -58,6 +58,12 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     slot_wait_steps: int = 0
     """Steps this request has waited at the head for an adapter slot (see Scheduler)."""
+    index: int = 0
+    """Which choice of its request this sequence generates (`SamplingParams.n`)."""
+    forks: list[Sequence] = field(default_factory=list)
+    """The request's other choices, waiting to fork from this one (choice 0) when the step that
+    computes the end of its prompt is scheduled: they share its prompt's KV blocks and sample
+    their first tokens from the same logits. Empty once forked (and for n = 1)."""
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -140,7 +140,14 @@ class EngineServer:
         outputs: AsyncIterator[RequestOutput] = self.engine.generate(request)
         try:
             async for out in outputs:
-                delta = Delta(out.request_id, out.token_ids, out.finish_reason, out.usage)
+                delta = Delta(
+                    out.request_id,
+                    out.token_ids,
+                    out.finish_reason,
+                    out.usage,
+                    out.index,
+                    out.logprobs,
+                )
                 if not await self._send(identity, delta):
                     log.info("gateway of %s left; aborting it", out.request_id)
                     return
