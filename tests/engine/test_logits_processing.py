@@ -188,6 +188,7 @@ def test_greedy_with_processors_equals_the_reference_and_logprobs_are_of_process
         assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
+@pytest.mark.parametrize("penalty", [0.25, 5.0])
 def test_greedy_with_a_strong_repetition_penalty_equals_transformers_generate(
     engine: Any, hf_model: Any, penalty: float
 ) -> None:
