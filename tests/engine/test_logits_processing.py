@@ -252,3 +252,47 @@ def test_min_p_of_one_samples_the_greedy_token(engine: Any) -> None:
     loose = SamplingParams(max_tokens=10, ignore_eos=True, temperature=2.0, seed=5)
     assert _tokens(_engine_run(engine, sampled)) == greedy
     assert _tokens(_engine_run(engine, loose)) != greedy
+
+
+def test_a_mixed_batch_gives_each_request_its_solo_output(
+    demo_model_dir: Path, demo_adapter_dirs: list[Path]
+) -> None:
+    """Rows with and without each processor, greedy and seeded, base and two adapters, in the
+    same steps: each request gets exactly what it gets alone."""
+    engine = make_engine(demo_model_dir, enable_lora=True, max_loras=2)
+    adapters = [None, *(engine.register_adapter(f) for f in demo_adapter_dirs[2:4])]
+    controls = [
+        {},
+        {"repetition_penalty": 0.3},
+        {"presence_penalty": -2.0, "frequency_penalty": -2.0, "logit_bias": ((9, 10.0),)},
+        {"logit_bias": ((500, 6.0), (7, -100.0))},
+        {"min_p": 0.2},
+        {"logprobs": True, "top_logprobs": 3},
+    ]
+    requests = [
+        EngineRequest(
+            f"r{i}",
+            SamplingParams(
+                max_tokens=8,
+                ignore_eos=True,
+                **({"temperature": 1.0, "seed": i} if i % 2 else {}),  # type: ignore[arg-type]
+                **control,  # type: ignore[arg-type]
+            ),
+            prompt_token_ids=random.Random(i).sample(range(3, 4096), 5 + 3 * i),
+            adapter=adapters[i % 3],
+        )
+        for i, control in enumerate(controls * 2)
+    ]
+    together = run_to_completion(engine, requests)
+    for r in requests:
+        alone = run_to_completion(engine, [replace(r, request_id=f"alone-{r.request_id}")])
+        got, expected = together[r.request_id], alone[f"alone-{r.request_id}"]
+        assert _tokens(got) == _tokens(expected), r.request_id
+        # Logits of a batch differ from a lone row's in float noise (~1e-6), never more.
+        got_lp = [lp for o in got for lp in o.logprobs or []]
+        expected_lp = [lp for o in expected for lp in o.logprobs or []]
+        assert len(got_lp) == len(expected_lp) == (8 if r.params.logprobs else 0)
+        for g, e in zip(got_lp, expected_lp, strict=True):
+            assert g.logprob == pytest.approx(e.logprob, abs=1e-4)
+            assert [t for t, _ in g.top] == [t for t, _ in e.top]
+    assert engine.stats().kv_blocks_used == 0
