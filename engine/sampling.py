@@ -76,7 +76,7 @@ class SamplingParams:
     """Return each generated token's logprob (`RequestOutput.logprobs`, see `TokenLogprob` for
     which distribution they are of)."""
     top_logprobs: int = 0
-    """0..20: also return the this many most likely tokens at each position; needs `logprobs`."""
+    """0..20: also return this many most likely tokens at each position; needs `logprobs`."""
     n: int = 1
     """Choices to generate, 1..16. The prompt is computed once and its KV shared by the choices.
     Choice i of a seeded request draws from `choice_seed(seed, i)` (choice 0 from the seed
