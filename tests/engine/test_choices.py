@@ -126,14 +126,16 @@ def test_each_choice_equals_its_own_request_in_a_mixed_batch(
     assert engine.stats().kv_blocks_used == 0
 
 
-def test_choices_stay_exact_when_preempted_and_recomputed(
+def test_choices_stay_exact_when_chunked_preempted_and_recomputed(
     demo_model_dir: Path, reference: Any
 ) -> None:
-    engine = make_engine(demo_model_dir, num_kv_blocks=12, max_model_len=128)
+    engine = make_engine(
+        demo_model_dir, num_kv_blocks=12, max_model_len=128, max_num_batched_tokens=24
+    )
     requests = [
         EngineRequest(
             f"r{i}",
-            SamplingParams(max_tokens=40, temperature=1.0, seed=i, n=3, ignore_eos=True),
+            SamplingParams(max_tokens=20, temperature=1.0, seed=i, n=3, ignore_eos=True),
             prompt_token_ids=_prompt(10 + i, 20 + 7 * i),
         )
         for i in range(3)
