@@ -132,7 +132,7 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                finished = item.is_last  # its last choice ended
                 yield item
         finally:
             with self._lock:

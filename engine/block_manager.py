@@ -7,6 +7,11 @@ salt, so equal hashes mean equal prefixes under the same adapter and the same sa
 under one adapter or one salt (a tenant, say) is never found under another. A cache hit is
 re-checked against the tokens stored with the block.
 
+Forked sequences (the choices of one request) share their prompt's blocks, the last one
+partial, by reference count: a sequence about to write into a block others still hold gets a
+copy of it first (copy-on-write; `take_copies` hands the (source, destination) pairs to the
+runner, which copies the KV on the device before the step's forward pass).
+
 Free blocks are kept in least-recently-freed order. A freed block that carries a hash stays
 findable in the prefix cache until it is handed out again (evicted) — hash-less free blocks
 are handed out first, then hashed ones oldest first.
@@ -106,7 +111,8 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[PrefixHash, int] = {}
         # Hash of each sequence's sealed blocks, so sealing stays O(new blocks).
-        self._seq_hashes: dict[str, list[PrefixHash]] = {}
+        self._seq_hashes: dict[Sequence, list[PrefixHash]] = {}
+        self._copies: list[tuple[int, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -158,20 +164,51 @@ class BlockManager:
                 del self._free[block_id]
             block.ref_count += 1
         seq.block_table = list(allocation.prefix.block_ids)
-        self._seq_hashes[seq.request_id] = list(allocation.prefix.hashes)
+        self._seq_hashes[seq] = list(allocation.prefix.hashes)
         seq.num_computed_tokens = allocation.num_cached_tokens
         self.append(seq, allocation.num_new_tokens)
 
     # -- growth ------------------------------------------------------------------------------
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
-        return needed - len(seq.block_table) <= self.num_free_blocks
+        copy = self._shared_write_block(seq) is not None
+        return needed - len(seq.block_table) + copy <= self.num_free_blocks
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Give `seq` enough blocks to hold `num_new_tokens` more computed tokens."""
+        """Give `seq` enough blocks to hold `num_new_tokens` more computed tokens, copying the
+        block it writes first if other sequences share it."""
+        shared = self._shared_write_block(seq)
+        if shared is not None:
+            source = seq.block_table[shared]
+            self.blocks[source].ref_count -= 1  # others still hold it: never 0 here
+            seq.block_table[shared] = self._take_free_block()
+            self._copies.append((source, seq.block_table[shared]))
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
         while len(seq.block_table) < needed:
             seq.block_table.append(self._take_free_block())
+
+    def _shared_write_block(self, seq: Sequence) -> int | None:
+        """The index in `seq`'s table of the block its next token goes to, when that block is
+        shared with a fork (only a prompt's last, partial block can be: full blocks are never
+        written again)."""
+        i = seq.num_computed_tokens // self.block_size
+        if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
+            return i
+        return None
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give `child` `parent`'s blocks and computed positions (shared, by reference)."""
+        assert not child.block_table, "a fork starts without blocks"
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self._seq_hashes[child] = list(self._seq_hashes.get(parent, []))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies owed since the last call, in order."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def _take_free_block(self) -> int:
         block_id, _ = self._free.popitem(last=False)
@@ -188,7 +225,7 @@ class BlockManager:
         known and KV computed) not yet in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        hashes = self._seq_hashes.setdefault(seq.request_id, [])
+        hashes = self._seq_hashes.setdefault(seq, [])
         for i in range(len(hashes), num_tokens // self.block_size):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             h = prefix_hash(hashes[-1] if hashes else _root(seq), tokens)
@@ -211,4 +248,4 @@ class BlockManager:
                     self._free.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.num_computed_tokens = 0
-        self._seq_hashes.pop(seq.request_id, None)
+        self._seq_hashes.pop(seq, None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from adapters.base_spec import BaseModelSpec
 from adapters.peft_format import AdapterLimits
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError, UnknownAdapterError
+from engine.errors import InvalidRequestError, UnknownAdapterError, number_text
 from engine.lora.manager import AdapterStats, LoraManager
 from engine.metrics import EngineMetrics
 from engine.model.config import ModelConfig
@@ -39,9 +40,16 @@ from engine.model.llama import LlamaModel
 from engine.model.loader import load_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.output_processor import OutputProcessor
-from engine.outputs import MAX_CACHE_SALT_CHARS, EngineRequest, EngineStats, RequestOutput
+from engine.outputs import (
+    MAX_CACHE_SALT_CHARS,
+    EngineRequest,
+    EngineStats,
+    RequestOutput,
+    TokenLogprob,
+)
 from engine.prompt import prompt_token_ids
-from engine.sampler import SampledTokens, sample
+from engine.sampler import sample_step
+from engine.sampling import SamplingParams, choice_seed
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, SequenceUpdate
 from engine.sequence import BASE_ADAPTER, FinishReason, Sequence
 from engine.step_inputs import LaunchedStep, StepInputs
@@ -164,6 +172,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters"
             )
+        self._check_sampling(request.params)
         ids = prompt_token_ids(
             self.tokenizer, request, self.model_config.vocab_size, self.max_model_len
         )
@@ -180,36 +189,59 @@ class LLMEngine:
             raise StructuredOutputError("this model's tokenizer does not support structured output")
         return self.grammars.compile(spec)
 
+    def _check_sampling(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids in the vocabulary, n in a step."""
+        vocab = self.model_config.vocab_size
+        for token_id, _ in params.logit_bias:
+            if token_id >= vocab:
+                raise InvalidRequestError(
+                    f"logit_bias token id {number_text(token_id)} is not in the vocabulary "
+                    f"[0, {vocab})"
+                )
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(
+                f"n must be at most {self.config.max_num_seqs} on this engine (max_num_seqs)"
+            )
+
     def add_request(self, request: EngineRequest, prompt_ids: list[int] | None = None) -> None:
         """Queue a request (`prompt_ids`: what `validate` returned for it). Raises before
         changing anything when it cannot be queued."""
-        if self.outputs.get(request.request_id) is not None:
+        if self.outputs.open_choices(request.request_id):
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         ids = prompt_ids if prompt_ids is not None else self.validate(request)
         compiled = self._compiled_grammar(request)
         params = request.params
-        seq = Sequence(
-            request.request_id,
-            list(ids),
-            params,
-            adapter_id=request.adapter or BASE_ADAPTER,
-            cache_salt=request.cache_salt,
-            grammar=compiled.matcher() if compiled is not None else None,
-            stop_token_ids=frozenset(params.stop_token_ids)
-            | (frozenset() if params.ignore_eos else self.eos_ids),
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos_ids
         )
-        self.outputs.add(seq)
+        choices = [
+            Sequence(
+                request.request_id,
+                list(ids),
+                replace(params, seed=choice_seed(params.seed, i)) if i else params,
+                adapter_id=request.adapter or BASE_ADAPTER,
+                cache_salt=request.cache_salt,
+                stop_token_ids=stop_ids,
+                index=i,
+                grammar=compiled.matcher() if compiled is not None else None,
+            )
+            for i in range(params.n)
+        ]
+        choices[0].forks = choices[1:]
+        self.outputs.add(choices)
         if self.lora is not None:
-            self.lora.add_user(seq)
-        self.scheduler.add(seq)
+            for seq in choices:
+                self.lora.add_user(seq)
+        self.scheduler.add(choices[0])
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request wherever it is and free its blocks; its final output, or None if unknown."""
-        seq = self.outputs.get(request_id)
-        if seq is None:
+        """Stop a request (every choice) wherever it is and free its blocks; its last output
+        (ABORT, with usage; choices it ends before make none), or None if unknown."""
+        choices = self.outputs.open_choices(request_id)
+        if not choices:
             return None
         self._aborted += 1
-        return self._end(seq, FinishReason.ABORT)
+        return [self._end(seq, FinishReason.ABORT) for seq in choices][-1]
 
     @property
     def has_work(self) -> bool:
@@ -254,21 +286,22 @@ class LLMEngine:
 
     def _forward(self, chunks: list[ScheduledChunk]) -> tuple[StepInputs, torch.Tensor]:
         inputs = self.runner.prepare(chunks, self._in_flight)
+        self.runner.copy_blocks(self.block_manager.take_copies())
         return inputs, self.runner.run(inputs)
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> LaunchedStep:
         """Mask the constrained rows (filled on the host while the device runs the forward
-        pass) and sample."""
+        pass), process and sample."""
         grammar = self.grammar_masks.fill(inputs.chunks)
-        sampled = SampledTokens(sample(logits, inputs.sampling, grammar))
-        return LaunchedStep(inputs.chunks, sampled)
+        return LaunchedStep(inputs.chunks, sample_step(logits, inputs.sampling, grammar))
 
     def _land(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for the step's tokens and postprocess it."""
         tokens = step.sampled.tolist()
         self._steps += 1
         updates = self.scheduler.postprocess(step.chunks, tokens)
-        return [self._output(update) for update in updates]
+        # A choice whose request failed earlier in this list has nothing more to say.
+        return [self._output(u, step) for u in updates if self.outputs.is_open(u.seq)]
 
     def _fail_step(self, batch: SchedulerOutput) -> list[RequestOutput]:
         """The device could not compute this step: fail exactly its requests (it wrote only the
@@ -277,27 +310,39 @@ class LLMEngine:
         log.exception("a step of %d requests failed; failing them", len(batch.chunks))
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
-        failed = [c.seq for c in batch.chunks if not c.seq.is_finished]
-        return [self._end(seq, FinishReason.ERROR, error=STEP_FAILED) for seq in failed]
+        return [self._fail(c.seq, STEP_FAILED) for c in batch.chunks if self.outputs.is_open(c.seq)]
 
-    def _output(self, update: SequenceUpdate) -> RequestOutput:
-        """The delta of one sequence that sampled; if making it raises, that request fails."""
+    def _output(self, update: SequenceUpdate, step: LaunchedStep) -> RequestOutput:
+        """The delta of one choice that sampled; if making it raises, its request fails."""
         seq, token = update.seq, update.token
         if token is None:
-            return self._end(seq, FinishReason.ERROR, error=NON_FINITE_LOGITS)
+            return self._fail(seq, NON_FINITE_LOGITS)
         if seq.grammar is not None and not seq.grammar.accept(token):
             log.warning("request %s: grammar failed: %s", seq.request_id, seq.grammar.error)
-            return self._end(seq, FinishReason.ERROR, error=GRAMMAR_FAILED)
+            return self._fail(seq, GRAMMAR_FAILED)
         try:
             if self.lora is not None:
                 self.lora.count_tokens(seq.adapter_id, 1)
             self.metrics.token_landed(seq)
+            logprob = None
+            if seq.params.logprobs:
+                logprob = step.sampled.logprob(step.sample_row(seq), seq.params.top_logprobs)
             if update.finish is None:
-                return RequestOutput(seq.request_id, [token])
-            return self._end(seq, update.finish, [token])
+                return self.outputs.delta(seq, token, logprob)
+            return self._end(
+                seq, update.finish, [token], logprobs=None if logprob is None else [logprob]
+            )
         except Exception:
             log.exception("request %s failed after its step", seq.request_id)
-            return self._end(seq, FinishReason.ERROR, error=STEP_FAILED)
+            return self._fail(seq, STEP_FAILED)
+
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        """Fail `seq`'s whole request: its other open choices end silently, and `seq`'s ERROR
+        output is the request's last."""
+        for other in self.outputs.open_choices(seq.request_id):
+            if other is not seq:
+                self._end(other, FinishReason.ERROR, error=error)
+        return self._end(seq, FinishReason.ERROR, error=error)
 
     def _end(
         self,
@@ -305,14 +350,15 @@ class LLMEngine:
         reason: FinishReason,
         token_ids: list[int] | None = None,
         error: str | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput:
-        """End a request wherever it is: free its blocks and adapter pin (unless the scheduler
-        already finished it), count its adapter user out once, make its final output."""
+        """End an open choice wherever it is: free its blocks and adapter pin (unless the
+        scheduler already finished it), count its adapter user out, make its final output."""
         if not seq.is_finished:
             self.scheduler.finish(seq)
-        if self.lora is not None and self.outputs.get(seq.request_id) is seq:
+        if self.lora is not None:
             self.lora.remove_user(seq)
-        final = self.outputs.final(seq, reason, token_ids, error)
+        final = self.outputs.final(seq, reason, token_ids, error, logprobs)
         if final.timings is not None:
             self.metrics.request_finished(final.timings)
         return final

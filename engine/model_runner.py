@@ -109,6 +109,18 @@ class ModelRunner:
         bs = self.config.block_size
         return self.buffers.fill(lora.chunks, bs, self.kv_caches, lora.batch, previous, pad_to)
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy the KV of each (source, destination) block, in every layer, on the device's
+        stream: after the steps already queued, before the next forward pass."""
+        if not copies:
+            return
+        source, destination = (
+            torch.tensor(c, device=self.device) for c in zip(*copies, strict=True)
+        )
+        for keys, values in self.kv_caches:
+            keys[destination] = keys[source]
+            values[destination] = values[source]
+
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """float32 logits [num sampling chunks, vocab]: the captured graph of the step's batch
         replayed, or the model run eagerly (padding rows too, if any)."""

@@ -63,12 +63,18 @@ class RequestTimings:
     finished: float
 
 
+@dataclass(frozen=True)
 class TokenLogprob:
-    """The log-probability of one generated token, and the `top` most likely (id, logprob)
-    pairs at its position, best first."""
+    """A generated token's logprob and the most likely tokens at its position.
+
+    The values are the log-softmax of the logits the token was sampled from after the logits
+    processors (repetition, presence and frequency penalties, logit bias) and before temperature,
+    top-k, top-p and min-p, as OpenAI and vLLM report them: the same whatever the temperature,
+    and for a request without processors the log-softmax of the model's own logits."""
 
     logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
+    top: list[tuple[int, float]]
+    """The `top_logprobs` most likely (token id, logprob) pairs at this position, best first."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,11 @@ class RequestOutput:
     KV blocks and adapter pin are freed, and the engine keeps serving. `LLMEngine.step()` returns
     such an output; the async facade (and so the engine service) raises it instead, as
     `RequestFailedError` on that request's stream, so callers never see ERROR as a finish reason.
+
+    With `n` > 1 each choice streams its own deltas (`index`) and ends with its own
+    `finish_reason`; `usage` (prompt and cached tokens once, completion tokens summed over the
+    choices) rides only on the request's last output, the one that ends its last choice
+    (`is_last`). A choice that fails fails the whole request: its ERROR output is the last.
     """
 
     request_id: str
@@ -91,16 +102,22 @@ class RequestOutput:
     usage: Usage | None = None
     error: str | None = None
     """Why the request failed; set only when `finish_reason` is ERROR."""
-    timings: RequestTimings | None = None
-    """Set on the final output only."""
     index: int = 0
     """The choice (0..n-1) these tokens belong to."""
     logprobs: list[TokenLogprob] | None = None
-    """Aligned with `token_ids` when the request asked for logprobs."""
+    """With `SamplingParams.logprobs`: one entry per token of `token_ids`, aligned."""
+    timings: RequestTimings | None = None
+    """Set on the request's last output only."""
 
     @property
     def finished(self) -> bool:
+        """This choice has ended."""
         return self.finish_reason is not None
+
+    @property
+    def is_last(self) -> bool:
+        """The request's last output: every choice has ended (it carries the usage)."""
+        return self.usage is not None
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,18 @@
-"""Token selection on the device for the whole batch at once: greedy, temperature, top-k,
-top-p and per-request seeds, in tensor operations.
+"""Token selection on the device for the whole batch at once: logits processors, greedy,
+temperature, top-k, top-p, min-p, per-request seeds and logprobs, in tensor operations.
 
-One row per sequence that samples. A greedy row takes its argmax. A random row is shifted so
-its largest logit is 0 and divided by its temperature; top-k keeps the logits at or above the
-k-th largest, then top-p keeps the smallest prefix of the sorted probabilities whose mass
-reaches top_p (the token crossing it included; never less than the top token). The token is
+One row per sequence that samples. First the logits processors (penalties and logit bias,
+`engine.logits_processing`) make the *processed* logits. A greedy row takes their argmax. A
+random row is shifted so its largest logit is 0 and divided by its temperature; top-k keeps the
+logits at or above the k-th largest, then top-p keeps the smallest prefix of the sorted
+probabilities whose mass reaches top_p (the token crossing it included; never less than the top
+token), then min-p drops the tokens less likely than min_p times the top one. The token is
 drawn by the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) independent per vocabulary
 entry picks token i with probability p_i.
+
+Logprobs are the log-softmax of the processed logits: after penalties and bias, before
+temperature and the truncations (top-k, top-p, min-p), as OpenAI and vLLM report them. For a
+request with no processor they are the log-softmax of the model's logits.
 
 Seeds. A seeded row draws its E from a counter-based hash of (seed mod 2^64, the position it
 samples, the vocabulary index) — see `seeded_exponential` — so its token depends on its seed,
@@ -16,15 +22,21 @@ the model are unchanged; changing that function changes every seeded output and 
 announced. Unseeded rows draw E from torch's generator on the device.
 
 The host reads back one int64 per row, once per step: the token id, or NO_TOKEN for a row
-whose logits are not all finite (no token can be drawn from it: that request alone fails).
+whose logits are not all finite (no token can be drawn from it: that request alone fails). In a
+step where some row asks for logprobs the one readback is a float64 [rows, 2 + 2K] instead:
+(token id, its logprob, K top ids, K top logprobs), K the most top_logprobs any row asked for
+(ids below 2^53 and float32 logprobs are exact in float64).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from engine.logits_processing import LogitsProcessors, apply_processors, build_processors
+from engine.outputs import TokenLogprob
 from engine.scheduler import ScheduledChunk
 from engine.structured.mask import TokenMask
 
@@ -54,8 +66,14 @@ class SamplingBatch:
     """int64 [S, 2]: low and high 32 bits of each seeded row's seed mod 2^64."""
     positions: torch.Tensor
     """int64 [S]: the position each seeded row samples (the tokens before it)."""
+    min_p: torch.Tensor
+    """float32 [R] in [0, 1]; 0 keeps everything."""
     filters: bool
-    """Some random row keeps fewer than all tokens (top_k < vocab or top_p < 1)."""
+    """Some random row keeps fewer than all tokens (top_k < vocab, top_p < 1 or min_p > 0)."""
+    processors: LogitsProcessors | None = None
+    """Penalties and biases of the rows that have any; None when no row does."""
+    top_logprobs: int | None = None
+    """None: no row asks for logprobs; else the most top logprobs any row asks for."""
 
     @property
     def num_random(self) -> int:
@@ -67,22 +85,30 @@ class SamplingBatch:
 
 
 class SamplingBuffers:
-    """Preallocated staging for `SamplingBatch`: [max_rows, 2] float32 (temperature, top_p)
-    and [max_rows, 5] int64 (row, top_k, seed low and high, position) on the host, pinned on
-    CUDA, and their device twins; a step with R random rows copies R rows of each (64 rows:
-    512 B + 2.5 KiB). An all-greedy step copies nothing."""
+    """Preallocated staging for `SamplingBatch`: [max_rows, 3] float32 (temperature, top_p,
+    min_p) and [max_rows, 5] int64 (row, top_k, seed low and high, position) on the host,
+    pinned on CUDA, and their device twins; a step with R random rows copies R rows of each
+    (64 rows: 768 B + 2.5 KiB). An all-greedy step copies nothing. Logits processors are built
+    only for steps where some row has one (`engine.logits_processing`)."""
 
     def __init__(self, max_rows: int, device: torch.device):
         on_cuda = device.type == "cuda"
-        self._floats = torch.zeros(max_rows, 2, dtype=torch.float32, pin_memory=on_cuda)
+        self._floats = torch.zeros(max_rows, 3, dtype=torch.float32, pin_memory=on_cuda)
         self._ints = torch.zeros(max_rows, 5, dtype=torch.int64, pin_memory=on_cuda)
         self._floats_dev = self._floats.to(device) if on_cuda else self._floats
         self._ints_dev = self._ints.to(device) if on_cuda else self._ints
+        self.device = device
 
-    def fill(self, rows: list[ScheduledChunk], vocab: int) -> SamplingBatch:
-        """The batch whose row i samples the token after chunk `rows[i]`. Parameters are
-        clamped into the ranges the arithmetic supports (top_k past the vocabulary keeps all,
-        a temperature past float32's range is its largest)."""
+    def fill(
+        self,
+        rows: list[ScheduledChunk],
+        vocab: int,
+        pending: dict[int, torch.Tensor] | None = None,
+    ) -> SamplingBatch:
+        """The batch whose row i samples the token after chunk `rows[i]` (`pending`: see
+        `build_processors`). Parameters are clamped into the ranges the arithmetic supports
+        (top_k past the vocabulary keeps all, a temperature past float32's range is its
+        largest)."""
         params = [c.seq.params for c in rows]
         random = [i for i, p in enumerate(params) if not p.greedy]
         seeded = [i for i in random if params[i].seed_bits is not None]
@@ -92,8 +118,8 @@ class SamplingBuffers:
         for r, i in enumerate(order):
             p = params[i]
             top_k = vocab if p.top_k == 0 else min(p.top_k, vocab)
-            filters |= top_k < vocab or p.top_p < 1.0
-            floats[r] = (min(p.temperature, FLOAT32_MAX), p.top_p)
+            filters |= top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
+            floats[r] = (min(p.temperature, FLOAT32_MAX), p.top_p, p.min_p)
             seed = p.seed_bits or 0
             ints[r] = (i, top_k, seed & _MASK32, seed >> 32, rows[i].end)
         n = len(order)
@@ -102,6 +128,7 @@ class SamplingBuffers:
             self._ints_dev[:n].copy_(self._ints[:n], non_blocking=True)
         f, k = self._floats_dev[:n], self._ints_dev[:n]
         s = len(seeded)
+        wants_logprobs = [p.top_logprobs for p in params if p.logprobs]
         return SamplingBatch(
             num_rows=len(rows),
             random_rows=k[:, 0],
@@ -110,35 +137,82 @@ class SamplingBuffers:
             top_k=k[:, 1],
             seeds=k[:s, 2:4],
             positions=k[:s, 4],
+            min_p=f[:, 2],
             filters=filters,
+            processors=build_processors(rows, vocab, self.device, pending),
+            top_logprobs=max(wants_logprobs) if wants_logprobs else None,
         )
 
 
 class SampledTokens:
-    """One step's sampled ids (`sample`'s result): on the device, where the next step's pending
-    inputs read them, and on their way to the host, which reads them once."""
+    """One step's sampled ids (`sample_step`'s result): on the device, where the next step's
+    pending inputs read them, and on their way to the host, which reads them once (with the
+    logprobs, when some row asked for them)."""
 
-    def __init__(self, ids: torch.Tensor):
+    def __init__(self, ids: torch.Tensor, logprobs: torch.Tensor | None = None):
         self.ids = ids
         self._copied: torch.cuda.Event | None = None
-        self._host = ids
+        readback = ids if logprobs is None else torch.cat([ids[:, None].double(), logprobs], 1)
+        self._host = readback
         if ids.is_cuda:
-            self._host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            self._host.copy_(ids, non_blocking=True)
+            self._host = torch.empty(readback.shape, dtype=readback.dtype, pin_memory=True)
+            self._host.copy_(readback, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
+        self._rows: list[Any] | None = None
+
+    def _landed(self) -> list[Any]:
+        if self._rows is None:
+            if self._copied is not None:
+                self._copied.synchronize()
+            self._rows = self._host.tolist()
+        return self._rows
 
     def tolist(self) -> list[int | None]:
         """Each row's token, None where the logits were not finite; waits for the device."""
-        if self._copied is not None:
-            self._copied.synchronize()
-        return [None if t == NO_TOKEN else t for t in self._host.tolist()]
+        rows = self._landed()
+        tokens = rows if self._host.dim() == 1 else [int(r[0]) for r in rows]
+        return [None if t == NO_TOKEN else t for t in tokens]
+
+    def logprob(self, row: int, top: int) -> TokenLogprob:
+        """Row `row`'s token logprob and its `top` most likely alternatives (the step must have
+        computed logprobs, for at least `top` alternatives)."""
+        values = self._landed()[row]
+        k = (len(values) - 2) // 2
+        assert top <= k, "the step computed fewer top logprobs than asked"
+        pairs = [(int(values[2 + j]), values[2 + k + j]) for j in range(top)]
+        return TokenLogprob(values[1], pairs)
+
+
+def sample_step(
+    logits: torch.Tensor, batch: SamplingBatch, grammar: TokenMask | None = None
+) -> SampledTokens:
+    """Process the logits, mask the constrained rows, sample every row and compute logprobs
+    where asked: the step's whole device work after the model, queued. Logprobs are of the
+    processed logits after the grammar's mask: the distribution the token was drawn from."""
+    if batch.processors is not None:
+        logits = apply_processors(logits, batch.processors)
+    ids = sample(logits, batch, grammar)
+    if batch.top_logprobs is None:
+        return SampledTokens(ids)
+    return SampledTokens(ids, token_logprobs(logits, ids, batch.top_logprobs))
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """float64 [N, 1 + 2k]: each row's log-softmax at its token (NO_TOKEN rows: any value),
+    then the ids and log-softmax values of its k most likely tokens, best first."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, ids.clamp_min(0)[:, None])
+    if k == 0:
+        return chosen.double()
+    top = logprobs.topk(k, dim=-1)
+    return torch.cat([chosen.double(), top.indices.double(), top.values.double()], dim=1)
 
 
 def sample(
     logits: torch.Tensor, batch: SamplingBatch, grammar: TokenMask | None = None
 ) -> torch.Tensor:
-    """float32 logits [N, vocab] → int64 [N] on the same device: each row's token, or NO_TOKEN
+    """float32 (processed) logits [N, vocab] → int64 [N] on the same device: each row's token, or NO_TOKEN
     where the row holds NaN or an infinity. `grammar` masks the constrained rows' disallowed
     tokens to -inf (in place) once the logits are known finite."""
     assert logits.shape[0] == batch.num_rows
@@ -158,6 +232,7 @@ def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     x = (logits - logits.max(dim=-1, keepdim=True).values) / batch.temperature[:, None]
     if batch.filters:
         x = _top_k_top_p(x, batch.top_k, batch.top_p)
+        x = min_p_filter(x, batch.min_p)
     probs = torch.softmax(x, dim=-1)
     noise = torch.empty_like(probs)
     s = batch.num_seeded
@@ -180,6 +255,14 @@ def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     drop[:, 0] = False
     ordered = ordered.masked_fill(drop, float("-inf"))
     return torch.empty_like(x).scatter_(1, order, ordered)
+
+
+def min_p_filter(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """x [R, V] (tempered logits) with the tokens whose probability is below min_p times the
+    top token's set to -inf, per row: p_i < min_p * p_max  ⇔  x_i - x_max < log(min_p). The
+    top token always stays; min_p 0 (log -inf) drops nothing."""
+    floor = x.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
+    return x.masked_fill(x < floor, float("-inf"))
 
 
 def seeded_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ size is folded into the 64 bits the sampler reads.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -18,6 +19,15 @@ MIN_TEMPERATURE = 1e-5
 """Temperatures below this are greedy. At 1e-5 a logit gap of 0.001 already becomes 100, so
 sampling there is greedy but for exact ties; smaller temperatures only add ways to fail:
 logits divided by 1e-38 overflow to infinity, and 5e-324 is 0 in float32."""
+
+MAX_PENALTY = 2.0
+"""presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)."""
+MAX_LOGIT_BIAS = 100.0
+"""A logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)."""
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16
+"""The most choices (`n`) one request may ask the engine for; gateways may cap lower."""
 
 SEED_RANGE = 2**64
 """The sampler's seeded draws read 64 bits of seed (`engine.sampler.seeded_exponential`); every
@@ -48,13 +58,30 @@ class SamplingParams:
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks use it to fix output lengths)."""
     presence_penalty: float = 0.0
+    """In [-2, 2]. OpenAI's definition: logit[t] -= presence_penalty when t occurs among the
+    tokens this choice generated so far (the prompt does not count)."""
     frequency_penalty: float = 0.0
+    """In [-2, 2]. OpenAI's definition: logit[t] -= frequency_penalty * (times t occurs among
+    the tokens this choice generated so far)."""
     repetition_penalty: float = 1.0
+    """A finite number > 0; 1 is off. transformers' RepetitionPenaltyLogitsProcessor: for every
+    token t in the prompt or generated so far, logit[t] is divided by it when positive and
+    multiplied by it when negative."""
     min_p: float = 0.0
+    """In [0, 1]; 0 is off. transformers' MinPLogitsWarper: after temperature, drop the tokens
+    whose probability is below min_p times the most likely token's. No effect when greedy."""
     logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs, at most 300, each bias in [-100, 100], added to those tokens'
+    logits. Ids must be in [0, vocab): the engine checks them when the request is admitted."""
     logprobs: bool = False
+    """Return each generated token's logprob (`RequestOutput.logprobs`, see `TokenLogprob` for
+    which distribution they are of)."""
     top_logprobs: int = 0
+    """0..20: also return this many most likely tokens at each position; needs `logprobs`."""
     n: int = 1
+    """Choices to generate, 1..16. The prompt is computed once and its KV shared by the choices.
+    Choice i of a seeded request draws from `choice_seed(seed, i)` (choice 0 from the seed
+    itself), so choices differ yet are reproducible."""
     structured: StructuredOutput | None = None
     """Constrain the output to JSON (see `StructuredOutput`); None leaves it free. Not with
     `ignore_eos`: a constrained output ends when its value is complete."""
@@ -88,15 +115,84 @@ class SamplingParams:
                 raise InvalidRequestError("structured must be a StructuredOutput")
             if self.ignore_eos:
                 raise InvalidRequestError("ignore_eos cannot be combined with structured output")
+        self._check_processors()
+        _require_bool("logprobs", self.logprobs)
+        _require_int("top_logprobs", self.top_logprobs)
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
+                f"got {number_text(self.top_logprobs)}"
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs")
+        _require_int("n", self.n)
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidRequestError(f"n must be in [1, {MAX_CHOICES}], got {number_text(self.n)}")
+
+    def _check_processors(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require_finite(name, value)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {number_text(value)}")
+        _require_finite("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise InvalidRequestError(
+                f"repetition_penalty must be > 0, got {number_text(self.repetition_penalty)}"
+            )
+        _require_finite("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {number_text(self.min_p)}")
+        if not isinstance(self.logit_bias, tuple | list):
+            raise InvalidRequestError("logit_bias must be a list of (token id, bias) pairs")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError(
+                f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries"
+            )
+        for entry in self.logit_bias:
+            if not isinstance(entry, tuple | list) or len(entry) != 2:
+                raise InvalidRequestError("logit_bias must be a list of (token id, bias) pairs")
+            token_id, bias = entry
+            _require_int("logit_bias", token_id)
+            _require_finite("logit_bias", bias)
+            if token_id < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidRequestError(
+                    "logit_bias needs token ids >= 0 and biases in [-100, 100], got "
+                    f"{number_text(token_id)}: {number_text(bias)}"
+                )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
 
     @property
+    def penalizes(self) -> bool:
+        """Some penalty changes this request's logits from the tokens so far."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
     def seed_bits(self) -> int | None:
         """The seed in the sampler's range [0, 2^64); None when the request gave no seed."""
         return None if self.seed is None else self.seed % SEED_RANGE
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed choice `index` of a request draws from: the request's own for choice 0 (so n=1
+    and choice 0 of n agree), a 64-bit hash of (seed mod 2^64, index) for the others."""
+    if seed is None or index == 0:
+        return seed
+    h = hashlib.blake2b(digest_size=8, person=b"loramux-choice")
+    h.update((seed % SEED_RANGE).to_bytes(8, "little") + index.to_bytes(8, "little"))
+    return int.from_bytes(h.digest(), "little")
+
+
+def _require_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be true or false")
 
 
 def _require_int(name: str, value: object) -> None:

@@ -16,13 +16,19 @@ value on the device. The token lands, full blocks are published in the prefix ca
 finishing is decided when the step is postprocessed; a sequence that a pending token will end
 for its length is not scheduled again meanwhile (one ended by a stop token computes one wasted
 token, which its postprocessing drops).
+
+Choices (n > 1). A request's choice 0 is scheduled like any sequence, holding the others in its
+`forks` and, from admission on, a running seat for each. The step that computes the end of its
+prompt forks them (`_fork`): they share its blocks, are running from then on, and sample their
+first tokens from the same logits row (`sample_rows`). From there each choice is an ordinary
+sequence: preempted and recomputed alone, its blocks copied on its first write to a shared one.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from engine.block_manager import Allocation, BlockManager
@@ -52,6 +58,9 @@ class ScheduledChunk:
     num_tokens: int
     samples: bool
     """This chunk reaches the end of the sequence, so its last logit is sampled."""
+    forks: tuple[Sequence, ...] = ()
+    """Choices forked from `seq` in this step: each samples its own token from the same logits
+    row as `seq` (and has that token pending)."""
 
     @classmethod
     def of(cls, seq: Sequence, num_tokens: int) -> ScheduledChunk:
@@ -66,6 +75,17 @@ class ScheduledChunk:
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+
+def sample_rows(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+    """One entry per token the step samples, in sampling-row order: each sampling chunk, then
+    one for each of its forks (the same positions, computed once, with the fork's sequence)."""
+    rows: list[ScheduledChunk] = []
+    for c in chunks:
+        if c.samples:
+            rows.append(c)
+            rows.extend(ScheduledChunk(f, c.start, c.num_tokens, True) for f in c.forks)
+    return rows
 
 
 @dataclass
@@ -138,12 +158,12 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if self._reaches_its_length(seq):
-                i += 1
-                continue
+        # Over a snapshot: choices forked by this step join `running` but compute nothing in it.
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or self._reaches_its_length(seq):
+                continue  # preempted by this step, or done once its pending token lands
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.can_append(seq, n):
                 victim = self.running[-1]
@@ -151,9 +171,8 @@ class Scheduler:
                 if victim is seq:
                     return budget
             self.block_manager.append(seq, n)
-            out.chunks.append(ScheduledChunk.of(seq, n))
+            out.chunks.append(self._chunk(seq, n))
             budget -= n
-            i += 1
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -189,6 +208,8 @@ class Scheduler:
                 slot_waiter = seq
                 passed.append(self.waiting.popleft())
                 continue
+            if seq.num_pending_tokens or self._seats() + 1 + len(seq.forks) > self.max_num_seqs:
+                break  # preempted as it sampled: its token lands first; or no seats for its forks
             allocation = self.block_manager.can_allocate(seq, budget)
             if allocation is None:
                 break
@@ -196,6 +217,30 @@ class Scheduler:
             self._start(seq, allocation, out)
             budget -= allocation.num_new_tokens
         self.waiting.extendleft(reversed(passed))
+
+    def _seats(self) -> int:
+        """Running sequences and the forks running ones will have: new ones must fit beside."""
+        return len(self.running) + sum(len(s.forks) for s in self.running)
+
+    def _chunk(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        """The next `num_tokens` of `seq`; forks its waiting choices if it samples."""
+        chunk = ScheduledChunk.of(seq, num_tokens)
+        if not (chunk.samples and seq.forks):
+            return chunk
+        forks, seq.forks = tuple(seq.forks), []
+        for child in forks:
+            self._fork(seq, child)
+        return replace(chunk, forks=forks)
+
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        """Make `child` a running copy of `parent` (its prompt computed by this step) whose
+        first token is the one it samples in this step."""
+        self.block_manager.fork(parent, child)
+        child.num_pending_tokens = 1
+        if self.adapters is not None:
+            self.adapters.acquire(child)  # the parent's adapter: already in a slot
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
 
     def _reaches_its_length(self, seq: Sequence) -> bool:
         """Its pending tokens will end it at max_tokens or the context length."""
@@ -206,7 +251,6 @@ class Scheduler:
 
     def _start(self, seq: Sequence, allocation: Allocation, out: SchedulerOutput) -> None:
         """Move an admitted request to running: pin its adapter, attach its cached prefix, grow."""
-        # A preempted sequence waits at least one step, so its pending token has landed.
         assert seq.num_pending_tokens == 0, "admitted with a token still on the device"
         if self.adapters is not None:
             self.adapters.acquire(seq)
@@ -217,7 +261,7 @@ class Scheduler:
             self.stats.prefix_cache_query_tokens += seq.num_prompt_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        out.chunks.append(ScheduledChunk.of(seq, allocation.num_new_tokens))
+        out.chunks.append(self._chunk(seq, allocation.num_new_tokens))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free `seq`'s blocks and put it back at the head of the queue, to be recomputed."""
@@ -252,6 +296,8 @@ class Scheduler:
         updates: list[SequenceUpdate] = []
         for chunk in chunks:
             token = next(sampled) if chunk.samples else None
+            fork_tokens = [next(sampled) for _ in chunk.forks]
+            self._land_forks(chunk.forks, fork_tokens, updates)
             seq = chunk.seq
             if seq.is_finished:
                 continue
@@ -268,6 +314,20 @@ class Scheduler:
             if token is not None:
                 updates.append(self._append(seq, token))
         return updates
+
+    def _land_forks(
+        self, forks: tuple[Sequence, ...], tokens: list[int | None], out: list[SequenceUpdate]
+    ) -> None:
+        """Land the first tokens of the choices forked in this step."""
+        for seq, token in zip(forks, tokens, strict=True):
+            if seq.is_finished:
+                continue
+            seq.num_pending_tokens -= 1
+            if token is None:
+                self.finish(seq)
+                out.append(SequenceUpdate(seq, None, FinishReason.ERROR))
+            else:
+                out.append(self._append(seq, token))
 
     def _append(self, seq: Sequence, token: int) -> SequenceUpdate:
         seq.token_ids.append(token)

@@ -72,6 +72,12 @@ class Sequence:
     """When a step first computed it: its queue time ends here."""
     first_token_time: float | None = None
     last_token_time: float | None = None
+    index: int = 0
+    """Which choice of its request this sequence generates (`SamplingParams.n`)."""
+    forks: list[Sequence] = field(default_factory=list)
+    """The request's other choices, waiting to fork from this one (choice 0) when the step that
+    computes the end of its prompt is scheduled: they share its prompt's KV blocks and sample
+    their first tokens from the same logits. Empty once forked (and for n = 1)."""
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

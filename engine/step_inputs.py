@@ -7,7 +7,8 @@ it). Sizes, for max_num_batched_tokens T = 512, max_num_seqs S = 64 and max_mode
 16-token blocks (W = 128 blocks per sequence):
 
     input_ids, positions, slot_mapping   int64 [T]        3 × 4 KiB
-    logits_indices                       int64 [S]        512 B
+    logits_indices                       int64 [S]        512 B (a row forked choices share
+                                                           is listed once per choice)
     cu_seqlens_q                         int32 [S + 1]    260 B
     seq_lens                             int32 [S]        256 B
     block_tables                         int32 [S, W]     32 KiB, with staging of the same size
@@ -39,7 +40,7 @@ import torch
 
 from engine.model.llama import LoraApplier, StepContext
 from engine.sampler import SampledTokens, SamplingBatch, SamplingBuffers
-from engine.scheduler import ScheduledChunk
+from engine.scheduler import ScheduledChunk, sample_rows
 from engine.sequence import Sequence as EngineSequence
 from kernels.paged_attention import AttentionMetadata
 
@@ -70,7 +71,8 @@ class StepInputs:
     input_ids: torch.Tensor
     context: StepContext
     logits_indices: torch.Tensor
-    """Row of the final token of each chunk that samples, in chunk order."""
+    """Row of the final token of each chunk that samples, in chunk order (`sample_rows`: once
+    more for each choice forked from it)."""
     sampling: SamplingBatch
     """How each of those rows samples."""
     graph_batch: int | None
@@ -92,7 +94,7 @@ class LaunchedStep:
 
     @functools.cached_property
     def _sample_rows(self) -> dict[EngineSequence, int]:
-        return {c.seq: row for row, c in enumerate(c for c in self.chunks if c.samples)}
+        return {c.seq: row for row, c in enumerate(sample_rows(self.chunks))}
 
     def sample_row(self, seq: EngineSequence) -> int:
         """The row of `sampled` holding the token `seq` samples in this step."""
@@ -173,12 +175,25 @@ class StepBuffers:
             input_ids=input_ids,
             context=context,
             logits_indices=self.logits_indices.to_device(num_samples),
-            sampling=self.sampling.fill([c for c in chunks if c.samples], self.vocab_size),
+            sampling=self._sampling(chunks, previous),
             graph_batch=pad_to,
         )
         if self._copied is not None:
             self._copied.record()
         return inputs
+
+    def _sampling(
+        self, chunks: list[ScheduledChunk], previous: LaunchedStep | None
+    ) -> SamplingBatch:
+        """How each sampling row samples; a row whose last token is still pending (its value
+        on the device) has it read from `previous` for its penalties."""
+        rows = sample_rows(chunks)
+        pending: dict[int, torch.Tensor] = {}
+        for i, row in enumerate(rows):
+            if len(row.seq.token_ids) < row.end and row.seq.params.penalizes:
+                assert previous is not None
+                pending[i] = previous.sampled.ids[previous.sample_row(row.seq)].clamp_min(0)
+        return self.sampling.fill(rows, self.vocab_size, pending)
 
     def _attention(self, chunks: list[ScheduledChunk], batch: int) -> AttentionMetadata:
         """The attention metadata of `batch` rows: the chunks', then padding rows."""
@@ -228,8 +243,9 @@ class StepBuffers:
             cu[i + 1] = num_tokens
             seq_lens[i] = end
             if chunk.samples:
-                self.logits_indices.array[num_samples] = num_tokens - 1
-                num_samples += 1
+                for _ in range(1 + len(chunk.forks)):
+                    self.logits_indices.array[num_samples] = num_tokens - 1
+                    num_samples += 1
         return num_tokens, num_samples, pending
 
     def _write_padding(self, start: int, end: int, block_size: int) -> None:

@@ -120,7 +120,8 @@ class LoraManager:
     def add_user(self, seq: Sequence) -> None:
         if seq.adapter_id != BASE_ADAPTER:
             self._users[seq.adapter_id] = self._users.get(seq.adapter_id, 0) + 1
-            self.stats.setdefault(seq.adapter_id, AdapterStats()).requests += 1
+            stats = self.stats.setdefault(seq.adapter_id, AdapterStats())
+            stats.requests += seq.index == 0  # a request's other choices are users, not requests
 
     def remove_user(self, seq: Sequence) -> None:
         digest = seq.adapter_id

@@ -141,7 +141,13 @@ class EngineServer:
         try:
             async for out in outputs:
                 delta = Delta(
-                    out.request_id, out.token_ids, out.finish_reason, out.usage, out.timings
+                    out.request_id,
+                    out.token_ids,
+                    out.finish_reason,
+                    out.usage,
+                    out.index,
+                    out.logprobs,
+                    out.timings,
                 )
                 if not await self._send(identity, delta):
                     log.info("gateway of %s left; aborting it", out.request_id)

@@ -6,8 +6,12 @@ gateway sends carries the engine token (LORAMUX_ENGINE_TOKEN; empty when the eng
 without one) and the engine checks it, in constant time, before it reads anything else.
 
     gateway → engine                              engine → gateway
-    Generate(request_id, prompt_token_ids, …)     Delta(ref=request_id, token_ids, finish, usage)…
+    Generate(request_id, prompt_token_ids, …)     Delta(ref=request_id, token_ids, finish, usage,
+                                                        index, logprobs)…
     Abort(request_id)                             (the stream's last Delta says `abort`)
+
+A request with n > 1 choices streams each choice's Deltas (`index`); its stream ends with the
+Delta that carries `usage`.
     Call(ref, op, digest, config, weights)        Reply(ref, value)
     any of them, refused                          Failed(ref, call, kind, code, message)
 
@@ -32,7 +36,7 @@ from engine.errors import (
     RequestFailedError,
     UnknownAdapterError,
 )
-from engine.outputs import RequestTimings, Usage
+from engine.outputs import RequestTimings, TokenLogprob, Usage
 from engine.sampling import SamplingParams
 from engine.structured import StructuredOutputError
 
@@ -72,6 +76,11 @@ class Delta(msgspec.Struct, tag="delta", array_like=True):
     token_ids: list[int]
     finish_reason: str | None = None
     usage: Usage | None = None
+    """Set on the request's last Delta only: the stream ends with it."""
+    index: int = 0
+    """The choice these tokens belong to."""
+    logprobs: list[TokenLogprob] | None = None
+    """Aligned with `token_ids`, when the request asked for logprobs."""
     timings: RequestTimings | None = None
 
 

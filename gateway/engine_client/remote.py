@@ -132,7 +132,7 @@ class RemoteEngineClient:
             if serving.aborted:
                 channel.abort(request.request_id)
             while True:
-                finished = delta.finish_reason is not None
+                finished = delta.usage is not None  # the request's last choice ended
                 yield _output(delta)
                 if finished:
                     return
@@ -287,13 +287,25 @@ async def _next(stream: asyncio.Queue[StreamItem]) -> Delta:
 
 def _output(delta: Delta) -> RequestOutput:
     reason = None if delta.finish_reason is None else FinishReason(delta.finish_reason)
-    return RequestOutput(delta.ref, delta.token_ids, reason, delta.usage, timings=delta.timings)
+    return RequestOutput(
+        delta.ref,
+        delta.token_ids,
+        reason,
+        delta.usage,
+        index=delta.index,
+        logprobs=delta.logprobs,
+        timings=delta.timings,
+    )
 
 
 def _wire_params(params: SamplingParams) -> SamplingParams:
     """`params` within msgpack's 64-bit integers, meaning the same: the seed folded into the
-    generator's range as the engine would, top_k capped (past the vocabulary it keeps all)."""
-    return replace(params, seed=params.seed_bits, top_k=min(params.top_k, MAX_WIRE_INT))
+    generator's range as the engine would, top_k capped (past the vocabulary it keeps all),
+    logit_bias ids capped (past the vocabulary the engine refuses them all the same)."""
+    bias = tuple((min(t, MAX_WIRE_INT), b) for t, b in params.logit_bias)
+    return replace(
+        params, seed=params.seed_bits, top_k=min(params.top_k, MAX_WIRE_INT), logit_bias=bias
+    )
 
 
 def _read_adapter(folder: Path) -> tuple[bytes, bytes]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bench import engine_throughput, prefix_cache
+from bench import engine_throughput, n_choices, prefix_cache
 
 RESULT_FIELDS = {"benchmark", "mode", "command", "created", "machine", "model", "workload"}
 RESULT_FIELDS |= {"settings", "figures", "details"}
@@ -75,3 +75,12 @@ def test_prefix_cache_warm_request_computes_only_the_uncached_tail(prefix: Any) 
         assert rep["cold"]["prompt_tokens_computed"] == workload["prompt_len"]
         assert rep["warm"]["prompt_tokens_computed"] == tail
         assert rep["warm"]["cached_tokens"] == workload["shared_len"]
+
+
+def test_n_choices_computes_one_prompt_for_four_choices(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    path, result = run_smoke(n_choices.main, demo_model_dir, tmp_path)
+    assert_complete(path, result, "n_choices", goals=1)
+    assert result["details"]["ratios"]["prefill_tokens_separate_over_n4"] == 4.0
+    assert result["details"]["same_tokens_every_repetition"]

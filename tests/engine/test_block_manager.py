@@ -131,3 +131,40 @@ def test_admission_plans_the_first_chunk_within_the_budget_and_the_free_blocks()
     bm.allocate(seq, allocation)
     assert seq.block_table[:2] == [0, 1] and len(seq.block_table) == 3
     assert seq.num_computed_tokens == 8 and bm.num_free_blocks == 0
+
+
+def test_forks_share_blocks_and_copy_a_shared_block_before_writing_to_it() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    parent = _seq("r", [1, 2, 3, 4, 5, 6])  # one full block and a partial one
+    _compute(bm, parent)
+    children = [_seq("r", list(parent.token_ids)) for _ in range(2)]
+    for child in children:
+        bm.fork(parent, child)
+        child.token_ids.append(7)  # its first sampled token
+    assert bm.stats().used == 2 and all(c.block_table == parent.block_table for c in children)
+    full, partial = parent.block_table
+
+    first = children[0]
+    assert bm.can_append(first, 1)
+    bm.append(first, 1)  # writes position 6, in the shared partial block: copies it first
+    assert first.block_table[0] == full and first.block_table[1] != partial
+    assert bm.take_copies() == [(partial, first.block_table[1])] and bm.take_copies() == []
+
+    parent.token_ids.append(8)
+    bm.append(parent, 1)  # still shared with the second child: copied too
+    assert parent.block_table[1] not in (partial, first.block_table[1])
+    bm.append(children[1], 1)  # the last holder writes in place
+    assert children[1].block_table[1] == partial and len(bm.take_copies()) == 1
+
+    for seq in (parent, *children):
+        bm.free(seq)
+    assert bm.stats().used == 0 and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_a_fork_that_must_copy_needs_a_free_block() -> None:
+    bm = BlockManager(num_blocks=2, block_size=4)
+    parent = _seq("r", [1, 2, 3, 4, 5])
+    _compute(bm, parent)
+    child = _seq("r", list(parent.token_ids))
+    bm.fork(parent, child)
+    assert not bm.can_append(child, 1), "the copy of the shared block needs a free one"
