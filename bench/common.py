@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.demo_model import END_OF_TEXT_ID, EOS_TOKEN_IDS, LOGIT_STD, build_demo_model
+from gateway.settings import EngineSettings
 
 RESULTS_DIR = Path(__file__).parent / "results"
 
@@ -62,6 +63,16 @@ class RunSettings:
     @property
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")
+
+    def engine(self, **fields: Any) -> EngineSettings:
+        """Engine settings of this run's dtype and device, sized for the device (a bigger step
+        budget and KV pool on a GPU) where `fields` do not say otherwise; their `engine_config`
+        is the benchmark's EngineConfig, mapped as serve's engine maps its own."""
+        sized = {
+            "max_num_batched_tokens": 2048 if self.is_cuda else 512,
+            "kv_cache_mb": 8 << 10 if self.is_cuda else 256,
+        }
+        return EngineSettings(**{"dtype": self.dtype, "device": self.device, **sized, **fields})
 
 
 @dataclass(frozen=True)

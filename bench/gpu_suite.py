@@ -89,7 +89,7 @@ class Workload:
     steps: int
     max_model_len: int
     max_num_batched_tokens: int
-    kv_cache_bytes: int
+    kv_cache_mb: int
     lora_batch: int
     adapter_counts: tuple[int, ...]
     graph_batches: tuple[int, ...]
@@ -102,11 +102,11 @@ class Workload:
 
 WORKLOADS = {
     "full": Workload(
-        (1, 8, 64, 256), 512, 3, 20, 1024, 8192, 24 << 30, 64, (8, 64), (1, 2, 4, 8, 16, 32),
+        (1, 8, 64, 256), 512, 3, 20, 1024, 8192, 24 << 10, 64, (8, 64), (1, 2, 4, 8, 16, 32),
         (1, 8, 64), 1 << 30, 20, 360,
     ),
     "quick": Workload(
-        (1, 2, 4), 16, 1, 3, 64, 64, 64 << 20, 4, (2, 4), (1, 2), (1, 4), 1 << 24, 3, 360,
+        (1, 2, 4), 16, 1, 3, 64, 64, 64, 4, (2, 4), (1, 2), (1, 4), 1 << 24, 3, 360,
     ),
 }  # fmt: skip
 
@@ -194,20 +194,16 @@ def _read_junit(report: Path, files: list[str], seconds: float, source: str, tai
 # -- the benchmarks -------------------------------------------------------------------------
 def engine_config(settings: RunSettings, folder: Path, w: Workload) -> EngineConfig:
     """The suite's main engine: overlapped steps, adapter slots for the largest count."""
-    return EngineConfig(
-        model=folder,
-        random_weights=settings.model_size == "llama3-8b",
-        dtype=settings.dtype,
-        device=settings.device,
+    return settings.engine(
         max_model_len=w.max_model_len,
         max_num_seqs=max(w.batches),
         max_num_batched_tokens=w.max_num_batched_tokens,
-        kv_cache_bytes=w.kv_cache_bytes,
+        kv_cache_mb=w.kv_cache_mb,
         max_loras=max(w.adapter_counts),
         max_cpu_loras=max(w.adapter_counts),
         max_lora_rank=16,
         async_scheduling=True,
-    )
+    ).engine_config(folder, random_weights=settings.model_size == "llama3-8b")
 
 
 def measure_main(

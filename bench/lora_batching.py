@@ -119,18 +119,13 @@ def engine_config(
     settings: RunSettings, model_dir: Path, w: Workload, slots: int, host: int
 ) -> EngineConfig:
     """Prefix caching off: every case reruns the same prompts, and must compute them again."""
-    return EngineConfig(
-        model=model_dir,
-        dtype=settings.dtype,
-        device=settings.device,
+    return settings.engine(
         max_model_len=w.max_model_len,
         max_num_seqs=64,
-        max_num_batched_tokens=2048 if settings.is_cuda else 512,
-        kv_cache_bytes=(8 << 30) if settings.is_cuda else (256 << 20),
         max_loras=slots,
         max_cpu_loras=host,
-        enable_prefix_caching=False,
-    )
+        prefix_caching=False,
+    ).engine_config(model_dir)
 
 
 def plain_vocab(tokenizer: Any) -> list[int]:

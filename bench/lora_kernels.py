@@ -338,18 +338,15 @@ def measure_overhead(
 
 
 def overhead_config(settings: RunSettings, model_dir: Path, w: Workload) -> EngineConfig:
-    return EngineConfig(
-        model=model_dir,
-        dtype=settings.dtype,
-        device=settings.device,
+    return settings.engine(
         max_model_len=2 * w.prompt_len + w.steps + 4,
         max_num_seqs=max(w.batch_sizes),
         max_num_batched_tokens=4096 if settings.is_cuda else 512,
-        kv_cache_bytes=(8 << 30) if settings.is_cuda else (64 << 20),
+        kv_cache_mb=8 << 10 if settings.is_cuda else 64,
         max_loras=w.num_adapters,
         max_cpu_loras=w.num_adapters,
         max_lora_rank=64,
-    )
+    ).engine_config(model_dir)
 
 
 # -- the benchmark ----------------------------------------------------------------------------

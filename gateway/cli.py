@@ -44,21 +44,12 @@ def ensure_model(settings: Settings) -> Path:
 def _chat(args: argparse.Namespace) -> None:
     """Stream one chat reply from the engine, in-process."""
     from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
     from engine.detokenizer import IncrementalDetokenizer
     from engine.outputs import EngineRequest
     from engine.sampling import SamplingParams
 
     settings = Settings()
-    s = settings.engine
-    config = EngineConfig(
-        model=ensure_model(settings),
-        dtype=s.dtype,
-        device=s.device,
-        kv_cache_bytes=s.kv_cache_mb << 20,
-        max_model_len=s.max_model_len,
-    )
-    engine = AsyncEngine.from_config(config)
+    engine = AsyncEngine.from_config(settings.engine.engine_config(ensure_model(settings)))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )
@@ -107,11 +98,10 @@ def _serve(args: argparse.Namespace) -> None:
 def _engine(args: argparse.Namespace) -> None:
     """The engine in a process of its own, for gateways on this host or others."""
     from engine.service import Listen, run_engine_service
-    from gateway.server import engine_config
 
     settings = Settings()
     run_engine_service(
-        engine_config(settings, ensure_model(settings)),
+        settings.engine.engine_config(ensure_model(settings)),
         settings.model_name,
         Listen(args.address, args.health_host, args.health_port),
         adapter_dir=settings.data_dir / "engine-adapters",
