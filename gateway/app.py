@@ -15,7 +15,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.admin.router import admin_router
 from gateway.dashboard import dashboard_routes
 from gateway.errors import exception_handler
-from gateway.health import health, metrics, ready
+from gateway.health import health_router
 from gateway.metrics import Metrics
 from gateway.openai import openai_router
 from gateway.state import GatewayState
@@ -70,9 +70,7 @@ def create_app(gw: GatewayState) -> Litestar:
 
     return Litestar(
         route_handlers=[
-            health,
-            ready,
-            metrics,
+            health_router(gw),
             openai_router(gw),
             admin_router(gw),
             *dashboard_routes,
