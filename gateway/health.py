@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from litestar import Response, Router, get
-from litestar.di import Provide
+from litestar.di import NamedDependency, Provide
 from redis.asyncio import Redis
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -68,7 +68,7 @@ def health_router(gw: GatewayState) -> Router:
 
 
 @get("/health", include_in_schema=False)
-async def health(probes: Probes) -> Response[dict[str, Any]]:
+async def health(probes: NamedDependency[Probes]) -> Response[dict[str, Any]]:
     """Liveness: 200 while this process serves, or is bringing a child process back (a degraded
     state that /ready reports as not ready); 503 once a child it supervises keeps failing, when
     only restarting the whole service can help. The body says what is down:
@@ -87,7 +87,7 @@ async def health(probes: Probes) -> Response[dict[str, Any]]:
 
 
 @get("/ready", include_in_schema=False)
-async def ready(probes: Probes) -> Response[dict[str, Any]]:
+async def ready(probes: NamedDependency[Probes]) -> Response[dict[str, Any]]:
     """Ready to serve: the database answers and the engine is running."""
     checks: dict[str, bool] = {}
     try:
@@ -106,7 +106,7 @@ async def ready(probes: Probes) -> Response[dict[str, Any]]:
 
 
 @get("/metrics", include_in_schema=False)
-async def metrics(sources: MetricSources) -> Response[bytes]:
+async def metrics(sources: NamedDependency[MetricSources]) -> Response[bytes]:
     m = sources.metrics
     m.observe_degradation(sources.cache.errors, sources.quotas.redis_down)
     m.observe_usage(len(sources.usage), sources.usage.dropped)
