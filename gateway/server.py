@@ -30,7 +30,10 @@ def engine_client(settings: Settings, model_dir: Path) -> EngineClient:
     if settings.server.engine_urls:
         from gateway.engine_client.remote import RemoteEngineClient
 
-        return RemoteEngineClient(list(settings.server.engine_urls), settings.server.engine_token)
+        server = settings.server
+        return RemoteEngineClient(
+            list(server.engine_urls), server.engine_token, server.engine_first_output_seconds
+        )
     return LocalEngineClient(
         AsyncEngine.from_config(settings.engine.engine_config(model_dir)), settings.model_name
     )

@@ -22,6 +22,11 @@ def private_folder(path: Path) -> Path:
     return path
 
 
+ENGINE_FIRST_OUTPUT_SECONDS = 120.0
+"""How long a gateway waits for an engine's first output of a request by default: time enough
+for a long queue, or the prefill of a long prompt on slow hardware."""
+
+
 def _env(name: str, default: Any, cast: type = str) -> Any:
     raw = os.environ.get(f"LORAMUX_{name}")
     if raw is None or raw == "":
@@ -137,6 +142,14 @@ class ServerSettings:
     """LORAMUX_ENGINE_URLS: comma-separated engine services; unset: `serve` starts its own."""
     engine_token: str | None = field(default_factory=lambda: _env("ENGINE_TOKEN", None))
     """LORAMUX_ENGINE_TOKEN: shared secret of gateways and engine services; unset: no check."""
+    engine_first_output_seconds: float = field(
+        default_factory=lambda: _env(
+            "ENGINE_FIRST_OUTPUT_SECONDS", ENGINE_FIRST_OUTPUT_SECONDS, float
+        )
+    )
+    """LORAMUX_ENGINE_FIRST_OUTPUT_SECONDS: an engine that gives no first output of a request
+    for this long (hung, or far behind) has the request aborted; the client gets 504
+    engine_timeout."""
     model_name: str | None = field(default_factory=lambda: _env("MODEL_NAME", None))
     """LORAMUX_MODEL_NAME: the base model's id in the API; the model folder's name by default."""
     key_cache_seconds: float = field(default_factory=lambda: _env("KEY_CACHE_SECONDS", 2.0, float))
@@ -153,6 +166,10 @@ class ServerSettings:
     """LORAMUX_USAGE_MAX_BUFFERED: usage events held in memory while the database is unavailable (about 0.5 KB each); past this they are dropped, logged and counted."""
     demo_adapters: int = field(default_factory=lambda: _env("DEMO_ADAPTERS", 4, int))
     """LORAMUX_DEMO_ADAPTERS: shared demo adapters uploaded on first start with the demo model."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.engine_first_output_seconds < float("inf"):
+            raise ValueError("LORAMUX_ENGINE_FIRST_OUTPUT_SECONDS must be a positive number")
 
 
 @dataclass(frozen=True)
