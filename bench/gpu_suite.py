@@ -75,6 +75,10 @@ from engine.llm_engine import LLMEngine
 NAME = "gpu_suite"
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / "bench" / "wheels"
+"""Wheels of what the suite needs beyond IMAGE_PACKAGES (pytest), put on the tests' path."""
+IMAGE_PACKAGES = ("torch", "triton", "transformers", "peft", "safetensors", "tokenizers", "httpx")
+"""What the GPU machine has installed (with their dependencies): everything else the suite and
+its tests import must travel in WHEELS (tests/bench/test_gpu_suite_imports.py checks it)."""
 ROOFLINE_GOAL = 0.5
 """Batches of 64 and more should reach half the roofline (smaller ones are launch-bound)."""
 LORA_GOAL = 1 / 1.1
