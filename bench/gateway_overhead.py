@@ -47,16 +47,16 @@ from bench.common import (
     CeilingFigure,
     Figure,
     Result,
-    available_cores,
     configure,
+    load_details,
     parse_args,
     percentile,
-    prepare_model,
     report,
 )
 from bench.gateway_profile import profile_gateway
 from bench.gateway_rig import MODEL_NAME, Rig, engine_config, running_rig
 from bench.load_generator import DirectJob, LoadGenerator
+from bench.models import prepare_model
 from bench.streams import LoadJob, LoadResult, Sample, StreamJob
 from engine.outputs import EngineRequest
 from engine.sampling import SamplingParams
@@ -327,11 +327,7 @@ def measure(rig: Rig, workload: Workload) -> tuple[list[Figure], dict[str, Any]]
         "models_rate": asdict(models),
         "health_rate": asdict(health),
         "profile": profile,
-        "load_average": {
-            "start": [round(x, 2) for x in load_start],
-            "end": [round(x, 2) for x in load_end],
-            "busy": max(load_start[0], load_end[0]) > available_cores(),
-        },
+        "load_average": load_details(load_start, load_end),
     }
     return figures, details
 

@@ -49,17 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from adapters.base_spec import BaseModelSpec
-from bench.common import (
-    RESULTS_DIR,
-    Figure,
-    Result,
-    RunSettings,
-    available_cores,
-    configure,
-    describe_model,
-    llama3_8b_config,
-    shapes_only_folder,
-)
+from bench.common import RESULTS_DIR, Figure, Result, RunSettings, available_cores, configure
 from bench.common import report as write_report
 from bench.decode_steps import (
     copy_bandwidth,
@@ -67,7 +57,8 @@ from bench.decode_steps import (
     time_decode,
     with_engine,
 )
-from bench.lora_kernels import write_adapter
+from bench.lora_overhead import write_adapter
+from bench.models import describe_model, llama3_8b_config, shapes_only_folder
 from engine.config import EngineConfig
 from engine.demo_model import build_demo_model
 from engine.llm_engine import LLMEngine
@@ -250,7 +241,7 @@ def run_benchmarks(settings: RunSettings, workdir: Path, w: Workload) -> dict[st
     demo = settings.model_dir or build_demo_model(workdir / "demo")
     if settings.model_size == "llama3-8b":
         folder = shapes_only_folder(llama3_8b_config(), demo, workdir / "llama3-8b")
-        name = "llama-3-8b-shaped, seeded random weights (bench.common.llama3_8b_config)"
+        name = "llama-3-8b-shaped, seeded random weights (bench.models.llama3_8b_config)"
     else:
         folder, name = demo, "demo (engine.demo_model, seed 0)"
     base = BaseModelSpec.from_model_dir(folder)

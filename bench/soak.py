@@ -31,13 +31,13 @@ from bench.common import (
     Figure,
     Result,
     RunSettings,
-    available_cores,
     configure,
+    load_details,
     parse_args,
     percentile,
-    prepare_model,
     report,
 )
+from bench.models import prepare_model
 from gateway.db.migrate import upgrade
 from gateway.redis_server import private_redis
 from gateway.server import RunningServer, engine_client, serve_in_thread
@@ -183,11 +183,7 @@ def measure(
         "no_disconnects": arm_details(none),
         "disconnecting": arm_details(leaving),
         "residue_after": asdict(residue),
-        "load_average": {
-            "start": [round(x, 2) for x in load_start],
-            "end": [round(x, 2) for x in load_end],
-            "busy": max(load_start[0], load_end[0]) > available_cores(),
-        },
+        "load_average": load_details(load_start, load_end),
     }
     return figures, details
 
