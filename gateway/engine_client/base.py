@@ -32,8 +32,8 @@ class EngineClient(Protocol):
     text is the gateway's business (gateway.prompt_tokens), whichever client runs the engine.
 
     `generate` raises the engine's typed errors (engine.errors, and EngineTimeoutError) before
-    it yields anything, so a refused request never starts a response; once it yields, deltas concatenate to the text and
-    the last one carries the finish reason and usage. Closing the iterator early aborts the
+    it yields anything, so a refused request never starts a response; once it yields, deltas
+    concatenate to the text and the last one carries the finish reason and usage. Closing the iterator early aborts the
     engine's sequence and frees its KV blocks, but what the engine generated after the last
     delta read is then never seen: `abort` is the way to stop a request and still learn it.
     """
