@@ -16,6 +16,7 @@ add `-quick` / `-smoke` to the stem, so they never overwrite a full result.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -24,7 +25,7 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -301,6 +302,27 @@ def write_result(result: Result) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class PreparedRun:
+    settings: RunSettings
+    workdir: Path
+    """A temporary folder, removed when the run ends."""
+    model_dir: Path
+    model: dict[str, Any]
+    """The result's description of the model."""
+
+
+@contextlib.contextmanager
+def prepared_run(description: str, argv: Sequence[str] | None) -> Iterator[PreparedRun]:
+    """A benchmark's start: parse the command line, configure torch, and prepare the model (in
+    the run's temporary folder unless one is given)."""
+    settings = parse_args(description, argv)
+    configure(settings)
+    with tempfile.TemporaryDirectory(prefix="loramux-bench-") as tmp:
+        model_dir, model = prepare_model(settings, Path(tmp))
+        yield PreparedRun(settings, Path(tmp), model_dir, model)
+
+
 def run_benchmark(
     description: str,
     argv: Sequence[str] | None,
@@ -309,11 +331,8 @@ def run_benchmark(
     """A benchmark's `main`: parse the command line, configure torch, prepare the model (in a
     temporary folder unless given), run `benchmark(settings, model_dir, model_description)`,
     then print and write its result; returns the result file's path."""
-    settings = parse_args(description, argv)
-    configure(settings)
-    with tempfile.TemporaryDirectory(prefix="loramux-bench-") as tmp:
-        model_dir, model = prepare_model(settings, Path(tmp))
-        result = benchmark(settings, model_dir, model)
+    with prepared_run(description, argv) as run:
+        result = benchmark(run.settings, run.model_dir, run.model)
     return report(result)
 
 

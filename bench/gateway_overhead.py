@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -47,16 +46,14 @@ from bench.common import (
     CeilingFigure,
     Figure,
     Result,
-    configure,
     load_details,
-    parse_args,
     percentile,
+    prepared_run,
     report,
 )
 from bench.gateway_profile import profile_gateway
 from bench.gateway_rig import MODEL_NAME, Rig, engine_config, running_rig
 from bench.load_generator import DirectJob, LoadGenerator
-from bench.models import prepare_model
 from bench.streams import LoadJob, LoadResult, Sample, StreamJob
 from engine.outputs import EngineRequest
 from engine.sampling import SamplingParams
@@ -333,15 +330,12 @@ def measure(rig: Rig, workload: Workload) -> tuple[list[Figure], dict[str, Any]]
 
 
 def main(argv: Sequence[str] | None = None) -> Path:
-    settings = parse_args(__doc__ or NAME, argv)
-    configure(settings)
-    workload = WORKLOADS[settings.mode]
-    with LoadGenerator() as generator, tempfile.TemporaryDirectory(prefix="loramux-bench-") as tmp:
-        model_dir, model = prepare_model(settings, Path(tmp))
-        with running_rig(settings, model_dir, Path(tmp), generator) as rig:
+    with LoadGenerator() as generator, prepared_run(__doc__ or NAME, argv) as run:
+        settings, workload = run.settings, WORKLOADS[run.settings.mode]
+        with running_rig(settings, run.model_dir, run.workdir, generator) as rig:
             figures, details = measure(rig, workload)
-    engine = {k: str(v) for k, v in asdict(engine_config(settings, model_dir)).items()}
-    return report(Result(NAME, settings, model, asdict(workload), engine, figures, details))
+    engine = {k: str(v) for k, v in asdict(engine_config(settings, run.model_dir)).items()}
+    return report(Result(NAME, settings, run.model, asdict(workload), engine, figures, details))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ import dataclasses
 import gc
 import itertools
 import random
-import tempfile
 import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
@@ -61,14 +60,12 @@ from bench.common import (
     Figure,
     Result,
     RunSettings,
-    configure,
     median,
     now,
-    parse_args,
     percentile,
+    prepared_run,
     report,
 )
-from bench.models import prepare_model
 from bench.peft_reference import Peft, load_peft
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -348,13 +345,10 @@ def details(
 
 
 def main(argv: Sequence[str] | None = None) -> Path:
-    settings = parse_args(__doc__ or NAME, argv)
-    configure(settings)
-    w = WORKLOADS[settings.mode]
-    with tempfile.TemporaryDirectory(prefix="loramux-bench-") as tmp:
-        model_dir, model = prepare_model(settings, Path(tmp))
+    with prepared_run(__doc__ or NAME, argv) as run:
+        settings, model_dir, w = run.settings, run.model_dir, WORKLOADS[run.settings.mode]
         count = max(w.num_adapters, w.distinct[-1])
-        folders = build_demo_adapters(model_dir, Path(tmp) / "adapters", count, seed=w.seed)
+        folders = build_demo_adapters(model_dir, run.workdir / "adapters", count, seed=w.seed)
         timed = measure_batching(settings, model_dir, folders, w)
         rate = w.load * w.num_requests / median(timed[engine_case(w.distinct[-1])].seconds)
         runs = measure_many_adapters(settings, model_dir, folders, w, rate)
@@ -371,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
         "resident": [w.num_adapters] * 2,
     }
     figs, more = figures(w, timed, runs), details(w, timed, runs, rate)
-    return report(Result(NAME, settings, model, workload, config, figs, more))
+    return report(Result(NAME, settings, run.model, workload, config, figs, more))
 
 
 if __name__ == "__main__":

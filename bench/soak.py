@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,13 +30,11 @@ from bench.common import (
     Figure,
     Result,
     RunSettings,
-    configure,
     load_details,
-    parse_args,
     percentile,
+    prepared_run,
     report,
 )
-from bench.models import prepare_model
 from gateway.db.migrate import upgrade
 from gateway.redis_server import private_redis
 from gateway.server import RunningServer, engine_client, serve_in_thread
@@ -189,18 +186,15 @@ def measure(
 
 
 def main(argv: Sequence[str] | None = None) -> Path:
-    settings = parse_args(__doc__ or NAME, argv)
-    configure(settings)
-    workload = WORKLOADS[settings.mode]
-    with tempfile.TemporaryDirectory(prefix="loramux-bench-") as tmp:
-        model_dir, model = prepare_model(settings, Path(tmp))
-        adapters = build_demo_adapters(model_dir, Path(tmp) / "adapters", workload.tenants + 1)
-        with running_gateway(settings, model_dir, Path(tmp)) as (server, redis_url):
+    with prepared_run(__doc__ or NAME, argv) as run:
+        settings, model_dir, workload = run.settings, run.model_dir, WORKLOADS[run.settings.mode]
+        adapters = build_demo_adapters(model_dir, run.workdir / "adapters", workload.tenants + 1)
+        with running_gateway(settings, model_dir, run.workdir) as (server, redis_url):
             with admin_client(server) as admin:
                 tenants = make_tenants(admin, workload.tenants, adapters)
             figures, details = measure(server, redis_url, tenants, workload)
     engine = {"max_model_len": 512, "kv_cache_mb": 64, "dtype": settings.dtype}
-    return report(Result(NAME, settings, model, asdict(workload), engine, figures, details))
+    return report(Result(NAME, settings, run.model, asdict(workload), engine, figures, details))
 
 
 if __name__ == "__main__":
