@@ -1,5 +1,5 @@
-"""What every benchmark shares: the command line, the model it runs, the machine it ran on,
-timing, the printed table and the JSON result file.
+"""What every benchmark shares: the command line, the model it runs (bench.models), the
+machine it ran on, timing, the printed table and the JSON result file.
 
 A result file is one JSON object:
     benchmark, mode ("full" | "quick" | "smoke"), command, created (UTC, ISO 8601),
@@ -16,33 +16,27 @@ add `-quick` / `-smoke` to the stem, so they never overwrite a full result.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
-import math
 import os
 import platform
 import re
-import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.demo_model import END_OF_TEXT_ID, EOS_TOKEN_IDS, LOGIT_STD, build_demo_model
+from bench.models import prepare_model
+from gateway.settings import EngineSettings
 
 RESULTS_DIR = Path(__file__).parent / "results"
-
-# Files of the demo model's folder reused as the 1B model's tokenizer and generation config.
-_SHARED_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-_GENERATION_CONFIG = "generation_config.json"
 
 
 @dataclass(frozen=True)
@@ -62,6 +56,16 @@ class RunSettings:
     @property
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")
+
+    def engine(self, **fields: Any) -> EngineSettings:
+        """Engine settings of this run's dtype and device, sized for the device (a bigger step
+        budget and KV pool on a GPU) where `fields` do not say otherwise; their `engine_config`
+        is the benchmark's EngineConfig, mapped as serve's engine maps its own."""
+        sized = {
+            "max_num_batched_tokens": 2048 if self.is_cuda else 512,
+            "kv_cache_mb": 8 << 10 if self.is_cuda else 256,
+        }
+        return EngineSettings(**{"dtype": self.dtype, "device": self.device, **sized, **fields})
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,16 @@ def machine_info(settings: RunSettings) -> dict[str, Any]:
     return info
 
 
+def load_details(start: Sequence[float], end: Sequence[float]) -> dict[str, Any]:
+    """The 1/5/15-minute load averages (`os.getloadavg()`) at a run's start and end, and whether
+    the machine was busier than its cores during it (its figures then include others' work)."""
+    return {
+        "start": [round(x, 2) for x in start],
+        "end": [round(x, 2) for x in end],
+        "busy": max(start[0], end[0]) > available_cores(),
+    }
+
+
 def _cpu_model() -> str:
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
@@ -190,133 +204,6 @@ def _cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
-
-
-# -- models -----------------------------------------------------------------------------------
-def prepare_model(settings: RunSettings, workdir: Path) -> tuple[Path, dict[str, Any]]:
-    """The model folder to benchmark (built in `workdir` unless given) and its description."""
-    if settings.model_dir is not None:
-        path, name = settings.model_dir, str(settings.model_dir)
-    elif settings.model_size == "demo":
-        path, name = build_demo_model(workdir / "demo"), "demo (engine.demo_model, seed 0)"
-    else:
-        demo = build_demo_model(workdir / "demo")
-        path = build_random_llama(workdir / "llama-1b", demo, settings.device)
-        name = "llama-1b-random (bench.common.llama_1b_config, seed 0)"
-    return path, describe_model(path, name, settings.dtype, settings.device)
-
-
-def describe_model(folder: Path, name: str, dtype: str, device: str) -> dict[str, Any]:
-    """A result's `model`: its name, dtype, device, architecture sizes and parameter count."""
-    config = LlamaConfig.from_pretrained(folder)
-    return {
-        "name": name,
-        "dtype": dtype,
-        "device": device,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "vocab_size": config.vocab_size,
-        "parameters": _parameter_count(config),
-    }
-
-
-def _parameter_count(config: LlamaConfig) -> int:
-    with torch.device("meta"):
-        return sum(p.numel() for p in LlamaForCausalLM(config).parameters())
-
-
-def llama_1b_config() -> LlamaConfig:
-    """The GPU variant's model: Llama-shaped, ~1.1B parameters (hidden 2048, 16 layers,
-    32 query / 8 KV heads of 64, SwiGLU 8192, vocab 32000); its EOS and padding are the demo's."""
-    return _llama_config(2048, 8192, 16, 32, 8, 64, 32000, 4096, 10000.0)
-
-
-def llama3_8b_config() -> LlamaConfig:
-    """Llama-3-8B's shapes (hidden 4096, 32 layers, 32 query / 8 KV heads of 128, SwiGLU
-    14336, vocab 128256, rope theta 500000); its EOS and padding are the demo tokenizer's."""
-    return _llama_config(4096, 14336, 32, 32, 8, 128, 128256, 8192, 500000.0)
-
-
-def _llama_config(
-    hidden: int,
-    intermediate: int,
-    layers: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    vocab: int,
-    max_positions: int,
-    rope_theta: float,
-) -> LlamaConfig:
-    return LlamaConfig(
-        architectures=["LlamaForCausalLM"],
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        vocab_size=vocab,
-        hidden_act="silu",
-        max_position_embeddings=max_positions,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=list(EOS_TOKEN_IDS),
-        pad_token_id=END_OF_TEXT_ID,
-        dtype="bfloat16",
-    )
-
-
-def shapes_only_folder(config: LlamaConfig, tokenizer_dir: Path, out_dir: Path) -> Path:
-    """A model folder with config.json and the demo tokenizer but no weights: the engine gives
-    it seeded random ones (`EngineConfig.random_weights`). Ids past the tokenizer's vocabulary
-    decode to nothing."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(out_dir)
-    _copy_tokenizer(tokenizer_dir, out_dir)
-    return out_dir
-
-
-def _copy_tokenizer(tokenizer_dir: Path, out_dir: Path) -> None:
-    """The demo model's tokenizer files and generation config."""
-    for file in (*_SHARED_FILES, _GENERATION_CONFIG):
-        if (tokenizer_dir / file).is_file():
-            shutil.copy(tokenizer_dir / file, out_dir / file)
-
-
-def build_random_llama(out_dir: Path, tokenizer_dir: Path, device: str, seed: int = 0) -> Path:
-    """`llama_1b_config()` with seeded random bfloat16 weights, in HF layout.
-
-    Scaled like the demo model (embeddings N(0, 1), projections N(0, 1/fan_in), norms 1,
-    lm_head std LOGIT_STD / sqrt(hidden)) so activations stay O(1) and greedy decoding has
-    clear margins between the top two logits (see engine.demo_model). Weights are drawn on `device` (fast on a GPU); the tokenizer and generation
-    config are the demo model's.
-    """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config = llama_1b_config()
-    config.save_pretrained(out_dir)
-    with torch.device("meta"):
-        shapes = {n: t.shape for n, t in LlamaForCausalLM(config).state_dict().items()}
-    generator = torch.Generator(device).manual_seed(seed)
-    weights: dict[str, torch.Tensor] = {}
-    for name in sorted(shapes):
-        shape = shapes[name]
-        if name.endswith("norm.weight"):
-            weights[name] = torch.ones(shape, dtype=torch.bfloat16)
-            continue
-        std = 1.0 if name == "model.embed_tokens.weight" else 1.0 / math.sqrt(shape[1])
-        if name == "lm_head.weight":
-            std = LOGIT_STD / math.sqrt(config.hidden_size)
-        drawn = torch.randn(shape, generator=generator, device=device) * std
-        weights[name] = drawn.to(torch.bfloat16).cpu()
-    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
-    _copy_tokenizer(tokenizer_dir, out_dir)
-    return out_dir
 
 
 # -- timing -----------------------------------------------------------------------------------
@@ -415,6 +302,27 @@ def write_result(result: Result) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class PreparedRun:
+    settings: RunSettings
+    workdir: Path
+    """A temporary folder, removed when the run ends."""
+    model_dir: Path
+    model: dict[str, Any]
+    """The result's description of the model."""
+
+
+@contextlib.contextmanager
+def prepared_run(description: str, argv: Sequence[str] | None) -> Iterator[PreparedRun]:
+    """A benchmark's start: parse the command line, configure torch, and prepare the model (in
+    the run's temporary folder unless one is given)."""
+    settings = parse_args(description, argv)
+    configure(settings)
+    with tempfile.TemporaryDirectory(prefix="loramux-bench-") as tmp:
+        model_dir, model = prepare_model(settings, Path(tmp))
+        yield PreparedRun(settings, Path(tmp), model_dir, model)
+
+
 def run_benchmark(
     description: str,
     argv: Sequence[str] | None,
@@ -423,11 +331,8 @@ def run_benchmark(
     """A benchmark's `main`: parse the command line, configure torch, prepare the model (in a
     temporary folder unless given), run `benchmark(settings, model_dir, model_description)`,
     then print and write its result; returns the result file's path."""
-    settings = parse_args(description, argv)
-    configure(settings)
-    with tempfile.TemporaryDirectory(prefix="loramux-bench-") as tmp:
-        model_dir, model = prepare_model(settings, Path(tmp))
-        result = benchmark(settings, model_dir, model)
+    with prepared_run(description, argv) as run:
+        result = benchmark(run.settings, run.model_dir, run.model)
     return report(result)
 
 

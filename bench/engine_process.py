@@ -1,7 +1,7 @@
 """The engine in a process of its own for a benchmark: the engine service `loramux engine` runs
 (engine.service), on a loopback tcp:// channel and health port, built from the benchmark's own
-`EngineConfig` (`loramux engine` takes its config from LORAMUX_* settings, which cannot turn the
-prefix cache off). Spawned, not forked: the engine's threads and torch start fresh."""
+`EngineConfig` (its run's settings mapped by `EngineSettings.engine_config`, not this process's
+environment). Spawned, not forked: the engine's threads and torch start fresh."""
 
 from __future__ import annotations
 

@@ -124,14 +124,8 @@ def kv_sample(engine: LLMEngine) -> KvSample:
 
 def engine_config(settings: RunSettings, model_dir: Path, workload: Workload) -> EngineConfig:
     """Defaults suited to the device: a bigger step budget and KV pool on a GPU."""
-    return EngineConfig(
-        model=model_dir,
-        dtype=settings.dtype,
-        device=settings.device,
-        max_model_len=workload.max_model_len,
-        max_num_seqs=64,
-        max_num_batched_tokens=2048 if settings.is_cuda else 512,
-        kv_cache_bytes=(8 << 30) if settings.is_cuda else (256 << 20),
+    return settings.engine(max_model_len=workload.max_model_len, max_num_seqs=64).engine_config(
+        model_dir
     )
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -47,11 +46,9 @@ from bench.common import (
     CeilingFigure,
     Figure,
     Result,
-    available_cores,
-    configure,
-    parse_args,
+    load_details,
     percentile,
-    prepare_model,
+    prepared_run,
     report,
 )
 from bench.gateway_profile import profile_gateway
@@ -327,25 +324,18 @@ def measure(rig: Rig, workload: Workload) -> tuple[list[Figure], dict[str, Any]]
         "models_rate": asdict(models),
         "health_rate": asdict(health),
         "profile": profile,
-        "load_average": {
-            "start": [round(x, 2) for x in load_start],
-            "end": [round(x, 2) for x in load_end],
-            "busy": max(load_start[0], load_end[0]) > available_cores(),
-        },
+        "load_average": load_details(load_start, load_end),
     }
     return figures, details
 
 
 def main(argv: Sequence[str] | None = None) -> Path:
-    settings = parse_args(__doc__ or NAME, argv)
-    configure(settings)
-    workload = WORKLOADS[settings.mode]
-    with LoadGenerator() as generator, tempfile.TemporaryDirectory(prefix="loramux-bench-") as tmp:
-        model_dir, model = prepare_model(settings, Path(tmp))
-        with running_rig(settings, model_dir, Path(tmp), generator) as rig:
+    with LoadGenerator() as generator, prepared_run(__doc__ or NAME, argv) as run:
+        settings, workload = run.settings, WORKLOADS[run.settings.mode]
+        with running_rig(settings, run.model_dir, run.workdir, generator) as rig:
             figures, details = measure(rig, workload)
-    engine = {k: str(v) for k, v in asdict(engine_config(settings, model_dir)).items()}
-    return report(Result(NAME, settings, model, asdict(workload), engine, figures, details))
+    engine = {k: str(v) for k, v in asdict(engine_config(settings, run.model_dir)).items()}
+    return report(Result(NAME, settings, run.model, asdict(workload), engine, figures, details))
 
 
 if __name__ == "__main__":

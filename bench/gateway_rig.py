@@ -47,15 +47,8 @@ class Rig:
 
 
 def engine_config(settings: RunSettings, model_dir: Path) -> EngineConfig:
-    return EngineConfig(
-        model=model_dir,
-        dtype=settings.dtype,
-        device=settings.device,
-        max_model_len=512,
-        max_num_seqs=64,
-        max_num_batched_tokens=2048 if settings.is_cuda else 512,
-        kv_cache_bytes=(8 << 30) if settings.is_cuda else (256 << 20),
-        enable_prefix_caching=False,
+    return settings.engine(max_model_len=512, max_num_seqs=64, prefix_caching=False).engine_config(
+        model_dir
     )
 
 

@@ -49,17 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from adapters.base_spec import BaseModelSpec
-from bench.common import (
-    RESULTS_DIR,
-    Figure,
-    Result,
-    RunSettings,
-    available_cores,
-    configure,
-    describe_model,
-    llama3_8b_config,
-    shapes_only_folder,
-)
+from bench.common import RESULTS_DIR, Figure, Result, RunSettings, available_cores, configure
 from bench.common import report as write_report
 from bench.decode_steps import (
     copy_bandwidth,
@@ -67,7 +57,8 @@ from bench.decode_steps import (
     time_decode,
     with_engine,
 )
-from bench.lora_kernels import write_adapter
+from bench.lora_overhead import write_adapter
+from bench.models import describe_model, llama3_8b_config, shapes_only_folder
 from engine.config import EngineConfig
 from engine.demo_model import build_demo_model
 from engine.llm_engine import LLMEngine
@@ -75,6 +66,10 @@ from engine.llm_engine import LLMEngine
 NAME = "gpu_suite"
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / "bench" / "wheels"
+"""Wheels of what the suite needs beyond IMAGE_PACKAGES (pytest), put on the tests' path."""
+IMAGE_PACKAGES = ("torch", "triton", "transformers", "peft", "safetensors", "tokenizers", "httpx")
+"""What the GPU machine has installed (with their dependencies): everything else the suite and
+its tests import must travel in WHEELS (tests/bench/test_gpu_suite_imports.py checks it)."""
 ROOFLINE_GOAL = 0.5
 """Batches of 64 and more should reach half the roofline (smaller ones are launch-bound)."""
 LORA_GOAL = 1 / 1.1
@@ -89,7 +84,7 @@ class Workload:
     steps: int
     max_model_len: int
     max_num_batched_tokens: int
-    kv_cache_bytes: int
+    kv_cache_mb: int
     lora_batch: int
     adapter_counts: tuple[int, ...]
     graph_batches: tuple[int, ...]
@@ -102,11 +97,11 @@ class Workload:
 
 WORKLOADS = {
     "full": Workload(
-        (1, 8, 64, 256), 512, 3, 20, 1024, 8192, 24 << 30, 64, (8, 64), (1, 2, 4, 8, 16, 32),
+        (1, 8, 64, 256), 512, 3, 20, 1024, 8192, 24 << 10, 64, (8, 64), (1, 2, 4, 8, 16, 32),
         (1, 8, 64), 1 << 30, 20, 360,
     ),
     "quick": Workload(
-        (1, 2, 4), 16, 1, 3, 64, 64, 64 << 20, 4, (2, 4), (1, 2), (1, 4), 1 << 24, 3, 360,
+        (1, 2, 4), 16, 1, 3, 64, 64, 64, 4, (2, 4), (1, 2), (1, 4), 1 << 24, 3, 360,
     ),
 }  # fmt: skip
 
@@ -194,20 +189,16 @@ def _read_junit(report: Path, files: list[str], seconds: float, source: str, tai
 # -- the benchmarks -------------------------------------------------------------------------
 def engine_config(settings: RunSettings, folder: Path, w: Workload) -> EngineConfig:
     """The suite's main engine: overlapped steps, adapter slots for the largest count."""
-    return EngineConfig(
-        model=folder,
-        random_weights=settings.model_size == "llama3-8b",
-        dtype=settings.dtype,
-        device=settings.device,
+    return settings.engine(
         max_model_len=w.max_model_len,
         max_num_seqs=max(w.batches),
         max_num_batched_tokens=w.max_num_batched_tokens,
-        kv_cache_bytes=w.kv_cache_bytes,
+        kv_cache_mb=w.kv_cache_mb,
         max_loras=max(w.adapter_counts),
         max_cpu_loras=max(w.adapter_counts),
         max_lora_rank=16,
         async_scheduling=True,
-    )
+    ).engine_config(folder, random_weights=settings.model_size == "llama3-8b")
 
 
 def measure_main(
@@ -250,7 +241,7 @@ def run_benchmarks(settings: RunSettings, workdir: Path, w: Workload) -> dict[st
     demo = settings.model_dir or build_demo_model(workdir / "demo")
     if settings.model_size == "llama3-8b":
         folder = shapes_only_folder(llama3_8b_config(), demo, workdir / "llama3-8b")
-        name = "llama-3-8b-shaped, seeded random weights (bench.common.llama3_8b_config)"
+        name = "llama-3-8b-shaped, seeded random weights (bench.models.llama3_8b_config)"
     else:
         folder, name = demo, "demo (engine.demo_model, seed 0)"
     base = BaseModelSpec.from_model_dir(folder)

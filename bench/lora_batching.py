@@ -34,9 +34,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
-import math
 import random
-import tempfile
 import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
@@ -44,26 +42,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from adapters.demo import build_demo_adapters
+from bench.adapter_requests import (
+    Request,
+    Run,
+    engine_request,
+    make_prompts,
+    plain_vocab,
+    register,
+    run_engine,
+    spread,
+    warm_slots,
+)
 from bench.common import (
     Figure,
     Result,
     RunSettings,
-    configure,
     median,
     now,
-    parse_args,
-    prepare_model,
+    percentile,
+    prepared_run,
     report,
 )
+from bench.peft_reference import Peft, load_peft
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
 
 NAME = "lora_batching"
 
@@ -101,150 +106,17 @@ WORKLOADS = {
 }
 
 
-@dataclass(frozen=True)
-class Request:
-    request_id: str
-    prompt: list[int]
-    adapter: int | None
-    """Index into the adapter folders; None for the base model."""
-    arrival: float = 0.0
-    """(c) only: seconds after the stream starts."""
-
-
-Run = tuple[float, list[list[int]]]
-"""Seconds taken, and each request's output tokens in request order."""
-
-
 def engine_config(
     settings: RunSettings, model_dir: Path, w: Workload, slots: int, host: int
 ) -> EngineConfig:
     """Prefix caching off: every case reruns the same prompts, and must compute them again."""
-    return EngineConfig(
-        model=model_dir,
-        dtype=settings.dtype,
-        device=settings.device,
+    return settings.engine(
         max_model_len=w.max_model_len,
         max_num_seqs=64,
-        max_num_batched_tokens=2048 if settings.is_cuda else 512,
-        kv_cache_bytes=(8 << 30) if settings.is_cuda else (256 << 20),
         max_loras=slots,
         max_cpu_loras=host,
-        enable_prefix_caching=False,
-    )
-
-
-def plain_vocab(tokenizer: Any) -> list[int]:
-    """Every token id that is not a special token."""
-    return [t for t in range(len(tokenizer)) if t not in tokenizer.all_special_ids]
-
-
-def make_prompts(w: Workload, vocab: Sequence[int], rng: random.Random, n: int) -> list[list[int]]:
-    return [[rng.choice(vocab) for _ in range(rng.randint(*w.prompt_lens))] for _ in range(n)]
-
-
-def spread(prompts: Sequence[list[int]], distinct: int | None, tag: str) -> list[Request]:
-    """Request i on adapter i % distinct (None: every request on the base model)."""
-    return [
-        Request(f"{tag}-{i}", p, None if distinct is None else i % distinct)
-        for i, p in enumerate(prompts)
-    ]
-
-
-# -- engine -----------------------------------------------------------------------------------
-def engine_request(r: Request, digests: Sequence[str], out_len: int) -> EngineRequest:
-    params = SamplingParams(max_tokens=out_len, ignore_eos=True)
-    adapter = None if r.adapter is None else digests[r.adapter]
-    return EngineRequest(r.request_id, params, prompt_token_ids=r.prompt, adapter=adapter)
-
-
-def run_engine(
-    engine: LLMEngine, requests: Sequence[Request], digests: Sequence[str], out_len: int
-) -> Run:
-    """Submit every request at once and step until idle."""
-    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    device = engine.config.device
-    start = now(device)
-    for r in requests:
-        engine.add_request(engine_request(r, digests, out_len))
-    while engine.has_work:
-        for out in engine.step():
-            outputs[out.request_id].extend(out.token_ids)
-    return now(device) - start, [outputs[r.request_id] for r in requests]
-
-
-def warm_slots(engine: LLMEngine, digests: Sequence[str]) -> None:
-    """One two-token request per adapter: with enough slots, every adapter is then in one."""
-    warm = [Request(f"warm-{i}", [10 + i % 50] * 4, i) for i in range(len(digests))]
-    run_engine(engine, warm, digests, 2)
-
-
-def register(engine: LLMEngine, folders: Sequence[Path]) -> list[str]:
-    return [engine.register_adapter(f) for f in folders]
-
-
-# -- PEFT -------------------------------------------------------------------------------------
-def load_peft(model_dir: Path, folders: Sequence[Path], dtype: torch.dtype, device: str) -> Any:
-    """One PeftModel holding every adapter in `folders`, each named by its folder."""
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    model = PeftModel.from_pretrained(base, folders[0], adapter_name=folders[0].name)
-    for folder in folders[1:]:
-        model.load_adapter(folder, adapter_name=folder.name)
-    return model.to(device).eval()
-
-
-@dataclass(frozen=True)
-class Peft:
-    model: Any
-    names: list[str]
-    """Adapter index → PEFT adapter name."""
-    out_len: int
-    pad_id: int
-
-    def generate(self, prompts: Sequence[list[int]], names: list[str] | None) -> list[list[int]]:
-        """Greedy continuations of exactly `out_len` tokens, left-padded; row i on adapter
-        `names[i]`, or every row on the active adapter when `names` is None."""
-        width = max(len(p) for p in prompts)
-        pad, device = self.pad_id, self.model.device
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        extra = {} if names is None else {"adapter_names": names}
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=self.out_len,
-                do_sample=False,
-                eos_token_id=None,  # transformers 5: None turns stopping at EOS off
-                pad_token_id=pad,
-                **extra,
-            )
-        assert out.shape[1] == width + self.out_len, "generate stopped early: EOS still on"
-        return out[:, width:].tolist()
-
-    def run_mixed(self, requests: Sequence[Request], batch: int) -> Run:
-        """Static batches of `batch` requests in submission order, each row on its adapter."""
-        outputs: list[list[int]] = []
-        start = now(str(self.model.device))
-        for i in range(0, len(requests), batch):
-            chunk = requests[i : i + batch]
-            rows = [self.names[r.adapter] if r.adapter is not None else "__base__" for r in chunk]
-            outputs += self.generate([r.prompt for r in chunk], rows)
-        return now(str(self.model.device)) - start, outputs
-
-    def run_per_adapter(self, requests: Sequence[Request]) -> Run:
-        """For each adapter in order of first use: `set_adapter`, one batch of its requests."""
-        groups: dict[int | None, list[int]] = {}
-        for i, r in enumerate(requests):
-            groups.setdefault(r.adapter, []).append(i)
-        outputs: list[list[int]] = [[] for _ in requests]
-        start = now(str(self.model.device))
-        for adapter, rows in groups.items():
-            assert adapter is not None, "the per-adapter way serves adapter requests only"
-            self.model.set_adapter(self.names[adapter])
-            got = self.generate([requests[i].prompt for i in rows], None)
-            for i, tokens in zip(rows, got, strict=True):
-                outputs[i] = tokens
-        return now(str(self.model.device)) - start, outputs
+        prefix_caching=False,
+    ).engine_config(model_dir)
 
 
 # -- (a) and (b) ------------------------------------------------------------------------------
@@ -279,7 +151,9 @@ def measure_batching(
     w.distinct, 'peft-mixed-<B>' for B in w.peft_batch_sizes and 'peft-one'."""
     n = w.distinct[-1]
     engine = LLMEngine(engine_config(settings, model_dir, w, slots=n, host=n))
-    prompts = make_prompts(w, plain_vocab(engine.tokenizer), random.Random(w.seed), w.num_requests)
+    prompts = make_prompts(
+        w.prompt_lens, plain_vocab(engine.tokenizer), random.Random(w.seed), w.num_requests
+    )
     digests = register(engine, folders[:n])
     warm_slots(engine, digests)
     dtype = engine.config.torch_dtype
@@ -310,7 +184,7 @@ def zipf_requests(
     weights = [1 / (k + 1) ** w.zipf_s for k in range(w.num_adapters)]
     adapters = rng.choices(range(w.num_adapters), weights, k=n)
     arrivals = itertools.accumulate(rng.expovariate(rate) for _ in range(n))
-    prompts = make_prompts(w, vocab, rng, n)
+    prompts = make_prompts(w.prompt_lens, vocab, rng, n)
     return [
         Request(f"{tag}-{i}", p, a, t)
         for i, (p, a, t) in enumerate(zip(prompts, adapters, arrivals, strict=True))
@@ -408,12 +282,6 @@ def measure_many_adapters(
 
 
 # -- report -----------------------------------------------------------------------------------
-def p99(values: Sequence[float]) -> float:
-    """Nearest-rank 99th percentile."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
-
-
 def equal_fraction(reference: Sequence[list[int]], outputs: Sequence[list[int]]) -> float:
     return sum(a == b for a, b in zip(reference, outputs, strict=True)) / len(reference)
 
@@ -453,7 +321,7 @@ def figures(w: Workload, timed: dict[str, Timed], runs: dict[str, StreamRun]) ->
         *(
             Figure(f"(c) TTFT {stat}, {label}", f(run.ttft) * 1e3, "ms")
             for label, run in streams
-            for stat, f in (("median", median), ("p99", p99))
+            for stat, f in (("median", median), ("p99", lambda v: percentile(v, 99)))
         ),
         Figure(f"(c) TTFT median all resident / {w.slots} slots", resident / few, "ratio", 0.5),
     ]
@@ -477,13 +345,10 @@ def details(
 
 
 def main(argv: Sequence[str] | None = None) -> Path:
-    settings = parse_args(__doc__ or NAME, argv)
-    configure(settings)
-    w = WORKLOADS[settings.mode]
-    with tempfile.TemporaryDirectory(prefix="loramux-bench-") as tmp:
-        model_dir, model = prepare_model(settings, Path(tmp))
+    with prepared_run(__doc__ or NAME, argv) as run:
+        settings, model_dir, w = run.settings, run.model_dir, WORKLOADS[run.settings.mode]
         count = max(w.num_adapters, w.distinct[-1])
-        folders = build_demo_adapters(model_dir, Path(tmp) / "adapters", count, seed=w.seed)
+        folders = build_demo_adapters(model_dir, run.workdir / "adapters", count, seed=w.seed)
         timed = measure_batching(settings, model_dir, folders, w)
         rate = w.load * w.num_requests / median(timed[engine_case(w.distinct[-1])].seconds)
         runs = measure_many_adapters(settings, model_dir, folders, w, rate)
@@ -500,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
         "resident": [w.num_adapters] * 2,
     }
     figs, more = figures(w, timed, runs), details(w, timed, runs, rate)
-    return report(Result(NAME, settings, model, workload, config, figs, more))
+    return report(Result(NAME, settings, run.model, workload, config, figs, more))
 
 
 if __name__ == "__main__":

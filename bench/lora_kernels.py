@@ -12,7 +12,7 @@
    device-to-device copy (bytes read + written per second). The kernels' output is compared
    with the loop's (`details`).
 2. LoRA overhead. The engine's decode step on a ~1.1B Llama-shaped random model
-   (bench.common.llama_1b_config) at several batch sizes: every request on an adapter (ranks
+   (bench.models.llama_1b_config) at several batch sizes: every request on an adapter (ranks
    8/16/32/64 round-robin, all seven projections) against every request on the base model.
    Median time of `steps` decode steps once every request has its first token and a few steps
    more have passed. Goal: LoRA adds under 10%, reported as base / LoRA step time >= 1/1.1.
@@ -36,8 +36,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import argparse
-import json
-import random
 import sys
 import tempfile
 import time
@@ -46,10 +44,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
-
-from adapters.base_spec import PROJECTIONS, BaseModelSpec
-from adapters.peft_config import PARENT_MODULE
 from bench.common import (
     RESULTS_DIR,
     Figure,
@@ -58,14 +52,11 @@ from bench.common import (
     available_cores,
     configure,
     median,
-    now,
-    prepare_model,
     report,
 )
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
+from bench.decode_steps import copy_bandwidth
+from bench.lora_overhead import measure_overhead, overhead_config
+from bench.models import prepare_model
 from kernels.lora_expand import bgmv_expand, sgmv_expand
 from kernels.lora_meta import INTERPRET, LoraBatchMeta, LoraMetaBuffers
 from kernels.lora_shrink import bgmv_shrink, sgmv_shrink
@@ -130,14 +121,6 @@ def time_ms(fn: Callable[[], object], device: str, warmup: int, iters: int) -> f
         events.append((begin, end))
     torch.cuda.synchronize()
     return median([begin.elapsed_time(end) for begin, end in events])
-
-
-def copy_bandwidth(nbytes: int, device: str, w: Workload) -> float:
-    """Bytes read plus bytes written per second by a device-to-device copy of `nbytes`."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), device, w.warmup, w.iters)
-    return 2 * nbytes / (ms / 1e3)
 
 
 # -- part 1: kernels --------------------------------------------------------------------------
@@ -256,102 +239,6 @@ def kernel_cases(w: Workload) -> list[KernelCase]:
     ]
 
 
-# -- part 2: LoRA overhead in the engine ------------------------------------------------------
-def write_adapter(
-    folder: Path, base: BaseModelSpec, rank: int, seed: int, device: str = "cpu"
-) -> Path:
-    """A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors, PEFT's key
-    names) adapting all seven projections of every layer at `rank`, with seeded weights small
-    enough to keep activations O(1), drawn on `device` (fast on a GPU for large models)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "bias": "none"}
-    config["target_modules"] = [f"{proj}_proj" for proj in PROJECTIONS]
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    gen = torch.Generator(device).manual_seed(seed)
-    tensors = {}
-    for layer in range(base.num_layers):
-        for proj in PROJECTIONS:
-            shape = base.projection_shape(proj)
-            key = f"base_model.model.model.layers.{layer}.{PARENT_MODULE[proj]}.{proj}_proj"
-            a = torch.randn(rank, shape.in_features, generator=gen, device=device)
-            b = torch.randn(shape.out_features, rank, generator=gen, device=device)
-            a = a / shape.in_features**0.5
-            b = b * (0.1 / rank**0.5)
-            tensors[f"{key}.lora_A.weight"] = a.to(torch.bfloat16).cpu()
-            tensors[f"{key}.lora_B.weight"] = b.to(torch.bfloat16).cpu()
-    save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
-    return folder
-
-
-def decode_step_ms(
-    engine: LLMEngine, adapters: Sequence[str | None], w: Workload, rng: random.Random, tag: str
-) -> float:
-    """Median decode step of len(adapters) running requests, request i on adapters[i] (None:
-    the base model), once all have their first token and 3 steps more; then abort them.
-    No request finishes before: prefill takes at most prompt_len steps (budget >= batch)."""
-    vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=w.prompt_len + w.steps + 4, ignore_eos=True)
-    ids = [f"{tag}-{i}" for i in range(len(adapters))]
-    for request_id, adapter in zip(ids, adapters, strict=True):
-        prompt = [rng.randrange(3, vocab) for _ in range(w.prompt_len)]
-        engine.add_request(
-            EngineRequest(request_id, params, prompt_token_ids=prompt, adapter=adapter)
-        )
-    started: set[str] = set()
-    while len(started) < len(ids):
-        started.update(out.request_id for out in engine.step())
-    for _ in range(3):
-        engine.step()
-    device = engine.config.device
-    times = []
-    for _ in range(w.steps):
-        begin = now(device)
-        engine.step()
-        times.append(now(device) - begin)
-    for request_id in ids:
-        engine.abort(request_id)
-    return median(times) * 1e3
-
-
-def measure_overhead(
-    settings: RunSettings, model_dir: Path, workdir: Path, w: Workload
-) -> dict[int, dict[str, float]]:
-    """Per batch size: base and LoRA decode step milliseconds."""
-    base = BaseModelSpec.from_model_dir(model_dir)
-    ranks = [(8, 16, 32, 64)[i % 4] for i in range(w.num_adapters)]
-    config = overhead_config(settings, model_dir, w)
-    engine = LLMEngine(config)
-    digests = [
-        engine.register_adapter(write_adapter(workdir / f"adapter-{i}", base, r, seed=i))
-        for i, r in enumerate(ranks)
-    ]
-    rng = random.Random(0)
-    decode_step_ms(engine, [None, digests[0]], w, rng, "warm-up")
-    steps: dict[int, dict[str, float]] = {}
-    for batch in w.batch_sizes:
-        lora = [digests[i % len(digests)] for i in range(batch)]
-        steps[batch] = {
-            "base_ms": decode_step_ms(engine, [None] * batch, w, rng, f"base-{batch}"),
-            "lora_ms": decode_step_ms(engine, lora, w, rng, f"lora-{batch}"),
-        }
-    return steps
-
-
-def overhead_config(settings: RunSettings, model_dir: Path, w: Workload) -> EngineConfig:
-    return EngineConfig(
-        model=model_dir,
-        dtype=settings.dtype,
-        device=settings.device,
-        max_model_len=2 * w.prompt_len + w.steps + 4,
-        max_num_seqs=max(w.batch_sizes),
-        max_num_batched_tokens=4096 if settings.is_cuda else 512,
-        kv_cache_bytes=(8 << 30) if settings.is_cuda else (64 << 20),
-        max_loras=w.num_adapters,
-        max_cpu_loras=w.num_adapters,
-        max_lora_rank=64,
-    )
-
-
 # -- the benchmark ----------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> RunSettings | None:
     """The run's settings; None when there is nothing to run here (no CUDA, no smoke asked)."""
@@ -422,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> Path | None:
         return None
     configure(settings)
     w = WORKLOADS[settings.mode]
-    bandwidth = copy_bandwidth(w.copy_bytes, settings.device, w)
+    bandwidth = copy_bandwidth(w.copy_bytes, settings.device, w.iters)
     kernels = {c: measure_kernel(c, w, settings.device, bandwidth) for c in kernel_cases(w)}
     with tempfile.TemporaryDirectory(prefix="loramux-bench-") as tmp:
         model_dir, model = prepare_model(settings, Path(tmp))
@@ -438,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> Path | None:
     }
     workload = asdict(w) | {
         "kernel_layout": "one projection H -> H; slots of rank slot_rank, every adapter at rank r",
-        "adapters": "part 2: written by bench.lora_kernels.write_adapter, all seven projections",
+        "adapters": "part 2: written by bench.lora_overhead.write_adapter, all seven projections",
         "goal": "part 2: LoRA adds under 10% to the decode step (base / LoRA >= 1/1.1)",
     }
     config = asdict(overhead_config(settings, Path(), w))

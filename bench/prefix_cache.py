@@ -114,14 +114,11 @@ def engine_config(
     settings: RunSettings, model_dir: Path, workload: Workload, caching: bool
 ) -> EngineConfig:
     """One step can prefill the whole prompt, so the cold case is not split into chunks."""
-    return EngineConfig(
-        model=model_dir,
-        dtype=settings.dtype,
-        device=settings.device,
+    return settings.engine(
         max_model_len=workload.max_model_len,
         max_num_batched_tokens=max(512, workload.prompt_len),
-        enable_prefix_caching=caching,
-    )
+        prefix_caching=caching,
+    ).engine_config(model_dir)
 
 
 def first_token(

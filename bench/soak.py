@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,11 +30,9 @@ from bench.common import (
     Figure,
     Result,
     RunSettings,
-    available_cores,
-    configure,
-    parse_args,
+    load_details,
     percentile,
-    prepare_model,
+    prepared_run,
     report,
 )
 from gateway.db.migrate import upgrade
@@ -183,28 +180,21 @@ def measure(
         "no_disconnects": arm_details(none),
         "disconnecting": arm_details(leaving),
         "residue_after": asdict(residue),
-        "load_average": {
-            "start": [round(x, 2) for x in load_start],
-            "end": [round(x, 2) for x in load_end],
-            "busy": max(load_start[0], load_end[0]) > available_cores(),
-        },
+        "load_average": load_details(load_start, load_end),
     }
     return figures, details
 
 
 def main(argv: Sequence[str] | None = None) -> Path:
-    settings = parse_args(__doc__ or NAME, argv)
-    configure(settings)
-    workload = WORKLOADS[settings.mode]
-    with tempfile.TemporaryDirectory(prefix="loramux-bench-") as tmp:
-        model_dir, model = prepare_model(settings, Path(tmp))
-        adapters = build_demo_adapters(model_dir, Path(tmp) / "adapters", workload.tenants + 1)
-        with running_gateway(settings, model_dir, Path(tmp)) as (server, redis_url):
+    with prepared_run(__doc__ or NAME, argv) as run:
+        settings, model_dir, workload = run.settings, run.model_dir, WORKLOADS[run.settings.mode]
+        adapters = build_demo_adapters(model_dir, run.workdir / "adapters", workload.tenants + 1)
+        with running_gateway(settings, model_dir, run.workdir) as (server, redis_url):
             with admin_client(server) as admin:
                 tenants = make_tenants(admin, workload.tenants, adapters)
             figures, details = measure(server, redis_url, tenants, workload)
     engine = {"max_model_len": 512, "kv_cache_mb": 64, "dtype": settings.dtype}
-    return report(Result(NAME, settings, model, asdict(workload), engine, figures, details))
+    return report(Result(NAME, settings, run.model, asdict(workload), engine, figures, details))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,19 @@
-"""Engine configuration: one frozen dataclass, validated on construction."""
+"""Engine configuration: one frozen dataclass, validated on construction.
+
+It imports no torch: the gateway's settings (gateway.settings) take their engine defaults from
+here in processes that never run a model, such as the `loramux` command line.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -55,8 +61,8 @@ class EngineConfig:
     any overlap, which tests use); False: never."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, not {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, not {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -70,4 +76,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype

@@ -26,6 +26,8 @@ _MEANINGS = {
     429: "A quota is reached (`rate_limit_exceeded`: rpm, tpm or concurrency; "
     "`insufficient_quota`: the token budget). `retry-after` says when to retry.",
     503: "A backing service (engine, database, Redis) cannot serve now; retry later.",
+    504: "The engine gave no first output in time (LORAMUX_ENGINE_FIRST_OUTPUT_SECONDS); the "
+    "request was aborted there.",
 }
 
 

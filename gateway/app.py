@@ -18,7 +18,7 @@ from gateway import tracing
 from gateway.admin.router import admin_router
 from gateway.dashboard import dashboard_routes
 from gateway.errors import exception_handler
-from gateway.health import health, metrics, ready
+from gateway.health import health_router
 from gateway.metrics import Metrics, route_label
 from gateway.metrics.routes import CHAT, COMPLETIONS
 from gateway.openai import openai_router
@@ -90,9 +90,7 @@ def create_app(gw: GatewayState) -> Litestar:
 
     return Litestar(
         route_handlers=[
-            health,
-            ready,
-            metrics,
+            health_router(gw),
             openai_router(gw),
             admin_router(gw),
             *dashboard_routes,

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 from pathlib import Path
+from typing import TypeAlias
 
 from gateway.settings import Settings, private_folder
 
@@ -44,21 +45,12 @@ def ensure_model(settings: Settings) -> Path:
 def _chat(args: argparse.Namespace) -> None:
     """Stream one chat reply from the engine, in-process."""
     from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
     from engine.detokenizer import IncrementalDetokenizer
     from engine.outputs import EngineRequest
     from engine.sampling import SamplingParams
 
     settings = Settings()
-    s = settings.engine
-    config = EngineConfig(
-        model=ensure_model(settings),
-        dtype=s.dtype,
-        device=s.device,
-        kv_cache_bytes=s.kv_cache_mb << 20,
-        max_model_len=s.max_model_len,
-    )
-    engine = AsyncEngine.from_config(config)
+    engine = AsyncEngine.from_config(settings.engine.engine_config(ensure_model(settings)))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )
@@ -107,11 +99,10 @@ def _serve(args: argparse.Namespace) -> None:
 def _engine(args: argparse.Namespace) -> None:
     """The engine in a process of its own, for gateways on this host or others."""
     from engine.service import Listen, run_engine_service
-    from gateway.server import engine_config
 
     settings = Settings()
     run_engine_service(
-        engine_config(settings, ensure_model(settings)),
+        settings.engine.engine_config(ensure_model(settings)),
         settings.model_name,
         Listen(args.address, args.health_host, args.health_port),
         adapter_dir=settings.data_dir / "engine-adapters",
@@ -140,15 +131,34 @@ def _migrate(args: argparse.Namespace) -> None:
     log.info("database at %s is up to date", settings.database_url)
 
 
+Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+"""What `add_subparsers` returns: each `_add_<command>` adds one command to it."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loramux", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (
+        _add_demo_model,
+        _add_demo_adapters,
+        _add_serve,
+        _add_engine,
+        _add_admin_token,
+        _add_migrate,
+        _add_chat,
+    ):
+        add(sub)
+    return parser
 
+
+def _add_demo_model(sub: Subcommands) -> None:
     p = sub.add_parser("demo-model", help="write the small demo Llama checkpoint into DIR")
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_demo_model)
 
+
+def _add_demo_adapters(sub: Subcommands) -> None:
     p = sub.add_parser("demo-adapters", help="make N PEFT LoRA adapters for MODEL_DIR in OUT_DIR")
     p.add_argument("model_dir")
     p.add_argument("out_dir")
@@ -156,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_demo_adapters)
 
+
+def _add_serve(sub: Subcommands) -> None:
     p = sub.add_parser(
         "serve",
         help="run the gateway, with a private redis-server and an engine process unless "
@@ -174,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--control-socket", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_serve)
 
+
+def _add_engine(sub: Subcommands) -> None:
     p = sub.add_parser(
         "engine", help="run the engine, serving gateways over a ZeroMQ channel (ipc:// or tcp://)"
     )
@@ -189,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_engine)
 
+
+def _add_admin_token(sub: Subcommands) -> None:
     p = sub.add_parser(
         "admin-token", help="print a fresh admin JWT signed with the configured secret"
     )
@@ -201,16 +217,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_admin_token)
 
+
+def _add_migrate(sub: Subcommands) -> None:
     p = sub.add_parser("migrate", help="bring the database to the current schema")
     p.set_defaults(func=_migrate)
 
+
+def _add_chat(sub: Subcommands) -> None:
     p = sub.add_parser("chat", help="stream one chat reply from the in-process engine")
     p.add_argument("message", nargs="?", default="Write a Python function that reverses a list.")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_chat)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,6 +18,7 @@ from sqlalchemy import exc as sql
 
 from adapters.errors import AdapterError, FileTooLarge
 from engine.errors import (
+    EngineError,
     EngineOverloadedError,
     EngineStoppedError,
     InvalidRequestError,
@@ -26,6 +27,7 @@ from engine.errors import (
     UnknownAdapterError,
 )
 from engine.structured import StructuredOutputError
+from gateway.engine_client.base import EngineTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -165,25 +167,21 @@ class ServiceUnavailable(GatewayError):
     default_code = "engine_unavailable"
 
 
+class GatewayTimeout(GatewayError):
+    """An engine did not answer in time (504, as a gateway whose upstream timed out)."""
+
+    status = 504
+    type = "server_error"
+    default_code = "engine_timeout"
+
+
 def to_gateway_error(exc: Exception) -> GatewayError | None:
     """The gateway error for an engine, adapter or framework error; None if it is unexpected."""
     match exc:
         case GatewayError():
             return exc
-        case PromptTooLongError():
-            return BadRequest(str(exc), param="messages", code="context_length_exceeded")
-        case UnknownAdapterError():
-            return NotFound(str(exc), param="model")
-        case StructuredOutputError():
-            return BadRequest(str(exc), param="response_format", code="invalid_request")
-        case InvalidRequestError():
-            return BadRequest(str(exc))
-        case EngineOverloadedError():
-            return ServiceUnavailable(str(exc), code="engine_overloaded")
-        case EngineStoppedError():
-            return ServiceUnavailable(str(exc))
-        case RequestFailedError():
-            return InternalError(str(exc), code="request_failed")
+        case EngineError():
+            return _from_engine(exc)
         case sql.OperationalError() | sql.InterfaceError() | sql.TimeoutError():
             return _database_unavailable()
         case sql.DBAPIError() if exc.connection_invalidated or _unavailable_sqlstate(exc):
@@ -216,6 +214,27 @@ def to_gateway_error(exc: Exception) -> GatewayError | None:
             return _for_status(exc.status_code)(
                 exc.detail, code=_FRAMEWORK_CODES.get(exc.status_code)
             )
+    return None
+
+
+def _from_engine(exc: EngineError) -> GatewayError | None:
+    match exc:
+        case PromptTooLongError():
+            return BadRequest(str(exc), param="messages", code="context_length_exceeded")
+        case UnknownAdapterError():
+            return NotFound(str(exc), param="model")
+        case StructuredOutputError():
+            return BadRequest(str(exc), param="response_format", code="invalid_request")
+        case InvalidRequestError():
+            return BadRequest(str(exc))
+        case EngineOverloadedError():
+            return ServiceUnavailable(str(exc), code="engine_overloaded")
+        case EngineStoppedError():
+            return ServiceUnavailable(str(exc))
+        case EngineTimeoutError():
+            return GatewayTimeout(str(exc))
+        case RequestFailedError():
+            return InternalError(str(exc), code="request_failed")
     return None
 
 

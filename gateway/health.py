@@ -9,50 +9,96 @@ only lengthen the outage. /health answers 503 when a supervised child keeps fail
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
-from litestar import Response, get
-from litestar.di import NamedDependency
+from litestar import Response, Router, get
+from litestar.di import NamedDependency, Provide
+from redis.asyncio import Redis
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.metrics import Degradation
+from cache.response_cache import ResponseCache
+from gateway.engine_client.base import EngineClient
+from gateway.metrics import Degradation, Metrics
+from gateway.quotas import QuotaService
 from gateway.state import GatewayState
+from gateway.supervisor import Supervisor
+from gateway.usage import UsageRecorder
 
-GW = NamedDependency[GatewayState]
+
+@dataclass(frozen=True)
+class Probes:
+    """What liveness and readiness look at."""
+
+    engine: EngineClient
+    sessions: async_sessionmaker[AsyncSession]
+    redis: Redis
+    children: Supervisor | None
+    """The child processes `loramux serve` supervises; None in other setups."""
+
+
+@dataclass(frozen=True)
+class MetricSources:
+    """Where /metrics reads the gauges it refreshes before rendering."""
+
+    metrics: Metrics
+    engine: EngineClient
+    cache: ResponseCache
+    quotas: QuotaService
+    usage: UsageRecorder
+
+
+def health_router(gw: GatewayState) -> Router:
+    """/health, /ready and /metrics, given what they look at, composed from the process's state
+    (as the admin router composes its services)."""
+
+    def probes() -> Probes:
+        return Probes(gw.engine, gw.sessions, gw.redis, gw.children)
+
+    sources = MetricSources(gw.metrics, gw.engine, gw.cache, gw.quotas, gw.usage)
+    return Router(
+        "/",
+        route_handlers=[health, ready, metrics],
+        dependencies={
+            "probes": Provide(probes, sync_to_thread=False),
+            "sources": Provide(lambda: sources, sync_to_thread=False, use_cache=True),
+        },
+    )
 
 
 @get("/health", include_in_schema=False)
-async def health(gw: GW) -> Response[dict[str, Any]]:
+async def health(probes: NamedDependency[Probes]) -> Response[dict[str, Any]]:
     """Liveness: 200 while this process serves, or is bringing a child process back (a degraded
     state that /ready reports as not ready); 503 once a child it supervises keeps failing, when
     only restarting the whole service can help. The body says what is down:
     `status` ok | degraded | failing, `engine` up | down, `pid` (which worker answered), and under `loramux serve` the state of
     each child process (up, pid, restarts, why it last exited, failing)."""
-    engine_up = await gw.engine.ready()
+    engine_up = await probes.engine.ready()
     body: dict[str, Any] = {"engine": "up" if engine_up else "down", "pid": os.getpid()}
     failing = False
     down = not engine_up
-    if gw.children is not None:
-        body["children"] = gw.children.report()
-        failing = gw.children.failing
+    if probes.children is not None:
+        body["children"] = probes.children.report()
+        failing = probes.children.failing
         down = down or not all(c["up"] for c in body["children"].values())
     body["status"] = "failing" if failing else "degraded" if down else "ok"
     return Response(body, status_code=503 if failing else 200)
 
 
 @get("/ready", include_in_schema=False)
-async def ready(gw: GW) -> Response[dict[str, Any]]:
+async def ready(probes: NamedDependency[Probes]) -> Response[dict[str, Any]]:
     """Ready to serve: the database answers and the engine is running."""
     checks: dict[str, bool] = {}
     try:
-        async with gw.sessions() as session:
+        async with probes.sessions() as session:
             await session.execute(text("SELECT 1"))
         checks["database"] = True
     except Exception:
         checks["database"] = False
-    checks["engine"] = await gw.engine.ready()
+    checks["engine"] = await probes.engine.ready()
     try:
-        checks["redis"] = bool(await gw.redis.ping())
+        checks["redis"] = bool(await probes.redis.ping())
     except Exception:
         checks["redis"] = False
     ok = all(checks.values())
@@ -60,10 +106,11 @@ async def ready(gw: GW) -> Response[dict[str, Any]]:
 
 
 @get("/metrics", include_in_schema=False)
-async def metrics(gw: GW) -> Response[bytes]:
+async def metrics(sources: NamedDependency[MetricSources]) -> Response[bytes]:
     """This process's series and every answering engine's (docs/metrics.md)."""
+    usage = sources.usage
     degradation = Degradation(
-        gw.cache.errors, dict(gw.quotas.redis_down), len(gw.usage), dict(gw.usage.dropped)
+        sources.cache.errors, dict(sources.quotas.redis_down), len(usage), dict(usage.dropped)
     )
-    body = gw.metrics.render(degradation, await gw.engine.metrics())
+    body = sources.metrics.render(degradation, await sources.engine.metrics())
     return Response(body, media_type="text/plain; version=0.0.4")

@@ -20,7 +20,7 @@ import logging
 import signal
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,15 +70,16 @@ async def _serve(
     if redis_url is None:
         spec, redis_url = redis_child(settings.data_dir)
         starting.append(children.spawn(spec))
-    engine_urls, engine_token = list(settings.server.engine_urls), settings.server.engine_token
-    if not engine_urls:
+    if not settings.server.engine_urls:  # from here on, settings name the engine child
         engine = engine_child(settings)
         starting.append(children.spawn(engine.spec))
-        engine_urls, engine_token = [engine.url], engine.token
+        server = replace(settings.server, engine_urls=(engine.url,), engine_token=engine.token)
+        settings = replace(settings, server=server)
     if bind.workers > 1:
-        shared = {"LORAMUX_REDIS_URL": redis_url, "LORAMUX_ENGINE_URLS": ",".join(engine_urls)}
-        if engine_token is not None:
-            shared["LORAMUX_ENGINE_TOKEN"] = engine_token
+        urls, token = settings.server.engine_urls, settings.server.engine_token
+        shared = {"LORAMUX_REDIS_URL": redis_url, "LORAMUX_ENGINE_URLS": ",".join(urls)}
+        if token is not None:
+            shared["LORAMUX_ENGINE_TOKEN"] = token
         shared[MULTIPROCESS_DIR] = str(metrics_folder(settings.data_dir))
         await _supervise_workers(settings, bind, starting, children, shared)
         return
@@ -90,15 +91,13 @@ async def _serve(
     from gateway.app import create_app
     from gateway.db.migrate import upgrade
     from gateway.demo_setup import first_start
-    from gateway.engine_client.remote import RemoteEngineClient
+    from gateway.server import engine_client
     from gateway.state import build_state
 
     await asyncio.to_thread(upgrade, settings.database_url)  # it runs an event loop of its own
     for child in starting:
         await child.started()
-    state = await build_state(
-        settings, RemoteEngineClient(engine_urls, engine_token), model_dir, redis_url
-    )
+    state = await build_state(settings, engine_client(settings, model_dir), model_dir, redis_url)
     state.children = children
     await first_start(state, model_dir)
     config = uvicorn.Config(

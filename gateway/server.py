@@ -1,5 +1,5 @@
 """Compose a gateway in this process — engine client, state, app on a thread — for tests and
-benchmarks; and the engine's config from settings. `loramux serve` is gateway.serve."""
+benchmarks. `loramux serve` is gateway.serve."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 import uvicorn
 
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
 from gateway.app import create_app
 from gateway.engine_client.base import EngineClient
 from gateway.engine_client.local import LocalEngineClient
@@ -26,31 +25,17 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
-    s = settings.engine
-    return EngineConfig(
-        model=model_dir,
-        dtype=s.dtype,
-        device=s.device,
-        kv_cache_bytes=s.kv_cache_mb << 20,
-        max_num_seqs=s.max_num_seqs,
-        max_num_batched_tokens=s.max_num_batched_tokens,
-        max_model_len=s.max_model_len,
-        max_loras=s.max_loras,
-        max_cpu_loras=s.max_cpu_loras,
-        max_lora_rank=s.max_lora_rank,
-        cuda_graphs=s.cuda_graphs,
-    )
-
-
 def engine_client(settings: Settings, model_dir: Path) -> EngineClient:
     """The in-process engine, or the remote engines named by LORAMUX_ENGINE_URLS."""
     if settings.server.engine_urls:
         from gateway.engine_client.remote import RemoteEngineClient
 
-        return RemoteEngineClient(list(settings.server.engine_urls), settings.server.engine_token)
+        server = settings.server
+        return RemoteEngineClient(
+            list(server.engine_urls), server.engine_token, server.engine_first_output_seconds
+        )
     return LocalEngineClient(
-        AsyncEngine.from_config(engine_config(settings, model_dir)), settings.model_name
+        AsyncEngine.from_config(settings.engine.engine_config(model_dir)), settings.model_name
     )
 
 

@@ -12,12 +12,19 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from engine.config import EngineConfig
+
 
 def private_folder(path: Path) -> Path:
     """`path`, created when missing (its missing parents too) readable by this user only
     (0700): the data directory holds the database, the admin secret and tenants' adapters."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     return path
+
+
+ENGINE_FIRST_OUTPUT_SECONDS = 120.0
+"""How long a gateway waits for an engine's first output of a request by default: time enough
+for a long queue, or the prefill of a long prompt on slow hardware."""
 
 
 def _env(name: str, default: Any, cast: type = str) -> Any:
@@ -29,30 +36,86 @@ def _env(name: str, default: Any, cast: type = str) -> Any:
     return cast(raw)
 
 
+def _engine_default(name: str) -> Any:
+    """EngineConfig's own default of its field `name`: the settings never repeat one."""
+    return EngineConfig.__dataclass_fields__[name].default
+
+
 @dataclass(frozen=True)
 class EngineSettings:
-    dtype: str = field(default_factory=lambda: _env("DTYPE", "float32"))
+    """The engine's knobs; each defaults to EngineConfig's own default. `engine_config` is the
+    one mapping to EngineConfig, used by serve's engine, the command line and the benchmarks."""
+
+    dtype: str = field(default_factory=lambda: _env("DTYPE", _engine_default("dtype")))
     """LORAMUX_DTYPE: float32, float16 or bfloat16."""
-    device: str = field(default_factory=lambda: _env("DEVICE", "cpu"))
+    device: str = field(default_factory=lambda: _env("DEVICE", _engine_default("device")))
     """LORAMUX_DEVICE: torch device of the engine (cpu, cuda, cuda:1)."""
-    kv_cache_mb: int = field(default_factory=lambda: _env("KV_CACHE_MB", 256, int))
-    """LORAMUX_KV_CACHE_MB: memory budget of the paged KV cache."""
-    max_num_seqs: int = field(default_factory=lambda: _env("MAX_NUM_SEQS", 64, int))
+    kv_cache_mb: int = field(
+        default_factory=lambda: _env("KV_CACHE_MB", _engine_default("kv_cache_bytes") >> 20, int)
+    )
+    """LORAMUX_KV_CACHE_MB: memory budget of the paged KV cache (and, on CUDA, decode graphs)."""
+    max_num_seqs: int = field(
+        default_factory=lambda: _env("MAX_NUM_SEQS", _engine_default("max_num_seqs"), int)
+    )
     """LORAMUX_MAX_NUM_SEQS: sequences running in one step at most."""
     max_num_batched_tokens: int = field(
-        default_factory=lambda: _env("MAX_BATCHED_TOKENS", 512, int)
+        default_factory=lambda: _env(
+            "MAX_BATCHED_TOKENS", _engine_default("max_num_batched_tokens"), int
+        )
     )
     """LORAMUX_MAX_BATCHED_TOKENS: token budget per step (decode tokens plus prefill chunks)."""
-    max_model_len: int | None = field(default_factory=lambda: _env("MAX_MODEL_LEN", None, int))
+    max_model_len: int | None = field(
+        default_factory=lambda: _env("MAX_MODEL_LEN", _engine_default("max_model_len"), int)
+    )
     """LORAMUX_MAX_MODEL_LEN: longest prompt plus completion; the model's context by default."""
-    max_loras: int = field(default_factory=lambda: _env("MAX_LORAS", 8, int))
+    max_loras: int = field(
+        default_factory=lambda: _env("MAX_LORAS", _engine_default("max_loras"), int)
+    )
     """LORAMUX_MAX_LORAS: adapter slots on the device (distinct adapters in one step)."""
-    max_cpu_loras: int = field(default_factory=lambda: _env("MAX_CPU_LORAS", 64, int))
+    max_cpu_loras: int = field(
+        default_factory=lambda: _env("MAX_CPU_LORAS", _engine_default("max_cpu_loras"), int)
+    )
     """LORAMUX_MAX_CPU_LORAS: adapters kept parsed in host memory."""
-    max_lora_rank: int = field(default_factory=lambda: _env("MAX_LORA_RANK", 64, int))
+    max_lora_rank: int = field(
+        default_factory=lambda: _env("MAX_LORA_RANK", _engine_default("max_lora_rank"), int)
+    )
     """LORAMUX_MAX_LORA_RANK: largest adapter rank accepted (up to 256); uploads above are refused."""
-    cuda_graphs: bool = field(default_factory=lambda: _env("CUDA_GRAPHS", True, bool))
+    prefix_caching: bool = field(
+        default_factory=lambda: _env(
+            "PREFIX_CACHING", _engine_default("enable_prefix_caching"), bool
+        )
+    )
+    """LORAMUX_PREFIX_CACHING: reuse the KV blocks of a prefix seen before (same tokens, same
+    adapter, same tenant); 0 turns it off."""
+    cuda_graphs: bool = field(
+        default_factory=lambda: _env("CUDA_GRAPHS", _engine_default("cuda_graphs"), bool)
+    )
     """LORAMUX_CUDA_GRAPHS: on CUDA, decode steps replay captured CUDA graphs; 0 turns it off."""
+    async_scheduling: bool | None = field(
+        default_factory=lambda: _env("ASYNC_SCHEDULING", _engine_default("async_scheduling"), bool)
+    )
+    """LORAMUX_ASYNC_SCHEDULING: prepare step N + 1 while the device computes step N; unset: on
+    CUDA only, 1: everywhere, 0: never."""
+
+    def engine_config(self, model: Path, *, random_weights: bool = False) -> EngineConfig:
+        """The engine's config for the model folder `model` (`random_weights`: seeded random
+        weights instead of the folder's, for benchmarks of shapes that exist only as a config)."""
+        return EngineConfig(
+            model=model,
+            random_weights=random_weights,
+            dtype=self.dtype,
+            device=self.device,
+            kv_cache_bytes=self.kv_cache_mb << 20,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=self.prefix_caching,
+            max_loras=self.max_loras,
+            max_cpu_loras=self.max_cpu_loras,
+            max_lora_rank=self.max_lora_rank,
+            cuda_graphs=self.cuda_graphs,
+            async_scheduling=self.async_scheduling,
+        )
 
 
 @dataclass(frozen=True)
@@ -79,6 +142,14 @@ class ServerSettings:
     """LORAMUX_ENGINE_URLS: comma-separated engine services; unset: `serve` starts its own."""
     engine_token: str | None = field(default_factory=lambda: _env("ENGINE_TOKEN", None))
     """LORAMUX_ENGINE_TOKEN: shared secret of gateways and engine services; unset: no check."""
+    engine_first_output_seconds: float = field(
+        default_factory=lambda: _env(
+            "ENGINE_FIRST_OUTPUT_SECONDS", ENGINE_FIRST_OUTPUT_SECONDS, float
+        )
+    )
+    """LORAMUX_ENGINE_FIRST_OUTPUT_SECONDS: an engine that gives no first output of a request
+    for this long (hung, or far behind) has the request aborted; the client gets 504
+    engine_timeout."""
     model_name: str | None = field(default_factory=lambda: _env("MODEL_NAME", None))
     """LORAMUX_MODEL_NAME: the base model's id in the API; the model folder's name by default."""
     key_cache_seconds: float = field(default_factory=lambda: _env("KEY_CACHE_SECONDS", 2.0, float))
@@ -95,6 +166,10 @@ class ServerSettings:
     """LORAMUX_USAGE_MAX_BUFFERED: usage events held in memory while the database is unavailable (about 0.5 KB each); past this they are dropped, logged and counted."""
     demo_adapters: int = field(default_factory=lambda: _env("DEMO_ADAPTERS", 4, int))
     """LORAMUX_DEMO_ADAPTERS: shared demo adapters uploaded on first start with the demo model."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.engine_first_output_seconds < float("inf"):
+            raise ValueError("LORAMUX_ENGINE_FIRST_OUTPUT_SECONDS must be a positive number")
 
 
 @dataclass(frozen=True)

@@ -106,9 +106,14 @@ class EngineServer:
         elif isinstance(message, Generate):
             self._spawn(self._stream(identity, message))
         elif isinstance(message, Abort):
-            self.engine.abort(message.request_id)
+            # As a task, so it runs after the streams spawned before it have added their
+            # requests: an abort read in one go with its generate must find the request there.
+            self._spawn(self._abort(message.request_id))
         else:
             self._spawn(self._answer(identity, message))
+
+    async def _abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
 
     def _authorized(self, given: str) -> bool:
         return self.token is None or hmac.compare_digest(given.encode(), self.token.encode())

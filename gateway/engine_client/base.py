@@ -7,7 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from engine.errors import EngineError
 from engine.outputs import EngineRequest, EngineStats, RequestOutput
+
+
+class EngineTimeoutError(EngineError):
+    """The engine gave no first output of a request within the gateway's deadline
+    (LORAMUX_ENGINE_FIRST_OUTPUT_SECONDS): it is hung, or too far behind. The request was
+    aborted there, and is not tried on another engine, so that no client waits past it."""
 
 
 @dataclass(frozen=True)
@@ -24,9 +31,9 @@ class EngineClient(Protocol):
     Requests carry their prompt as token ids (`prompt_token_ids`) and outputs carry token ids:
     text is the gateway's business (gateway.prompt_tokens), whichever client runs the engine.
 
-    `generate` raises the engine's typed errors (engine.errors) before it yields anything, so a
-    refused request never starts a response; once it yields, deltas concatenate to the text and
-    the last one carries the finish reason and usage. Closing the iterator early aborts the
+    `generate` raises the engine's typed errors (engine.errors, and EngineTimeoutError) before
+    it yields anything, so a refused request never starts a response; once it yields, deltas
+    concatenate to the text and the last one carries the finish reason and usage. Closing the iterator early aborts the
     engine's sequence and frees its KV blocks, but what the engine generated after the last
     delta read is then never seen: `abort` is the way to stop a request and still learn it.
     """

@@ -33,9 +33,10 @@ from engine.outputs import EngineRequest, EngineStats, RequestOutput
 from engine.sampling import SamplingParams
 from engine.sequence import FinishReason
 from engine.service.wire import Delta, Generate
-from gateway.engine_client.base import EngineInfo
+from gateway.engine_client.base import EngineInfo, EngineTimeoutError
 from gateway.engine_client.channel import Channel, StreamItem
 from gateway.engine_client.routing import Endpoint, adapter_key, affinity_key, route
+from gateway.settings import ENGINE_FIRST_OUTPUT_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +50,17 @@ MAX_WIRE_INT = 2**63 - 1
 
 
 class RemoteEngineClient:
-    def __init__(self, urls: list[str], token: str | None = None):
+    def __init__(
+        self,
+        urls: list[str],
+        token: str | None = None,
+        first_output_seconds: float = ENGINE_FIRST_OUTPUT_SECONDS,
+    ):
         if not urls:
             raise ValueError("a remote engine client needs at least one engine URL")
         self._endpoints = [Endpoint(url) for url in urls]
         self._token = token
+        self._first_output_seconds = first_output_seconds
         self._context: zmq.asyncio.Context | None = None
         self._channels: dict[str, Channel] = {}
         self._folders: dict[str, Path] = {}
@@ -110,10 +117,10 @@ class RemoteEngineClient:
 
         async def open_stream(endpoint: Endpoint) -> Delta:
             channel = self._channel(endpoint)
-            stream = channel.streams[request.request_id] = asyncio.Queue()
+            channel.streams[request.request_id] = asyncio.Queue()
             try:
                 await channel.send(message)
-                first = await _next(stream)
+                first = await self._first_delta(channel, request.request_id)
             except BaseException:
                 del channel.streams[request.request_id]
                 raise
@@ -142,6 +149,21 @@ class RemoteEngineClient:
             del channel.streams[request.request_id]
             if not finished:
                 channel.abort(request.request_id)
+
+    async def _first_delta(self, channel: Channel, request_id: str) -> Delta:
+        """The first delta of `request_id` on `channel`; EngineTimeoutError, with the request
+        aborted on the engine, when none comes within the first-output deadline. Later deltas
+        have no deadline: a stream that started is as long as the client wants it."""
+        try:
+            return await asyncio.wait_for(
+                _next(channel.streams[request_id]), self._first_output_seconds
+            )
+        except TimeoutError:
+            channel.abort(request_id)
+            raise EngineTimeoutError(
+                f"engine {channel.endpoint.url} gave no first output within "
+                f"{self._first_output_seconds:g} s"
+            ) from None
 
     async def abort(self, request_id: str) -> None:
         """Ask the engine serving `request_id` to abort it; its stream then ends with the

@@ -42,7 +42,7 @@ Models = NamedDependency[ModelDirectory]
 PRINCIPAL = "principal"
 """Where the guard leaves the caller, in the connection's state."""
 
-COMPLETION_ERRORS = errors(400, 401, 403, 404, 413, 415, 429, 503)
+COMPLETION_ERRORS = errors(400, 401, 403, 404, 413, 415, 429, 503, 504)
 
 
 @dataclass

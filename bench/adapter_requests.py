@@ -1,0 +1,82 @@
+"""Requests spread over adapters, and running them on the engine: what the LoRA batching
+benchmark (bench.lora_batching) and its PEFT reference (bench.peft_reference) share."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import now
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineRequest
+from engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: str
+    prompt: list[int]
+    adapter: int | None
+    """Index into the adapter folders; None for the base model."""
+    arrival: float = 0.0
+    """Only for arrivals over time (bench.lora_batching, part c): seconds after the stream
+    starts."""
+
+
+Run = tuple[float, list[list[int]]]
+"""Seconds taken, and each request's output tokens in request order."""
+
+
+def plain_vocab(tokenizer: Any) -> list[int]:
+    """Every token id that is not a special token."""
+    return [t for t in range(len(tokenizer)) if t not in tokenizer.all_special_ids]
+
+
+def make_prompts(
+    lengths: tuple[int, int], vocab: Sequence[int], rng: random.Random, n: int
+) -> list[list[int]]:
+    """`n` prompts of lengths uniform in `lengths`, tokens uniform over `vocab`."""
+    return [[rng.choice(vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+def spread(prompts: Sequence[list[int]], distinct: int | None, tag: str) -> list[Request]:
+    """Request i on adapter i % distinct (None: every request on the base model)."""
+    return [
+        Request(f"{tag}-{i}", p, None if distinct is None else i % distinct)
+        for i, p in enumerate(prompts)
+    ]
+
+
+# -- on the engine -----------------------------------------------------------------------------------
+def engine_request(r: Request, digests: Sequence[str], out_len: int) -> EngineRequest:
+    params = SamplingParams(max_tokens=out_len, ignore_eos=True)
+    adapter = None if r.adapter is None else digests[r.adapter]
+    return EngineRequest(r.request_id, params, prompt_token_ids=r.prompt, adapter=adapter)
+
+
+def run_engine(
+    engine: LLMEngine, requests: Sequence[Request], digests: Sequence[str], out_len: int
+) -> Run:
+    """Submit every request at once and step until idle."""
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    device = engine.config.device
+    start = now(device)
+    for r in requests:
+        engine.add_request(engine_request(r, digests, out_len))
+    while engine.has_work:
+        for out in engine.step():
+            outputs[out.request_id].extend(out.token_ids)
+    return now(device) - start, [outputs[r.request_id] for r in requests]
+
+
+def warm_slots(engine: LLMEngine, digests: Sequence[str]) -> None:
+    """One two-token request per adapter: with enough slots, every adapter is then in one."""
+    warm = [Request(f"warm-{i}", [10 + i % 50] * 4, i) for i in range(len(digests))]
+    run_engine(engine, warm, digests, 2)
+
+
+def register(engine: LLMEngine, folders: Sequence[Path]) -> list[str]:
+    return [engine.register_adapter(f) for f in folders]

@@ -1,0 +1,71 @@
+"""The engine's settings: LORAMUX_* variables mapped to EngineConfig in one place."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from gateway.settings import EngineSettings
+
+MODEL = Path("model")
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in (
+        "DTYPE", "DEVICE", "KV_CACHE_MB", "MAX_NUM_SEQS", "MAX_BATCHED_TOKENS", "MAX_MODEL_LEN",
+        "MAX_LORAS", "MAX_CPU_LORAS", "MAX_LORA_RANK", "PREFIX_CACHING", "CUDA_GRAPHS",
+        "ASYNC_SCHEDULING",
+    ):  # fmt: skip
+        monkeypatch.delenv(f"LORAMUX_{name}", raising=False)
+    return monkeypatch
+
+
+def test_unset_settings_give_the_engine_its_own_defaults(clean_env: pytest.MonkeyPatch) -> None:
+    assert EngineSettings().engine_config(MODEL) == EngineConfig(model=MODEL)
+
+
+def test_loramux_variables_reach_the_engine_config(clean_env: pytest.MonkeyPatch) -> None:
+    for name, value in {
+        "DTYPE": "bfloat16",
+        "KV_CACHE_MB": "32",
+        "MAX_NUM_SEQS": "3",
+        "MAX_BATCHED_TOKENS": "96",
+        "MAX_MODEL_LEN": "200",
+        "MAX_LORAS": "2",
+        "MAX_CPU_LORAS": "5",
+        "MAX_LORA_RANK": "16",
+        "PREFIX_CACHING": "0",
+        "CUDA_GRAPHS": "0",
+        "ASYNC_SCHEDULING": "1",
+    }.items():
+        clean_env.setenv(f"LORAMUX_{name}", value)
+    config = EngineSettings().engine_config(MODEL, random_weights=True)
+    assert config == EngineConfig(
+        model=MODEL,
+        random_weights=True,
+        dtype="bfloat16",
+        kv_cache_bytes=32 << 20,
+        max_num_seqs=3,
+        max_num_batched_tokens=96,
+        max_model_len=200,
+        max_loras=2,
+        max_cpu_loras=5,
+        max_lora_rank=16,
+        enable_prefix_caching=False,
+        cuda_graphs=False,
+        async_scheduling=True,
+    )
+
+
+def test_fields_given_in_code_win_over_the_environment(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("LORAMUX_MAX_NUM_SEQS", "3")
+    assert EngineSettings(max_num_seqs=7).engine_config(MODEL).max_num_seqs == 7
+
+
+def test_an_invalid_setting_is_refused_by_the_engine_config(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("LORAMUX_MAX_LORA_RANK", "512")
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        EngineSettings().engine_config(MODEL)
