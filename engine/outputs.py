@@ -106,8 +106,9 @@ class RequestOutput:
     """The choice (0..n-1) these tokens belong to."""
     logprobs: list[TokenLogprob] | None = None
     """With `SamplingParams.logprobs`: one entry per token of `token_ids`, aligned."""
-    timings: RequestTimings | None = None
-    """Set on the request's last output only."""
+    timings: RequestTimings | None = field(default=None, compare=False)
+    """Set on the request's last output only. Not part of an output's equality: two runs of
+    the same request are equal outputs at different times."""
 
     @property
     def finished(self) -> bool:
