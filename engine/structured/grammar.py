@@ -183,3 +183,13 @@ def json_depth(text: str) -> int:
         elif char in "]}":
             depth -= 1
     return deepest
+
+
+def check_structured_output(spec: StructuredOutput) -> None:
+    """Refuse, with StructuredOutputError, what can be refused without a tokenizer: a schema
+    out of bounds, not JSON, or one the library cannot compile. The gateway calls it before it
+    queues anything, so a streamed request gets its 400 before the stream starts; the engine
+    compiles (and probes the first mask) again at admission."""
+    error = llguidance.LLMatcher.validate_grammar(_grammar_text(spec), None, limits=LIMITS)
+    if error:
+        raise StructuredOutputError(f"the JSON schema cannot be compiled: {error}")

@@ -10,6 +10,7 @@ from engine.outputs import EngineRequest
 from gateway.auth.api_keys import Principal
 from gateway.catalog import ResolvedModel
 from gateway.openai.responses import Answer, ResponseMeta
+from gateway.openai.tool_use import ToolUse
 from gateway.quotas import Admission
 
 
@@ -73,6 +74,7 @@ class Prepared:
     include_usage: bool
     admission: Admission
     cache: CacheLookup
+    tools: ToolUse
     started: float = field(default_factory=time.perf_counter)
     answers: list[Answer] = field(default_factory=list)
     """Each choice whole, once the run has ended."""

@@ -3,7 +3,6 @@ calls and tool results included), or a raw prompt as text or token ids."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from gateway.errors import BadRequest
@@ -14,38 +13,34 @@ from gateway.openai.schemas import (
     CompletionRequest,
     ContentPart,
 )
-from gateway.openai.tools.schemas import checked_tools
+from gateway.openai.tools import ToolCallFormat, template_tool_calls, template_tool_result
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
-def engine_prompt(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
-    """The EngineRequest fields that carry the prompt: `messages`, `prompt` or
-    `prompt_token_ids`."""
+def engine_prompt(
+    req: ChatCompletionRequest | CompletionRequest,
+    template_tools: list[dict[str, Any]] | None = None,
+    fmt: ToolCallFormat | None = None,
+) -> dict[str, Any]:
+    """The EngineRequest fields that carry the prompt: `messages` (with the `tools` the
+    template renders), `prompt` or `prompt_token_ids`. `fmt` is the model's tool-call format."""
     if isinstance(req, ChatCompletionRequest):
-        refuse_tools(req)
-        return {"messages": chat_messages(req.messages)}
+        return {"messages": chat_messages(req.messages, fmt), "tools": template_tools}
     return _completion_prompt(req.prompt)
 
 
-def refuse_tools(req: ChatCompletionRequest) -> None:
-    """Tools are accepted in the request's shape, but calling them needs the tool-call parsers
-    (`gateway.openai.tools`) this build does not have yet: refused unless the model may not
-    call any (`tool_choice: "none"`)."""
-    tools, choice = checked_tools(req.tools, req.tool_choice)
-    if tools and choice != "none":
-        raise BadRequest("tool calling is not served by this build", param="tools")
-
-
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def chat_messages(
+    messages: list[ChatMessage], fmt: ToolCallFormat | None = None
+) -> list[dict[str, Any]]:
     """Messages as chat templates take them: roles system/user/assistant/tool, text content, an
     assistant turn's `tool_calls` with arguments as objects, a tool turn's `tool_call_id`."""
     if not messages:
         raise BadRequest("messages must contain at least one message", param="messages")
-    return [_message(m, i) for i, m in enumerate(messages)]
+    return [_message(m, i, fmt) for i, m in enumerate(messages)]
 
 
-def _message(m: ChatMessage, i: int) -> dict[str, Any]:
+def _message(m: ChatMessage, i: int, fmt: ToolCallFormat | None) -> dict[str, Any]:
     role = "system" if m.role == "developer" else m.role
     if role not in ROLES:
         raise BadRequest(
@@ -57,29 +52,15 @@ def _message(m: ChatMessage, i: int) -> dict[str, Any]:
             raise BadRequest(
                 "only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls"
             )
-        out["tool_calls"] = [_tool_call(call, i, j) for j, call in enumerate(m.tool_calls)]
+        calls = template_tool_calls(m.tool_calls, fmt, f"messages[{i}].tool_calls")
+        out["tool_calls"] = calls
     if role == "tool":
         if not m.tool_call_id:
             raise BadRequest(
                 "a tool message names the call it answers", param=f"messages[{i}].tool_call_id"
             )
-        out["tool_call_id"] = m.tool_call_id
+        return template_tool_result(m.tool_call_id, out["content"], fmt)
     return out
-
-
-def _tool_call(call: Any, i: int, j: int) -> dict[str, Any]:
-    """One call of an assistant turn: templates take its arguments as an object."""
-    try:
-        arguments = json.loads(call.function.arguments)
-    except (ValueError, RecursionError):
-        arguments = None
-    if not isinstance(arguments, dict):
-        raise BadRequest(
-            "tool call arguments must be a JSON object",
-            param=f"messages[{i}].tool_calls[{j}].function.arguments",
-        )
-    function = {"name": call.function.name, "arguments": arguments}
-    return {"id": call.id, "type": "function", "function": function}
 
 
 def _text(content: str | list[ContentPart] | None, i: int) -> str:

@@ -31,6 +31,7 @@ from gateway.openai.shapes import (
     TextLogprobs,
     Usage,
 )
+from gateway.openai.tools import ParsedToolCalls, ToolCallStreamParser
 from gateway.openai.tools.schemas import FunctionCallDelta, ToolCall, ToolCallDelta
 
 Kind = Literal["chat", "text"]
@@ -81,12 +82,37 @@ class Ending:
     error: GatewayError | None = None
 
 
-def part_of(delta: ChoiceDelta, kind: Kind, pieces: TokenPieces) -> Part:
-    return Part(delta.index, delta.text, delta.finish_reason, _logprobs(delta, kind, pieces))
+def part_of(
+    delta: ChoiceDelta, kind: Kind, pieces: TokenPieces, reader: ToolCallStreamParser | None
+) -> Part:
+    """The part a delta makes; with a tool-call `reader`, its text read into content and
+    tool-call deltas (and finish reason `tool_calls` when the choice made calls)."""
+    logprobs = _logprobs(delta, kind, pieces)
+    if reader is None:
+        return Part(delta.index, delta.text, delta.finish_reason, logprobs)
+    sent = reader.feed(delta.text)
+    finish = delta.finish_reason
+    if finish is not None:
+        sent += reader.finish()
+        finish = "tool_calls" if reader.calls else finish
+    content = "".join(s for s in sent if isinstance(s, str))
+    calls = [s for s in sent if not isinstance(s, str)]
+    return Part(delta.index, content, finish, logprobs, calls or None)
 
 
-def answer_of(choice: ChoiceRun, kind: Kind, pieces: TokenPieces, logprobs: bool) -> Answer:
-    return Answer(choice.text, choice.finish, _logprobs(choice, kind, pieces) if logprobs else None)
+def answer_of(
+    choice: ChoiceRun,
+    kind: Kind,
+    pieces: TokenPieces,
+    logprobs: bool,
+    parsed: ParsedToolCalls | None,
+) -> Answer:
+    """A choice whole: with `parsed` (its text read for tool calls), their content and calls."""
+    lp = _logprobs(choice, kind, pieces) if logprobs else None
+    if parsed is None:
+        return Answer(choice.text, choice.finish, lp)
+    finish = "tool_calls" if parsed.calls and choice.finish is not None else choice.finish
+    return Answer(parsed.content or "", finish, lp, parsed.calls or None)
 
 
 def _logprobs(got: ChoiceDelta | ChoiceRun, kind: Kind, pieces: TokenPieces) -> Logprobs | None:

@@ -34,6 +34,7 @@ from gateway.openai.shapes import (
     ModelList,
     TextCompletion,
 )
+from gateway.openai.tools import tool_call_format
 from gateway.state import GatewayState
 
 Caller = NamedDependency[Principal]
@@ -201,4 +202,5 @@ def completion_service_of(gw: GatewayState) -> CompletionService:
         cache=gw.cache,
         metering=Metering(gw.metrics, gw.usage),
         limits=limits,
+        tool_format=tool_call_format(gw.prompts.chat_template),
     )

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 
 from engine.sampling import SamplingParams
-from engine.structured import StructuredOutput
+from engine.structured import StructuredOutput, StructuredOutputError
+from engine.structured.grammar import check_structured_output
 from gateway.errors import BadRequest
 from gateway.openai.schemas import (
     ChatCompletionRequest,
@@ -25,8 +26,13 @@ MAX_STOP = 4
 
 
 def sampling_params(
-    req: ChatCompletionRequest | CompletionRequest, max_tokens: int, vocab_size: int
+    req: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    vocab_size: int,
+    forced_call: str | None = None,
 ) -> SamplingParams:
+    """The engine's parameters; `forced_call` is the JSON schema a forced tool call
+    (`tool_choice` required or named) holds the output to."""
     logprobs, top_logprobs = _logprobs(req)
     return SamplingParams(
         max_tokens=max_tokens,
@@ -43,7 +49,7 @@ def sampling_params(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         n=req.n or 1,
-        structured=structured_output(req.response_format),
+        structured=_constraint(req.response_format, forced_call),
     )
 
 
@@ -79,6 +85,28 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[i
             )
         entries.append((int(key), float(value)))
     return tuple(sorted(entries))
+
+
+def _constraint(fmt: ResponseFormat | None, forced_call: str | None) -> StructuredOutput | None:
+    """The output's constraint, checked as far as the gateway can before anything is queued."""
+    structured = structured_output(fmt)
+    if forced_call is None:
+        return _checked(structured, "response_format")
+    if structured is not None:
+        raise BadRequest(
+            "response_format cannot constrain an output that must be a tool call",
+            param="response_format",
+        )
+    return _checked(StructuredOutput("json_schema", forced_call), "tools")
+
+
+def _checked(spec: StructuredOutput | None, param: str) -> StructuredOutput | None:
+    if spec is not None:
+        try:
+            check_structured_output(spec)
+        except StructuredOutputError as exc:
+            raise BadRequest(str(exc), param=param) from None
+    return spec
 
 
 def structured_output(fmt: ResponseFormat | None) -> StructuredOutput | None:

@@ -62,6 +62,9 @@ from gateway.openai.responses import (
 from gateway.openai.sampling import sampling_params
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, refuse_unsupported
 from gateway.openai.shapes import SSE_DONE, ChatCompletion, TextCompletion, Usage, sse
+from gateway.openai.tool_use import NONE as NO_TOOL_USE
+from gateway.openai.tool_use import ToolUse
+from gateway.openai.tools import ToolCallFormat, tool_plan
 from gateway.prefix_cache import cache_salt
 from gateway.prompt_tokens import PromptTokens
 from gateway.quotas import Admission, QuotaService
@@ -82,6 +85,8 @@ class CompletionService:
     cache: ResponseCache
     metering: Metering
     limits: ServingLimits
+    tool_format: ToolCallFormat | None
+    """The tool-call format the model's chat template teaches; None when it renders no tools."""
 
     # -- preparing: everything that can refuse the request ---------------------------------------
     async def prepare(
@@ -91,9 +96,10 @@ class CompletionService:
         sent."""
         refuse_unsupported(req)
         model = await self._resolve(principal, req.model)
-        tokenized = await self._tokenize(req, request_id, model, principal)
-        params = tokenized.text_request.params
         meta = self._meta(req, request_id, model)
+        tools = self._tool_use(req, meta.id)
+        tokenized = await self._tokenize(req, request_id, model, principal, tools)
+        params = tokenized.text_request.params
         operation = tracing.OPERATIONS[meta.kind]
         tracing.describe_request(operation, model.name, params, req.stream, principal.tenant_id)
         admission = await self._admit(
@@ -117,6 +123,7 @@ class CompletionService:
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             admission=admission,
             cache=lookup,
+            tools=tools,
         )
 
     async def _resolve(self, principal: Principal, name: str) -> ResolvedModel:
@@ -126,17 +133,30 @@ class CompletionService:
             await self.engine.ensure_adapter(model.digest, self.adapters.root / model.digest)
         return model
 
+    def _tool_use(self, req: Body, response_id: str) -> ToolUse:
+        if not isinstance(req, ChatCompletionRequest):
+            return NO_TOOL_USE
+        plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_format)
+        return ToolUse(plan, response_id)
+
     async def _tokenize(
-        self, req: Body, request_id: str, model: ResolvedModel, principal: Principal
+        self,
+        req: Body,
+        request_id: str,
+        model: ResolvedModel,
+        principal: Principal,
+        tools: ToolUse,
     ) -> Tokenized:
         """The request's prompt as token ids and its sampling parameters; without a max_tokens,
         the room left in the context (at most the server's default)."""
         requested = req.max_completion_tokens if isinstance(req, ChatCompletionRequest) else None
         requested = requested if requested is not None else req.max_tokens
-        params = sampling_params(req, requested or 1, self.limits.vocab_size)
+        forced = tools.plan.forced_schema
+        params = sampling_params(req, requested or 1, self.limits.vocab_size, forced)
         salt = cache_salt(principal.tenant_id, principal.tenant_settings)
+        prompt = engine_prompt(req, tools.plan.template_tools, self.tool_format)
         text_request = EngineRequest(
-            request_id, params, adapter=model.digest, cache_salt=salt, **engine_prompt(req)
+            request_id, params, adapter=model.digest, cache_salt=salt, **prompt
         )
         prompt_ids = await self.prompts.prompt_ids(text_request)
         if requested is None:
@@ -209,10 +229,11 @@ class CompletionService:
             return
         detokenizer = partial(self.prompts.detokenizer, p.stop)
         run = Generation(self.engine, p.request, detokenizer, p.started, partial(self._finish, p))
+        readers = [p.tools.reader(i) for i in range(p.request.params.n)]
         try:
             async for delta in run.deltas():
                 if delta.text or delta.finish_reason or (delta.token_ids and delta.logprobs):
-                    yield part_of(delta, p.meta.kind, self.pieces)
+                    yield part_of(delta, p.meta.kind, self.pieces, readers[delta.index])
             usage = Usage.of(p.prompt_tokens, run.completion_tokens, run.cached_tokens)
             yield Ending(p.answers, usage, run.error)
         finally:
@@ -272,8 +293,10 @@ class CompletionService:
 
     async def _finish(self, p: Prepared, run: Generation) -> None:
         """The run ended: its answers, then meter, cache and settle (exactly once)."""
+        logprobs = p.request.params.logprobs
         p.answers = [
-            answer_of(c, p.meta.kind, self.pieces, p.request.params.logprobs) for c in run.choices
+            answer_of(c, p.meta.kind, self.pieces, logprobs, p.tools.read(c.text, c.index))
+            for c in run.choices
         ]
         completion = run.completion_tokens
         try:

@@ -175,7 +175,7 @@ def test_an_uncompilable_schema_is_refused_before_anything_is_queued(
         engine.add_request(request)
     after = engine.stats()
     assert (after.waiting, after.running) == (before.waiting, before.running)
-    assert engine.outputs.get("bad") is None
+    assert engine.outputs.open_choices("bad") == []
 
 
 def test_a_huge_schema_is_refused_when_the_request_is_made() -> None:

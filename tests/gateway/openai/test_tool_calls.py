@@ -1,0 +1,199 @@
+"""Tool calling through the gateway and the official client: a forced call (`required` or a
+named function) comes back as `tool_calls` whose arguments validate against the function's
+parameters, streamed as tool-call deltas that reassemble to the whole response, and replayed
+exactly by the response cache; tools and tool turns reach the chat template."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.gateway.openai.openapi_schemas import CHAT, CHUNK, assert_valid
+from tests.gateway.openai.tools.tool_adapter import MESSAGES as ADAPTER_MESSAGES
+from tests.gateway.openai.tools.tool_adapter import TOOLS as ADAPTER_TOOLS
+from tests.gateway.openai.tools.tool_adapter import build_tool_calling_adapter
+from tests.gateway.tenants import TenantKey, upload_adapter
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"enum": ["c", "f"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def ask(**extra: Any) -> dict[str, Any]:
+    question = f"What is the weather in Oslo? ({uuid.uuid4().hex[:6]})"
+    return {
+        "model": "demo-model",
+        "messages": [{"role": "user", "content": question}],
+        "tools": [WEATHER],
+        "max_tokens": 60,
+        "temperature": 0,
+        **extra,
+    }
+
+
+def test_a_named_tool_choice_returns_a_call_whose_arguments_validate(oai: openai.OpenAI) -> None:
+    raw = oai.chat.completions.with_raw_response.create(**ask(tool_choice=NAMED))
+    body = raw.http_response.json()
+    assert_valid(CHAT, body)
+    choice = raw.parse().choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls or []
+    assert call.type == "function" and call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, WEATHER["function"]["parameters"])  # type: ignore[arg-type]
+
+
+def test_streamed_tool_call_deltas_reassemble_to_the_whole_call(api: httpx.Client) -> None:
+    # One call: a list of parallel calls has no bound the random-weight model must reach.
+    body = ask(tool_choice="required", parallel_tool_calls=False)
+    whole = api.post("/chat/completions", json=body, headers={"cache-control": "no-store"})
+    calls: dict[int, dict[str, Any]] = {}
+    finish = None
+    with api.stream(
+        "POST",
+        "/chat/completions",
+        json=body | {"stream": True},
+        headers={"cache-control": "no-store"},
+    ) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            assert_valid(CHUNK, chunk)
+            for choice in chunk["choices"]:
+                finish = choice["finish_reason"] or finish
+                for delta in choice["delta"].get("tool_calls") or []:
+                    call = calls.setdefault(
+                        delta["index"], {"type": "function", "function": {"arguments": ""}}
+                    )
+                    call["id"] = delta.get("id", call.get("id"))
+                    function = delta.get("function") or {}
+                    if "name" in function:
+                        call["function"]["name"] = function["name"]
+                    call["function"]["arguments"] += function.get("arguments") or ""
+    expected = whole.json()["choices"][0]
+    assert finish == expected["finish_reason"] == "tool_calls"
+    # call ids derive from the response id: the same calls, under this response's ids
+    assert all(calls[i]["id"].startswith("call_") for i in calls)
+    assert [calls[i]["function"] for i in sorted(calls)] == [
+        c["function"] for c in expected["message"]["tool_calls"]
+    ]
+
+
+def test_a_cache_hit_replays_the_tool_calls_exactly(api: httpx.Client) -> None:
+    body = ask(tool_choice=NAMED)
+    first = api.post("/chat/completions", json=body)
+    hit = api.post("/chat/completions", json=body)
+    assert (first.headers["x-cache"], hit.headers["x-cache"]) == ("miss", "exact")
+    assert hit.json()["choices"] == first.json()["choices"]
+    assert hit.json()["choices"][0]["message"]["tool_calls"]
+
+
+def test_tools_reach_the_template_and_tool_turns_are_served(api: httpx.Client) -> None:
+    plain = api.post("/chat/completions", json=ask(tool_choice="none") | {"tools": None})
+    offered = api.post("/chat/completions", json=ask(tool_choice="none"))
+    assert plain.status_code == offered.status_code == 200, offered.text
+    assert offered.json()["usage"]["prompt_tokens"] > plain.json()["usage"]["prompt_tokens"]
+    history = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Oslo", "unit": "c"}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "4 degrees"},
+    ]
+    answered = api.post("/chat/completions", json=ask(messages=history))
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["usage"]["prompt_tokens"] > offered.json()["usage"]["prompt_tokens"]
+
+
+@pytest.fixture(scope="module")
+def tool_model(
+    admin_module: httpx.Client,
+    tenant: TenantKey,
+    demo_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> str:
+    """The tenant's adapter taught to call get_weather (tests.gateway.openai.tools)."""
+    folder = build_tool_calling_adapter(demo_model_dir, tmp_path_factory.mktemp("tool-adapter"))
+    upload_adapter(admin_module, tenant.tenant_id, "weather-caller", folder)
+    return "weather-caller"
+
+
+@pytest.mark.slow
+def test_auto_reads_the_adapters_call_whole_streamed_and_from_the_cache(
+    oai: openai.OpenAI, api: httpx.Client, tool_model: str
+) -> None:
+    body = {
+        "model": tool_model,
+        "messages": ADAPTER_MESSAGES,
+        "tools": ADAPTER_TOOLS,
+        "max_tokens": 64,
+        "temperature": 0,
+    }
+    raw = oai.chat.completions.with_raw_response.create(**body)
+    assert_valid(CHAT, raw.http_response.json())
+    choice = raw.parse().choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls or []
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather",
+        {"city": "Paris"},
+    )
+    whole = raw.http_response.json()["choices"][0]
+    calls: dict[int, dict[str, Any]] = {}
+    with api.stream(
+        "POST",
+        "/chat/completions",
+        json=body | {"stream": True},
+        headers={"cache-control": "no-store"},
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line.removeprefix("data: "))
+                assert_valid(CHUNK, chunk)
+                for c in chunk["choices"]:
+                    for delta in c["delta"].get("tool_calls") or []:
+                        got = calls.setdefault(delta["index"], {"arguments": ""})
+                        got |= {k: delta[k] for k in ("id", "type") if k in delta}
+                        got["name"] = delta["function"].get("name", got.get("name"))
+                        got["arguments"] += delta["function"].get("arguments") or ""
+    # another response, so other call ids (they derive from the response id); the same calls
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls.values())
+    assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls.values()] == [
+        c["function"] for c in whole["message"]["tool_calls"]
+    ]
+    hit = api.post("/chat/completions", json=body)
+    assert hit.headers["x-cache"] == "exact"
+    assert hit.json()["choices"][0] == whole
