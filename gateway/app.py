@@ -9,10 +9,10 @@ from litestar import Litestar
 from litestar.datastructures import MutableScopeHeaders
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
-from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.admin.router import admin_router
+from gateway.api_docs import explorer, explorer_asset
 from gateway.dashboard import dashboard_routes
 from gateway.errors import exception_handler
 from gateway.health import health, metrics, ready
@@ -75,6 +75,7 @@ def create_app(gw: GatewayState) -> Litestar:
             metrics,
             openai_router(gw),
             admin_router(gw),
+            explorer_asset,
             *dashboard_routes,
         ],
         dependencies={
@@ -86,9 +87,9 @@ def create_app(gw: GatewayState) -> Litestar:
             title="loramux",
             version="0.1.0",
             path="/schema",
-            # The explorer for operators, at /schema/ (and /schema/swagger). Its assets come
-            # from the plugin's CDN (jsdelivr): an offline copy is not served yet.
-            render_plugins=[SwaggerRenderPlugin()],
+            # The explorer for operators, at /schema/ (and /schema/swagger), with its assets
+            # served here (gateway.api_docs).
+            render_plugins=[explorer()],
         ),
         request_max_body_size=gw.settings.server.max_body_kb << 10,
         on_startup=[gw.start],

@@ -276,6 +276,17 @@ def as_gateway_error(exc: Exception) -> GatewayError:
     return err
 
 
+def _empty_segment(path: str) -> NotFound:
+    """No route has an empty segment: `/admin/tenants//keys` lacks the tenant, so it is a 404
+    that says so (the router would match a shorter route and answer 405)."""
+    position = path.index("//")
+    return NotFound(
+        f"the path {path[:200]!r} has an empty segment at character {position + 1}: "
+        "a name or id is missing between two slashes",
+        code="empty_path_segment",
+    )
+
+
 ANSWERED_WITH = "answered_with"
 """Where the handler leaves the error a request was answered with, in the request's state (the
 admin audit reads it)."""
@@ -286,6 +297,8 @@ def exception_handler(request: Request[Any, Any, Any], exc: Exception) -> Respon
     if err is None:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         err = InternalError("internal error")
+    if err.status in (404, 405) and "//" in request.url.path:
+        err = _empty_segment(request.url.path)
     request.state[ANSWERED_WITH] = err
     return Response(
         err.body(), status_code=err.status, headers=err.headers, media_type="application/json"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 
 from msgspec import Struct
@@ -18,6 +19,21 @@ class AdapterOut(Struct):
     targets: list[str]
     size_bytes: int
     created_at: datetime
+
+
+class AdapterPage(Struct):
+    items: list[AdapterOut]
+    total: int
+    """Adapters the filter matches, on every page."""
+    limit: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Published:
+    adapter: AdapterOut
+    created: bool
+    """False when nothing new was published: the bytes or version were already current."""
 
 
 class AdapterDetail(Struct):

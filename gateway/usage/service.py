@@ -9,7 +9,7 @@ error when its status was 400 or more.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, time, timedelta
 from typing import Literal
 
@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from gateway.admin.wire import utc
 from gateway.db import UsageTotals
 from gateway.errors import BadRequest
+from gateway.tenants.lookup import tenant_id_of
 from gateway.usage.query import Dimension, read_usage
 from gateway.usage.schemas import UsageReport, UsageRow
 
@@ -77,7 +78,11 @@ class UsageReports:
         self.sessions = sessions
 
     async def summarize(self, query: UsageQuery) -> UsageReport:
-        """One row per group, ordered by group; read from the usage rollups."""
+        """One row per group, ordered by group; read from the usage rollups. `query.tenant` is
+        a tenant's id or name."""
+        if query.tenant is not None:
+            async with self.sessions() as session:
+                query = replace(query, tenant=await tenant_id_of(session, query.tenant))
         groups = await read_usage(
             self.sessions,
             tenant=query.tenant,
