@@ -20,6 +20,7 @@ from litestar import get
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.openapi.spec import Operation, RequestBody
+from litestar.params import FromPath
 from litestar.response import File
 
 from gateway.errors import ErrorResponse, NotFound
@@ -46,7 +47,7 @@ def explorer() -> SwaggerRenderPlugin:
 
 
 @get(f"{EXPLORER_ASSETS}/{{name:str}}", include_in_schema=False, sync_to_thread=False)
-def explorer_asset(name: str) -> File:
+def explorer_asset(name: FromPath[str]) -> File:
     """One of the explorer's files; they change only with the package, so they may be cached."""
     media_type = _ASSETS.get(name)
     if media_type is None:
