@@ -14,7 +14,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.admin.router import admin_router
 from gateway.api_docs import explorer, explorer_asset
 from gateway.dashboard import dashboard_routes
-from gateway.errors import exception_handler
+from gateway.errors import exception_handler, refuse_empty_segments
 from gateway.health import health, metrics, ready
 from gateway.metrics import Metrics
 from gateway.openai import openai_router
@@ -82,6 +82,7 @@ def create_app(gw: GatewayState) -> Litestar:
             "gw": Provide(provide_state),
         },
         exception_handlers={Exception: exception_handler},
+        guards=[refuse_empty_segments],
         middleware=[lambda app: request_id_middleware(app, gw.metrics)],
         openapi_config=OpenAPIConfig(
             title="loramux",

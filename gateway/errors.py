@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import msgspec
 from litestar import Request, Response
+from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException, ValidationException
 from sqlalchemy import exc as sql
 
@@ -276,9 +277,24 @@ def as_gateway_error(exc: Exception) -> GatewayError:
     return err
 
 
+def refuse_empty_segments(connection: ASGIConnection[Any, Any, Any, Any], _: object) -> None:
+    """The app's guard: no route has an empty segment. The router skips empty segments, so
+    `/admin/tenants//quotas` would reach `/admin/tenants/{tenant}` with the tenant `quotas`;
+    this refuses it before any handler runs. Paths that match no route at all get the same 404
+    from `exception_handler`."""
+    if path := _with_empty_segment(connection.scope):
+        raise _empty_segment(path)
+
+
+def _with_empty_segment(scope: Any) -> str:
+    """The path as the client sent it when it has an empty segment, else ''. The router
+    rewrites `scope["path"]` without them, so this reads `raw_path`."""
+    raw = scope.get("raw_path") or scope["path"].encode()
+    return raw.decode("latin-1") if b"//" in raw else ""
+
+
 def _empty_segment(path: str) -> NotFound:
-    """No route has an empty segment: `/admin/tenants//keys` lacks the tenant, so it is a 404
-    that says so (the router would match a shorter route and answer 405)."""
+    """`/admin/tenants//keys` lacks the tenant: a 404 that says so."""
     position = path.index("//")
     return NotFound(
         f"the path {path[:200]!r} has an empty segment at character {position + 1}: "
@@ -297,8 +313,8 @@ def exception_handler(request: Request[Any, Any, Any], exc: Exception) -> Respon
     if err is None:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         err = InternalError("internal error")
-    if err.status in (404, 405) and "//" in request.url.path:
-        err = _empty_segment(request.url.path)
+    if err.status in (404, 405) and (path := _with_empty_segment(request.scope)):
+        err = _empty_segment(path)
     request.state[ANSWERED_WITH] = err
     return Response(
         err.body(), status_code=err.status, headers=err.headers, media_type="application/json"

@@ -96,7 +96,9 @@ def test_upload_list_new_version_delete(
     assert servable(gateway, second["digest"]) and not servable(gateway, first["digest"])
     detail = json_of(admin.get(f"/admin/adapters/{tenant['id']}/{name}"))
     assert detail["latest"] == second and detail["versions"] == [first, second]
-    assert json_of(admin.get("/admin/adapters", params={"owner": tenant["id"]}))["items"] == [second]
+    assert json_of(admin.get("/admin/adapters", params={"owner": tenant["id"]}))["items"] == [
+        second
+    ]
 
     deleted = admin.delete(f"/admin/adapters/{tenant['id']}/{name}")
     assert deleted.status_code == 200 and json_of(deleted)["detail"] == {"versions": 2}
