@@ -116,14 +116,23 @@ class Unprocessable(GatewayError):
 
 
 class RateLimited(GatewayError):
-    """429 `rate_limit_exceeded`; `type` is `requests` or `tokens` as OpenAI writes it."""
+    """429 `rate_limit_exceeded`; `type` is `requests` or `tokens` as OpenAI writes it, and
+    `refusal` the limit that refused (`requests`, `tokens` or `concurrency`), for usage."""
 
     status = 429
     default_code = "rate_limit_exceeded"
 
-    def __init__(self, message: str, *, limit_type: str, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        limit_type: str,
+        refusal: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message, headers=headers)
         self.limit_type = limit_type
+        self.refusal = refusal or limit_type
 
     def body(self) -> dict[str, Any]:
         body = super().body()
@@ -135,6 +144,7 @@ class InsufficientQuota(GatewayError):
     status = 429
     type = "insufficient_quota"
     default_code = "insufficient_quota"
+    refusal = "budget"
 
 
 class ClientClosedRequest(GatewayError):

@@ -31,6 +31,7 @@ from gateway.openai.shapes import (
     TextCompletion,
 )
 from gateway.state import GatewayState
+from gateway.usage.outcomes import METERED, record_unmetered
 
 GW = NamedDependency[GatewayState]
 Caller = NamedDependency[Principal]
@@ -70,6 +71,7 @@ async def _respond(
     prepared = await service.prepare(
         principal, body, request_id, request.headers.get("cache-control")
     )
+    request.state[METERED] = True
     headers = prepared.headers()
     if prepared.stream:
         headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -171,4 +173,5 @@ def openai_router(gw: GatewayState) -> Router:
         route_handlers=[chat_completions, completions, list_models],
         guards=[guard],
         dependencies={"principal": Provide(caller, sync_to_thread=False)},
+        middleware=[record_unmetered(gw.usage, PRINCIPAL)],
     )

@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.admin.wire import utc
 from gateway.db import UsageTotals
+from gateway.db.usage_rollup import REFUSALS
 from gateway.errors import BadRequest
 from gateway.tenants.lookup import tenant_id_of
 from gateway.usage.query import Dimension, read_usage
@@ -94,6 +95,10 @@ class UsageReports:
         return UsageReport(query.group_by, query.tenant, query.start, query.end, rows)
 
 
+def refusals_by_limit(totals: UsageTotals) -> dict[str, int]:
+    return {name.removeprefix("refused_"): getattr(totals, name) for name in REFUSALS}
+
+
 def _row(group_by: GroupBy, key: tuple[str, ...], totals: UsageTotals) -> UsageRow:
     tenant_id, group = (None, key[0]) if group_by == "day" else key
     return UsageRow(
@@ -105,5 +110,9 @@ def _row(group_by: GroupBy, key: tuple[str, ...], totals: UsageTotals) -> UsageR
         cached_tokens=totals.cached_tokens,
         cache_hits=totals.cache_hits,
         errors=totals.errors,
+        aborts=totals.aborts,
+        refusals=refusals_by_limit(totals),
+        client_errors=totals.client_errors,
+        server_errors=totals.server_errors,
         mean_latency_ms=totals.mean_latency_ms,
     )
