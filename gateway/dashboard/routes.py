@@ -22,14 +22,16 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.dashboard.html import Html
 from gateway.dashboard.pages import dashboard_page, sign_in_page
-from gateway.dashboard.session import COOKIE, current_viewer, mint, sign_in
+from gateway.dashboard.session import COOKIE, Viewer, current_viewer, mint, sign_in
 from gateway.dashboard.style import STYLESHEET
-from gateway.dashboard.view import chosen_tenant, load_view, view_json
+from gateway.dashboard.view import chosen_tenant, load_view, view_json, window_of
 from gateway.errors import PermissionDenied, Unauthorized
 from gateway.state import GatewayState
 
 AnyRequest = Request[Any, Any, Any]
 Days = Annotated[int, QueryParameter(ge=1, le=366)]
+FirstDay = Annotated[str | None, QueryParameter(query="from", max_length=10)]
+LastDay = Annotated[str | None, QueryParameter(query="to", max_length=10)]
 SECURITY_HEADERS = {
     "content-security-policy": "default-src 'none'; style-src 'self'; img-src 'self'; "
     "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
@@ -54,6 +56,11 @@ def security_headers(app: ASGIApp) -> ASGIApp:
         await app(scope, receive, send_with_headers)
 
     return middleware
+
+
+def _own_key(viewer: Viewer) -> str | None:
+    """The key whose limits a tenant viewer may see; None for an admin (every key's)."""
+    return None if viewer.is_admin else viewer.subject
 
 
 def _page(markup: Html, status: int = 200) -> Response[str]:
@@ -81,8 +88,12 @@ class DashboardController(Controller):
         gw: NamedDependency[GatewayState],
         tenant: FromQuery[str | None] = None,
         days: Days = 30,
+        start: FirstDay = None,
+        end: LastDay = None,
+        paused: FromQuery[bool] = False,
     ) -> Response[str]:
-        """The usage page of the signed-in tenant (or of `tenant`, for an admin)."""
+        """The usage page of the signed-in tenant (or of `tenant`, for an admin), over the last
+        `days` days or `from` to `to`; it refreshes itself every few seconds unless `paused`."""
         token = request.cookies.get(COOKIE)
         if token is None:
             return _page(sign_in_page())
@@ -93,7 +104,9 @@ class DashboardController(Controller):
             response.delete_cookie(COOKIE, path=self.path)
             return response
         shown = chosen_tenant(viewer.tenant_id, tenant)
-        view = await load_view(gw, shown, days, datetime.now(UTC), viewer.is_admin)
+        now = datetime.now(UTC)
+        window = window_of(days, start, end, now)
+        view = await load_view(gw, shown, window, now, _own_key(viewer), live=not paused)
         return _page(dashboard_page(view, viewer))
 
     @get("/data")
@@ -103,11 +116,15 @@ class DashboardController(Controller):
         gw: NamedDependency[GatewayState],
         tenant: FromQuery[str | None] = None,
         days: Days = 30,
+        start: FirstDay = None,
+        end: LastDay = None,
     ) -> dict[str, Any]:
         """The page's numbers as JSON; 401 without a valid session."""
         viewer = await current_viewer(gw, request.cookies.get(COOKIE))
         shown = chosen_tenant(viewer.tenant_id, tenant)
-        return view_json(await load_view(gw, shown, days, datetime.now(UTC), viewer.is_admin))
+        now = datetime.now(UTC)
+        window = window_of(days, start, end, now)
+        return view_json(await load_view(gw, shown, window, now, _own_key(viewer)))
 
     @post("/login", status_code=303)
     async def login(self, request: AnyRequest, gw: NamedDependency[GatewayState]) -> Response[Any]:

@@ -114,7 +114,7 @@ def test_a_tenant_sees_the_usage_apis_numbers_in_a_real_browser(
         rows = page.locator("[data-testid=breakdown-row]").all()
         assert len(rows) == len(truth)
         fields = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "cache_hits")
-        for field in (*fields, "errors"):
+        for field in (*fields, "aborts", "client_errors", "server_errors"):
             testid = field.replace("_", "-")
             assert number(page, f"[data-testid=total-{testid}]") == sum(
                 r[field] for r in truth.values()
