@@ -36,7 +36,9 @@ from gateway.usage.recorder import day_of, hour_of
 
 PERCENTILES = (0.5, 0.9, 0.99)
 MAX_DAYS = 366
-NOT_SERVED = "(refused before a model was chosen)"
+NOT_SERVED = "(refused before the engine)"
+"""The row of requests refused before they reached the engine (a quota, a bad body, an unknown
+model): usage records them without a model."""
 
 
 @dataclass(frozen=True)
