@@ -13,7 +13,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.admin.router import admin_router
 from gateway.api_docs import explorer, explorer_asset
-from gateway.dashboard import dashboard_routes
+from gateway.dashboard import dashboard_router
 from gateway.errors import exception_handler, refuse_empty_segments
 from gateway.health import health, metrics, ready
 from gateway.metrics import Metrics
@@ -76,7 +76,7 @@ def create_app(gw: GatewayState) -> Litestar:
             openai_router(gw),
             admin_router(gw),
             explorer_asset,
-            *dashboard_routes,
+            dashboard_router(gw),
         ],
         dependencies={
             "gw": Provide(provide_state),

@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from litestar import Controller, Request, Response, delete, get, post
+from litestar import Controller, Request, Response, delete, get, post, put
 from litestar.di import NamedDependency
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import (
+    Example,
     OpenAPIFormat,
     OpenAPIMediaType,
     OpenAPIType,
     RequestBody,
     Schema,
 )
-from litestar.params import FromPath, FromQuery
+from litestar.params import Body, FromPath, FromQuery
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
-from gateway.adapters.schemas import AdapterDetail, AdapterOut, AdapterPage, Published
+from gateway.adapters.schemas import (
+    AdapterDetail,
+    AdapterOut,
+    AdapterPage,
+    CurrentVersion,
+    Published,
+)
 from gateway.adapters.service import AdapterService
 from gateway.adapters.upload import MAX_TEXT_BYTES, UploadSpace, receive_upload, workspace
 from gateway.admin.paging import Paging
@@ -35,6 +42,7 @@ answers that version with 200 and publishes nothing."""
 
 _SAME_BYTES = "The bytes are those of the current version, which is answered; nothing changed."
 _ALREADY = "That version's content already serves; nothing changed."
+_ROLLBACK_EXAMPLE = Example(summary="Serve version 3 again", value={"version": 3})
 _TEXT = Schema(type=OpenAPIType.STRING, max_length=MAX_TEXT_BYTES)
 _FILE = Schema(type=OpenAPIType.STRING, format=OpenAPIFormat.BINARY)
 _UPLOAD_FORM = RequestBody(
@@ -125,25 +133,26 @@ class AdapterController(Controller):
         """Delete every version of `owner/name`; requests in flight finish on them."""
         return await adapters.delete(owner, name)
 
-    @post(
-        "/{owner:str}/{name:str}/versions/{version:int}/current",
+    @put(
+        "/{owner:str}/{name:str}/current",
+        status_code=201,
         responses={
             200: ResponseSpec(AdapterOut, description=_ALREADY),
             **admin_errors(400, 404, 409),
         },
-        opt=audited_as("adapter.rollback", "{owner}/{name}@{version}"),
+        opt=audited_as("adapter.rollback", "{owner}/{name}"),
     )
     async def make_current(
         self,
         owner: FromPath[str],
         name: FromPath[str],
-        version: FromPath[int],
+        data: Annotated[CurrentVersion, Body(examples=[_ROLLBACK_EXAMPLE])],
         adapters: NamedDependency[AdapterService],
         entry: NamedDependency[AuditRecord],
     ) -> Response[AdapterOut]:
         """Roll back (or forward) to a live version: its digest is published again as the newest
         version, which serves from now on (201); 200 when it already serves."""
-        published = await adapters.make_current(owner, name, version)
+        published = await adapters.make_current(owner, name, data.version)
         entry.detail = {"version": published.adapter.version, "digest": published.adapter.digest}
         return _answer(published)
 

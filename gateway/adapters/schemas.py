@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Annotated
 
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 
 class AdapterOut(Struct):
@@ -19,6 +20,11 @@ class AdapterOut(Struct):
     targets: list[str]
     size_bytes: int
     created_at: datetime
+
+
+class CurrentVersion(Struct, forbid_unknown_fields=True):
+    version: Annotated[int, Meta(ge=1, le=2**31 - 1)]
+    """A live version of the adapter, to serve from now on."""
 
 
 class AdapterPage(Struct):

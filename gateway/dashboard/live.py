@@ -14,10 +14,10 @@ from datetime import datetime
 
 from sqlalchemy import select
 
+from gateway.dashboard.sources import DashboardSources
 from gateway.db import ApiKey, Quota, Tenant
 from gateway.quotas.buckets import budget_period
 from gateway.quotas.live import LiveUse, live_use
-from gateway.state import GatewayState
 from gateway.usage.query import Dimension, read_usage
 
 LIMITS = (
@@ -64,7 +64,7 @@ class TenantQuotas:
 
 
 async def quota_lines(
-    gw: GatewayState, tenant_id: str, now: datetime, own_key: str | None
+    src: DashboardSources, tenant_id: str, now: datetime, own_key: str | None
 ) -> list[QuotaLine]:
     """The tenant's limits and use; `own_key`: a tenant viewer's key, whose limits are the
     only key limits shown (None: an admin, who sees every key's)."""
@@ -76,17 +76,17 @@ async def quota_lines(
     )
     if own_key is not None:
         query = query.where(Quota.key_id.is_(None) | (Quota.key_id == own_key))
-    async with gw.sessions() as session:
+    async with src.sessions() as session:
         rows = (await session.execute(query)).all()
     lines: list[QuotaLine] = []
     for quota, key_name in rows:
         scope = "tenant" if quota.key_id is None else f"key lmx-{quota.key_id}"
         scope += f" ({key_name})" if key_name else ""
         if any(getattr(quota, field) is not None for field, _, _ in LIMITS):
-            use = await live_use(gw.redis, tenant_id, quota.key_id)
+            use = await live_use(src.redis, tenant_id, quota.key_id)
             lines += _live_lines(scope, quota, use)
         if quota.token_budget is not None and quota.budget_period is not None:
-            used = await _budget_used(gw, tenant_id, quota.key_id, quota.budget_period, now)
+            used = await _budget_used(src, tenant_id, quota.key_id, quota.budget_period, now)
             limit = f"tokens per {quota.budget_period}"
             lines.append(QuotaLine(scope, limit, quota.token_budget, used, quota.budget_period))
     return lines
@@ -102,34 +102,34 @@ def _live_lines(scope: str, quota: Quota, use: LiveUse) -> list[QuotaLine]:
     ]
 
 
-async def tenants_in_flight(gw: GatewayState, tenant_id: str) -> int:
+async def tenants_in_flight(src: DashboardSources, tenant_id: str) -> int:
     """Requests of the tenant holding a concurrency slot now (0 without a concurrency limit)."""
-    return (await live_use(gw.redis, tenant_id, None)).in_flight
+    return (await live_use(src.redis, tenant_id, None)).in_flight
 
 
 async def _budget_used(
-    gw: GatewayState, tenant_id: str, key_id: str | None, period: str, now: datetime
+    src: DashboardSources, tenant_id: str, key_id: str | None, period: str, now: datetime
 ) -> int:
     span = budget_period(period, now)
     by: list[Dimension] = ["key"] if key_id is not None else []
-    groups = await read_usage(gw.sessions, tenant=tenant_id, start=span.start, end=span.end, by=by)
+    groups = await read_usage(src.sessions, tenant=tenant_id, start=span.start, end=span.end, by=by)
     totals = groups.get((key_id,) if key_id is not None else ())
     return totals.total_tokens if totals is not None else 0
 
 
-async def engine_health(gw: GatewayState) -> list[EngineHealth]:
+async def engine_health(src: DashboardSources) -> list[EngineHealth]:
     """One line per engine; an engine that cannot answer is down."""
-    if not await gw.engine.ready():
+    if not await src.engine.ready():
         return [EngineHealth(False, 0, 0, 0, 0)]
     return [
         EngineHealth(True, s.running, s.waiting, s.kv_blocks_used, s.kv_blocks_total)
-        for s in await gw.engine.stats()
+        for s in await src.engine.stats()
     ]
 
 
-async def quotas_across_tenants(gw: GatewayState, now: datetime) -> list[TenantQuotas]:
+async def quotas_across_tenants(src: DashboardSources, now: datetime) -> list[TenantQuotas]:
     """The limits and use of the first `MAX_TENANTS_SHOWN` tenants (by name) that have any."""
-    async with gw.sessions() as session:
+    async with src.sessions() as session:
         tenants = (
             await session.execute(
                 select(Tenant.id, Tenant.name)
@@ -138,4 +138,4 @@ async def quotas_across_tenants(gw: GatewayState, now: datetime) -> list[TenantQ
                 .limit(MAX_TENANTS_SHOWN)
             )
         ).all()
-    return [TenantQuotas(name, await quota_lines(gw, tid, now, None)) for tid, name in tenants]
+    return [TenantQuotas(name, await quota_lines(src, tid, now, None)) for tid, name in tenants]

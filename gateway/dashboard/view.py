@@ -25,11 +25,11 @@ from gateway.dashboard.live import (
     quotas_across_tenants,
     tenants_in_flight,
 )
+from gateway.dashboard.sources import DashboardSources
 from gateway.db import ApiKey, Tenant, UsageTotals
 from gateway.db.adapter import SHARED_OWNER
 from gateway.db.usage_rollup import REFUSALS
 from gateway.errors import BadRequest, NotFound, PermissionDenied
-from gateway.state import GatewayState
 from gateway.usage.outcomes import UNRESOLVED_MODEL
 from gateway.usage.query import Dimension, read_usage
 from gateway.usage.recorder import day_of, hour_of
@@ -142,7 +142,7 @@ def chosen_tenant(viewer_tenant: str | None, requested: str | None) -> str | Non
 
 
 async def load_view(
-    gw: GatewayState,
+    src: DashboardSources,
     tenant_id: str | None,
     window: Window,
     now: datetime,
@@ -152,20 +152,20 @@ async def load_view(
     """The dashboard of `tenant_id` (None: every tenant) over `window`; `own_key`: the key of a
     tenant viewer (None: an admin)."""
     is_admin = own_key is None
-    tenants = await _tenants(gw, None if is_admin else tenant_id)
+    tenants = await _tenants(src, None if is_admin else tenant_id)
     names = {t.id: t.name for t in tenants}
     if tenant_id is not None and tenant_id not in names:
         raise NotFound(f"no tenant {tenant_id!r}", param="tenant", code="not_found")
     dimension: Dimension = "model" if tenant_id else "tenant"
     # One read per group and day gives the daily series, the breakdown and the totals.
     groups = await read_usage(
-        gw.sessions, tenant=tenant_id, start=window.start, end=window.end, by=[dimension, "day"]
+        src.sessions, tenant=tenant_id, start=window.start, end=window.end, by=[dimension, "day"]
     )
     daily, by_group, totals = _sum_by(groups, 1), _sum_by(groups, 0), UsageTotals()
     for t in by_group.values():
         totals.add(t)
     hour = hour_of(now)
-    hourly = await _read(gw, tenant_id, hour - timedelta(hours=23), "hour")
+    hourly = await _read(src, tenant_id, hour - timedelta(hours=23), "hour")
     days = [window.start + timedelta(days=i) for i in range(window.days)]
     return DashboardView(
         tenant=TenantRef(tenant_id, names[tenant_id]) if tenant_id else None,
@@ -174,19 +174,19 @@ async def load_view(
         live=live,
         totals=totals,
         breakdown=_busiest(
-            await _per_adapter(gw, tenant_id, names[tenant_id], by_group)
+            await _per_adapter(src, tenant_id, names[tenant_id], by_group)
             if tenant_id
             else [Breakdown(names.get(k, k), t) for k, t in by_group.items()]
         ),
-        keys=await _per_key(gw, tenant_id, window) if tenant_id else [],
+        keys=await _per_key(src, tenant_id, window) if tenant_id else [],
         daily=_every(daily, days, "%Y-%m-%d"),
         hourly=_every(
             hourly, [hour - timedelta(hours=23 - i) for i in range(24)], "%Y-%m-%dT%H:00"
         ),
-        quotas=await quota_lines(gw, tenant_id, now, own_key) if tenant_id else [],
-        in_flight=await tenants_in_flight(gw, tenant_id) if tenant_id else 0,
-        engines=await engine_health(gw) if is_admin else [],
-        tenant_quotas=await quotas_across_tenants(gw, now) if is_admin and not tenant_id else [],
+        quotas=await quota_lines(src, tenant_id, now, own_key) if tenant_id else [],
+        in_flight=await tenants_in_flight(src, tenant_id) if tenant_id else 0,
+        engines=await engine_health(src) if is_admin else [],
+        tenant_quotas=await quotas_across_tenants(src, now) if is_admin and not tenant_id else [],
     )
 
 
@@ -195,10 +195,10 @@ def _busiest(rows: list[Breakdown]) -> list[Breakdown]:
 
 
 async def _per_adapter(
-    gw: GatewayState, tenant_id: str, tenant_name: str, by_model: dict[str, UsageTotals]
+    src: DashboardSources, tenant_id: str, tenant_name: str, by_model: dict[str, UsageTotals]
 ) -> list[Breakdown]:
     """One row per adapter however requests named it; adapters not live now are marked."""
-    async with gw.sessions() as session:
+    async with src.sessions() as session:
         live = await latest_versions(session, [tenant_id, SHARED_OWNER])
     own = {r.name for r in live if r.owner == tenant_id}
     shared = {r.name for r in live if r.owner == SHARED_OWNER}
@@ -206,7 +206,7 @@ async def _per_adapter(
     for model, totals in by_model.items():
         label = _adapter_label(model, tenant_id, tenant_name)
         rows.setdefault(label, UsageTotals()).add(totals)
-    served = own | {f"shared/{n}" for n in shared} | {gw.model_name, NOT_SERVED}
+    served = own | {f"shared/{n}" for n in shared} | {src.model_name, NOT_SERVED}
     return [Breakdown(label, t, deleted=label not in served) for label, t in rows.items()]
 
 
@@ -222,11 +222,11 @@ def _adapter_label(model: str, tenant_id: str, tenant_name: str) -> str:
     return name
 
 
-async def _per_key(gw: GatewayState, tenant_id: str, window: Window) -> list[Breakdown]:
+async def _per_key(src: DashboardSources, tenant_id: str, window: Window) -> list[Breakdown]:
     groups = await read_usage(
-        gw.sessions, tenant=tenant_id, start=window.start, end=window.end, by=["key"]
+        src.sessions, tenant=tenant_id, start=window.start, end=window.end, by=["key"]
     )
-    async with gw.sessions() as session:
+    async with src.sessions() as session:
         names = dict(
             (
                 await session.execute(
@@ -241,19 +241,19 @@ async def _per_key(gw: GatewayState, tenant_id: str, window: Window) -> list[Bre
     return _busiest(rows)
 
 
-async def _tenants(gw: GatewayState, only: str | None) -> list[TenantRef]:
+async def _tenants(src: DashboardSources, only: str | None) -> list[TenantRef]:
     """Every tenant by name, or only the one with id `only`."""
     stmt = select(Tenant.id, Tenant.name).order_by(Tenant.name)
     if only is not None:
         stmt = stmt.where(Tenant.id == only)
-    async with gw.sessions() as session:
+    async with src.sessions() as session:
         return [TenantRef(t.id, t.name) for t in await session.execute(stmt)]
 
 
 async def _read(
-    gw: GatewayState, tenant_id: str | None, start: datetime, dimension: Dimension
+    src: DashboardSources, tenant_id: str | None, start: datetime, dimension: Dimension
 ) -> dict[str, UsageTotals]:
-    groups = await read_usage(gw.sessions, tenant=tenant_id, start=start, end=None, by=[dimension])
+    groups = await read_usage(src.sessions, tenant=tenant_id, start=start, end=None, by=[dimension])
     return {key[0]: totals for key, totals in groups.items()}
 
 

@@ -44,8 +44,8 @@ def test_pin_roll_back_and_delete_one_version_at_a_time(
 ) -> None:
     client = no_cache(client)
     owner = tenant.tenant_name
-    v1 = upload_adapter(admin, owner, "support-bot", demo_adapter_dirs[10])
-    v2 = upload_adapter(admin, owner, "support-bot", demo_adapter_dirs[11])
+    v1 = upload_adapter(admin, owner, "support-bot", demo_adapter_dirs[24])
+    v2 = upload_adapter(admin, owner, "support-bot", demo_adapter_dirs[25])
     assert (v1["version"], v2["version"]) == (1, 2)
     one, two = reply(client, "support-bot@1"), reply(client, "support-bot@2")
     assert one != two, "the demo adapters must differ for this test to say anything"
@@ -54,13 +54,13 @@ def test_pin_roll_back_and_delete_one_version_at_a_time(
     assert reply(client, f"{tenant.tenant_id}/support-bot@1") == one
 
     base = f"/admin/adapters/{owner}/support-bot"
-    rolled = admin.post(f"{base}/versions/1/current")
+    rolled = admin.put(f"{base}/current", json={"version": 1})
     assert rolled.status_code == 201, rolled.text
     v3 = json_of(rolled)
     assert (v3["version"], v3["digest"]) == (3, v1["digest"])
     assert reply(client, "support-bot") == one
     assert reply(client, "support-bot@2") == two
-    again = admin.post(f"{base}/versions/3/current")
+    again = admin.put(f"{base}/current", json={"version": 3})
     assert again.status_code == 200 and json_of(again) == v3
 
     deleted = admin.delete(f"{base}/versions/3")
@@ -98,7 +98,7 @@ def test_a_pin_that_names_no_live_version_is_not_found(
     demo_adapter_dirs: list[Path],
     model: str,
 ) -> None:
-    upload_adapter(admin, tenant.tenant_id, "support-bot", demo_adapter_dirs[12])
+    upload_adapter(admin, tenant.tenant_id, "support-bot", demo_adapter_dirs[26])
     with pytest.raises(openai.NotFoundError):
         reply(client, model)
 
@@ -107,7 +107,7 @@ def test_another_tenants_name_in_the_model_is_not_found(
     admin: httpx.Client, client: openai.OpenAI, demo_adapter_dirs: list[Path]
 ) -> None:
     other = new_tenant(admin, "other")
-    upload_adapter(admin, other.tenant_name, "private-bot", demo_adapter_dirs[13])
+    upload_adapter(admin, other.tenant_name, "private-bot", demo_adapter_dirs[27])
     for model in (f"{other.tenant_name}/private-bot", f"{other.tenant_name}/private-bot@1"):
         with pytest.raises(openai.NotFoundError):
             reply(client, model)
@@ -116,10 +116,11 @@ def test_another_tenants_name_in_the_model_is_not_found(
 def test_rolling_back_to_a_deleted_or_missing_version_is_not_found(
     admin: httpx.Client, tenant: TenantKey, demo_adapter_dirs: list[Path]
 ) -> None:
-    upload_adapter(admin, tenant.tenant_id, "bot", demo_adapter_dirs[14])
-    upload_adapter(admin, tenant.tenant_id, "bot", demo_adapter_dirs[15])
+    upload_adapter(admin, tenant.tenant_id, "bot", demo_adapter_dirs[28])
+    upload_adapter(admin, tenant.tenant_id, "bot", demo_adapter_dirs[29])
     assert admin.delete(f"/admin/adapters/{tenant.tenant_id}/bot/versions/1").status_code == 200
-    base = f"/admin/adapters/{tenant.tenant_id}/bot/versions"
-    for version in ("1", "7"):
-        assert admin.post(f"{base}/{version}/current").status_code == 404
-    assert admin.post(f"{base}/x/current").status_code in (400, 404)
+    current = f"/admin/adapters/{tenant.tenant_id}/bot/current"
+    for version in (1, 7):
+        assert admin.put(current, json={"version": version}).status_code == 404
+    for bad in ({"version": 0}, {"version": "1"}, {"version": 2**64}, {}, {"version": 1, "x": 1}):
+        assert admin.put(current, json=bad).status_code == 400
