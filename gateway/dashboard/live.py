@@ -102,7 +102,7 @@ def _live_lines(scope: str, quota: Quota, use: LiveUse) -> list[QuotaLine]:
     ]
 
 
-async def tenants_in_flight(src: DashboardSources, tenant_id: str) -> int:
+async def in_flight_of(src: DashboardSources, tenant_id: str) -> int:
     """Requests of the tenant holding a concurrency slot now (0 without a concurrency limit)."""
     return (await live_use(src.redis, tenant_id, None)).in_flight
 

@@ -21,9 +21,9 @@ from gateway.dashboard.live import (
     QuotaLine,
     TenantQuotas,
     engine_health,
+    in_flight_of,
     quota_lines,
     quotas_across_tenants,
-    tenants_in_flight,
 )
 from gateway.dashboard.sources import DashboardSources
 from gateway.db import ApiKey, Tenant, UsageTotals
@@ -184,7 +184,7 @@ async def load_view(
             hourly, [hour - timedelta(hours=23 - i) for i in range(24)], "%Y-%m-%dT%H:00"
         ),
         quotas=await quota_lines(src, tenant_id, now, own_key) if tenant_id else [],
-        in_flight=await tenants_in_flight(src, tenant_id) if tenant_id else 0,
+        in_flight=await in_flight_of(src, tenant_id) if tenant_id else 0,
         engines=await engine_health(src) if is_admin else [],
         tenant_quotas=await quotas_across_tenants(src, now) if is_admin and not tenant_id else [],
     )

@@ -16,6 +16,7 @@ from typing import Any
 
 from litestar.types import ASGIApp, Middleware, Receive, Scope, Send
 
+from gateway.auth.api_keys import Principal
 from gateway.errors import ANSWERED_WITH, GatewayError
 from gateway.usage.recorder import UsageRecord, UsageRecorder
 
@@ -52,7 +53,7 @@ def record_unmetered(recorder: UsageRecorder, principal_key: str) -> Middleware:
 
 
 def _refused(
-    state: dict[str, Any], principal: Any, error: GatewayError, started: float
+    state: dict[str, Any], principal: Principal, error: GatewayError, started: float
 ) -> UsageRecord:
     return UsageRecord(
         request_id=state.get("request_id", ""),
