@@ -111,6 +111,11 @@ def _header(view: DashboardView, viewer: Viewer) -> Html:
         for d in WINDOWS
     ]
     window = view.window
+    # The dates are filled in only for a custom window: filled, they would override the
+    # preset picked next (the form sends both).
+    first, last = (
+        (window.first.isoformat(), window.last.isoformat()) if window.custom else (None, None)
+    )
     picker += [
         el("select", windows, name="days"),
         el(
@@ -120,14 +125,14 @@ def _header(view: DashboardView, viewer: Viewer) -> Html:
                 "input",
                 type="date",
                 name="from",
-                value=window.first.isoformat(),
+                value=first,
                 data_testid="from",
             ),
         ),
         el(
             "label",
             "to",
-            el("input", type="date", name="to", value=window.last.isoformat(), data_testid="to"),
+            el("input", type="date", name="to", value=last, data_testid="to"),
         ),
         el(
             "label",

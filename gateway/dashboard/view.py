@@ -53,6 +53,8 @@ class Window:
 
     first: date
     last: date
+    custom: bool = False
+    """Given as `from`/`to` rather than as a number of days up to today."""
 
     @property
     def days(self) -> int:
@@ -79,7 +81,7 @@ def window_of(days: int, first: str | None, last: str | None, now: datetime) -> 
         raise BadRequest("'from' must not be after 'to'", param="from", code="invalid_request")
     if (end - start).days >= MAX_DAYS:
         raise BadRequest(f"a window spans at most {MAX_DAYS} days", param="from")
-    return Window(start, end)
+    return Window(start, end, custom=True)
 
 
 def _date(value: str, param: str) -> date:
