@@ -84,7 +84,7 @@ class ModelCatalog:
         row = None
         async with self.sessions() as session:
             for owner in candidates:
-                row = await _live_version(session, owner, name, version)
+                row = await live_version(session, owner, name, version)
                 if row is not None:
                     break
         if len(self._cache) > 100_000:
@@ -116,9 +116,10 @@ def _pinned(model: str) -> tuple[str, int | None]:
     return model, None
 
 
-async def _live_version(
+async def live_version(
     session: AsyncSession, owner: str, name: str, version: int | None
 ) -> AdapterVersion | None:
+    """Live `version` of `owner/name`; the latest live one when `version` is None."""
     if version is None:
         return await latest_version(session, owner, name)
     return await session.scalar(

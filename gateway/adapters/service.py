@@ -39,7 +39,7 @@ from gateway.adapters.schemas import AdapterDetail, AdapterOut, AdapterPage, Pub
 from gateway.adapters.upload import AdapterUpload
 from gateway.admin.paging import Paging, page_of
 from gateway.admin.wire import Deleted, utc
-from gateway.catalog import ModelCatalog, latest_version, latest_versions_query
+from gateway.catalog import ModelCatalog, latest_version, latest_versions_query, live_version
 from gateway.db import AdapterVersion
 from gateway.db.base import utcnow
 from gateway.engine_client.base import EngineClient
@@ -295,14 +295,7 @@ async def _live_versions(session: AsyncSession, owner: str, name: str) -> Iterab
 async def _live_version(
     session: AsyncSession, owner: str, name: str, version: int
 ) -> AdapterVersion:
-    row = await session.scalar(
-        select(AdapterVersion).where(
-            AdapterVersion.owner == owner,
-            AdapterVersion.name == name,
-            AdapterVersion.version == version,
-            AdapterVersion.deleted_at.is_(None),
-        )
-    )
+    row = await live_version(session, owner, name, version)
     if row is None:
         raise NotFound(f"no live version {version} of {owner}/{name}", code="adapter_not_found")
     return row
