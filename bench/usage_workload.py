@@ -35,7 +35,8 @@ from bench.common import CeilingFigure, Figure, percentile
 from gateway.auth.api_keys import mint_key
 from gateway.dashboard.pages import dashboard_page
 from gateway.dashboard.session import Viewer
-from gateway.dashboard.view import load_view
+from gateway.dashboard.sources import DashboardSources
+from gateway.dashboard.view import load_view, window_of
 from gateway.db import ApiKey, Tenant, UsageEvent, UsageTotals, usage_daily, usage_hourly
 from gateway.db.migrate import upgrade
 from gateway.db.session import create_engine, session_factory
@@ -242,7 +243,12 @@ def server_side(server: RunningServer, tenant: str, key_id: str, n: int) -> list
 
     async def render() -> float:
         start = time.perf_counter()
-        dashboard_page(await load_view(server.state, tenant, 30, datetime.now(UTC), False), viewer)
+        now = datetime.now(UTC)
+        window = window_of(30, None, None, now)
+        dashboard_page(
+            await load_view(DashboardSources.of(server.state), tenant, window, now, viewer.subject),
+            viewer,
+        )
         return time.perf_counter() - start
 
     return [_ms(server.run(render())) for _ in range(n)]

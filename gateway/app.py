@@ -10,14 +10,14 @@ from litestar import Litestar
 from litestar.datastructures import MutableScopeHeaders
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
-from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from opentelemetry.trace import StatusCode
 
 from gateway import tracing
 from gateway.admin.router import admin_router
-from gateway.dashboard import dashboard_routes
-from gateway.errors import exception_handler
+from gateway.api_docs import explorer, explorer_asset
+from gateway.dashboard import dashboard_router
+from gateway.errors import exception_handler, refuse_empty_segments
 from gateway.health import health_router
 from gateway.metrics import Metrics, route_label
 from gateway.metrics.routes import CHAT, COMPLETIONS
@@ -93,20 +93,22 @@ def create_app(gw: GatewayState) -> Litestar:
             health_router(gw),
             openai_router(gw),
             admin_router(gw),
-            *dashboard_routes,
+            explorer_asset,
+            dashboard_router(gw),
         ],
         dependencies={
             "gw": Provide(provide_state),
         },
         exception_handlers={Exception: exception_handler},
+        guards=[refuse_empty_segments],
         middleware=[lambda app: request_id_middleware(app, gw.metrics)],
         openapi_config=OpenAPIConfig(
             title="loramux",
             version="0.1.0",
             path="/schema",
-            # The explorer for operators, at /schema/ (and /schema/swagger). Its assets come
-            # from the plugin's CDN (jsdelivr): an offline copy is not served yet.
-            render_plugins=[SwaggerRenderPlugin()],
+            # The explorer for operators, at /schema/ (and /schema/swagger), with its assets
+            # served here (gateway.api_docs).
+            render_plugins=[explorer()],
         ),
         request_max_body_size=gw.settings.server.max_body_kb << 10,
         on_startup=[gw.start],

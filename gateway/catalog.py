@@ -1,8 +1,10 @@
 """Which model a request names: the base model, or an adapter version the tenant may use.
 
 `model` resolves to the tenant's own adapter, then a shared one, then `owner/name` (owner being
-the tenant itself or `shared`), then the base model's id. Another tenant's private adapter
-resolves exactly like a name that does not exist. Lookups are cached for a moment; uploads and
+the tenant itself, by id or name, or `shared`), then the base model's id. Any of these but the
+base model may end in `@version` to pin one live version (`support-bot@2`); without it the
+latest live version serves. Another tenant's private adapter resolves exactly like a name that
+does not exist. Lookups are cached for a moment; uploads and
 deletes in this process invalidate at once.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import func, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.auth.api_keys import Principal
@@ -50,14 +52,14 @@ class ModelCatalog:
         if model == self.base_model:
             resolved = ResolvedModel(model, None)
         else:
-            row = await self._find(principal.tenant_id, model)
+            row = await self._find(principal, model)
             if row is None:
                 raise NotFound(
                     f"The model '{model}' does not exist or you do not have access to it.",
                     param="model",
                 )
             resolved = ResolvedModel(model, row.digest, row.owner, row.version)
-        if not principal.may_use(model):
+        if not (principal.may_use(model) or principal.may_use(_pinned(model)[0])):
             raise PermissionDenied(
                 f"this API key may not use the model '{model}'",
                 param="model",
@@ -65,21 +67,24 @@ class ModelCatalog:
             )
         return resolved
 
-    async def _find(self, tenant_id: str, model: str) -> AdapterVersion | None:
+    async def _find(self, principal: Principal, model: str) -> AdapterVersion | None:
+        tenant_id = principal.tenant_id
         key = (tenant_id, model)
         cached = self._cache.get(key)
         now = time.monotonic()
         if cached is not None and now - cached[0] < self.ttl:
             return cached[1]
-        if "/" in model:
-            owner, name = model.split("/", 1)
+        name, version = _pinned(model)
+        if "/" in name:
+            owner, name = name.split("/", 1)
+            owner = tenant_id if owner == principal.tenant_name else owner
             candidates = [owner] if owner in (tenant_id, SHARED_OWNER) else []
         else:
-            name, candidates = model, [tenant_id, SHARED_OWNER]
+            candidates = [tenant_id, SHARED_OWNER]
         row = None
         async with self.sessions() as session:
             for owner in candidates:
-                row = await latest_version(session, owner, name)
+                row = await live_version(session, owner, name, version)
                 if row is not None:
                     break
         if len(self._cache) > 100_000:
@@ -103,17 +108,46 @@ class ModelCatalog:
         return rows
 
 
+def _pinned(model: str) -> tuple[str, int | None]:
+    """`name@3` → (`name`, 3); a name without a well-formed pin → (name, None)."""
+    name, at, version = model.rpartition("@")
+    if at and version.isascii() and version.isdigit() and len(version) <= 9:
+        return name, int(version)
+    return model, None
+
+
+async def live_version(
+    session: AsyncSession, owner: str, name: str, version: int | None
+) -> AdapterVersion | None:
+    """Live `version` of `owner/name`; the latest live one when `version` is None."""
+    if version is None:
+        return await latest_version(session, owner, name)
+    return await session.scalar(
+        select(AdapterVersion).where(
+            AdapterVersion.owner == owner,
+            AdapterVersion.name == name,
+            AdapterVersion.version == version,
+            AdapterVersion.deleted_at.is_(None),
+        )
+    )
+
+
 async def latest_versions(
     session: AsyncSession, owners: list[str] | None = None
 ) -> list[AdapterVersion]:
     """The newest live version of every adapter (of `owners`, when given), by owner and name."""
+    return list(await session.scalars(latest_versions_query(owners)))
+
+
+def latest_versions_query(owners: list[str] | None = None) -> Select[AdapterVersion]:
+    """The query of `latest_versions`, to filter or page further."""
     newest = select(
         AdapterVersion.owner, AdapterVersion.name, func.max(AdapterVersion.version).label("v")
     ).where(AdapterVersion.deleted_at.is_(None))
     if owners is not None:
         newest = newest.where(AdapterVersion.owner.in_(owners))
     latest = newest.group_by(AdapterVersion.owner, AdapterVersion.name).subquery()
-    rows = await session.scalars(
+    return (
         select(AdapterVersion)
         .join(
             latest,
@@ -123,7 +157,6 @@ async def latest_versions(
         )
         .order_by(AdapterVersion.owner, AdapterVersion.name)
     )
-    return list(rows)
 
 
 async def latest_version(session: AsyncSession, owner: str, name: str) -> AdapterVersion | None:

@@ -58,7 +58,7 @@ async def _upload_demo_adapters(gw: GatewayState, model_dir: Path, count: int) -
             target = f"shared/{name}"
             async with audit_log.audited("first-start", "adapter.upload", target) as entry:
                 await adapters.check_name_and_owner(name, "shared")
-                adapter = await adapters.publish("shared", name, folder)
+                adapter = (await adapters.publish("shared", name, folder)).adapter
                 entry.detail = {"version": adapter.version, "digest": adapter.digest}
         names.append(name)
     return names

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import msgspec
 from litestar import Request, Response
+from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException, ValidationException
 from sqlalchemy import exc as sql
 
@@ -118,7 +119,8 @@ class Unprocessable(GatewayError):
 
 
 class RateLimited(GatewayError):
-    """429 `rate_limit_exceeded`; `type` is `requests` or `tokens` as OpenAI writes it."""
+    """429 `rate_limit_exceeded`; `type` is `requests` or `tokens` as OpenAI writes it, and
+    `refusal` the limit that refused (`requests`, `tokens` or `concurrency`), for usage."""
 
     status = 429
     default_code = "rate_limit_exceeded"
@@ -128,13 +130,12 @@ class RateLimited(GatewayError):
         message: str,
         *,
         limit_type: str,
+        refusal: str | None = None,
         headers: dict[str, str] | None = None,
-        reason: str | None = None,
     ):
         super().__init__(message, headers=headers)
         self.limit_type = limit_type
-        self.reason = reason or limit_type
-        """The limit that refused it (`requests`, `tokens` or `concurrency`), for metrics."""
+        self.refusal = refusal or limit_type
 
     def body(self) -> dict[str, Any]:
         body = super().body()
@@ -146,6 +147,7 @@ class InsufficientQuota(GatewayError):
     status = 429
     type = "insufficient_quota"
     default_code = "insufficient_quota"
+    refusal = "budget"
 
 
 class ClientClosedRequest(GatewayError):
@@ -307,6 +309,32 @@ def as_gateway_error(exc: Exception) -> GatewayError:
     return err
 
 
+def refuse_empty_segments(connection: ASGIConnection[Any, Any, Any, Any], _: object) -> None:
+    """The app's guard: no route has an empty segment. The router skips empty segments, so
+    `/admin/tenants//quotas` would reach `/admin/tenants/{tenant}` with the tenant `quotas`;
+    this refuses it before any handler runs. Paths that match no route at all get the same 404
+    from `exception_handler`."""
+    if path := _with_empty_segment(connection.scope):
+        raise _empty_segment(path)
+
+
+def _with_empty_segment(scope: Any) -> str:
+    """The path as the client sent it when it has an empty segment, else ''. The router
+    rewrites `scope["path"]` without them, so this reads `raw_path`."""
+    raw = scope.get("raw_path") or scope["path"].encode()
+    return raw.decode("latin-1") if b"//" in raw else ""
+
+
+def _empty_segment(path: str) -> NotFound:
+    """`/admin/tenants//keys` lacks the tenant: a 404 that says so."""
+    position = path.index("//")
+    return NotFound(
+        f"the path {path[:200]!r} has an empty segment at character {position + 1}: "
+        "a name or id is missing between two slashes",
+        code="empty_path_segment",
+    )
+
+
 ANSWERED_WITH = "answered_with"
 """Where the handler leaves the error a request was answered with, in the request's state (the
 admin audit reads it)."""
@@ -317,6 +345,8 @@ def exception_handler(request: Request[Any, Any, Any], exc: Exception) -> Respon
     if err is None:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         err = InternalError("internal error")
+    if err.status in (404, 405) and (path := _with_empty_segment(request.scope)):
+        err = _empty_segment(path)
     request.state[ANSWERED_WITH] = err
     return Response(
         err.body(), status_code=err.status, headers=err.headers, media_type="application/json"

@@ -2,22 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from litestar import Controller, Request, delete, get, post
+from litestar import Controller, Request, Response, delete, get, post, put
 from litestar.di import NamedDependency
+from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import (
+    Example,
     OpenAPIFormat,
     OpenAPIMediaType,
     OpenAPIType,
     RequestBody,
     Schema,
 )
-from litestar.params import FromPath, FromQuery
+from litestar.params import Body, FromPath, FromQuery
+from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
-from gateway.adapters.schemas import AdapterDetail, AdapterOut
+from gateway.adapters.schemas import (
+    AdapterDetail,
+    AdapterOut,
+    AdapterPage,
+    CurrentVersion,
+    Published,
+)
 from gateway.adapters.service import AdapterService
 from gateway.adapters.upload import MAX_TEXT_BYTES, UploadSpace, receive_upload, workspace
+from gateway.admin.paging import Paging
 from gateway.admin.wire import Deleted
 from gateway.api_docs import admin_errors, documented_body
 from gateway.audit.action import audited_as
@@ -25,11 +35,15 @@ from gateway.audit.service import AuditRecord
 from gateway.state import GatewayState
 
 _UPLOAD = """multipart/form-data with `name` (1-64 letters, digits, `.`, `_` or `-`, starting
-with a letter or digit, no `..`), `owner` (a tenant id or `shared`) and either `archive` (.zip
-or .tar.gz of a PEFT adapter folder) or `adapter_config` (adapter_config.json) and
-`adapter_model` (adapter_model.safetensors). Uploading a name again makes a new version;
-requests in flight finish on the old one."""
+with a letter or digit, no `..`), `owner` (a tenant's id or name, or `shared`) and either
+`archive` (.zip or .tar.gz of a PEFT adapter folder) or `adapter_config` (adapter_config.json)
+and `adapter_model` (adapter_model.safetensors). Uploading a name again makes a new version
+(201); requests in flight finish on the old one. Uploading the current version's bytes again
+answers that version with 200 and publishes nothing."""
 
+_SAME_BYTES = "The bytes are those of the current version, which is answered; nothing changed."
+_ALREADY = "That version's content already serves; nothing changed."
+_ROLLBACK_EXAMPLE = Example(summary="Serve version 3 again", value={"version": 3})
 _TEXT = Schema(type=OpenAPIType.STRING, max_length=MAX_TEXT_BYTES)
 _FILE = Schema(type=OpenAPIType.STRING, format=OpenAPIFormat.BINARY)
 _UPLOAD_FORM = RequestBody(
@@ -63,8 +77,11 @@ class AdapterController(Controller):
         request_max_body_size=None,
         description=_UPLOAD,
         operation_class=documented_body(_UPLOAD_FORM),
-        responses=admin_errors(400, 404, 413),
         opt=audited_as("adapter.upload"),
+        responses={
+            200: ResponseSpec(AdapterOut, description=_SAME_BYTES),
+            **admin_errors(400, 404, 413),
+        },
     )
     async def upload_adapter(
         self,
@@ -73,21 +90,29 @@ class AdapterController(Controller):
         uploads: NamedDependency[UploadSpace],
         entry: NamedDependency[AuditRecord],
         gw: NamedDependency[GatewayState],
-    ) -> AdapterOut:
+    ) -> Response[AdapterOut]:
         with workspace(uploads.root) as work:
             upload = await receive_upload(request, work, uploads.max_bytes)
             entry.target = f"{upload.owner}/{upload.name}"
-            adapter = await adapters.publish_upload(upload, work)
-        gw.metrics.admission.adapter_uploads.inc()
+            published = await adapters.publish_upload(upload, work)
+        adapter = published.adapter
+        entry.target = f"{adapter.owner}/{adapter.name}"
+        if published.created:
+            gw.metrics.admission.adapter_uploads.inc()
         entry.detail = {"version": adapter.version, "digest": adapter.digest}
-        return adapter
+        return _answer(published)
 
-    @get(responses=admin_errors(400))
+    @get(responses=admin_errors(400, 404))
     async def list_adapters(
-        self, adapters: NamedDependency[AdapterService], owner: FromQuery[str | None] = None
-    ) -> list[AdapterOut]:
-        """The latest live version of every adapter, or of one owner's (`?owner=`)."""
-        return await adapters.list_latest(owner)
+        self,
+        adapters: NamedDependency[AdapterService],
+        paging: NamedDependency[Paging],
+        owner: FromQuery[str | None] = None,
+    ) -> AdapterPage:
+        """The latest live version of every adapter, or of one owner's (`?owner=`, a tenant's
+        id or name, or `shared`), by owner and name, a page at a time; `name` keeps adapters
+        whose name holds it."""
+        return await adapters.list_latest(owner, paging)
 
     @get("/{owner:str}/{name:str}", responses=admin_errors(400, 404))
     async def get_adapter(
@@ -111,3 +136,49 @@ class AdapterController(Controller):
     ) -> Deleted:
         """Delete every version of `owner/name`; requests in flight finish on them."""
         return await adapters.delete(owner, name)
+
+    @put(
+        "/{owner:str}/{name:str}/current",
+        status_code=201,
+        responses={
+            200: ResponseSpec(AdapterOut, description=_ALREADY),
+            **admin_errors(400, 404, 409),
+        },
+        opt=audited_as("adapter.rollback", "{owner}/{name}"),
+    )
+    async def make_current(
+        self,
+        owner: FromPath[str],
+        name: FromPath[str],
+        data: Annotated[CurrentVersion, Body(examples=[_ROLLBACK_EXAMPLE])],
+        adapters: NamedDependency[AdapterService],
+        entry: NamedDependency[AuditRecord],
+    ) -> Response[AdapterOut]:
+        """Roll back (or forward) to a live version: its digest is published again as the newest
+        version, which serves from now on (201); 200 when it already serves."""
+        published = await adapters.make_current(owner, name, data.version)
+        entry.detail = {"version": published.adapter.version, "digest": published.adapter.digest}
+        return _answer(published)
+
+    @delete(
+        "/{owner:str}/{name:str}/versions/{version:int}",
+        status_code=200,
+        responses=admin_errors(400, 404),
+        opt=audited_as("adapter.version.delete", "{owner}/{name}@{version}"),
+    )
+    async def delete_version(
+        self,
+        owner: FromPath[str],
+        name: FromPath[str],
+        version: FromPath[int],
+        adapters: NamedDependency[AdapterService],
+        entry: NamedDependency[AuditRecord],
+    ) -> Deleted:
+        """Delete one version; when it was the current one, the newest live version before it
+        serves again. Requests in flight finish on it."""
+        return await adapters.delete_version(owner, name, version)
+
+
+def _answer(published: Published) -> Response[AdapterOut]:
+    status = HTTP_201_CREATED if published.created else HTTP_200_OK
+    return Response(published.adapter, status_code=status)

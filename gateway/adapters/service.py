@@ -12,6 +12,13 @@ A digest *serves* while it is the latest live version of some `owner/name`: seve
 may share one digest (identical content), so a digest is retired only when none serves it.
 Deleting soft-deletes rows (versions keep counting up after a delete) and retires digests;
 requests in flight finish on them.
+
+Uploading the bytes of the current version again publishes nothing and answers that version
+(idempotent by digest). Making an older version current publishes its digest again as version
+max+1: versions only count up, so a pin (`name@3`) keeps meaning what it meant, and the latest
+live version stays the one that serves. Deleting one version soft-deletes that row alone; when
+it was the current one, the newest live version before it serves again. Older live versions
+stay in the store, so a pinned request loads its digest on demand.
 """
 
 from __future__ import annotations
@@ -28,15 +35,16 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from adapters.archive import ArchiveLimits, extract_adapter_archive
 from adapters.peft_format import MAX_CONFIG_BYTES
 from adapters.store import AdapterStore, StoredAdapter
-from gateway.adapters.schemas import AdapterDetail, AdapterOut
+from gateway.adapters.schemas import AdapterDetail, AdapterOut, AdapterPage, Published
 from gateway.adapters.upload import AdapterUpload
+from gateway.admin.paging import Paging, page_of
 from gateway.admin.wire import Deleted, utc
-from gateway.catalog import ModelCatalog, latest_version, latest_versions
-from gateway.db import AdapterVersion, Tenant
-from gateway.db.adapter import SHARED_OWNER
+from gateway.catalog import ModelCatalog, latest_version, latest_versions_query, live_version
+from gateway.db import AdapterVersion
 from gateway.db.base import utcnow
 from gateway.engine_client.base import EngineClient
 from gateway.errors import BadRequest, Conflict, NotFound
+from gateway.tenants.lookup import owner_id
 
 ADAPTER_NAME = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """1-64 letters, digits, '.', '_' or '-', starting with a letter or digit, without '..': a name
@@ -76,9 +84,9 @@ class AdapterService:
         self.catalog = catalog
         self.model_name = model_name
 
-    async def publish_upload(self, upload: AdapterUpload, work: Path) -> AdapterOut:
+    async def publish_upload(self, upload: AdapterUpload, work: Path) -> Published:
         """Check the name and owner, unpack the archive (if that is what came), then publish."""
-        await self.check_name_and_owner(upload.name, upload.owner)
+        owner = await self.check_name_and_owner(upload.name, upload.owner)
         folder = upload.folder
         if folder is None:
             assert upload.archive is not None, "an upload has either files or an archive"
@@ -88,9 +96,11 @@ class AdapterService:
             folder = work / "extracted"
             folder.mkdir()
             await asyncio.to_thread(extract_adapter_archive, upload.archive, folder, limits)
-        return await self.publish(upload.owner, upload.name, folder)
+        return await self.publish(owner, upload.name, folder)
 
-    async def check_name_and_owner(self, name: str, owner: str) -> None:
+    async def check_name_and_owner(self, name: str, owner: str) -> str:
+        """The owner's id (`owner` is a tenant's id or name, or `shared`), once `name` is a
+        valid adapter name."""
         if not ADAPTER_NAME.fullmatch(name):
             raise BadRequest(
                 "adapter names are 1-64 characters among letters, digits, '.', '_' and '-', "
@@ -102,16 +112,18 @@ class AdapterService:
             raise BadRequest(
                 f"{name!r} is the base model's name", param="name", code="invalid_adapter_name"
             )
-        if owner != SHARED_OWNER and await self.session.get(Tenant, owner) is None:
-            raise NotFound(
-                f"no tenant {owner!r}: owner is a tenant id or {SHARED_OWNER!r}",
-                param="owner",
-                code="tenant_not_found",
-            )
+        return await owner_id(self.session, owner)
 
-    async def publish(self, owner: str, name: str, folder: Path) -> AdapterOut:
-        """Store, load and record a new version of `owner/name` (see the module docstring)."""
+    async def publish(self, owner: str, name: str, folder: Path) -> Published:
+        """Store, load and record a new version of `owner/name` (see the module docstring);
+        the current version when it holds the same bytes."""
         stored = await asyncio.to_thread(self.store.put, folder)
+        current = await latest_version(self.session, owner, name)
+        if current is not None and current.digest == stored.digest:
+            return Published(adapter_out(current), created=False)
+        return Published(await self._publish_stored(owner, name, stored), created=True)
+
+    async def _publish_stored(self, owner: str, name: str, stored: StoredAdapter) -> AdapterOut:
         try:
             await self.engine.ensure_adapter(stored.digest, stored.path)
             row, previous = await self._insert_version(owner, name, stored)
@@ -123,6 +135,32 @@ class AdapterService:
             await self.retire_unused([previous])
         self.catalog.invalidate()
         return adapter_out(row)
+
+    async def make_current(self, owner_ref: str, name: str, version: int) -> Published:
+        """Make live `version` the one that serves: published again as the newest version
+        (the current version itself when it already is)."""
+        owner = await owner_id(self.session, owner_ref)
+        row = await _live_version(self.session, owner, name, version)
+        current = await latest_version(self.session, owner, name)
+        if current is not None and current.digest == row.digest:
+            return Published(adapter_out(current), created=False)
+        stored = await asyncio.to_thread(self.store.get, row.digest)
+        if stored is None:
+            raise Conflict(
+                f"the files of {owner}/{name} version {version} are gone from the store",
+                code="adapter_files_missing",
+            )
+        return Published(await self._publish_stored(owner, name, stored), created=True)
+
+    async def delete_version(self, owner_ref: str, name: str, version: int) -> Deleted:
+        """Soft-delete one live version and retire its digest unless it still serves."""
+        owner = await owner_id(self.session, owner_ref)
+        row = await _live_version(self.session, owner, name, version)
+        digests = await _soft_delete(self.session, [row.id])
+        await self.session.commit()
+        await self.retire_unused(digests)
+        self.catalog.invalidate()
+        return Deleted(f"{owner}/{name}@{version}", detail={"versions": 1})
 
     async def _insert_version(
         self, owner: str, name: str, stored: StoredAdapter
@@ -173,20 +211,27 @@ class AdapterService:
         for digest in unused:
             await self.engine.retire_adapter(digest)
 
-    async def list_latest(self, owner: str | None) -> list[AdapterOut]:
-        """The latest live version of every adapter (of one owner, when given)."""
-        rows = await latest_versions(self.session, [owner] if owner is not None else None)
-        return [adapter_out(r) for r in rows]
+    async def list_latest(self, owner_ref: str | None, paging: Paging) -> AdapterPage:
+        """A page of the latest live version of every adapter (of one owner, when given), by
+        owner and name; `paging.name` keeps adapters whose name holds it."""
+        owners = None if owner_ref is None else [await owner_id(self.session, owner_ref)]
+        query = latest_versions_query(owners)
+        if (matches := paging.name_filter(AdapterVersion.name)) is not None:
+            query = query.where(matches)
+        rows, total = await page_of(self.session, query, paging)
+        return AdapterPage([adapter_out(r) for r in rows], total, paging.limit, paging.offset)
 
-    async def detail(self, owner: str, name: str) -> AdapterDetail:
+    async def detail(self, owner_ref: str, name: str) -> AdapterDetail:
+        owner = await owner_id(self.session, owner_ref)
         rows = list(await _live_versions(self.session, owner, name))
         if not rows:
             raise _no_adapter(owner, name)
         versions = [adapter_out(r) for r in rows]
         return AdapterDetail(owner, name, latest=versions[-1], versions=versions)
 
-    async def delete(self, owner: str, name: str) -> Deleted:
+    async def delete(self, owner_ref: str, name: str) -> Deleted:
         """Soft-delete every live version of `owner/name` and retire their digests."""
+        owner = await owner_id(self.session, owner_ref)
         rows = list(await _live_versions(self.session, owner, name))
         if not rows:
             raise _no_adapter(owner, name)
@@ -245,6 +290,15 @@ async def _live_versions(session: AsyncSession, owner: str, name: str) -> Iterab
         )
         .order_by(AdapterVersion.version)
     )
+
+
+async def _live_version(
+    session: AsyncSession, owner: str, name: str, version: int
+) -> AdapterVersion:
+    row = await live_version(session, owner, name, version)
+    if row is None:
+        raise NotFound(f"no live version {version} of {owner}/{name}", code="adapter_not_found")
+    return row
 
 
 def _no_adapter(owner: str, name: str) -> NotFound:

@@ -18,6 +18,7 @@ from gateway.adapters.service import AdapterService
 from gateway.adapters.upload import UploadSpace
 from gateway.admin.body import AdminRequest
 from gateway.admin.guard import admin_guard
+from gateway.admin.paging import provide_paging
 from gateway.audit.action import audit_middleware, provide_entry
 from gateway.audit.controller import AuditController
 from gateway.audit.service import AuditLog
@@ -91,4 +92,5 @@ def _services(gw: GatewayState, audit_log: AuditLog) -> dict[str, Provide]:
         "usage_reports": Provide(lambda: usage_reports, sync_to_thread=False, use_cache=True),
         "uploads": Provide(lambda: uploads, sync_to_thread=False, use_cache=True),
         "entry": Provide(provide_entry, sync_to_thread=False),
+        "paging": Provide(provide_paging),
     }

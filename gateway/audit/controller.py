@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
 from litestar import Controller, get
 from litestar.di import NamedDependency
-from litestar.params import QueryParameter
 
+from gateway.admin.paging import Paging
 from gateway.admin.wire import utc
 from gateway.api_docs import admin_errors
-from gateway.audit.schemas import AuditOut
+from gateway.audit.schemas import AuditOut, AuditPage
 from gateway.audit.service import AuditLog
 
 
@@ -20,13 +18,13 @@ class AuditController(Controller):
 
     @get(responses=admin_errors(400))
     async def audit_log(
-        self,
-        audit_log: NamedDependency[AuditLog],
-        limit: Annotated[int, QueryParameter(ge=1, le=1000)] = 100,
-    ) -> list[AuditOut]:
-        """The newest audit entries first."""
-        rows = await audit_log.recent(limit)
-        return [
+        self, audit_log: NamedDependency[AuditLog], paging: NamedDependency[Paging]
+    ) -> AuditPage:
+        """Audit entries, newest first, a page at a time; `name` keeps entries whose target
+        (a tenant, key or adapter) holds it."""
+        rows, total = await audit_log.recent(paging)
+        items = [
             AuditOut(r.id, utc(r.created_at), r.actor, r.action, r.target, r.outcome, r.detail)
             for r in rows
         ]
+        return AuditPage(items, total, paging.limit, paging.offset)

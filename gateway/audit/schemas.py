@@ -18,3 +18,11 @@ class AuditOut(Struct):
     outcome: str
     """`ok`, or the error's code."""
     detail: dict[str, Any]
+
+
+class AuditPage(Struct):
+    items: list[AuditOut]
+    total: int
+    """Entries the filter matches, on every page."""
+    limit: int
+    offset: int

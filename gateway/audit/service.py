@@ -23,6 +23,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from gateway.admin.paging import Paging, page_of
 from gateway.db import AuditEntry
 from gateway.errors import to_gateway_error
 
@@ -95,11 +96,15 @@ class AuditLog:
         except Exception:
             log.exception("could not write the audit entry for %s on %s", action, target)
 
-    async def recent(self, limit: int) -> list[AuditEntry]:
-        """The newest `limit` entries, newest first."""
+    async def recent(self, paging: Paging) -> tuple[list[AuditEntry], int]:
+        """A page of entries, newest first, and how many the filter matches; `paging.name`
+        keeps entries whose target holds it."""
+        query = select(AuditEntry).order_by(AuditEntry.id.desc())
+        if (matches := paging.name_filter(AuditEntry.target)) is not None:
+            query = query.where(matches)
         async with self._sessions() as session:
-            query = select(AuditEntry).order_by(AuditEntry.id.desc()).limit(limit)
-            return list(await session.scalars(query))
+            rows, total = await page_of(session, query, paging)
+        return list(rows), total
 
 
 def _column_length(name: str) -> int:

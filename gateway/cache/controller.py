@@ -24,26 +24,26 @@ class CacheController(Controller):
     tags = ("admin: cache",)
 
     @put(
-        "/tenants/{tenant_id:str}/cache",
+        "/tenants/{tenant:str}/cache",
         description=_BODY,
         responses=admin_errors(400, 404),
-        opt=audited_as("cache.settings.set", "{tenant_id}"),
+        opt=audited_as("cache.settings.set", "{tenant}"),
     )
     async def set_cache_settings(
         self,
-        tenant_id: FromPath[str],
+        tenant: FromPath[str],
         data: JSONBody[CacheSettingsUpdate],
         cache_admin: NamedDependency[CacheAdmin],
         entry: NamedDependency[AuditRecord],
     ) -> CacheSettingsOut:
         entry.detail = given(data)
-        return await cache_admin.update_settings(tenant_id, given(data))
+        return await cache_admin.update_settings(tenant, given(data))
 
-    @get("/tenants/{tenant_id:str}/cache", responses=admin_errors(400, 404))
+    @get("/tenants/{tenant:str}/cache", responses=admin_errors(400, 404))
     async def get_cache_settings(
-        self, tenant_id: FromPath[str], cache_admin: NamedDependency[CacheAdmin]
+        self, tenant: FromPath[str], cache_admin: NamedDependency[CacheAdmin]
     ) -> CacheSettingsOut:
-        return await cache_admin.get_settings(tenant_id)
+        return await cache_admin.get_settings(tenant)
 
     @delete(
         "/cache",

@@ -22,7 +22,7 @@ from gateway.cache_policy import TenantCacheSettings
 from gateway.db import AdapterVersion, ApiKey
 from gateway.db.adapter import SHARED_OWNER
 from gateway.errors import NotFound, ServiceUnavailable
-from gateway.tenants.service import get_tenant
+from gateway.tenants.lookup import get_tenant, tenant_id_of
 
 _DIGEST = re.compile(r"^[0-9a-f]{16,64}$")
 
@@ -37,12 +37,13 @@ class CacheAdmin:
         self.keys = keys
         self.response_cache = response_cache
 
-    async def get_settings(self, tenant_id: str) -> CacheSettingsOut:
-        tenant = await get_tenant(self.session, tenant_id)
-        return _out(tenant_id, TenantCacheSettings.of(tenant.settings or {}))
+    async def get_settings(self, ref: str) -> CacheSettingsOut:
+        tenant = await get_tenant(self.session, ref)
+        return _out(tenant.id, TenantCacheSettings.of(tenant.settings or {}))
 
-    async def update_settings(self, tenant_id: str, changes: dict[str, object]) -> CacheSettingsOut:
-        tenant = await get_tenant(self.session, tenant_id)
+    async def update_settings(self, ref: str, changes: dict[str, object]) -> CacheSettingsOut:
+        tenant = await get_tenant(self.session, ref)
+        tenant_id = tenant.id
         current = dict(tenant.settings or {})
         merged = TenantCacheSettings.of(current).as_dict() | changes
         # A new dict: the JSON column only notices reassignment.
@@ -53,8 +54,10 @@ class CacheAdmin:
             self.keys.forget(key_id)
         return _out(tenant_id, TenantCacheSettings.of({"cache": merged}))
 
-    async def purge(self, tenant_id: str, adapter: str | None) -> int:
-        """Entries removed; ServiceUnavailable when Redis cannot be reached."""
+    async def purge(self, ref: str, adapter: str | None) -> int:
+        """Entries removed from the tenant's (by id or name); ServiceUnavailable when Redis
+        cannot be reached."""
+        tenant_id = await tenant_id_of(self.session, ref)
         digests: list[str | None] = [None]
         if adapter is not None:
             digests = list(await _digests(self.session, tenant_id, adapter))

@@ -11,19 +11,34 @@ from datetime import UTC, datetime
 
 from gateway.dashboard.charts import Series, lines, stacked_bars
 from gateway.dashboard.html import Child, Html, el
+from gateway.dashboard.panels import (
+    REFRESH_SECONDS,
+    engine_panel,
+    live_panel,
+    percent,
+    tenant_quota_panel,
+)
 from gateway.dashboard.session import Viewer
-from gateway.dashboard.view import Breakdown, DashboardView, QuotaLine
+from gateway.dashboard.view import Breakdown, DashboardView
 from gateway.db import UsageTotals
 
 WINDOWS = (1, 7, 30, 90)
 """Windows (days) offered by the page's selector."""
 BLUE, TEAL, RED, ORANGE = "#3867d6", "#20bf6b", "#eb3b5a", "#fa8231"
+GREY, PURPLE = "#778ca3", "#8854d0"
+REFUSAL_NAMES = {
+    "refused_requests": "rpm",
+    "refused_tokens": "tpm",
+    "refused_concurrency": "concurrency",
+    "refused_budget": "budget",
+}
 
 
-def document(title: str, *body: Child) -> Html:
+def document(title: str, *body: Child, refresh: int | None = None) -> Html:
     head = el(
         "head",
         el("meta", charset="utf-8"),
+        el("meta", http_equiv="refresh", content=refresh) if refresh else None,
         el("meta", name="viewport", content="width=device-width, initial-scale=1"),
         el("title", title),
         el("link", rel="stylesheet", href="/dashboard/style.css"),
@@ -63,11 +78,15 @@ def dashboard_page(view: DashboardView, viewer: Viewer) -> Html:
         _header(view, viewer),
         el(
             "main",
+            live_panel(view.in_flight, view.quotas, view.live) if view.tenant else None,
+            engine_panel(view.engines) if viewer.is_admin else None,
+            tenant_quota_panel(view.tenant_quotas) if viewer.is_admin and not view.tenant else None,
             _summary(view.totals),
-            _quotas(view.quotas) if view.tenant else None,
             _charts(view),
             _breakdown(view),
+            _key_breakdown(view.keys) if view.tenant else None,
         ),
+        refresh=REFRESH_SECONDS if view.live else None,
     )
 
 
@@ -91,12 +110,46 @@ def _header(view: DashboardView, viewer: Viewer) -> Html:
         el("option", f"last {d} days" if d > 1 else "today", value=d, selected=d == view.days)
         for d in WINDOWS
     ]
-    picker += [el("select", windows, name="days"), el("button", "Show", type="submit")]
-    end = view.daily[-1].label if view.daily else ""
+    window = view.window
+    # The dates are filled in only for a custom window: filled, they would override the
+    # preset picked next (the form sends both).
+    first, last = (
+        (window.first.isoformat(), window.last.isoformat()) if window.custom else (None, None)
+    )
+    picker += [
+        el("select", windows, name="days"),
+        el(
+            "label",
+            "from",
+            el(
+                "input",
+                type="date",
+                name="from",
+                value=first,
+                data_testid="from",
+            ),
+        ),
+        el(
+            "label",
+            "to",
+            el("input", type="date", name="to", value=last, data_testid="to"),
+        ),
+        el(
+            "label",
+            el("input", type="checkbox", name="paused", value="true", checked=not view.live),
+            " pause refresh",
+        ),
+        el("button", "Show", type="submit", data_testid="show"),
+    ]
+    end = window.last.isoformat()
     return el(
         "header",
         el("h1", view.tenant.name if view.tenant else "All tenants", data_testid="tenant-name"),
-        el("p", f"{view.window_start:%Y-%m-%d} to {end} (UTC) · signed in as {who} until {ends}"),
+        el(
+            "p",
+            el("span", f"{window.first.isoformat()} to {end}", data_testid="window"),
+            f" (UTC) · signed in as {who} until {ends}",
+        ),
         el("form", picker, method="get", action="/dashboard", class_="picker"),
         el(
             "form",
@@ -115,10 +168,6 @@ def _ms(value: float | None) -> str:
     return "—" if value is None else f"{value:,.0f} ms"
 
 
-def _percent(value: float | None) -> str:
-    return "—" if value is None else f"{value * 100:.1f}%"
-
-
 def _card(label: str, value: str, testid: str, note: str | None = None) -> Html:
     return el(
         "div",
@@ -127,6 +176,14 @@ def _card(label: str, value: str, testid: str, note: str | None = None) -> Html:
         el("small", note) if note else None,
         class_="stat",
     )
+
+
+def _refusal_note(t: UsageTotals) -> str:
+    """429s by limit, e.g. `2 rpm, 1 budget`."""
+    parts = [
+        f"{getattr(t, name):,} {short}" for name, short in REFUSAL_NAMES.items() if getattr(t, name)
+    ]
+    return "429: " + (", ".join(parts) if parts else "none")
 
 
 def _summary(t: UsageTotals) -> Html:
@@ -138,8 +195,11 @@ def _summary(t: UsageTotals) -> Html:
         _card("Completion tokens", _number(t.completion_tokens), "total-completion-tokens"),
         _card("Cached tokens", _number(t.cached_tokens), "total-cached-tokens"),
         _card("Cache hits", _number(t.cache_hits), "total-cache-hits", hits),
-        _card("Cache hit rate", _percent(t.cache_hit_rate), "cache-hit-rate"),
-        _card("Errors", _number(t.errors), "total-errors"),
+        _card("Cache hit rate", percent(t.cache_hit_rate), "cache-hit-rate"),
+        _card("Client aborts", _number(t.aborts), "total-aborts", "the client left first (499)"),
+        _card("Refusals", _number(t.refusals), "total-refusals", _refusal_note(t)),
+        _card("Client errors", _number(t.client_errors), "total-client-errors", "other 4xx"),
+        _card("Server errors", _number(t.server_errors), "total-server-errors", "5xx"),
         _card(
             "Latency p50",
             _ms(t.latency_percentile(0.5)),
@@ -151,43 +211,6 @@ def _summary(t: UsageTotals) -> Html:
         _card("Time to first token p50", _ms(t.ttft_percentile(0.5)), "ttft-p50"),
         _card("Time to first token p99", _ms(t.ttft_percentile(0.99)), "ttft-p99"),
         class_="stats",
-    )
-
-
-def _quotas(quotas: Sequence[QuotaLine]) -> Html:
-    if not quotas:
-        return el("section", el("h2", "Quotas"), el("p", "No limits are set."), class_="card")
-    head = el("tr", el("th", "Applies to"), el("th", "Limit"), el("th", "Used"), el("th", ""))
-    rows = [
-        el(
-            "tr",
-            el("td", q.scope),
-            el("td", f"{q.value:,} {q.limit}", data_testid="quota-limit"),
-            el("td", _used(q)),
-            el("td", _meter(q.fraction) if q.fraction is not None else None),
-            data_testid="quota-row",
-        )
-        for q in quotas
-    ]
-    return el("section", el("h2", "Quotas"), el("table", head, rows), class_="card")
-
-
-def _used(q: QuotaLine) -> Child:
-    """Budgets show what this period used; per-minute limits are the limiter's to count."""
-    if q.used is None:
-        return "—"
-    return [el("span", _number(q.used), data_testid="budget-used"), f" this {q.period}"]
-
-
-def _meter(fraction: float) -> Html:
-    color = RED if fraction >= 0.9 else ORANGE if fraction >= 0.7 else TEAL
-    return el(
-        "svg",
-        el("rect", width=160, height=10, fill="#e3e8ee", rx=3),
-        el("rect", width=f"{160 * fraction:.1f}", height=10, fill=color, rx=3),
-        el("title", _percent(fraction)),
-        width=160,
-        height=10,
     )
 
 
@@ -210,7 +233,10 @@ def _request_series(buckets: Sequence[Breakdown]) -> list[Series]:
     return [
         Series("engine", BLUE, served),
         Series("cache hits", TEAL, [x.cache_hits for x in t]),
-        Series("errors", RED, [x.errors for x in t]),
+        Series("client aborts", GREY, [x.aborts for x in t]),
+        Series("refusals (429)", ORANGE, [x.refusals for x in t]),
+        Series("client errors (4xx)", PURPLE, [x.client_errors for x in t]),
+        Series("server errors (5xx)", RED, [x.server_errors for x in t]),
     ]
 
 
@@ -239,13 +265,16 @@ def _breakdown(view: DashboardView) -> Html:
         "Cached tokens",
         "Cache hits",
         "Hit rate",
-        "Errors",
+        "Aborts",
+        "Refusals",
+        "Client errors",
+        "Server errors",
         "p50",
         "p99",
     )
     head = el("tr", el("th", "Model" if view.tenant else "Tenant"), [el("th", c) for c in columns])
     rows = [_breakdown_row(b) for b in view.breakdown]
-    empty = el("tr", el("td", "No requests in this window.", colspan=10)) if not rows else None
+    empty = el("tr", el("td", "No requests in this window.", colspan=14)) if not rows else None
     return el("section", el("h2", title), el("table", head, rows, empty), class_="card")
 
 
@@ -257,14 +286,46 @@ def _breakdown_row(b: Breakdown) -> Html:
         ("completion-tokens", _number(t.completion_tokens)),
         ("cached-tokens", _number(t.cached_tokens)),
         ("cache-hits", _number(t.cache_hits)),
-        ("cache-hit-rate", _percent(t.cache_hit_rate)),
-        ("errors", _number(t.errors)),
+        ("cache-hit-rate", percent(t.cache_hit_rate)),
+        ("aborts", _number(t.aborts)),
+        ("refusals", _number(t.refusals)),
+        ("client-errors", _number(t.client_errors)),
+        ("server-errors", _number(t.server_errors)),
         ("latency-p50", _ms(t.latency_percentile(0.5))),
         ("latency-p99", _ms(t.latency_percentile(0.99))),
     )
+    deleted = el("small", " (deleted)", data_testid="deleted") if b.deleted else None
     return el(
         "tr",
-        el("td", b.label, data_testid="group"),
+        el("td", el("span", b.label, data_testid="group"), deleted),
         [el("td", value, data_testid=testid) for testid, value in cells],
         data_testid="breakdown-row",
     )
+
+
+def _key_breakdown(keys: Sequence[Breakdown]) -> Html:
+    head = el(
+        "tr", el("th", "Key"), el("th", "Requests"), el("th", "Tokens"), el("th", "Aborts"),
+        el("th", "Refusals"), el("th", "Client errors"), el("th", "Server errors"),
+    )  # fmt: skip
+    rows = [
+        el(
+            "tr",
+            el(
+                "td",
+                k.label,
+                el("small", " (revoked or deleted)") if k.deleted else None,
+                data_testid="key",
+            ),
+            el("td", _number(k.totals.requests), data_testid="requests"),
+            el("td", _number(k.totals.total_tokens)),
+            el("td", _number(k.totals.aborts)),
+            el("td", _number(k.totals.refusals)),
+            el("td", _number(k.totals.client_errors)),
+            el("td", _number(k.totals.server_errors)),
+            data_testid="key-row",
+        )
+        for k in keys
+    ]
+    empty = el("tr", el("td", "No requests in this window.", colspan=7)) if not rows else None
+    return el("section", el("h2", "Per key"), el("table", head, rows, empty), class_="card")

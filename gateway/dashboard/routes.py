@@ -13,25 +13,28 @@ from datetime import UTC, datetime
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-from litestar import Controller, MediaType, Request, Response, get, post
+from litestar import Controller, MediaType, Request, Response, Router, get, post
 from litestar.datastructures import MutableScopeHeaders
-from litestar.di import NamedDependency
+from litestar.di import NamedDependency, Provide
 from litestar.params import FromQuery, QueryParameter
 from litestar.response import Redirect
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.dashboard.html import Html
 from gateway.dashboard.pages import dashboard_page, sign_in_page
-from gateway.dashboard.session import COOKIE, current_viewer, mint, sign_in
+from gateway.dashboard.session import COOKIE, Viewer, current_viewer, mint, sign_in
+from gateway.dashboard.sources import DashboardSources
 from gateway.dashboard.style import STYLESHEET
-from gateway.dashboard.view import chosen_tenant, load_view, view_json
+from gateway.dashboard.view import chosen_tenant, load_view, view_json, window_of
 from gateway.errors import PermissionDenied, Unauthorized
 from gateway.state import GatewayState
 
 AnyRequest = Request[Any, Any, Any]
 Days = Annotated[int, QueryParameter(ge=1, le=366)]
+FirstDay = Annotated[str | None, QueryParameter(query="from", max_length=10)]
+LastDay = Annotated[str | None, QueryParameter(query="to", max_length=10)]
 SECURITY_HEADERS = {
-    "content-security-policy": "default-src 'none'; style-src 'self'; img-src 'self'; "
+    "content-security-policy": "default-dashboard 'none'; style-dashboard 'self'; img-dashboard 'self'; "
     "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
     "cache-control": "no-store",
     "referrer-policy": "same-origin",
@@ -56,6 +59,11 @@ def security_headers(app: ASGIApp) -> ASGIApp:
     return middleware
 
 
+def _own_key(viewer: Viewer) -> str | None:
+    """The key whose limits a tenant viewer may see; None for an admin (every key's)."""
+    return None if viewer.is_admin else viewer.subject
+
+
 def _page(markup: Html, status: int = 200) -> Response[str]:
     return Response(markup, status_code=status, media_type=MediaType.HTML)
 
@@ -70,6 +78,8 @@ def _refuse_other_origins(request: AnyRequest) -> None:
 
 
 class DashboardController(Controller):
+    """Mounted by `dashboard_router`, which provides `dashboard` (its `DashboardSources`)."""
+
     path = "/dashboard"
     include_in_schema = False
     middleware = (security_headers,)
@@ -78,51 +88,63 @@ class DashboardController(Controller):
     async def page(
         self,
         request: AnyRequest,
-        gw: NamedDependency[GatewayState],
+        dashboard: NamedDependency[DashboardSources],
         tenant: FromQuery[str | None] = None,
         days: Days = 30,
+        start: FirstDay = None,
+        end: LastDay = None,
+        paused: FromQuery[bool] = False,
     ) -> Response[str]:
-        """The usage page of the signed-in tenant (or of `tenant`, for an admin)."""
+        """The usage page of the signed-in tenant (or of `tenant`, for an admin), over the last
+        `days` days or `from` to `to`; it refreshes itself every few seconds unless `paused`."""
         token = request.cookies.get(COOKIE)
         if token is None:
             return _page(sign_in_page())
         try:
-            viewer = await current_viewer(gw, token)
+            viewer = await current_viewer(dashboard, token)
         except Unauthorized as exc:
             response = _page(sign_in_page(exc.message), status=401)
             response.delete_cookie(COOKIE, path=self.path)
             return response
         shown = chosen_tenant(viewer.tenant_id, tenant)
-        view = await load_view(gw, shown, days, datetime.now(UTC), viewer.is_admin)
+        now = datetime.now(UTC)
+        window = window_of(days, start, end, now)
+        view = await load_view(dashboard, shown, window, now, _own_key(viewer), live=not paused)
         return _page(dashboard_page(view, viewer))
 
     @get("/data")
     async def data(
         self,
         request: AnyRequest,
-        gw: NamedDependency[GatewayState],
+        dashboard: NamedDependency[DashboardSources],
         tenant: FromQuery[str | None] = None,
         days: Days = 30,
+        start: FirstDay = None,
+        end: LastDay = None,
     ) -> dict[str, Any]:
         """The page's numbers as JSON; 401 without a valid session."""
-        viewer = await current_viewer(gw, request.cookies.get(COOKIE))
+        viewer = await current_viewer(dashboard, request.cookies.get(COOKIE))
         shown = chosen_tenant(viewer.tenant_id, tenant)
-        return view_json(await load_view(gw, shown, days, datetime.now(UTC), viewer.is_admin))
+        now = datetime.now(UTC)
+        window = window_of(days, start, end, now)
+        return view_json(await load_view(dashboard, shown, window, now, _own_key(viewer)))
 
     @post("/login", status_code=303)
-    async def login(self, request: AnyRequest, gw: NamedDependency[GatewayState]) -> Response[Any]:
+    async def login(
+        self, request: AnyRequest, dashboard: NamedDependency[DashboardSources]
+    ) -> Response[Any]:
         """Form field `credential`: an API key or an admin token. On success the session cookie
         is set and the browser is sent to the page; otherwise the form comes back (401)."""
         _refuse_other_origins(request)
         credential = (await request.form()).get("credential")
         try:
-            viewer = await sign_in(gw, credential if isinstance(credential, str) else "")
+            viewer = await sign_in(dashboard, credential if isinstance(credential, str) else "")
         except Unauthorized as exc:
             return _page(sign_in_page(exc.message), status=401)
         response = Redirect(self.path, status_code=303)
         response.set_cookie(
             COOKIE,
-            mint(gw, viewer),
+            mint(dashboard, viewer),
             max_age=max(viewer.expires_at - int(datetime.now(UTC).timestamp()), 0),
             path=self.path,
             secure=request.url.scheme == "https",
@@ -141,3 +163,10 @@ class DashboardController(Controller):
     @get("/style.css", media_type="text/css")
     async def stylesheet(self) -> str:
         return STYLESHEET
+
+
+def dashboard_router(gw: GatewayState) -> Router:
+    """/dashboard, with what its routes read composed from the process's state."""
+    sources = DashboardSources.of(gw)
+    provide = Provide(lambda: sources, sync_to_thread=False, use_cache=True)
+    return Router("/", route_handlers=[DashboardController], dependencies={"dashboard": provide})

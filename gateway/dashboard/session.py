@@ -20,9 +20,9 @@ from datetime import UTC, datetime
 
 import jwt
 
+from gateway.dashboard.sources import DashboardSources
 from gateway.db import ApiKey, Tenant
 from gateway.errors import Unauthorized
-from gateway.state import GatewayState, admin_secret
 
 COOKIE = "loramux_dashboard"
 AUDIENCE = "loramux-dashboard"
@@ -50,11 +50,11 @@ def _signing_key(secret: str) -> bytes:
     return hmac.new(secret.encode(), _LABEL, hashlib.sha256).digest()
 
 
-def signing_key(gw: GatewayState) -> bytes:
-    return _signing_key(admin_secret(gw.settings))
+def signing_key(src: DashboardSources) -> bytes:
+    return _signing_key(src.admin_secret)
 
 
-def mint(gw: GatewayState, viewer: Viewer) -> str:
+def mint(src: DashboardSources, viewer: Viewer) -> str:
     claims = {
         "sub": viewer.subject,
         "tenant": viewer.tenant_id,
@@ -63,17 +63,17 @@ def mint(gw: GatewayState, viewer: Viewer) -> str:
         "iat": int(time.time()),
         "exp": viewer.expires_at,
     }
-    return jwt.encode(claims, signing_key(gw), algorithm="HS256")
+    return jwt.encode(claims, signing_key(src), algorithm="HS256")
 
 
-def decode(gw: GatewayState, token: str | None) -> Viewer:
+def decode(src: DashboardSources, token: str | None) -> Viewer:
     """The viewer of a session token; Unauthorized when missing, tampered with or expired."""
     if not token:
         raise Unauthorized("sign in to the dashboard first", code="invalid_session")
     try:
         claims = jwt.decode(
             token,
-            signing_key(gw),
+            signing_key(src),
             algorithms=["HS256"],
             audience=AUDIENCE,
             options={"require": ["exp", "iat", "aud", "sub"]},
@@ -88,24 +88,24 @@ def decode(gw: GatewayState, token: str | None) -> Viewer:
     return Viewer(str(claims["sub"]), tenant, int(claims["exp"]))
 
 
-async def sign_in(gw: GatewayState, credential: str) -> Viewer:
+async def sign_in(src: DashboardSources, credential: str) -> Viewer:
     """The viewer for a pasted API key (`lmx-…`) or admin token; Unauthorized otherwise."""
     credential = credential.strip()
     now = int(time.time())
     if credential.startswith("lmx-"):
-        principal = await gw.keys.authenticate(f"Bearer {credential}")
+        principal = await src.keys.authenticate(f"Bearer {credential}")
         return Viewer(principal.key_id, principal.tenant_id, now + SESSION_SECONDS)
-    identity = gw.admin.verify(f"Bearer {credential}")
+    identity = src.admin.verify(f"Bearer {credential}")
     expires = min(now + SESSION_SECONDS, int(identity.claims["exp"]))
     return Viewer(identity.subject, None, expires)
 
 
-async def current_viewer(gw: GatewayState, token: str | None) -> Viewer:
+async def current_viewer(src: DashboardSources, token: str | None) -> Viewer:
     """The viewer of the session cookie, if it is still valid and so is the key behind it."""
-    viewer = decode(gw, token)
+    viewer = decode(src, token)
     if viewer.is_admin:
         return viewer
-    async with gw.sessions() as session:
+    async with src.sessions() as session:
         key = await session.get(ApiKey, viewer.subject)
         tenant = await session.get(Tenant, key.tenant_id) if key is not None else None
     if key is None or tenant is None or key.tenant_id != viewer.tenant_id:

@@ -1,32 +1,44 @@
 """What the dashboard shows, gathered from the usage rollups and the quota rows (never from raw
-events, so a page costs the same with millions of events).
+events, so a page costs the same with millions of events), plus the live panel
+(`gateway.dashboard.live`).
 
-The window is the last `days` whole UTC days, today included. Budgets are counted over the
-current UTC day or month, as the limiter's ledgers are; the tokens counted are prompt plus
-completion tokens, as usage events record them (a cache hit records none).
+The window is whole UTC days: the last `days` of them, today included, or `from` to `to`
+(dates, both included). Breakdowns: one row per adapter (however a request named it: `bot`,
+`acme/bot`, `tnt_…/bot`, `bot@2`), adapters no longer live marked deleted; one row per key.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select
 
-from gateway.db import ApiKey, Quota, Tenant, UsageTotals
-from gateway.errors import NotFound, PermissionDenied
-from gateway.quotas.buckets import budget_period
-from gateway.state import GatewayState
+from gateway.catalog import latest_versions
+from gateway.dashboard.live import (
+    EngineHealth,
+    QuotaLine,
+    TenantQuotas,
+    engine_health,
+    in_flight_of,
+    quota_lines,
+    quotas_across_tenants,
+)
+from gateway.dashboard.sources import DashboardSources
+from gateway.db import ApiKey, Tenant, UsageTotals
+from gateway.db.adapter import SHARED_OWNER
+from gateway.db.usage_rollup import REFUSALS
+from gateway.errors import BadRequest, NotFound, PermissionDenied
+from gateway.usage.outcomes import UNRESOLVED_MODEL
 from gateway.usage.query import Dimension, read_usage
 from gateway.usage.recorder import day_of, hour_of
 
 PERCENTILES = (0.5, 0.9, 0.99)
-LIMITS = (
-    ("rpm", "requests per minute"),
-    ("tpm", "tokens per minute"),
-    ("max_concurrent", "concurrent requests"),
-)
+MAX_DAYS = 366
+NOT_SERVED = "(refused before the engine)"
+"""The row of requests refused before they reached the engine (a quota, a bad body, an unknown
+model): usage records them without a model."""
 
 
 @dataclass(frozen=True)
@@ -36,24 +48,56 @@ class TenantRef:
 
 
 @dataclass(frozen=True)
-class QuotaLine:
-    """One limit of the tenant or of one of its keys; `used` is set for budgets only."""
+class Window:
+    """Whole UTC days from `first` to `last`, both included."""
 
-    scope: str
-    limit: str
-    value: int
-    used: int | None = None
-    period: str | None = None
+    first: date
+    last: date
+    custom: bool = False
+    """Given as `from`/`to` rather than as a number of days up to today."""
 
     @property
-    def fraction(self) -> float | None:
-        return None if self.used is None else min(self.used / self.value, 1.0)
+    def days(self) -> int:
+        return (self.last - self.first).days + 1
+
+    @property
+    def start(self) -> datetime:
+        return datetime.combine(self.first, datetime.min.time(), UTC)
+
+    @property
+    def end(self) -> datetime:
+        return self.start + timedelta(days=self.days)
+
+
+def window_of(days: int, first: str | None, last: str | None, now: datetime) -> Window:
+    """The last `days` days, or `first` to `last` (ISO dates) when either is given; refused
+    (400) when a date is malformed, `first` is after `last`, or it spans over `MAX_DAYS`."""
+    today = day_of(now).date()
+    if not first and not last:
+        return Window(today - timedelta(days=days - 1), today)
+    end = _date(last, "to") if last else today
+    start = _date(first, "from") if first else end - timedelta(days=days - 1)
+    if start > end:
+        raise BadRequest("'from' must not be after 'to'", param="from", code="invalid_request")
+    if (end - start).days >= MAX_DAYS:
+        raise BadRequest(f"a window spans at most {MAX_DAYS} days", param="from")
+    return Window(start, end, custom=True)
+
+
+def _date(value: str, param: str) -> date:
+    try:
+        if len(value) == 10:
+            return date.fromisoformat(value)
+    except ValueError:
+        pass
+    raise BadRequest(f"{param} must be a date (YYYY-MM-DD)", param=param, code="invalid_request")
 
 
 @dataclass(frozen=True)
 class Breakdown:
     label: str
     totals: UsageTotals
+    deleted: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,16 +106,31 @@ class DashboardView:
     """The tenant shown; None: every tenant (admins only)."""
     tenants: list[TenantRef]
     """Every tenant, for an admin's picker; empty for a tenant."""
-    days: int
-    window_start: datetime
+    window: Window
+    live: bool
     totals: UsageTotals
     breakdown: list[Breakdown]
-    """Per adapter (model name) for one tenant, per tenant for all of them; busiest first."""
+    """Per adapter for one tenant, per tenant for all of them; busiest first."""
+    keys: list[Breakdown]
+    """Per key of the tenant shown (a tenant sees its own keys' usage); busiest first."""
     daily: list[Breakdown]
     """Every day of the window, oldest first, days without traffic included."""
     hourly: list[Breakdown]
     """The last 24 hours, this one included."""
     quotas: list[QuotaLine]
+    in_flight: int
+    engines: list[EngineHealth] = field(default_factory=list)
+    """Admins only."""
+    tenant_quotas: list[TenantQuotas] = field(default_factory=list)
+    """Admins only, on the all-tenants page."""
+
+    @property
+    def days(self) -> int:
+        return self.window.days
+
+    @property
+    def window_start(self) -> datetime:
+        return self.window.start
 
 
 def chosen_tenant(viewer_tenant: str | None, requested: str | None) -> str | None:
@@ -85,52 +144,118 @@ def chosen_tenant(viewer_tenant: str | None, requested: str | None) -> str | Non
 
 
 async def load_view(
-    gw: GatewayState, tenant_id: str | None, days: int, now: datetime, is_admin: bool
+    src: DashboardSources,
+    tenant_id: str | None,
+    window: Window,
+    now: datetime,
+    own_key: str | None,
+    live: bool = True,
 ) -> DashboardView:
-    """The dashboard of `tenant_id` (None: every tenant) over the last `days` days."""
-    tenants = await _tenants(gw, None if is_admin else tenant_id)
+    """The dashboard of `tenant_id` (None: every tenant) over `window`; `own_key`: the key of a
+    tenant viewer (None: an admin)."""
+    is_admin = own_key is None
+    tenants = await _tenants(src, None if is_admin else tenant_id)
     names = {t.id: t.name for t in tenants}
     if tenant_id is not None and tenant_id not in names:
         raise NotFound(f"no tenant {tenant_id!r}", param="tenant", code="not_found")
-    start, hour = day_of(now) - timedelta(days=days - 1), hour_of(now)
-    # One read per group and day gives the daily series, the breakdown and the totals.
     dimension: Dimension = "model" if tenant_id else "tenant"
-    window = await read_usage(
-        gw.sessions, tenant=tenant_id, start=start, end=None, by=[dimension, "day"]
+    # One read per group and day gives the daily series, the breakdown and the totals.
+    groups = await read_usage(
+        src.sessions, tenant=tenant_id, start=window.start, end=window.end, by=[dimension, "day"]
     )
-    daily, groups, totals = _sum_by(window, 1), _sum_by(window, 0), UsageTotals()
-    for t in groups.values():
+    daily, by_group, totals = _sum_by(groups, 1), _sum_by(groups, 0), UsageTotals()
+    for t in by_group.values():
         totals.add(t)
-    breakdown = [Breakdown(k if tenant_id else names.get(k, k), t) for k, t in groups.items()]
-    hourly = await _read(gw, tenant_id, hour - timedelta(hours=23), "hour")
+    hour = hour_of(now)
+    hourly = await _read(src, tenant_id, hour - timedelta(hours=23), "hour")
+    days = [window.start + timedelta(days=i) for i in range(window.days)]
     return DashboardView(
         tenant=TenantRef(tenant_id, names[tenant_id]) if tenant_id else None,
         tenants=tenants if is_admin else [],
-        days=days,
-        window_start=start,
+        window=window,
+        live=live,
         totals=totals,
-        breakdown=sorted(breakdown, key=lambda b: (-b.totals.requests, b.label)),
-        daily=_every(daily, [start + timedelta(days=i) for i in range(days)], "%Y-%m-%d"),
+        breakdown=_busiest(
+            await _per_adapter(src, tenant_id, names[tenant_id], by_group)
+            if tenant_id
+            else [Breakdown(names.get(k, k), t) for k, t in by_group.items()]
+        ),
+        keys=await _per_key(src, tenant_id, window) if tenant_id else [],
+        daily=_every(daily, days, "%Y-%m-%d"),
         hourly=_every(
             hourly, [hour - timedelta(hours=23 - i) for i in range(24)], "%Y-%m-%dT%H:00"
         ),
-        quotas=await _quota_lines(gw, tenant_id, now) if tenant_id else [],
+        quotas=await quota_lines(src, tenant_id, now, own_key) if tenant_id else [],
+        in_flight=await in_flight_of(src, tenant_id) if tenant_id else 0,
+        engines=await engine_health(src) if is_admin else [],
+        tenant_quotas=await quotas_across_tenants(src, now) if is_admin and not tenant_id else [],
     )
 
 
-async def _tenants(gw: GatewayState, only: str | None) -> list[TenantRef]:
+def _busiest(rows: list[Breakdown]) -> list[Breakdown]:
+    return sorted(rows, key=lambda b: (-b.totals.requests, b.label))
+
+
+async def _per_adapter(
+    src: DashboardSources, tenant_id: str, tenant_name: str, by_model: dict[str, UsageTotals]
+) -> list[Breakdown]:
+    """One row per adapter however requests named it; adapters not live now are marked."""
+    async with src.sessions() as session:
+        live = await latest_versions(session, [tenant_id, SHARED_OWNER])
+    own = {r.name for r in live if r.owner == tenant_id}
+    shared = {r.name for r in live if r.owner == SHARED_OWNER}
+    rows: dict[str, UsageTotals] = {}
+    for model, totals in by_model.items():
+        label = _adapter_label(model, tenant_id, tenant_name)
+        rows.setdefault(label, UsageTotals()).add(totals)
+    served = own | {f"shared/{n}" for n in shared} | {src.model_name, NOT_SERVED}
+    return [Breakdown(label, t, deleted=label not in served) for label, t in rows.items()]
+
+
+def _adapter_label(model: str, tenant_id: str, tenant_name: str) -> str:
+    """The adapter a request's `model` named: the tenant's own by bare name, shared ones as
+    `shared/name`; a version pin is dropped (the row is the adapter's)."""
+    if model == UNRESOLVED_MODEL:
+        return NOT_SERVED
+    name = model.rpartition("@")[0] if "@" in model else model
+    owner, _, bare = name.rpartition("/")
+    if owner in (tenant_id, tenant_name):
+        return bare
+    return name
+
+
+async def _per_key(src: DashboardSources, tenant_id: str, window: Window) -> list[Breakdown]:
+    groups = await read_usage(
+        src.sessions, tenant=tenant_id, start=window.start, end=window.end, by=["key"]
+    )
+    async with src.sessions() as session:
+        names = dict(
+            (
+                await session.execute(
+                    select(ApiKey.id, ApiKey.name).where(ApiKey.tenant_id == tenant_id)
+                )
+            ).all()
+        )
+    rows = []
+    for (key_id,), totals in groups.items():
+        label = f"lmx-{key_id}" + (f" ({names[key_id]})" if names.get(key_id) else "")
+        rows.append(Breakdown(label, totals, deleted=key_id not in names))
+    return _busiest(rows)
+
+
+async def _tenants(src: DashboardSources, only: str | None) -> list[TenantRef]:
     """Every tenant by name, or only the one with id `only`."""
     stmt = select(Tenant.id, Tenant.name).order_by(Tenant.name)
     if only is not None:
         stmt = stmt.where(Tenant.id == only)
-    async with gw.sessions() as session:
+    async with src.sessions() as session:
         return [TenantRef(t.id, t.name) for t in await session.execute(stmt)]
 
 
 async def _read(
-    gw: GatewayState, tenant_id: str | None, start: datetime, dimension: Dimension
+    src: DashboardSources, tenant_id: str | None, start: datetime, dimension: Dimension
 ) -> dict[str, UsageTotals]:
-    groups = await read_usage(gw.sessions, tenant=tenant_id, start=start, end=None, by=[dimension])
+    groups = await read_usage(src.sessions, tenant=tenant_id, start=start, end=None, by=[dimension])
     return {key[0]: totals for key, totals in groups.items()}
 
 
@@ -146,45 +271,14 @@ def _every(groups: dict[str, UsageTotals], buckets: list[datetime], fmt: str) ->
     return [Breakdown(b.strftime(fmt), groups.get(b.strftime(fmt), UsageTotals())) for b in buckets]
 
 
-async def _quota_lines(gw: GatewayState, tenant_id: str, now: datetime) -> list[QuotaLine]:
-    async with gw.sessions() as session:
-        rows = (
-            await session.execute(
-                select(Quota, ApiKey.name)
-                .outerjoin(ApiKey, ApiKey.id == Quota.key_id)
-                .where(Quota.tenant_id == tenant_id)
-                .order_by(Quota.key_id.is_not(None), Quota.key_id)
-            )
-        ).all()
-    lines: list[QuotaLine] = []
-    for quota, key_name in rows:
-        scope = "tenant" if quota.key_id is None else f"key lmx-{quota.key_id}"
-        scope += f" ({key_name})" if key_name else ""
-        for field, text in LIMITS:
-            value = getattr(quota, field)
-            if value is not None:
-                lines.append(QuotaLine(scope, text, value))
-        if quota.token_budget is not None and quota.budget_period is not None:
-            used = await _budget_used(gw, tenant_id, quota.key_id, quota.budget_period, now)
-            limit = f"tokens per {quota.budget_period}"
-            lines.append(QuotaLine(scope, limit, quota.token_budget, used, quota.budget_period))
-    return lines
-
-
-async def _budget_used(
-    gw: GatewayState, tenant_id: str, key_id: str | None, period: str, now: datetime
-) -> int:
-    span = budget_period(period, now)
-    by: list[Dimension] = ["key"] if key_id is not None else []
-    groups = await read_usage(gw.sessions, tenant=tenant_id, start=span.start, end=span.end, by=by)
-    totals = groups.get((key_id,) if key_id is not None else ())
-    return totals.total_tokens if totals is not None else 0
-
-
 def totals_json(t: UsageTotals) -> dict[str, Any]:
     return {
         "requests": t.requests,
         "errors": t.errors,
+        "aborts": t.aborts,
+        "refusals": {name.removeprefix("refused_"): getattr(t, name) for name in REFUSALS},
+        "client_errors": t.client_errors,
+        "server_errors": t.server_errors,
         "prompt_tokens": t.prompt_tokens,
         "completion_tokens": t.completion_tokens,
         "cached_tokens": t.cached_tokens,
@@ -202,11 +296,16 @@ def view_json(view: DashboardView) -> dict[str, Any]:
     """The page's numbers as JSON (`GET /dashboard/data`)."""
     return {
         "tenant": {"id": view.tenant.id, "name": view.tenant.name} if view.tenant else None,
-        "from": view.window_start.date().isoformat(),
+        "from": view.window.first.isoformat(),
+        "to": view.window.last.isoformat(),
         "days": view.days,
         "totals": totals_json(view.totals),
-        "breakdown": [{"group": b.label} | totals_json(b.totals) for b in view.breakdown],
+        "breakdown": [
+            {"group": b.label, "deleted": b.deleted} | totals_json(b.totals) for b in view.breakdown
+        ],
+        "keys": [{"key": b.label} | totals_json(b.totals) for b in view.keys],
         "daily": [{"day": b.label} | totals_json(b.totals) for b in view.daily],
+        "in_flight": view.in_flight,
         "quotas": [
             {"scope": q.scope, "limit": q.limit, "value": q.value, "used": q.used}
             | {"period": q.period}

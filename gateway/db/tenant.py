@@ -7,13 +7,17 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from gateway.db.base import Base, Timestamped, new_id
 
+TENANT_ID_PREFIX = "tnt_"
+
 
 class Tenant(Timestamped, Base):
     """A customer of the platform: owns API keys, private adapters, quotas and usage."""
 
     __tablename__ = "tenants"
 
-    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("tnt"))
+    id: Mapped[str] = mapped_column(
+        String(32), primary_key=True, default=lambda: new_id(TENANT_ID_PREFIX[:-1])
+    )
     name: Mapped[str] = mapped_column(String(200), unique=True)
     disabled: Mapped[bool] = mapped_column(Boolean, default=False)
     settings: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)

@@ -23,7 +23,14 @@ BOUNDS_MS: tuple[float, ...] = (
 )  # fmt: skip
 """Upper edges of the histogram bins (milliseconds); one more bin holds everything above."""
 BINS = len(BOUNDS_MS) + 1
+CLIENT_CLOSED = 499
+"""The status recorded for a request whose client left before the end (nginx's)."""
 
+REFUSALS = ("refused_requests", "refused_tokens", "refused_concurrency", "refused_budget")
+"""429s by the limit that refused them: requests or tokens per minute, concurrency, budget."""
+OUTCOMES = ("aborts", *REFUSALS, "client_errors", "server_errors")
+"""`aborts`: the client left before the end (499); `refused_*`: a quota refused it (429);
+`client_errors`: any other 4xx (a bad body, an unknown model, …); `server_errors`: 5xx."""
 COUNTERS = (
     "requests",
     "errors",
@@ -33,9 +40,11 @@ COUNTERS = (
     "exact_hits",
     "semantic_hits",
     "ttft_count",
+    *OUTCOMES,
 )
-"""Integer measures. `errors`: status 400 or more; `*_hits`: answered by that response cache;
-`ttft_count`: requests that reported a time to first token."""
+"""Integer measures. `errors`: status 400 or more, whatever the cause; `*_hits`: answered by that
+response cache; `ttft_count`: requests that reported a time to first token; `OUTCOMES`: the
+requests that did not succeed, each counted in exactly one of them."""
 SUMS = ("latency_ms_sum", "ttft_ms_sum")
 LATENCY_BINS = tuple(f"latency_bin{i:02d}" for i in range(BINS))
 TTFT_BINS = tuple(f"ttft_bin{i:02d}" for i in range(BINS))
@@ -82,6 +91,13 @@ class UsageTotals:
     exact_hits: int = 0
     semantic_hits: int = 0
     ttft_count: int = 0
+    aborts: int = 0
+    refused_requests: int = 0
+    refused_tokens: int = 0
+    refused_concurrency: int = 0
+    refused_budget: int = 0
+    client_errors: int = 0
+    server_errors: int = 0
     latency_ms_sum: float = 0.0
     ttft_ms_sum: float = 0.0
     latency_bins: list[int] = field(default_factory=lambda: [0] * BINS)
@@ -116,6 +132,27 @@ class UsageTotals:
             a + b for a, b in zip(self.latency_bins, other.latency_bins, strict=True)
         ]
         self.ttft_bins = [a + b for a, b in zip(self.ttft_bins, other.ttft_bins, strict=True)]
+
+    @property
+    def refusals(self) -> int:
+        return sum(getattr(self, name) for name in REFUSALS)
+
+    def count_outcome(self, status: int, refusal: str | None) -> None:
+        """Count one request's outcome: its status and, for a 429, the limit that refused it."""
+        self.requests += 1
+        if status < 400:
+            return
+        self.errors += 1
+        if status == CLIENT_CLOSED:
+            self.aborts += 1
+        elif status == 429:
+            reason = f"refused_{refusal}"
+            name = reason if reason in REFUSALS else "refused_requests"
+            setattr(self, name, getattr(self, name) + 1)
+        elif status >= 500:
+            self.server_errors += 1
+        else:
+            self.client_errors += 1
 
     @property
     def cache_hits(self) -> int:

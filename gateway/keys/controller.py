@@ -1,4 +1,5 @@
-"""Routes: tenant API keys (`/admin/tenants/{id}/keys`, `/admin/keys/{id}`)."""
+"""Routes: tenant API keys (`/admin/tenants/{tenant}/keys` by the tenant's id or name,
+`/admin/keys/{id}`)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ from litestar import Controller, delete, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 
+from gateway.admin.paging import Paging
 from gateway.api_docs import admin_errors
 from gateway.audit.action import audited_as
 from gateway.audit.service import AuditRecord
-from gateway.keys.schemas import KeyCreate, KeyOut, NewKeyOut
+from gateway.keys.schemas import KeyCreate, KeyOut, KeyPage, NewKeyOut
 from gateway.keys.service import KeyService
 
 
@@ -18,29 +20,33 @@ class KeyController(Controller):
     tags = ("admin: keys",)
 
     @post(
-        "/tenants/{tenant_id:str}/keys",
+        "/tenants/{tenant:str}/keys",
         responses=admin_errors(400, 404),
         opt=audited_as("key.create"),
     )
     async def create_key(
         self,
-        tenant_id: FromPath[str],
+        tenant: FromPath[str],
         keys: NamedDependency[KeyService],
         entry: NamedDependency[AuditRecord],
         data: JSONBody[KeyCreate | None] = None,
     ) -> NewKeyOut:
         """Issue a key (the body is optional). The answer's `key` is shown once."""
-        entry.detail = {"tenant_id": tenant_id}
-        key = await keys.create(tenant_id, data or KeyCreate())
+        key = await keys.create(tenant, data or KeyCreate())
+        entry.detail = {"tenant_id": key.tenant_id}
         entry.target = key.id
         return key
 
-    @get("/tenants/{tenant_id:str}/keys", responses=admin_errors(400, 404))
+    @get("/tenants/{tenant:str}/keys", responses=admin_errors(400, 404))
     async def list_keys(
-        self, tenant_id: FromPath[str], keys: NamedDependency[KeyService]
-    ) -> list[KeyOut]:
-        """Every key of the tenant (no secrets), revoked and expired ones included."""
-        return await keys.list_for_tenant(tenant_id)
+        self,
+        tenant: FromPath[str],
+        keys: NamedDependency[KeyService],
+        paging: NamedDependency[Paging],
+    ) -> KeyPage:
+        """The tenant's keys (no secrets), revoked and expired ones included, oldest first, a
+        page at a time; `name` keeps those whose name holds it."""
+        return await keys.list_for_tenant(tenant, paging)
 
     @delete(
         "/keys/{key_id:str}",

@@ -31,6 +31,14 @@ class KeyOut(Struct):
     revoked_at: datetime | None
 
 
+class KeyPage(Struct):
+    items: list[KeyOut]
+    total: int
+    """Keys the filter matches, on every page."""
+    limit: int
+    offset: int
+
+
 class NewKeyOut(KeyOut):
     key: str
     """The full secret key; it is shown here once and never again."""

@@ -13,13 +13,14 @@ import msgspec
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from gateway.admin.paging import Paging, page_of
 from gateway.admin.wire import check_display_name, utc, utc_or_none
 from gateway.auth.api_keys import ApiKeyAuth, mint_key
 from gateway.db import ApiKey
 from gateway.db.base import utcnow
 from gateway.errors import BadRequest, NotFound
-from gateway.keys.schemas import KeyCreate, KeyOut, NewKeyOut
-from gateway.tenants.service import get_tenant
+from gateway.keys.schemas import KeyCreate, KeyOut, KeyPage, NewKeyOut
+from gateway.tenants.lookup import get_tenant
 
 
 def key_out(key: ApiKey) -> KeyOut:
@@ -49,15 +50,16 @@ class KeyService:
         self.session = session
         self.keys = keys
 
-    async def create(self, tenant_id: str, body: KeyCreate) -> NewKeyOut:
+    async def create(self, ref: str, body: KeyCreate) -> NewKeyOut:
+        """A new key of the tenant whose id or name is `ref`."""
         if body.name is not None:
             check_display_name(body.name, "name")
         expires_at = _expiry(body)
         new = mint_key()
-        await get_tenant(self.session, tenant_id)
+        tenant = await get_tenant(self.session, ref)
         key = ApiKey(
             id=new.id,
-            tenant_id=tenant_id,
+            tenant_id=tenant.id,
             name=body.name,
             secret_hash=new.secret_hash,
             allowed_models=body.allowed_models,
@@ -67,13 +69,18 @@ class KeyService:
         await self.session.commit()
         return NewKeyOut(**msgspec.structs.asdict(key_out(key)), key=new.key)
 
-    async def list_for_tenant(self, tenant_id: str) -> list[KeyOut]:
-        """Every key of the tenant, revoked and expired ones included, oldest first."""
-        await get_tenant(self.session, tenant_id)
-        rows = await self.session.scalars(
-            select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.created_at)
+    async def list_for_tenant(self, ref: str, paging: Paging) -> KeyPage:
+        """A page of the tenant's keys, revoked and expired ones included, oldest first."""
+        tenant = await get_tenant(self.session, ref)
+        query = (
+            select(ApiKey)
+            .where(ApiKey.tenant_id == tenant.id)
+            .order_by(ApiKey.created_at, ApiKey.id)
         )
-        return [key_out(k) for k in rows]
+        if (matches := paging.name_filter(ApiKey.name)) is not None:
+            query = query.where(matches)
+        rows, total = await page_of(self.session, query, paging)
+        return KeyPage([key_out(k) for k in rows], total, paging.limit, paging.offset)
 
     async def revoke(self, key_id: str) -> KeyOut:
         key = await get_key(self.session, key_id)

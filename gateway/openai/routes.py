@@ -36,6 +36,7 @@ from gateway.openai.shapes import (
 )
 from gateway.openai.tools import tool_call_format
 from gateway.state import GatewayState
+from gateway.usage.outcomes import METERED, record_unmetered
 
 Caller = NamedDependency[Principal]
 Completions = NamedDependency[CompletionService]
@@ -75,6 +76,7 @@ async def _respond(
     prepared = await service.prepare(
         principal, body, request_id, request.headers.get("cache-control")
     )
+    request.state[METERED] = True
     headers = prepared.headers()
     if prepared.stream:
         headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -181,6 +183,7 @@ def openai_router(gw: GatewayState) -> Router:
             ),
             "models": Provide(lambda: model_directory, sync_to_thread=False, use_cache=True),
         },
+        middleware=[record_unmetered(gw.usage, PRINCIPAL)],
     )
 
 

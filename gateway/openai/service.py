@@ -170,7 +170,7 @@ class CompletionService:
             with tracing.step("admission"):
                 return await self.quotas.admit(principal, prompt_tokens, max_tokens)
         except (RateLimited, InsufficientQuota) as refused:
-            reason = refused.reason if isinstance(refused, RateLimited) else "budget"
+            reason = refused.refusal if isinstance(refused, RateLimited) else "budget"
             self.metering.metrics.admission.quota_refusals.labels(reason).inc()
             raise
 

@@ -1,4 +1,5 @@
-"""Routes: quotas of a tenant (`/admin/tenants/{id}/quotas`) or a key (`/admin/keys/{id}/quotas`)."""
+"""Routes: quotas of a tenant (`/admin/tenants/{tenant}/quotas`, by
+the tenant's id or name) or a key (`/admin/keys/{id}/quotas`)."""
 
 from __future__ import annotations
 
@@ -37,26 +38,26 @@ class QuotaController(Controller):
     tags = ("admin: quotas",)
 
     @put(
-        "/tenants/{tenant_id:str}/quotas",
+        "/tenants/{tenant:str}/quotas",
         description=_BODY,
         responses=admin_errors(400, 404),
-        opt=audited_as("quota.tenant.set", "{tenant_id}"),
+        opt=audited_as("quota.tenant.set", "{tenant}"),
     )
     async def set_tenant_quotas(
         self,
-        tenant_id: FromPath[str],
+        tenant: FromPath[str],
         data: Quotas,
         quotas: NamedDependency[QuotaLimits],
         entry: NamedDependency[AuditRecord],
     ) -> QuotaOut:
         entry.detail = given(data)
-        return await quotas.set_for_tenant(tenant_id, data)
+        return await quotas.set_for_tenant(tenant, data)
 
-    @get("/tenants/{tenant_id:str}/quotas", responses=admin_errors(400, 404))
+    @get("/tenants/{tenant:str}/quotas", responses=admin_errors(400, 404))
     async def get_tenant_quotas(
-        self, tenant_id: FromPath[str], quotas: NamedDependency[QuotaLimits]
+        self, tenant: FromPath[str], quotas: NamedDependency[QuotaLimits]
     ) -> QuotaOut:
-        return await quotas.get_for_tenant(tenant_id)
+        return await quotas.get_for_tenant(tenant)
 
     @put(
         "/keys/{key_id:str}/quotas",

@@ -73,9 +73,8 @@ def refusal(readings: Sequence[Reading], tokens: int, key_id: str) -> GatewayErr
         return InsufficientQuota(_message(budget, tokens, key_id), headers=headers)
     worst = max(refused, key=lambda r: (r.wait_ms == NEVER, r.wait_ms))
     limit_type = "tokens" if worst.kind == "tokens" else "requests"
-    return RateLimited(
-        _message(worst, tokens, key_id), limit_type=limit_type, headers=headers, reason=worst.kind
-    )
+    message = _message(worst, tokens, key_id)
+    return RateLimited(message, limit_type=limit_type, refusal=worst.kind, headers=headers)
 
 
 def _message(r: Reading, tokens: int, key_id: str) -> str:

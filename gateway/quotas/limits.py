@@ -17,7 +17,7 @@ from gateway.db import Quota
 from gateway.errors import BadRequest, Conflict
 from gateway.keys.service import get_key
 from gateway.quotas.schemas import QuotaOut, QuotaUpdate
-from gateway.tenants.service import get_tenant
+from gateway.tenants.lookup import get_tenant
 
 LIMITS = ("rpm", "tpm", "max_concurrent", "token_budget", "budget_period")
 _ATTEMPTS = 3
@@ -34,8 +34,9 @@ class QuotaLimits:
     def __init__(self, session: AsyncSession) -> None:
         self.session = session
 
-    async def get_for_tenant(self, tenant_id: str) -> QuotaOut:
-        await get_tenant(self.session, tenant_id)
+    async def get_for_tenant(self, ref: str) -> QuotaOut:
+        """`ref`: the tenant's id or name."""
+        tenant_id = (await get_tenant(self.session, ref)).id
         return quota_out(tenant_id, None, await _find(self.session, tenant_id, None))
 
     async def get_for_key(self, key_id: str) -> QuotaOut:
@@ -43,7 +44,9 @@ class QuotaLimits:
         quota = await _find(self.session, key.tenant_id, key_id)
         return quota_out(key.tenant_id, key_id, quota)
 
-    async def set_for_tenant(self, tenant_id: str, body: QuotaUpdate) -> QuotaOut:
+    async def set_for_tenant(self, ref: str, body: QuotaUpdate) -> QuotaOut:
+        """`ref`: the tenant's id or name."""
+        tenant_id = (await get_tenant(self.session, ref)).id
         return await self._apply(tenant_id, None, body)
 
     async def set_for_key(self, key_id: str, body: QuotaUpdate) -> QuotaOut:

@@ -1,4 +1,4 @@
-"""Routes: tenants (`/admin/tenants`)."""
+"""Routes: tenants (`/admin/tenants`). `{tenant}` is a tenant's id or its name."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from litestar.di import NamedDependency
 from litestar.openapi.spec import Example
 from litestar.params import Body, FromPath, JSONBody
 
+from gateway.admin.paging import Paging
 from gateway.admin.wire import Deleted, given
 from gateway.api_docs import admin_errors
 from gateway.audit.action import audited_as
 from gateway.audit.service import AuditRecord
-from gateway.tenants.schemas import TenantCreate, TenantOut, TenantUpdate
+from gateway.tenants.schemas import TenantCreate, TenantOut, TenantPage, TenantUpdate
 from gateway.tenants.service import TenantService
 
 _CREATE_EXAMPLE = Example(
@@ -39,46 +40,52 @@ class TenantController(Controller):
         entry.target = tenant.id
         return tenant
 
-    @get(responses=admin_errors())
-    async def list_tenants(self, tenants: NamedDependency[TenantService]) -> list[TenantOut]:
-        return await tenants.list_all()
+    @get(responses=admin_errors(400))
+    async def list_tenants(
+        self, tenants: NamedDependency[TenantService], paging: NamedDependency[Paging]
+    ) -> TenantPage:
+        """Tenants, oldest first, a page at a time; `name` keeps those whose name holds it."""
+        return await tenants.list_page(paging)
 
-    @get("/{tenant_id:str}", responses=admin_errors(400, 404))
+    @get("/{tenant:str}", responses=admin_errors(400, 404))
     async def get_tenant(
-        self, tenant_id: FromPath[str], tenants: NamedDependency[TenantService]
+        self, tenant: FromPath[str], tenants: NamedDependency[TenantService]
     ) -> TenantOut:
-        return await tenants.get(tenant_id)
+        return await tenants.get(tenant)
 
     @patch(
-        "/{tenant_id:str}",
+        "/{tenant:str}",
         responses=admin_errors(400, 404, 409),
-        opt=audited_as("tenant.update", "{tenant_id}"),
+        opt=audited_as("tenant.update", "{tenant}"),
     )
     async def update_tenant(
         self,
-        tenant_id: FromPath[str],
+        tenant: FromPath[str],
         data: JSONBody[TenantUpdate],
         tenants: NamedDependency[TenantService],
         entry: NamedDependency[AuditRecord],
     ) -> TenantOut:
         """Rename or disable a tenant, or set its prefix-cache scope."""
         entry.detail = given(data)
-        return await tenants.update(tenant_id, data)
+        updated = await tenants.update(tenant, data)
+        entry.target = updated.id
+        return updated
 
     @delete(
-        "/{tenant_id:str}",
+        "/{tenant:str}",
         status_code=200,
         responses=admin_errors(400, 404),
-        opt=audited_as("tenant.delete", "{tenant_id}"),
+        opt=audited_as("tenant.delete", "{tenant}"),
     )
     async def delete_tenant(
         self,
-        tenant_id: FromPath[str],
+        tenant: FromPath[str],
         tenants: NamedDependency[TenantService],
         entry: NamedDependency[AuditRecord],
     ) -> Deleted:
         """Delete a tenant with its keys and quotas; its private adapters are deleted and
         retired (requests in flight finish)."""
-        deleted = await tenants.delete(tenant_id)
+        deleted = await tenants.delete(tenant)
+        entry.target = deleted.id
         entry.detail = deleted.detail
         return deleted

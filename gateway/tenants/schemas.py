@@ -33,3 +33,11 @@ class TenantOut(Struct):
     disabled: bool
     created_at: datetime
     prefix_cache_scope: PrefixCacheScope
+
+
+class TenantPage(Struct):
+    items: list[TenantOut]
+    total: int
+    """Tenants the filter matches, on every page."""
+    limit: int
+    offset: int

@@ -16,25 +16,20 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from cache.response_cache import ResponseCache
 from gateway.adapters.service import AdapterService
-from gateway.admin.wire import Deleted, check_display_name, utc
+from gateway.admin.paging import Paging, page_of
+from gateway.admin.wire import Deleted, utc
 from gateway.auth.api_keys import ApiKeyAuth
 from gateway.db import ApiKey, Tenant
-from gateway.errors import Conflict, NotFound
+from gateway.errors import Conflict
 from gateway.prefix_cache import SETTING as PREFIX_SCOPE
 from gateway.prefix_cache import scope_of
-from gateway.tenants.schemas import TenantCreate, TenantOut, TenantUpdate
+from gateway.tenants.lookup import check_tenant_name, get_tenant
+from gateway.tenants.schemas import TenantCreate, TenantOut, TenantPage, TenantUpdate
 
 
 def tenant_out(tenant: Tenant) -> TenantOut:
     scope = scope_of(tenant.settings or {})
     return TenantOut(tenant.id, tenant.name, tenant.disabled, utc(tenant.created_at), scope)
-
-
-async def get_tenant(session: AsyncSession, tenant_id: str) -> Tenant:
-    tenant = await session.get(Tenant, tenant_id)
-    if tenant is None:
-        raise NotFound(f"no tenant {tenant_id!r}", param="id", code="tenant_not_found")
-    return tenant
 
 
 class TenantService:
@@ -53,7 +48,7 @@ class TenantService:
         self.response_cache = response_cache
 
     async def create(self, body: TenantCreate) -> TenantOut:
-        check_display_name(body.name, "name")
+        check_tenant_name(body.name)
         await _ensure_name_free(self.session, body.name)
         settings = {PREFIX_SCOPE: body.prefix_cache_scope}
         tenant = Tenant(name=body.name, disabled=False, settings=settings)
@@ -61,17 +56,20 @@ class TenantService:
         await _commit_unique(self.session, body.name)
         return tenant_out(tenant)
 
-    async def list_all(self) -> list[TenantOut]:
-        rows = await self.session.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.id))
-        return [tenant_out(t) for t in rows]
+    async def list_page(self, paging: Paging) -> TenantPage:
+        query = select(Tenant).order_by(Tenant.created_at, Tenant.id)
+        if (matches := paging.name_filter(Tenant.name)) is not None:
+            query = query.where(matches)
+        rows, total = await page_of(self.session, query, paging)
+        return TenantPage([tenant_out(t) for t in rows], total, paging.limit, paging.offset)
 
-    async def get(self, tenant_id: str) -> TenantOut:
-        return tenant_out(await get_tenant(self.session, tenant_id))
+    async def get(self, ref: str) -> TenantOut:
+        return tenant_out(await get_tenant(self.session, ref))
 
-    async def update(self, tenant_id: str, body: TenantUpdate) -> TenantOut:
+    async def update(self, ref: str, body: TenantUpdate) -> TenantOut:
         if isinstance(body.name, str):
-            check_display_name(body.name, "name")
-        tenant = await get_tenant(self.session, tenant_id)
+            check_tenant_name(body.name)
+        tenant = await get_tenant(self.session, ref)
         if isinstance(body.name, str) and body.name != tenant.name:
             await _ensure_name_free(self.session, body.name)
             tenant.name = body.name
@@ -81,12 +79,13 @@ class TenantService:
             # A new dict: the JSON column only notices reassignment.
             tenant.settings = dict(tenant.settings or {}) | {PREFIX_SCOPE: body.prefix_cache_scope}
         await _commit_unique(self.session, tenant.name)
-        for key_id in await _key_ids(self.session, tenant_id):
+        for key_id in await _key_ids(self.session, tenant.id):
             self.keys.forget(key_id)
         return tenant_out(tenant)
 
-    async def delete(self, tenant_id: str) -> Deleted:
-        tenant = await get_tenant(self.session, tenant_id)
+    async def delete(self, ref: str) -> Deleted:
+        tenant = await get_tenant(self.session, ref)
+        tenant_id = tenant.id
         key_ids = await _key_ids(self.session, tenant_id)
         versions, digests = await self.adapters.soft_delete_owned_by(tenant_id)
         await self.session.delete(tenant)

@@ -20,7 +20,7 @@ from sqlalchemy import ColumnElement, FromClause, Select, case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.db import UsageEvent, UsageTotals, usage_daily, usage_hourly
-from gateway.db.usage_rollup import BOUNDS_MS, MEASURES
+from gateway.db.usage_rollup import BOUNDS_MS, CLIENT_CLOSED, MEASURES, REFUSALS
 from gateway.usage.recorder import as_utc, day_of, hour_of
 
 Dimension = Literal["tenant", "key", "model", "day", "hour"]
@@ -106,12 +106,25 @@ def _event_source() -> _Source:
         count(e.cache == "exact"),
         count(e.cache == "semantic"),
         func.count(e.ttft_ms),
+        count(e.status == CLIENT_CLOSED),
+        *(count((e.status == 429) & _refused_by(e.refusal, r)) for r in REFUSALS),
+        count((e.status >= 400) & (e.status < 500) & e.status.not_in((429, CLIENT_CLOSED))),
+        count(e.status >= 500),
         func.sum(e.latency_ms),
         func.sum(e.ttft_ms),
         *histogram(e.latency_ms),
         *histogram(e.ttft_ms),
     ]
     return _Source(table, e.created_at, e.tenant_id, e.key_id, e.model, measures)
+
+
+def _refused_by(refusal: ColumnElement[Any], counter: str) -> ColumnElement[bool]:
+    """Whether a 429's `refusal` counts in `counter`; one with no known limit counts as
+    `refused_requests`, as `UsageTotals.count_outcome` counts it."""
+    others = [r.removeprefix("refused_") for r in REFUSALS if r != "refused_requests"]
+    if counter == "refused_requests":
+        return refusal.is_(None) | refusal.not_in(others)
+    return refusal == counter.removeprefix("refused_")
 
 
 def _in_bin(column: ColumnElement[Any], low: float | None, high: float | None) -> Any:

@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class UsageRecord:
-    """One finished request. `created_at` is when it finished; `status` 400 or more is an error;
+    """One finished or refused request. `created_at` is when it ended; `status` is what the client
+    was answered (499: it left first; 429: a quota refused it, `refusal` says which);
     `cache` is `exact` or `semantic` when the response cache answered, else `miss` or `bypass`."""
 
     request_id: str
@@ -57,6 +58,8 @@ class UsageRecord:
     created_at: datetime = field(default_factory=utcnow)
     admitted_at: datetime | None = None
     """When the request was admitted (its quota reservation made), if it was."""
+    refusal: str | None = None
+    """For a 429: the limit that refused it (`requests`, `tokens`, `concurrency`, `budget`)."""
 
 
 def hour_of(ts: datetime) -> datetime:
@@ -85,8 +88,7 @@ def hourly_rollup(events: Iterable[UsageRecord]) -> dict[RollupKey, UsageTotals]
         row = rows.get(key)
         if row is None:
             row = rows[key] = UsageTotals()
-        row.requests += 1
-        row.errors += int(e.status >= 400)
+        row.count_outcome(e.status, e.refusal)
         row.prompt_tokens += e.prompt_tokens
         row.completion_tokens += e.completion_tokens
         row.cached_tokens += e.cached_tokens

@@ -19,6 +19,15 @@ class UsageRow(Struct):
     cached_tokens: int
     cache_hits: int
     errors: int
+    """Requests answered with a status of 400 or more: the sum of the five below."""
+    aborts: int
+    """The client left before the end (499)."""
+    refusals: dict[str, int]
+    """429s by the limit that refused them: `requests`, `tokens`, `concurrency`, `budget`."""
+    client_errors: int
+    """Other 4xx: a bad body, an unknown model, a model the key may not use, …"""
+    server_errors: int
+    """5xx: the engine or a backing service failed."""
     mean_latency_ms: float
 
 

@@ -9,7 +9,7 @@ error when its status was 400 or more.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, time, timedelta
 from typing import Literal
 
@@ -17,7 +17,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.admin.wire import utc
 from gateway.db import UsageTotals
+from gateway.db.usage_rollup import REFUSALS
 from gateway.errors import BadRequest
+from gateway.tenants.lookup import tenant_id_of
 from gateway.usage.query import Dimension, read_usage
 from gateway.usage.schemas import UsageReport, UsageRow
 
@@ -77,7 +79,11 @@ class UsageReports:
         self.sessions = sessions
 
     async def summarize(self, query: UsageQuery) -> UsageReport:
-        """One row per group, ordered by group; read from the usage rollups."""
+        """One row per group, ordered by group; read from the usage rollups. `query.tenant` is
+        a tenant's id or name."""
+        if query.tenant is not None:
+            async with self.sessions() as session:
+                query = replace(query, tenant=await tenant_id_of(session, query.tenant))
         groups = await read_usage(
             self.sessions,
             tenant=query.tenant,
@@ -87,6 +93,10 @@ class UsageReports:
         )
         rows = [_row(query.group_by, key, totals) for key, totals in sorted(groups.items())]
         return UsageReport(query.group_by, query.tenant, query.start, query.end, rows)
+
+
+def refusals_by_limit(totals: UsageTotals) -> dict[str, int]:
+    return {name.removeprefix("refused_"): getattr(totals, name) for name in REFUSALS}
 
 
 def _row(group_by: GroupBy, key: tuple[str, ...], totals: UsageTotals) -> UsageRow:
@@ -100,5 +110,9 @@ def _row(group_by: GroupBy, key: tuple[str, ...], totals: UsageTotals) -> UsageR
         cached_tokens=totals.cached_tokens,
         cache_hits=totals.cache_hits,
         errors=totals.errors,
+        aborts=totals.aborts,
+        refusals=refusals_by_limit(totals),
+        client_errors=totals.client_errors,
+        server_errors=totals.server_errors,
         mean_latency_ms=totals.mean_latency_ms,
     )

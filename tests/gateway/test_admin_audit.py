@@ -34,7 +34,7 @@ def test_changes_and_failures_are_audited(
     admin.delete(f"/admin/adapters/{tid}/a1")
     admin.delete(f"/admin/tenants/{tid}")
 
-    entries = json_of(admin.get("/admin/audit", params={"limit": 12}))
+    entries = json_of(admin.get("/admin/audit", params={"limit": 12}))["items"]
     seen = [(e["action"], e["target"], e["outcome"]) for e in reversed(entries)]
     assert seen[-10:] == [
         ("tenant.create", tid, "ok"),
@@ -62,6 +62,6 @@ def test_changes_and_failures_are_audited(
 
 
 def test_limit(admin: httpx.Client) -> None:
-    assert len(json_of(admin.get("/admin/audit", params={"limit": 1}))) == 1
+    assert len(json_of(admin.get("/admin/audit", params={"limit": 1}))["items"]) == 1
     assert admin.get("/admin/audit", params={"limit": 0}).status_code == 400
     assert admin.get("/admin/audit", params={"limit": 5000}).status_code == 400

@@ -66,7 +66,7 @@ def test_hostile_bodies_are_400_and_change_nothing(
 
 def test_a_body_refused_before_the_handler_is_audited(admin: httpx.Client, tenant: dict) -> None:
     send(admin, f"/admin/tenants/{tenant['id']}/quotas", b"{not json")
-    entries = json_of(admin.get("/admin/audit", params={"limit": 5}))
+    entries = json_of(admin.get("/admin/audit", params={"limit": 5}))["items"]
     mine = [e for e in entries if e["target"] == tenant["id"]]
     assert mine[0]["action"] == "quota.tenant.set"
     assert mine[0]["outcome"] == "invalid_request"

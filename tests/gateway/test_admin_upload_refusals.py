@@ -285,7 +285,7 @@ def test_a_body_over_the_upload_limit_is_refused_before_it_is_read(
 def test_refusals_are_audited(gateway: RunningServer, admin: httpx.Client, adapters) -> None:
     name = f"audited-{uuid.uuid4().hex[:8]}"
     post_files(admin, folder_files(adapters["ia3"]), name=name)
-    entries = json_of(admin.get("/admin/audit", params={"limit": 50}))
+    entries = json_of(admin.get("/admin/audit", params={"limit": 50}))["items"]
     entry = next(e for e in entries if e["target"] == f"shared/{name}")
     assert (entry["action"], entry["outcome"]) == ("adapter.upload", "not_lora")
     assert "LORA" in entry["detail"]["error"]

@@ -22,6 +22,7 @@ from bench.usage_workload import CHROMIUM_ARGS
 from gateway.dashboard.charts import Series, axis_top, stacked_bars
 from gateway.dashboard.html import el
 from gateway.dashboard.session import COOKIE, SESSION_SECONDS, Viewer, mint, signing_key
+from gateway.dashboard.sources import DashboardSources
 from gateway.server import RunningServer
 from tests.gateway.conftest import json_of
 from tests.gateway.tenants import TenantKey, new_tenant
@@ -114,7 +115,7 @@ def test_a_tenant_sees_the_usage_apis_numbers_in_a_real_browser(
         rows = page.locator("[data-testid=breakdown-row]").all()
         assert len(rows) == len(truth)
         fields = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "cache_hits")
-        for field in (*fields, "errors"):
+        for field in (*fields, "aborts", "client_errors", "server_errors"):
             testid = field.replace("_", "-")
             assert number(page, f"[data-testid=total-{testid}]") == sum(
                 r[field] for r in truth.values()
@@ -198,12 +199,17 @@ def test_a_tampered_expired_or_foreign_cookie_is_refused(
         }
         refused(client, jwt.encode(forged, "x" * 64, algorithm="HS256"))
         a_viewer = Viewer(traffic.a.key_id, traffic.a.tenant_id, int(time.time()) - 5)
-        refused(client, mint(gateway.state, a_viewer))  # expired
+        refused(client, mint(DashboardSources.of(gateway.state), a_viewer))  # expired
         refused(client, admin_token)  # an admin token is not a session
         other_audience = jwt.decode(good, options={"verify_signature": False}) | {
             "aud": "loramux-admin"
         }
-        refused(client, jwt.encode(other_audience, signing_key(gateway.state), algorithm="HS256"))
+        refused(
+            client,
+            jwt.encode(
+                other_audience, signing_key(DashboardSources.of(gateway.state)), algorithm="HS256"
+            ),
+        )
 
 
 def test_a_revoked_key_ends_its_session(gateway: RunningServer, operator: httpx.Client) -> None:

@@ -127,7 +127,7 @@ def test_every_operation_is_typed_with_its_body_response_and_errors(
         ("/v1/chat/completions", "post"),
         ("/v1/completions", "post"),
         ("/admin/tenants", "post"),
-        ("/admin/tenants/{tenant_id}/quotas", "put"),
+        ("/admin/tenants/{tenant}/quotas", "put"),
     ],
 )
 def test_the_main_bodies_come_with_an_example(

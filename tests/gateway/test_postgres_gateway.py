@@ -77,7 +77,7 @@ def test_a_new_key_lists_the_models_and_the_creation_is_audited(
     with as_tenant(pg_gateway, tenant) as api:
         models = json_of(api.get("/v1/models"))
     assert "demo-model" in {m["id"] for m in models["data"]}
-    audit = json_of(pg_admin.get("/admin/audit", params={"limit": 50}))
+    audit = json_of(pg_admin.get("/admin/audit", params={"limit": 50}))["items"]
     assert {("tenant.create", tenant.tenant_id), ("key.create", tenant.key_id)} <= {
         (e["action"], e["target"]) for e in audit
     }

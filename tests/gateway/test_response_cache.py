@@ -230,7 +230,7 @@ def test_purge_removes_a_tenants_entries_and_is_audited(
     assert json_of(admin.delete("/admin/cache", params={"tenant": tenant.tenant_id})) == {
         "purged": 1
     }
-    entry = json_of(admin.get("/admin/audit", params={"limit": 1}))[0]
+    entry = json_of(admin.get("/admin/audit", params={"limit": 1}))["items"][0]
     assert (entry["action"], entry["target"], entry["outcome"]) == (
         "cache.purge",
         tenant.tenant_id,

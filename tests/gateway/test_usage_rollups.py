@@ -55,6 +55,7 @@ def random_events(rng: random.Random, n: int, tenants: Sequence[str]) -> list[Us
                 latency_ms=latency,
                 ttft_ms=ttft,
                 created_at=T0 + timedelta(seconds=rng.uniform(0, 3 * 86400)),
+                refusal=rng.choice([None, "requests", "tokens", "concurrency", "budget"]),
             )
         )
     return events
@@ -73,6 +74,13 @@ def expected(events: Sequence[UsageRecord]) -> UsageTotals:
     return UsageTotals(
         requests=len(events),
         errors=sum(e.status >= 400 for e in events),
+        aborts=sum(e.status == 499 for e in events),
+        refused_requests=sum(e.status == 429 and e.refusal in (None, "requests") for e in events),
+        refused_tokens=sum(e.status == 429 and e.refusal == "tokens" for e in events),
+        refused_concurrency=sum(e.status == 429 and e.refusal == "concurrency" for e in events),
+        refused_budget=sum(e.status == 429 and e.refusal == "budget" for e in events),
+        client_errors=sum(400 <= e.status < 500 and e.status not in (429, 499) for e in events),
+        server_errors=sum(e.status >= 500 for e in events),
         prompt_tokens=sum(e.prompt_tokens for e in events),
         completion_tokens=sum(e.completion_tokens for e in events),
         cached_tokens=sum(e.cached_tokens for e in events),
@@ -243,8 +251,10 @@ def test_percentiles_read_from_the_histogram_fall_in_the_true_percentiles_bin() 
 def test_upgrading_a_database_with_events_fills_the_rollups(empty_url: str) -> None:
     command.upgrade(alembic_config(empty_url), "161bc3649f82")  # before rollups existed
     events = random_events(random.Random(6), 1500, ["t1", "t2"])
-    # That schema predates `admitted_at` too.
-    rows = [{k: v for k, v in vars(e).items() if k != "admitted_at"} for e in events]
+    # That schema predates `admitted_at` and `refusal` too.
+    rows = [
+        {k: v for k, v in vars(e).items() if k not in ("admitted_at", "refusal")} for e in events
+    ]
 
     def insert_events(connection: object) -> None:
         connection.execute(insert(UsageEvent.__table__), rows)  # type: ignore[attr-defined]

@@ -1,0 +1,40 @@
+"""What the dashboard reads, composed once from the process's state where the app is built
+(`dashboard_router`): the routes take `DashboardSources` through Litestar's `Provide`, and the
+views and the session code never see the gateway's whole state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.auth.admin_jwt import AdminAuth
+from gateway.auth.api_keys import ApiKeyAuth
+from gateway.engine_client.base import EngineClient
+from gateway.state import GatewayState, admin_secret
+
+
+@dataclass(frozen=True)
+class DashboardSources:
+    sessions: async_sessionmaker[AsyncSession]
+    redis: Redis
+    """The quota Redis: the live panel reads the limiter's buckets."""
+    engine: EngineClient
+    keys: ApiKeyAuth
+    admin: AdminAuth
+    model_name: str
+    admin_secret: str
+    """Signs dashboard sessions (through a derived key, `gateway.dashboard.session`)."""
+
+    @classmethod
+    def of(cls, gw: GatewayState) -> DashboardSources:
+        return cls(
+            gw.sessions,
+            gw.redis,
+            gw.engine,
+            gw.keys,
+            gw.admin,
+            gw.model_name,
+            admin_secret(gw.settings),
+        )

@@ -1,0 +1,61 @@
+"""Finding a tenant by what an admin calls it: its id or its name, wherever one is taken.
+
+Ids are tried first; no tenant's name looks like an id or is `shared` (`check_tenant_name`), so
+a reference never means two tenants.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.admin.wire import check_display_name
+from gateway.db import Tenant
+from gateway.db.adapter import SHARED_OWNER
+from gateway.db.tenant import TENANT_ID_PREFIX
+from gateway.errors import BadRequest, NotFound
+
+
+async def get_tenant(session: AsyncSession, ref: str) -> Tenant:
+    """The tenant whose id or name is `ref`."""
+    tenant = await session.get(Tenant, ref)
+    if tenant is None:
+        tenant = await session.scalar(select(Tenant).where(Tenant.name == ref))
+    if tenant is None:
+        raise NotFound(
+            f"no tenant with the id or name {ref!r}", param="id", code="tenant_not_found"
+        )
+    return tenant
+
+
+async def tenant_id_of(session: AsyncSession, ref: str) -> str:
+    """The id of the tenant named `ref`, else `ref` itself: for filters over history, where a
+    deleted tenant's id still names its rows."""
+    named = await session.scalar(select(Tenant.id).where(Tenant.name == ref))
+    return named if named is not None else ref
+
+
+async def owner_id(session: AsyncSession, ref: str) -> str:
+    """An adapter owner: `shared`, or the id of the tenant whose id or name is `ref`."""
+    if ref == SHARED_OWNER:
+        return SHARED_OWNER
+    try:
+        return (await get_tenant(session, ref)).id
+    except NotFound:
+        raise NotFound(
+            f"no tenant with the id or name {ref!r}: an owner is a tenant or {SHARED_OWNER!r}",
+            param="owner",
+            code="tenant_not_found",
+        ) from None
+
+
+def check_tenant_name(name: str) -> None:
+    """Refuse a tenant name that could be read as something else: `shared` (the owner of shared
+    adapters) or anything shaped like a tenant id."""
+    check_display_name(name, "name")
+    if name == SHARED_OWNER or name.startswith(TENANT_ID_PREFIX):
+        raise BadRequest(
+            f"a tenant may not be named {SHARED_OWNER!r} or start with {TENANT_ID_PREFIX!r}",
+            param="name",
+            code="invalid_request",
+        )

@@ -1,0 +1,126 @@
+"""Adapter versions through the openai client's `model` field: `name@version` pins one live
+version, making an older version current rolls back to it, and versions are deleted one at a
+time (the one before serves again when the current one goes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from gateway.server import RunningServer
+from tests.gateway.conftest import json_of
+from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
+
+PROMPT = [{"role": "user", "content": "Say something about adapters"}]
+
+
+def reply(client: openai.OpenAI, model: str) -> str:
+    out = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=8, seed=1)  # type: ignore[arg-type]
+    assert out.model == model
+    return out.choices[0].message.content or ""
+
+
+@pytest.fixture
+def tenant(admin: httpx.Client) -> TenantKey:
+    return new_tenant(admin, "versions")
+
+
+@pytest.fixture
+def client(gateway: RunningServer, tenant: TenantKey) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{gateway.url}/v1", api_key=tenant.key, max_retries=0, timeout=60
+    )
+
+
+def no_cache(client: openai.OpenAI) -> openai.OpenAI:
+    return client.with_options(default_headers={"cache-control": "no-store"})
+
+
+def test_pin_roll_back_and_delete_one_version_at_a_time(
+    admin: httpx.Client, client: openai.OpenAI, tenant: TenantKey, demo_adapter_dirs: list[Path]
+) -> None:
+    client = no_cache(client)
+    owner = tenant.tenant_name
+    v1 = upload_adapter(admin, owner, "support-bot", demo_adapter_dirs[24])
+    v2 = upload_adapter(admin, owner, "support-bot", demo_adapter_dirs[25])
+    assert (v1["version"], v2["version"]) == (1, 2)
+    one, two = reply(client, "support-bot@1"), reply(client, "support-bot@2")
+    assert one != two, "the demo adapters must differ for this test to say anything"
+    assert reply(client, "support-bot") == two
+    assert reply(client, f"{owner}/support-bot") == two
+    assert reply(client, f"{tenant.tenant_id}/support-bot@1") == one
+
+    base = f"/admin/adapters/{owner}/support-bot"
+    rolled = admin.put(f"{base}/current", json={"version": 1})
+    assert rolled.status_code == 201, rolled.text
+    v3 = json_of(rolled)
+    assert (v3["version"], v3["digest"]) == (3, v1["digest"])
+    assert reply(client, "support-bot") == one
+    assert reply(client, "support-bot@2") == two
+    again = admin.put(f"{base}/current", json={"version": 3})
+    assert again.status_code == 200 and json_of(again) == v3
+
+    deleted = admin.delete(f"{base}/versions/3")
+    assert deleted.status_code == 200, deleted.text
+    assert reply(client, "support-bot") == two
+    with pytest.raises(openai.NotFoundError):
+        reply(client, "support-bot@3")
+    assert admin.delete(f"{base}/versions/3").status_code == 404
+    assert [v["version"] for v in json_of(admin.get(base))["versions"]] == [1, 2]
+
+    assert admin.delete(f"{base}/versions/2").status_code == 200
+    assert reply(client, "support-bot") == one
+    assert admin.delete(f"{base}/versions/1").status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        reply(client, "support-bot")
+    assert admin.get(base).status_code == 404
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        "support-bot@0",
+        "support-bot@9",
+        "support-bot@",
+        "support-bot@x",
+        "support-bot@1@1",
+        "support-bot@99999999999999999999",
+        "support-bot@\u0661",
+    ],
+)
+def test_a_pin_that_names_no_live_version_is_not_found(
+    admin: httpx.Client,
+    client: openai.OpenAI,
+    tenant: TenantKey,
+    demo_adapter_dirs: list[Path],
+    model: str,
+) -> None:
+    upload_adapter(admin, tenant.tenant_id, "support-bot", demo_adapter_dirs[26])
+    with pytest.raises(openai.NotFoundError):
+        reply(client, model)
+
+
+def test_another_tenants_name_in_the_model_is_not_found(
+    admin: httpx.Client, client: openai.OpenAI, demo_adapter_dirs: list[Path]
+) -> None:
+    other = new_tenant(admin, "other")
+    upload_adapter(admin, other.tenant_name, "private-bot", demo_adapter_dirs[27])
+    for model in (f"{other.tenant_name}/private-bot", f"{other.tenant_name}/private-bot@1"):
+        with pytest.raises(openai.NotFoundError):
+            reply(client, model)
+
+
+def test_rolling_back_to_a_deleted_or_missing_version_is_not_found(
+    admin: httpx.Client, tenant: TenantKey, demo_adapter_dirs: list[Path]
+) -> None:
+    upload_adapter(admin, tenant.tenant_id, "bot", demo_adapter_dirs[28])
+    upload_adapter(admin, tenant.tenant_id, "bot", demo_adapter_dirs[29])
+    assert admin.delete(f"/admin/adapters/{tenant.tenant_id}/bot/versions/1").status_code == 200
+    current = f"/admin/adapters/{tenant.tenant_id}/bot/current"
+    for version in (1, 7):
+        assert admin.put(current, json={"version": version}).status_code == 404
+    for bad in ({"version": 0}, {"version": "1"}, {"version": 2**64}, {}, {"version": 1, "x": 1}):
+        assert admin.put(current, json=bad).status_code == 400

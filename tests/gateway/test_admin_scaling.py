@@ -1,0 +1,148 @@
+"""The admin API past a handful of tenants: every list comes a page at a time with a total and
+a name filter, and a tenant is addressed by its id or its name on every route that takes one."""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.gateway.conftest import json_of
+from tests.gateway.tenants import new_tenant, upload_adapter
+
+
+def walk(admin: httpx.Client, path: str, limit: int, **params: str) -> list[dict]:
+    """Every item of a paginated list, page by page, checking each page's bookkeeping."""
+    items: list[dict] = []
+    offset = 0
+    while True:
+        page = json_of(admin.get(path, params={"limit": limit, "offset": offset, **params}))
+        assert (page["limit"], page["offset"]) == (limit, offset)
+        assert len(page["items"]) == min(limit, max(0, page["total"] - offset))
+        items += page["items"]
+        offset += limit
+        if offset >= page["total"]:
+            return items
+
+
+def test_paging_over_250_tenants_returns_each_exactly_once(admin: httpx.Client) -> None:
+    batch = f"page-{uuid.uuid4().hex[:8]}"
+    names = [f"{batch}-{i:03d}" for i in range(250)]
+
+    def create(name: str) -> str:
+        response = admin.post("/admin/tenants", json={"name": name})
+        assert response.status_code == 201, response.text
+        return response.json()["id"]
+
+    with ThreadPoolExecutor(4) as pool:
+        ids = set(pool.map(create, names))
+    seen = walk(admin, "/admin/tenants", 37, name=batch.upper())
+    assert sorted(t["name"] for t in seen) == names
+    assert len({t["id"] for t in seen}) == 250 and {t["id"] for t in seen} == ids
+    assert json_of(admin.get("/admin/tenants", params={"name": batch}))["total"] == 250
+    assert len(json_of(admin.get("/admin/tenants", params={"name": batch}))["items"]) == 50
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"limit": 0},
+        {"limit": 501},
+        {"limit": 2**70},
+        {"offset": -1},
+        {"limit": "ten"},
+        {"name": ""},
+    ],
+)
+@pytest.mark.parametrize(
+    "path", ["/admin/tenants", "/admin/adapters", "/admin/audit", "/admin/tenants/{t}/keys"]
+)
+def test_page_bounds_outside_the_limits_are_refused(
+    admin: httpx.Client, path: str, params: dict
+) -> None:
+    tenant = new_tenant_json(admin)
+    response = admin.get(path.format(t=tenant["id"]), params=params)
+    assert response.status_code == 400, response.text
+    assert json_of(response)["error"]["code"] == "invalid_request"
+
+
+def new_tenant_json(admin: httpx.Client) -> dict:
+    response = admin.post("/admin/tenants", json={"name": f"scale-{uuid.uuid4().hex[:10]}"})
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def test_a_tenant_is_addressed_by_its_name_on_every_route_that_takes_one(
+    admin: httpx.Client, demo_adapter_dirs: list[Path]
+) -> None:
+    tenant = new_tenant_json(admin)
+    name, tid = tenant["name"], tenant["id"]
+    assert json_of(admin.get(f"/admin/tenants/{name}")) == tenant
+    key = json_of(admin.post(f"/admin/tenants/{name}/keys", json={"name": "ci"}))
+    assert key["tenant_id"] == tid
+    keys = json_of(admin.get(f"/admin/tenants/{name}/keys"))
+    assert [k["id"] for k in keys["items"]] == [key["id"]] and keys["total"] == 1
+    assert json_of(admin.put(f"/admin/tenants/{name}/quotas", json={"rpm": 7}))["tenant_id"] == tid
+    assert json_of(admin.get(f"/admin/tenants/{name}/quotas"))["rpm"] == 7
+    cache = json_of(admin.put(f"/admin/tenants/{name}/cache", json={"enabled": False}))
+    assert cache["tenant_id"] == tid
+    assert json_of(admin.get(f"/admin/tenants/{name}/cache"))["tenant_id"] == tid
+    assert admin.delete("/admin/cache", params={"tenant": name}).status_code == 200
+
+    adapter = upload_adapter(admin, name, "support-bot", demo_adapter_dirs[8])
+    assert adapter["owner"] == tid
+    listed = json_of(admin.get("/admin/adapters", params={"owner": name}))["items"]
+    assert listed == [adapter]
+    assert json_of(admin.get(f"/admin/adapters/{name}/support-bot"))["latest"] == adapter
+    usage = admin.get("/admin/usage", params={"tenant": name, "group_by": "adapter"})
+    assert json_of(usage)["tenant"] == tid
+
+    renamed = json_of(admin.patch(f"/admin/tenants/{name}", json={"name": f"{name}-2"}))
+    assert renamed["id"] == tid
+    assert admin.get(f"/admin/tenants/{name}").status_code == 404
+    deleted = admin.delete(f"/admin/adapters/{name}-2/support-bot")
+    assert deleted.status_code == 200, deleted.text
+    assert json_of(admin.delete(f"/admin/tenants/{name}-2"))["id"] == tid
+    assert admin.get(f"/admin/tenants/{tid}").status_code == 404
+
+
+@pytest.mark.parametrize("name", ["shared", "tnt_lookalike"])
+def test_names_that_would_read_as_an_owner_or_an_id_are_refused(
+    admin: httpx.Client, name: str
+) -> None:
+    response = admin.post("/admin/tenants", json={"name": name})
+    assert response.status_code == 400, response.text
+    assert json_of(response)["error"]["param"] == "name"
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/admin/tenants//keys"),
+        ("GET", "/admin/tenants//quotas"),
+        ("GET", "/admin/adapters//support-bot"),
+        ("DELETE", "/admin/adapters/shared//versions/1"),
+        ("GET", "/admin//tenants"),
+    ],
+)
+def test_an_empty_path_segment_is_a_404_that_says_so(
+    admin: httpx.Client, method: str, path: str
+) -> None:
+    response = admin.request(method, path)
+    assert response.status_code == 404, response.text
+    error = json_of(response)["error"]
+    assert error["code"] == "empty_path_segment" and "empty segment" in error["message"]
+
+
+def test_key_lists_filter_by_name(admin: httpx.Client) -> None:
+    tenant = new_tenant(admin, "keys")
+    for name in ("deploy-bot", "Deploy-2", "ci"):
+        assert admin.post(f"/admin/tenants/{tenant.tenant_id}/keys", json={"name": name}).is_success
+    page = json_of(admin.get(f"/admin/tenants/{tenant.tenant_id}/keys", params={"name": "deploy"}))
+    assert sorted(k["name"] for k in page["items"]) == ["Deploy-2", "deploy-bot"]
+    assert page["total"] == 2
+    wildcard = admin.get(f"/admin/tenants/{tenant.tenant_id}/keys", params={"name": "%"})
+    assert json_of(wildcard)["total"] == 0
