@@ -93,54 +93,9 @@ def dashboard_page(view: DashboardView, viewer: Viewer) -> Html:
 def _header(view: DashboardView, viewer: Viewer) -> Html:
     who = "admin " + viewer.subject if viewer.is_admin else f"key lmx-{viewer.subject}"
     ends = datetime.fromtimestamp(viewer.expires_at, UTC).strftime("%H:%M UTC")
-    picker: list[Child] = []
-    if viewer.is_admin:
-        options = [el("option", "All tenants", value="", selected=view.tenant is None)]
-        options += [
-            el(
-                "option",
-                t.name,
-                value=t.id,
-                selected=view.tenant is not None and t.id == view.tenant.id,
-            )
-            for t in view.tenants
-        ]
-        picker.append(el("select", options, name="tenant", data_testid="tenant-picker"))
-    windows = [
-        el("option", f"last {d} days" if d > 1 else "today", value=d, selected=d == view.days)
-        for d in WINDOWS
-    ]
+    picker = _tenant_picker(view) if viewer.is_admin else []
+    picker += _window_picker(view)
     window = view.window
-    # The dates are filled in only for a custom window: filled, they would override the
-    # preset picked next (the form sends both).
-    first, last = (
-        (window.first.isoformat(), window.last.isoformat()) if window.custom else (None, None)
-    )
-    picker += [
-        el("select", windows, name="days"),
-        el(
-            "label",
-            "from",
-            el(
-                "input",
-                type="date",
-                name="from",
-                value=first,
-                data_testid="from",
-            ),
-        ),
-        el(
-            "label",
-            "to",
-            el("input", type="date", name="to", value=last, data_testid="to"),
-        ),
-        el(
-            "label",
-            el("input", type="checkbox", name="paused", value="true", checked=not view.live),
-            " pause refresh",
-        ),
-        el("button", "Show", type="submit", data_testid="show"),
-    ]
     end = window.last.isoformat()
     return el(
         "header",
@@ -158,6 +113,52 @@ def _header(view: DashboardView, viewer: Viewer) -> Html:
             action="/dashboard/logout",
         ),
     )
+
+
+def _tenant_picker(view: DashboardView) -> list[Child]:
+    options = [el("option", "All tenants", value="", selected=view.tenant is None)]
+    options += [
+        el(
+            "option",
+            t.name,
+            value=t.id,
+            selected=view.tenant is not None and t.id == view.tenant.id,
+        )
+        for t in view.tenants
+    ]
+    return [el("select", options, name="tenant", data_testid="tenant-picker")]
+
+
+def _window_picker(view: DashboardView) -> list[Child]:
+    windows = [
+        el("option", f"last {d} days" if d > 1 else "today", value=d, selected=d == view.days)
+        for d in WINDOWS
+    ]
+    window = view.window
+    # The dates are filled in only for a custom window: filled, they would override the
+    # preset picked next (the form sends both).
+    first, last = (
+        (window.first.isoformat(), window.last.isoformat()) if window.custom else (None, None)
+    )
+    return [
+        el("select", windows, name="days"),
+        el(
+            "label",
+            "from",
+            el("input", type="date", name="from", value=first, data_testid="from"),
+        ),
+        el(
+            "label",
+            "to",
+            el("input", type="date", name="to", value=last, data_testid="to"),
+        ),
+        el(
+            "label",
+            el("input", type="checkbox", name="paused", value="true", checked=not view.live),
+            " pause refresh",
+        ),
+        el("button", "Show", type="submit", data_testid="show"),
+    ]
 
 
 def _number(value: int) -> str:
