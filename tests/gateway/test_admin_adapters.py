@@ -159,7 +159,8 @@ def test_a_digest_shared_by_two_adapters_stays_while_either_serves(
 def test_deleting_a_tenant_retires_its_private_adapters(
     gateway: RunningServer, admin: httpx.Client, demo_adapter_dirs: list[Path], tenant: dict
 ) -> None:
-    private = created(upload(admin, unique("private"), tenant["id"], demo_adapter_dirs[6]))
+    # An adapter no other test uploads: a digest that another owner also published stays servable.
+    private = created(upload(admin, unique("private"), tenant["id"], demo_adapter_dirs[33]))
     deleted = json_of(admin.delete(f"/admin/tenants/{tenant['id']}"))
     assert deleted["detail"]["adapter_versions"] == 1
     assert not servable(gateway, private["digest"])

@@ -1,0 +1,123 @@
+"""Structured outputs through the gateway and the official client: with `response_format`
+json_schema (strict) every output of the random-weight demo model parses and validates, at
+temperature 1.0, while unconstrained requests and several adapters share its batches; a schema
+the grammar library cannot compile is a 400 on `response_format`, streamed or not, and nothing
+is queued."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from engine.outputs import EngineStats
+from gateway.server import RunningServer
+from tests.engine.structured_schemas import SCHEMAS
+from tests.gateway.tenants import TenantKey, upload_adapter
+
+CONSTRAINED = 50
+FREE = 10
+
+
+@pytest.fixture(scope="module")
+def adapters(
+    admin_module: httpx.Client, tenant: TenantKey, demo_adapter_dirs: list[Path]
+) -> list[str]:
+    """Two of the tenant's own adapters, uploaded from folders no other test uses."""
+    for i, folder in enumerate(demo_adapter_dirs[30:32]):
+        upload_adapter(admin_module, tenant.tenant_id, f"structured-{i}", folder)
+    return ["structured-0", "structured-1"]
+
+
+def strict(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def stats(gateway: RunningServer) -> EngineStats:
+    [s] = gateway.run(gateway.state.engine.stats())
+    return s
+
+
+async def _ask(client: openai.AsyncOpenAI, i: int, models: list[str]) -> tuple[Any, Any]:
+    names = list(SCHEMAS)
+    name = names[i % len(names)]
+    constrained = i < CONSTRAINED
+    extra: dict[str, Any] = {"response_format": strict(name, SCHEMAS[name])} if constrained else {}
+    reply = await client.chat.completions.create(
+        model=models[i % len(models)],
+        messages=[{"role": "user", "content": f"Describe record {i} as JSON."}],
+        temperature=1.0,
+        seed=i,
+        max_tokens=200,
+        extra_headers={"cache-control": "no-store"},
+        **extra,
+    )
+    return (SCHEMAS[name] if constrained else None), reply
+
+
+def test_strict_json_schema_outputs_validate_mixed_with_free_requests_and_adapters(
+    gateway: RunningServer, tenant: TenantKey, adapters: list[str]
+) -> None:
+    models = ["demo-model", *adapters]
+
+    async def run() -> list[tuple[Any, Any]]:
+        client = openai.AsyncOpenAI(
+            base_url=f"{gateway.url}/v1", api_key=tenant.key, max_retries=0, timeout=300
+        )
+        try:
+            return await asyncio.gather(
+                *(_ask(client, i, models) for i in range(CONSTRAINED + FREE))
+            )
+        finally:
+            await client.close()
+
+    results = gateway.run(run())
+    assert len(results) == CONSTRAINED + FREE
+    for schema, reply in results:
+        choice = reply.choices[0]
+        if schema is None:
+            continue
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    assert {reply.model for _, reply in results} == set(models)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "pattern": "("},
+        {"$ref": "#/$defs/missing"},
+        {"type": "integer", "minimum": 5, "maximum": 1},
+        {"not": {"type": "string"}},
+    ],
+)
+def test_an_uncompilable_schema_is_a_400_and_nothing_is_queued(
+    gateway: RunningServer, api: httpx.Client, schema: dict[str, Any], stream: bool
+) -> None:
+    before = stats(gateway)
+    r = api.post(
+        "/chat/completions",
+        json={
+            "model": "demo-model",
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": strict("bad", schema),
+            "stream": stream,
+        },
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "response_format"
+    assert "cannot be compiled" in error["message"]
+    after = stats(gateway)
+    assert (after.waiting, after.running, after.steps) == (
+        before.waiting,
+        before.running,
+        before.steps,
+    )
