@@ -147,10 +147,11 @@ def test_archives(
 def test_a_digest_shared_by_two_adapters_stays_while_either_serves(
     gateway: RunningServer, admin: httpx.Client, demo_adapter_dirs: list[Path], tenant: dict
 ) -> None:
+    # Folders no other test uploads: a digest that another test published stays servable.
     a, b = unique("twin-a"), unique("twin-b")
-    shared_digest = created(upload(admin, a, tenant["id"], demo_adapter_dirs[4]))["digest"]
-    created(upload(admin, b, tenant["id"], demo_adapter_dirs[4]))
-    created(upload(admin, a, tenant["id"], demo_adapter_dirs[5]))  # a moves on
+    shared_digest = created(upload(admin, a, tenant["id"], demo_adapter_dirs[34]))["digest"]
+    created(upload(admin, b, tenant["id"], demo_adapter_dirs[34]))
+    created(upload(admin, a, tenant["id"], demo_adapter_dirs[35]))  # a moves on
     assert servable(gateway, shared_digest)  # b still serves it
     admin.delete(f"/admin/adapters/{tenant['id']}/{b}")
     assert not servable(gateway, shared_digest)
@@ -159,7 +160,6 @@ def test_a_digest_shared_by_two_adapters_stays_while_either_serves(
 def test_deleting_a_tenant_retires_its_private_adapters(
     gateway: RunningServer, admin: httpx.Client, demo_adapter_dirs: list[Path], tenant: dict
 ) -> None:
-    # An adapter no other test uploads: a digest that another owner also published stays servable.
     private = created(upload(admin, unique("private"), tenant["id"], demo_adapter_dirs[33]))
     deleted = json_of(admin.delete(f"/admin/tenants/{tenant['id']}"))
     assert deleted["detail"]["adapter_versions"] == 1

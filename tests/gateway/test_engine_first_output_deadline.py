@@ -79,8 +79,9 @@ async def _whole_and_streamed(
 
 def _holds_nothing(engine: EngineProcess, aborted_before: float) -> bool:
     m = engine.metrics()
-    held = [m[f"loramux_engine_{k}"] for k in ("running", "waiting", "kv_blocks_used")]
-    return not any(held) and m["loramux_engine_aborted_total"] >= aborted_before + 2
+    held = [m[f"loramux_{k}"] for k in ("num_requests_running", "num_requests_waiting")]
+    held.append(m["loramux_kv_cache_usage_perc"])
+    return not any(held) and m["loramux_engine_aborted_requests_total"] >= aborted_before + 2
 
 
 def test_a_request_a_hung_engine_never_starts_gets_504_and_is_aborted_there(
@@ -91,7 +92,7 @@ def test_a_request_a_hung_engine_never_starts_gets_504_and_is_aborted_there(
     with httpx.Client(base_url=gateway.url, headers={"authorization": f"Bearer {token}"}) as admin:
         tenant = new_tenant(admin, "hung-engine")
     model = gateway.state.model_name
-    aborted_before = engine.metrics()["loramux_engine_aborted_total"]
+    aborted_before = engine.metrics()["loramux_engine_aborted_requests_total"]
 
     with stopped(engine.proc.pid):
         whole, events = asyncio.run(_whole_and_streamed(gateway.url, tenant, model))

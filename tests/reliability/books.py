@@ -229,7 +229,9 @@ def billing_errors(outcomes: Sequence[Outcome], rows: Sequence[UsageRow]) -> lis
             continue
         found = by_id.get(o.request_id, [])
         if o.plan.ending == "bad" or (o.status or 0) >= 400:
-            if found:
+            # A refusal is recorded as an outcome (the dashboard counts it), once, billing nothing.
+            billed = [r for r in found if r.prompt_tokens or r.completion_tokens]
+            if billed or len(found) > 1 or any(r.status != o.status for r in found):
                 problems.append(f"#{o.plan.index}: refused with {o.status} yet metered {found}")
             continue
         if len(found) != 1:
