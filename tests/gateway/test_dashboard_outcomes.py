@@ -70,9 +70,15 @@ def operator(gateway: RunningServer, admin_token: str) -> Iterator[httpx.Client]
 
 
 @pytest.fixture(scope="module")
-def mixed(gateway: RunningServer, operator: httpx.Client, demo_adapter_dirs: list[Path]) -> Mixed:
+def mixed(
+    gateway: RunningServer,
+    operator: httpx.Client,
+    demo_adapter_dirs: list[Path],
+    overflowing_adapter: Path,
+) -> Mixed:
     """Key A: two chats on one adapter named two ways, an abort, then a 429 (rpm 3). Key B: a
-    400, a 404, and a chat on an adapter deleted afterwards."""
+    400, a 404, a 500 (an adapter whose logits overflow: the engine fails that request alone),
+    and a chat on an adapter deleted afterwards."""
     t = new_tenant(operator, "outcomes")
     other_id, other = new_key(operator, t.tenant_id, name="other")
     for path, quota in (
@@ -83,6 +89,7 @@ def mixed(gateway: RunningServer, operator: httpx.Client, demo_adapter_dirs: lis
         assert operator.put(path, json=quota).status_code == 200
     upload_adapter(operator, t.tenant_id, "support-bot", demo_adapter_dirs[20])
     upload_adapter(operator, t.tenant_id, "old-bot", demo_adapter_dirs[21])
+    upload_adapter(operator, t.tenant_id, "broken-bot", overflowing_adapter)
     assert chat(gateway, t.key, "support-bot").status_code == 200
     assert chat(gateway, t.key, f"{t.tenant_name}/support-bot@1").status_code == 200
     abort_a_stream(gateway, t.key, "support-bot")
@@ -90,14 +97,16 @@ def mixed(gateway: RunningServer, operator: httpx.Client, demo_adapter_dirs: lis
     assert refused.status_code == 429, refused.text
     assert chat(gateway, other, "support-bot", max_tokens=-1).status_code == 400
     assert chat(gateway, other, "no-such-bot").status_code == 404
+    failed = chat(gateway, other, "broken-bot")
+    assert failed.status_code == 500, failed.text
     assert chat(gateway, other, "old-bot").status_code == 200
     assert operator.delete(f"/admin/adapters/{t.tenant_id}/old-bot").status_code == 200
 
     def all_recorded() -> bool:
         gateway.run(gateway.state.usage.flush())
-        return sum(r["requests"] for r in usage(operator, t.tenant_id).values()) == 7
+        return sum(r["requests"] for r in usage(operator, t.tenant_id).values()) == 8
 
-    wait_for(all_recorded, 30, "the seven requests are recorded")
+    wait_for(all_recorded, 30, "the eight requests are recorded")
     return Mixed(t, other_id, other)
 
 
@@ -107,9 +116,10 @@ def test_the_usage_api_counts_each_outcome_apart(operator: httpx.Client, mixed: 
     assert (a["requests"], a["aborts"], a["client_errors"], a["server_errors"]) == (4, 1, 0, 0)
     assert a["refusals"] == {"requests": 1, "tokens": 0, "concurrency": 0, "budget": 0}
     assert (b["requests"], b["aborts"], b["client_errors"], sum(b["refusals"].values())) == (
-        3, 0, 2, 0,
+        4, 0, 2, 0,
     )  # fmt: skip
-    assert a["errors"] == 2 and b["errors"] == 2
+    assert b["server_errors"] == 1
+    assert a["errors"] == 2 and b["errors"] == 3
 
 
 @pytest.mark.skipif(
@@ -130,17 +140,18 @@ def test_outcomes_adapters_and_key_limits_in_a_real_browser(
             page.fill("[data-testid=credential]", t.key)
             page.click("[data-testid=sign-in]")
             page.wait_for_selector("[data-testid=total-requests]")
-            assert number(page, "[data-testid=total-requests]") == 7
+            assert number(page, "[data-testid=total-requests]") == 8
             assert number(page, "[data-testid=total-aborts]") == 1
             assert number(page, "[data-testid=total-refusals]") == 1
             assert number(page, "[data-testid=total-client-errors]") == 2
-            assert number(page, "[data-testid=total-server-errors]") == 0
+            assert number(page, "[data-testid=total-server-errors]") == 1
             rows = {
                 row.locator("[data-testid=group]").inner_text(): row
                 for row in page.locator("[data-testid=breakdown-row]").all()
             }
             refused = "(refused before the engine)"
-            assert set(rows) == {"support-bot", "old-bot", refused}
+            assert set(rows) == {"support-bot", "old-bot", "broken-bot", refused}
+            assert number(rows["broken-bot"], "[data-testid=server-errors]") == 1
             assert number(rows["support-bot"], "[data-testid=requests]") == 3
             assert number(rows[refused], "[data-testid=refusals]") == 1
             assert number(rows[refused], "[data-testid=client-errors]") == 2
