@@ -108,6 +108,10 @@ class ModelCatalog:
         return rows
 
 
+MAX_VERSION = 2**31 - 1
+"""The largest version number the database stores (a 32-bit integer column)."""
+
+
 def _pinned(model: str) -> tuple[str, int | None]:
     """`name@3` → (`name`, 3); a name without a well-formed pin → (name, None)."""
     name, at, version = model.rpartition("@")
@@ -119,9 +123,12 @@ def _pinned(model: str) -> tuple[str, int | None]:
 async def live_version(
     session: AsyncSession, owner: str, name: str, version: int | None
 ) -> AdapterVersion | None:
-    """Live `version` of `owner/name`; the latest live one when `version` is None."""
+    """Live `version` of `owner/name`; the latest live one when `version` is None. A number
+    no version can have (below 1, or past the database's 32-bit column) has none."""
     if version is None:
         return await latest_version(session, owner, name)
+    if not 1 <= version <= MAX_VERSION:
+        return None
     return await session.scalar(
         select(AdapterVersion).where(
             AdapterVersion.owner == owner,

@@ -24,11 +24,13 @@ for name in sys.argv[1:]:
 ours = [
     Path(m.__file__) for m in list(sys.modules.values())
     if getattr(m, "__file__", None) and Path(m.__file__).is_absolute()
+    and Path(m.__file__).suffix == ".py"
     and Path(m.__file__).resolve().is_relative_to(root)
+    and not {".venv", "site-packages"} & set(Path(m.__file__).resolve().parts)
 ]
 names = set()
 for path in ours:
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_bytes())):
         if isinstance(node, ast.Import):
             names.update(a.name.split(".")[0] for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:

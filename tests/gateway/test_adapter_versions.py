@@ -124,3 +124,16 @@ def test_rolling_back_to_a_deleted_or_missing_version_is_not_found(
         assert admin.put(current, json={"version": version}).status_code == 404
     for bad in ({"version": 0}, {"version": "1"}, {"version": 2**64}, {}, {"version": 1, "x": 1}):
         assert admin.put(current, json=bad).status_code == 400
+
+
+@pytest.mark.parametrize("version", [0, -1, 2**31, 306636901839103624786694424563286016])
+def test_a_version_number_no_version_can_have_is_a_404(
+    admin: httpx.Client, tenant: TenantKey, demo_adapter_dirs: list[Path], version: int
+) -> None:
+    upload_adapter(admin, tenant.tenant_id, "numbered-bot", demo_adapter_dirs[36])
+    path = f"/admin/adapters/{tenant.tenant_id}/numbered-bot"
+    for response in (
+        admin.delete(f"{path}/versions/{version}"),
+        admin.put(f"{path}/current", json={"version": version}),
+    ):
+        assert response.status_code in (400, 404), response.text

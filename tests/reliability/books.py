@@ -264,9 +264,13 @@ def _cancelled_unseen(outcomes: Sequence[Outcome], unmatched: Sequence[UsageRow]
             and o.request_id is None
         ]
         mine = [r for r in unmatched if r.tenant_id == tenant_id]
-        if len(mine) > len(cancelled):
+        # A request cancelled while its body was still being sent is recorded as a refused
+        # outcome when the gateway had its headers (status 4xx, nothing billed): only events
+        # that bill something must belong to a request cancelled after sending.
+        billed = [r for r in mine if r.prompt_tokens or r.completion_tokens or r.status < 400]
+        if len(billed) > len(cancelled):
             problems.append(
-                f"tenant {tenant_id}: {len(mine)} usage events of unknown requests, "
+                f"tenant {tenant_id}: {len(billed)} usage events of unknown requests, "
                 f"{len(cancelled)} requests cancelled before their answer"
             )
         prompts = {_prompt_of(outcomes, o) for o in cancelled} | {0}
