@@ -61,6 +61,7 @@ async def ready(gw: GW) -> Response[dict[str, Any]]:
 @get("/metrics", include_in_schema=False)
 async def metrics(gw: GW) -> Response[bytes]:
     gw.metrics.observe_degradation(gw.cache.errors, gw.quotas.redis_down)
+    gw.metrics.observe_cache_decisions(gw.cache.decision_counts())
     gw.metrics.observe_usage(len(gw.usage), gw.usage.dropped)
     for stats in (await gw.engine.stats())[:1]:
         gw.metrics.engine_running.set(stats.running)

@@ -51,6 +51,13 @@ class Metrics:
             "Cache operations skipped because Redis failed",
             registry=r,
         )
+        self.cache_decisions = Gauge(
+            "loramux_response_cache_decisions",
+            "Semantic near misses, verifier refusals (refused_<check>) and reported wrong hits"
+            " (per tenant: GET /admin/tenants/{id}/cache/stats)",
+            ["outcome"],
+            registry=r,
+        )
         self.quota_redis_down = Gauge(
             "loramux_quota_redis_down", "Admissions decided without Redis", ["outcome"], registry=r
         )
@@ -72,6 +79,11 @@ class Metrics:
         self.cache_errors.set(cache_errors)
         for outcome, count in quota_redis_down.items():
             self.quota_redis_down.labels(outcome).set(count)
+
+    def observe_cache_decisions(self, counts: Mapping[str, int]) -> None:
+        """Copy the response cache's decision counts (summed over tenants) into a gauge."""
+        for outcome, count in counts.items():
+            self.cache_decisions.labels(outcome).set(count)
 
     def observe_usage(self, buffered: int, dropped: Mapping[str, int]) -> None:
         """Copy the usage recorder's backlog and drop counts (kept by it) into gauges."""

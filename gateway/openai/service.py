@@ -133,7 +133,7 @@ class CompletionService:
             key = cache_request(
                 principal.tenant_id, self.gw.model_name, text_request, req.response_format
             )
-            hit = await self.gw.cache.lookup(key, policy) if policy.lookup else None
+            hit = await self.gw.cache.lookup(key, policy, request_id) if policy.lookup else None
         except BaseException:
             await admission.settle(0)
             raise
@@ -266,7 +266,7 @@ class CompletionService:
             self._meter(p, prompt, completion, run.cached_tokens, run.status, run.ttft)
             if run.status == 200 and run.finish is not None and p.policy.store:
                 response = CachedResponse(run.text, run.finish, p.prompt_tokens, completion)
-                await self.gw.cache.store(p.cache_key, p.policy, response)
+                await self.gw.cache.store(p.cache_key, p.policy, response, p.request.request_id)
         finally:
             if p.admission is not None:
                 await p.admission.settle(prompt + completion)
