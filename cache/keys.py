@@ -110,6 +110,9 @@ class BucketKeys:
     """list: slots changed, in order; processes replay it to keep their in-memory copy current"""
     by_response: str
     """hash: response key -> slot, so storing the same entry twice refreshes one slot"""
+    vset: str
+    """vector set (Redis 8): the bucket's entries when the server searches them itself
+    (`cache.vset_index`); unused by the core index"""
 
     def all(self) -> list[str]:
         return [
@@ -145,7 +148,9 @@ class Keyspace:
 
     def bucket(self, req: CacheRequest, embedder_id: str) -> BucketKeys:
         base = f"{self.scope(req.tenant_id, req.adapter)}s:{{{bucket_hash(req, embedder_id)}}}"
-        return BucketKeys(*(f"{base}:{part}" for part in ("i", "v", "m", "u", "e", "f", "l", "k")))
+        return BucketKeys(
+            *(f"{base}:{part}" for part in ("i", "v", "m", "u", "e", "f", "l", "k", "vs"))
+        )
 
     @staticmethod
     def is_exact(key: str) -> bool:

@@ -36,6 +36,7 @@ from cache.semantic_index import Candidate, CoreVectorIndex
 from cache.tenant_stats import NEAR_MISS_MARGIN, TenantCacheStats
 from cache.types import CachedResponse, CacheHit, CachePolicy, CacheRequest
 from cache.verifier import Verdict, parse, verify
+from cache.vset_index import VectorSetIndex
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +86,15 @@ class ResponseCache:
         redis_timeout: float = 1.0,
         candidates: int = 4,
         log_every: float = 10.0,
+        vector_sets: bool = True,
     ):
         self.redis = redis
         self.embedder = embedder
         self.keys = Keyspace(prefix)
-        self.index = CoreVectorIndex(
+        self.max_entries_per_bucket = max_entries_per_bucket
+        self.vector_sets = vector_sets
+        """Search with the server's vector sets when it has them (Redis 8); else core data."""
+        self.index: CoreVectorIndex | VectorSetIndex = CoreVectorIndex(
             redis, embedder.dim, max_entries=max_entries_per_bucket, mirror_bytes=mirror_bytes
         )
         self.redis_timeout = redis_timeout
@@ -122,9 +127,14 @@ class ResponseCache:
         except Exception as exc:
             self._failed("start", exc)
             return
+        if self.vector_search == "vset" and self.vector_sets:
+            self.index = VectorSetIndex(
+                self.redis, self.embedder.dim, max_entries=self.max_entries_per_bucket
+            )
         log.info(
-            "response cache on Redis; server vector search: %s (searching with core data)",
+            "response cache on Redis; server vector search: %s (searching with %s)",
             self.vector_search or "none",
+            "vector sets" if isinstance(self.index, VectorSetIndex) else "core data",
         )
 
     async def _detect_vector_search(self) -> str | None:
@@ -187,8 +197,8 @@ class ResponseCache:
         async with asyncio.timeout(self.redis_timeout):
             if question is None:
                 raw = await self.redis.get(key)
-            else:  # the exact entry and the bucket's news, in one round trip
-                raw = await self.index.refresh(bucket, also_get=key)
+            else:  # the exact entry and (core index) the bucket's news, in one round trip
+                raw = await self.index.prefetch(bucket, also_get=key)
         if raw is not None:
             return CacheHit(decode_response(raw), "exact", None), key
         if question is None:
@@ -197,7 +207,8 @@ class ResponseCache:
         scope = self.keys.scope(req.tenant_id, req.adapter)
         tenant = self.tenant_stats(req.tenant_id)
         floor = policy.threshold - NEAR_MISS_MARGIN
-        found = self.index.candidates(bucket, vector, floor, self.candidates)
+        async with asyncio.timeout(self.redis_timeout):
+            found = await self.index.nearest(bucket, vector, floor, self.candidates)
         above = [c for c in found if c.similarity >= policy.threshold]
         if found and not above:
             tenant.near_misses += 1
