@@ -148,6 +148,8 @@ def test_another_tenant_cannot_report_a_tenants_response(
     assert foreign.status_code == unknown.status_code == 404
     assert json_of(foreign)["error"]["message"] == json_of(unknown)["error"]["message"]
     assert ask(api, owner, question).headers["x-cache"] == "exact"
+    hostile = {"tenant": other.tenant_id, "request_id": "r" * 10_000}
+    assert admin.post("/admin/cache/feedback", json=hostile).status_code == 400
     for bad in (
         {"tenant": other.tenant_id},
         {"request_id": "x"},
