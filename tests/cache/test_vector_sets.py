@@ -6,7 +6,7 @@ The two indexes are approximate in different ways (the core index ranks a sign-b
 then scores int8 records; vector sets walk an HNSW graph over int8 vectors), so the comparison
 is of hit decisions: which entry, if any, is the best match at or above the threshold, with
 stored questions far apart (random directions) and queries either near one of them (≈ 0.95) or
-near none. At 1,000 entries and `EF` 500 the graph walk is all but exhaustive.
+near none. At 1,000 entries and `EF` 200 the graph walk is all but exhaustive.
 """
 
 from __future__ import annotations
@@ -91,6 +91,24 @@ async def test_on_redis_8_the_response_cache_serves_paraphrases_and_keeps_scopes
     assert await cache.purge("tenant-a") >= 1
     assert await cache.lookup(chat(asked), policy) is None
     assert cache.errors == 0
+    await cache.redis.aclose()
+
+
+async def test_a_full_vector_set_bucket_drops_entries_to_stay_at_its_size(
+    redis8_server: RedisServer, embedder: Embedder
+) -> None:
+    cache = ResponseCache(
+        Redis.from_url(redis8_server.url), embedder, prefix=f"test-{uuid.uuid4().hex[:8]}",
+        max_entries_per_bucket=3,
+    )  # fmt: skip
+    await cache.start()
+    bucket = cache.keys.bucket(chat("a question"), "test")
+    vectors = _unit(np.random.default_rng(1).standard_normal((6, embedder.dim)))
+    for i, vector in enumerate(vectors):
+        await cache.index.add(bucket, vector, f"q{i}", f"entry{i}", 60)
+    assert await cache.redis.execute_command("VCARD", bucket.vset) == 3
+    found = await cache.index.nearest(bucket, vectors[-1], 0.99, 1)
+    assert [c.response_key for c in found] == ["entry5"]
     await cache.redis.aclose()
 
 
