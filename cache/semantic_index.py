@@ -149,6 +149,16 @@ class CoreVectorIndex:
             self._drop(bucket.info)
         return replies[0] if also_get is not None else None
 
+    async def prefetch(self, bucket: BucketKeys, also_get: str | None = None) -> bytes | None:
+        """`refresh` (what a lookup does before it knows its query vector)."""
+        return await self.refresh(bucket, also_get)
+
+    async def nearest(
+        self, bucket: BucketKeys, query: F32, threshold: float, limit: int
+    ) -> list[Candidate]:
+        """`candidates`, after a `prefetch` of the bucket."""
+        return self.candidates(bucket, query, threshold, limit)
+
     def candidates(
         self, bucket: BucketKeys, query: F32, threshold: float, limit: int
     ) -> list[Candidate]:

@@ -8,8 +8,10 @@ re-uploaded adapter has a new digest and never meets the old version's entries.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from cache.pacing import Pacing
 
 RequestKind = Literal["chat", "text"]
 HitKind = Literal["exact", "semantic"]
@@ -41,8 +43,8 @@ class CachePolicy:
 
     `lookup`: read (exact, then semantic when `semantic`); `store`: write the response after it
     is generated. `threshold` is the cosine similarity a semantic candidate needs before the
-    verifier (`strict`: numbers, entities, negations, antonyms and word order must agree;
-    `off`: similarity alone) decides. `ttl` is the entry's lifetime in seconds.
+    verifier (`strict`: see `cache.verifier`; `off`: similarity alone) decides. `ttl` is the
+    entry's lifetime in seconds. `pacing` says how a streamed hit is sent (`cache.pacing`).
     """
 
     lookup: bool
@@ -51,6 +53,7 @@ class CachePolicy:
     ttl: int
     threshold: float
     verifier: VerifierName
+    pacing: Pacing = field(default_factory=Pacing)
 
 
 @dataclass(frozen=True)

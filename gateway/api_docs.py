@@ -68,6 +68,7 @@ _MEANINGS = {
     409: "The name is taken, or the change conflicts with the current state.",
     413: "The body is larger than the gateway accepts.",
     415: "The body is not JSON (Content-Type) or not UTF-8.",
+    422: "The body is well formed but cannot be acted on (`code` says why).",
     429: "A quota is reached (`rate_limit_exceeded`: rpm, tpm or concurrency; "
     "`insufficient_quota`: the token budget). `retry-after` says when to retry.",
     503: "A backing service (engine, database, Redis) cannot serve now; retry later.",

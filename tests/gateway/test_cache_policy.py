@@ -18,7 +18,7 @@ SEMANTIC_TENANT: dict[str, Any] = {"cache": {"semantic": True, "threshold": 0.95
 def test_defaults_cache_deterministic_requests_exactly_for_an_hour() -> None:
     policy = cache_policy({}, None, None, deterministic=True)
     assert (policy.lookup, policy.store, policy.semantic) == (True, True, False)
-    assert (policy.ttl, policy.threshold, policy.verifier) == (3600, 0.92, "strict")
+    assert (policy.ttl, policy.threshold, policy.verifier) == (3600, 0.90, "strict")
     assert DEFAULTS["enabled"] and not DEFAULTS["cache_sampled"]
 
 
