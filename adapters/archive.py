@@ -26,7 +26,7 @@ from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import IO
 
-from adapters.errors import FileTooLarge, InvalidArchive, UnsafeArchive
+from loramux.adapters.errors import FileTooLarge, InvalidArchive, UnsafeArchive
 
 ALLOWED_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors", "README.md"})
 _RATIO_FLOOR_BYTES = 1 << 20

@@ -22,7 +22,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaForCausalLM
 
-from adapters.base_spec import PROJECTIONS
+from loramux.adapters.base_spec import PROJECTIONS
 
 logger = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from adapters.base_spec import BaseModelSpec
-from adapters.errors import RankOverLimit, ShapeMismatch
-from adapters.peft_format import LoraAdapter
+from loramux.adapters.base_spec import BaseModelSpec
+from loramux.adapters.errors import RankOverLimit, ShapeMismatch
+from loramux.adapters.peft_format import LoraAdapter
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q", "k", "v"),

@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from adapters.base_spec import PROJECTIONS, BaseModelSpec
-from adapters.errors import (
+from loramux.adapters.base_spec import PROJECTIONS, BaseModelSpec
+from loramux.adapters.errors import (
     BiasUnsupported,
     DoraUnsupported,
     EmbeddingTargetUnsupported,

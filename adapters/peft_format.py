@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from adapters.base_spec import PROJECTIONS, BaseModelSpec
-from adapters.digest import adapter_digest
-from adapters.errors import (
+from loramux.adapters.base_spec import PROJECTIONS, BaseModelSpec
+from loramux.adapters.digest import adapter_digest
+from loramux.adapters.errors import (
     FileTooLarge,
     InvalidAdapterConfig,
     InvalidWeightsFile,
@@ -38,7 +38,7 @@ from adapters.errors import (
     UnsafeFile,
     UnsupportedDtype,
 )
-from adapters.peft_config import PARENT_MODULE, LoraSettings, parse_lora_config
+from loramux.adapters.peft_config import PARENT_MODULE, LoraSettings, parse_lora_config
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -24,8 +24,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from adapters.base_spec import BaseModelSpec
-from adapters.peft_format import (
+from loramux.adapters.base_spec import BaseModelSpec
+from loramux.adapters.peft_format import (
     WEIGHTS_FILE,
     AdapterLimits,
     LoraAdapter,

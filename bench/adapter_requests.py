@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import now
-from engine.llm_engine import LLMEngine
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

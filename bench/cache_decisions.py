@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from cache.embedder import Embedder
-from cache.keys import question_text
-from cache.verifier import DEFAULT_WORD_THRESHOLD, Verdict, parse, verify
+from loramux.cache.embedder import Embedder
+from loramux.cache.keys import question_text
+from loramux.cache.verifier import DEFAULT_WORD_THRESHOLD, Verdict, parse, verify
 
 DATA = Path(__file__).parent / "data"
 PAIRS = DATA / "paraphrase_pairs.jsonl"

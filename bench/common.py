@@ -34,7 +34,7 @@ import torch
 import transformers
 
 from bench.models import prepare_model
-from gateway.settings import EngineSettings
+from loramux.gateway.settings import EngineSettings
 
 RESULTS_DIR = Path(__file__).parent / "results"
 

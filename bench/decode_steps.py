@@ -18,11 +18,11 @@ from typing import TypeVar
 import torch
 
 from bench.common import now
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_runner import kv_bytes_per_block
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
+from loramux.engine.config import EngineConfig
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.model_runner import kv_bytes_per_block
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.sampling import SamplingParams
 
 T = TypeVar("T")
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.service.runner import Listen, serve_engine
+from loramux.engine.async_engine import AsyncEngine
+from loramux.engine.config import EngineConfig
+from loramux.engine.service.runner import Listen, serve_engine
 
 START_SECONDS = 300.0
 

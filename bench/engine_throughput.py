@@ -35,10 +35,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench.common import Figure, Result, RunSettings, Stopwatch, run_benchmark
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import EngineRequest, EngineStats
-from engine.sampling import SamplingParams
+from loramux.engine.config import EngineConfig
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.outputs import EngineRequest, EngineStats
+from loramux.engine.sampling import SamplingParams
 
 NAME = "engine_throughput"
 

@@ -55,8 +55,8 @@ from bench.gateway_profile import profile_gateway
 from bench.gateway_rig import MODEL_NAME, Rig, engine_config, running_rig
 from bench.load_generator import DirectJob, LoadGenerator
 from bench.streams import LoadJob, LoadResult, Sample, StreamJob
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.sampling import SamplingParams
 
 NAME = "gateway_overhead"
 GOAL_ADDED_TTFT_MS = 2.0

@@ -18,12 +18,12 @@ import httpx
 from bench.common import RunSettings
 from bench.engine_process import RunningEngine, engine_process
 from bench.load_generator import LoadGenerator
-from engine.config import EngineConfig
-from gateway.db.migrate import upgrade
-from gateway.engine_client.remote import RemoteEngineClient
-from gateway.redis_server import private_redis
-from gateway.server import RunningServer, serve_in_thread
-from gateway.settings import ServerSettings, Settings
+from loramux.engine.config import EngineConfig
+from loramux.gateway.db.migrate import upgrade
+from loramux.gateway.engine_client.remote import RemoteEngineClient
+from loramux.gateway.redis_server import private_redis
+from loramux.gateway.server import RunningServer, serve_in_thread
+from loramux.gateway.settings import ServerSettings, Settings
 
 MODEL_NAME = "demo-model"
 

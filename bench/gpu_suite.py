@@ -48,7 +48,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from adapters.base_spec import BaseModelSpec
 from bench.common import RESULTS_DIR, Figure, Result, RunSettings, available_cores, configure
 from bench.common import report as write_report
 from bench.decode_steps import (
@@ -59,9 +58,10 @@ from bench.decode_steps import (
 )
 from bench.lora_overhead import write_adapter
 from bench.models import describe_model, llama3_8b_config, shapes_only_folder
-from engine.config import EngineConfig
-from engine.demo_model import build_demo_model
-from engine.llm_engine import LLMEngine
+from loramux.adapters.base_spec import BaseModelSpec
+from loramux.engine.config import EngineConfig
+from loramux.engine.demo_model import build_demo_model
+from loramux.engine.llm_engine import LLMEngine
 
 NAME = "gpu_suite"
 ROOT = Path(__file__).resolve().parent.parent

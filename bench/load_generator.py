@@ -18,8 +18,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from bench.streams import LoadJob, Sample, StreamJob, closed_loop, run_http_job
-from engine.outputs import EngineRequest
-from gateway.engine_client.remote import RemoteEngineClient
+from loramux.engine.outputs import EngineRequest
+from loramux.gateway.engine_client.remote import RemoteEngineClient
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,6 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from adapters.demo import build_demo_adapters
 from bench.adapter_requests import (
     Request,
     Run,
@@ -67,8 +66,9 @@ from bench.common import (
     report,
 )
 from bench.peft_reference import Peft, load_peft
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from loramux.adapters.demo import build_demo_adapters
+from loramux.engine.config import EngineConfig
+from loramux.engine.llm_engine import LLMEngine
 
 NAME = "lora_batching"
 

@@ -57,9 +57,9 @@ from bench.common import (
 from bench.decode_steps import copy_bandwidth
 from bench.lora_overhead import measure_overhead, overhead_config
 from bench.models import prepare_model
-from kernels.lora_expand import bgmv_expand, sgmv_expand
-from kernels.lora_meta import INTERPRET, LoraBatchMeta, LoraMetaBuffers
-from kernels.lora_shrink import bgmv_shrink, sgmv_shrink
+from loramux.kernels.lora_expand import bgmv_expand, sgmv_expand
+from loramux.kernels.lora_meta import INTERPRET, LoraBatchMeta, LoraMetaBuffers
+from loramux.kernels.lora_shrink import bgmv_shrink, sgmv_shrink
 
 NAME = "lora_kernels"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}

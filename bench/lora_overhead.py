@@ -13,13 +13,13 @@ from typing import Protocol
 import torch
 from safetensors.torch import save_file
 
-from adapters.base_spec import PROJECTIONS, BaseModelSpec
-from adapters.peft_config import PARENT_MODULE
 from bench.common import RunSettings, median, now
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
+from loramux.adapters.base_spec import PROJECTIONS, BaseModelSpec
+from loramux.adapters.peft_config import PARENT_MODULE
+from loramux.engine.config import EngineConfig
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.sampling import SamplingParams
 
 
 class OverheadSizes(Protocol):

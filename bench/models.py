@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.demo_model import END_OF_TEXT_ID, EOS_TOKEN_IDS, LOGIT_STD, build_demo_model
+from loramux.engine.demo_model import END_OF_TEXT_ID, EOS_TOKEN_IDS, LOGIT_STD, build_demo_model
 
 if TYPE_CHECKING:  # bench.common runs benchmarks on these models
     from bench.common import RunSettings

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Figure, Result, RunSettings, Stopwatch, median, run_benchmark
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams, choice_seed
+from loramux.engine.config import EngineConfig
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.sampling import SamplingParams, choice_seed
 
 NAME = "n_choices"
 CHOICES = 4

@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import CeilingFigure, Figure, Result, configure, parse_args, report
-from engine.outputs import RequestTimings
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence as EngineSequence
-from gateway import tracing
-from gateway.metrics import Metrics
-from gateway.metrics.routes import CHAT
+from loramux.engine.outputs import RequestTimings
+from loramux.engine.sampling import SamplingParams
+from loramux.engine.sequence import Sequence as EngineSequence
+from loramux.gateway import tracing
+from loramux.gateway.metrics import Metrics
+from loramux.gateway.metrics.routes import CHAT
 
 NAME = "observability"
 TOKENS = 16
@@ -110,7 +110,7 @@ def otlp_sink() -> Iterator[str]:
 
 
 def engine_metrics_per_request(calls: int) -> float:
-    from engine.metrics import EngineMetrics
+    from loramux.engine.metrics import EngineMetrics
 
     class _NoEngine:  # the collector reads an engine only on scrape; none happens here
         pass

@@ -36,10 +36,10 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from bench.common import Figure, Result, RunSettings, Stopwatch, median, run_benchmark
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
+from loramux.engine.config import EngineConfig
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.sampling import SamplingParams
 
 NAME = "prefix_cache"
 CASES = ("cold", "miss", "warm")

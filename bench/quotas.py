@@ -48,13 +48,13 @@ from bench.common import (
     percentile,
     report,
 )
-from gateway.auth.api_keys import Principal
-from gateway.db import ApiKey, Quota, Tenant
-from gateway.db.migrate import upgrade
-from gateway.db.session import create_engine, session_factory
-from gateway.quotas import QuotaService
-from gateway.redis_server import private_redis
-from gateway.settings import QuotaSettings
+from loramux.gateway.auth.api_keys import Principal
+from loramux.gateway.db import ApiKey, Quota, Tenant
+from loramux.gateway.db.migrate import upgrade
+from loramux.gateway.db.session import create_engine, session_factory
+from loramux.gateway.quotas import QuotaService
+from loramux.gateway.redis_server import private_redis
+from loramux.gateway.settings import QuotaSettings
 
 NAME = "quotas"
 GOAL_ADMIT_P50_MS = 1.0

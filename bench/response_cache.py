@@ -36,15 +36,15 @@ from redis.asyncio import Redis
 
 from bench.cache_decisions import decision_quality, load, point, print_curves
 from bench.common import CeilingFigure, Figure, Result, RunSettings, percentile, run_benchmark
-from cache.embedder import Embedder
-from cache.keys import semantic_question
-from cache.response_cache import ResponseCache
-from cache.types import CachedResponse, CachePolicy, CacheRequest
-from cache.verifier import parse
-from gateway.db.migrate import upgrade
-from gateway.redis_server import packaged_redis8, private_redis
-from gateway.server import engine_client, serve_in_thread
-from gateway.settings import EngineSettings, ServerSettings, Settings
+from loramux.cache.embedder import Embedder
+from loramux.cache.keys import semantic_question
+from loramux.cache.response_cache import ResponseCache
+from loramux.cache.types import CachedResponse, CachePolicy, CacheRequest
+from loramux.cache.verifier import parse
+from loramux.gateway.db.migrate import upgrade
+from loramux.gateway.redis_server import packaged_redis8, private_redis
+from loramux.gateway.server import engine_client, serve_in_thread
+from loramux.gateway.settings import EngineSettings, ServerSettings, Settings
 
 NAME = "response_cache"
 PAIRS = Path(__file__).parent / "data" / "paraphrase_pairs.jsonl"

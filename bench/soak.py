@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adapters.demo import build_demo_adapters
 from bench.common import (
     Figure,
     Result,
@@ -35,10 +34,11 @@ from bench.common import (
     prepared_run,
     report,
 )
-from gateway.db.migrate import upgrade
-from gateway.redis_server import private_redis
-from gateway.server import RunningServer, engine_client, serve_in_thread
-from gateway.settings import EngineSettings, ServerSettings, Settings
+from loramux.adapters.demo import build_demo_adapters
+from loramux.gateway.db.migrate import upgrade
+from loramux.gateway.redis_server import private_redis
+from loramux.gateway.server import RunningServer, engine_client, serve_in_thread
+from loramux.gateway.settings import EngineSettings, ServerSettings, Settings
 from tests.reliability import books
 from tests.reliability.rig import admin_client, make_tenants
 from tests.reliability.traffic import Mix, Outcome, Plan, Tenant, plan_requests, run_load

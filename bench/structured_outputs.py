@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Figure, Result, RunSettings, now, run_benchmark
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
-from engine.structured import StructuredOutput
+from loramux.engine.config import EngineConfig
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.sampling import SamplingParams
+from loramux.engine.structured import StructuredOutput
 
 NAME = "structured_outputs"
 GOAL = 0.9

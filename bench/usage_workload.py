@@ -32,18 +32,18 @@ from sqlalchemy import create_engine as create_sync_engine
 from sqlalchemy import func, insert, select
 
 from bench.common import CeilingFigure, Figure, percentile
-from gateway.auth.api_keys import mint_key
-from gateway.dashboard.pages import dashboard_page
-from gateway.dashboard.session import Viewer
-from gateway.dashboard.sources import DashboardSources
-from gateway.dashboard.view import load_view, window_of
-from gateway.db import ApiKey, Tenant, UsageEvent, UsageTotals, usage_daily, usage_hourly
-from gateway.db.migrate import upgrade
-from gateway.db.session import create_engine, session_factory
-from gateway.db.usage_rollup import GROUP_KEY
-from gateway.server import RunningServer, engine_client, serve_in_thread
-from gateway.settings import EngineSettings, ServerSettings, Settings
-from gateway.usage.recorder import (
+from loramux.gateway.auth.api_keys import mint_key
+from loramux.gateway.dashboard.pages import dashboard_page
+from loramux.gateway.dashboard.session import Viewer
+from loramux.gateway.dashboard.sources import DashboardSources
+from loramux.gateway.dashboard.view import load_view, window_of
+from loramux.gateway.db import ApiKey, Tenant, UsageEvent, UsageTotals, usage_daily, usage_hourly
+from loramux.gateway.db.migrate import upgrade
+from loramux.gateway.db.session import create_engine, session_factory
+from loramux.gateway.db.usage_rollup import GROUP_KEY
+from loramux.gateway.server import RunningServer, engine_client, serve_in_thread
+from loramux.gateway.settings import EngineSettings, ServerSettings, Settings
+from loramux.gateway.usage.recorder import (
     RollupKey,
     UsageRecord,
     UsageRecorder,
@@ -52,7 +52,7 @@ from gateway.usage.recorder import (
     event_row,
     hourly_rollup,
 )
-from gateway.usage.recorder import usage_events as events_table
+from loramux.gateway.usage.recorder import usage_events as events_table
 
 GOAL_INGEST_PER_S = 5000.0
 GOAL_PAGE_MS = 500.0
@@ -308,7 +308,7 @@ def browser_loads(url: str, key: str, n: int) -> list[float] | None:
 
 
 def _gateway(url: str, workdir: Path, redis_url: str) -> Any:
-    from engine.demo_model import build_demo_model
+    from loramux.engine.demo_model import build_demo_model
 
     model_dir = workdir / "demo-model"
     build_demo_model(model_dir, seed=0)

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from cache.vectors import F32
-from cache.word_vectors import WordVectors
+from loramux.cache.vectors import F32
+from loramux.cache.word_vectors import WordVectors
 
 MODEL_ID = "all-MiniLM-L6-v2"
 

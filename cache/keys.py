@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from cache.types import CacheRequest
+from loramux.cache.types import CacheRequest
 
 KEY_VERSION = 1
 """Bumped when the key derivation changes, so old entries are never misread."""

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 import redis.asyncio
 from redis.exceptions import ResponseError
 
-from cache.embedder import Embedder
-from cache.keys import Keyspace, semantic_question
-from cache.semantic_index import Candidate, CoreVectorIndex
-from cache.tenant_stats import NEAR_MISS_MARGIN, TenantCacheStats
-from cache.types import CachedResponse, CacheHit, CachePolicy, CacheRequest
-from cache.verifier import Verdict, parse, verify
-from cache.vset_index import VectorSetIndex
+from loramux.cache.embedder import Embedder
+from loramux.cache.keys import Keyspace, semantic_question
+from loramux.cache.semantic_index import Candidate, CoreVectorIndex
+from loramux.cache.tenant_stats import NEAR_MISS_MARGIN, TenantCacheStats
+from loramux.cache.types import CachedResponse, CacheHit, CachePolicy, CacheRequest
+from loramux.cache.verifier import Verdict, parse, verify
+from loramux.cache.vset_index import VectorSetIndex
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
-from cache import scripts
-from cache.keys import BucketKeys
-from cache.vectors import F32, BucketMirror, encode, record_size
+from loramux.cache import scripts
+from loramux.cache.keys import BucketKeys
+from loramux.cache.vectors import F32, BucketMirror, encode, record_size
 
 MAX_DELTA = 4096
 """A copy further behind than this many changes reloads the whole bucket."""

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from cache.embedder import Embedder
-from cache.keys import question_text
-from cache.verifier import parse, verify
+from loramux.cache.embedder import Embedder
+from loramux.cache.keys import question_text
+from loramux.cache.verifier import parse, verify
 
 Objective = Literal["f1", "precision"]
 LOWEST, HIGHEST = 0.5, 1.0

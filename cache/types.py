@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from cache.pacing import Pacing
+from loramux.cache.pacing import Pacing
 
 RequestKind = Literal["chat", "text"]
 HitKind = Literal["exact", "semantic"]

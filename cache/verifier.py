@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from cache.lexicon import (
+from loramux.cache.lexicon import (
     CONTRACTIONS,
     FRAME_WORDS,
     NEGATIONS,

@@ -22,9 +22,9 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from cache.keys import BucketKeys
-from cache.semantic_index import Candidate
-from cache.vectors import F32
+from loramux.cache.keys import BucketKeys
+from loramux.cache.semantic_index import Candidate
+from loramux.cache.vectors import F32
 
 DEFAULT_EF = 200
 """HNSW exploration factor of a search: buckets of some thousands of entries are searched all but

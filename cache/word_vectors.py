@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cache.vectors import F32
+from loramux.cache.vectors import F32
 
 
 class WordVectors:
@@ -45,7 +45,7 @@ class WordVectors:
         missing = [w for w in dict.fromkeys(words) if w not in found]
         if not missing:
             return found
-        from cache.embedder import default_model_path, load_model
+        from loramux.cache.embedder import default_model_path, load_model
 
         model = load_model(self.model_path or default_model_path())
         vectors = model.encode(

@@ -21,18 +21,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.config import EngineConfig
-from engine.errors import (
+from loramux.engine.config import EngineConfig
+from loramux.engine.errors import (
     EngineError,
     EngineOverloadedError,
     EngineStoppedError,
     InvalidRequestError,
     RequestFailedError,
 )
-from engine.llm_engine import LLMEngine
-from engine.lora.manager import AdapterStats
-from engine.outputs import EngineRequest, EngineStats, RequestOutput
-from engine.sequence import FinishReason
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.lora.manager import AdapterStats
+from loramux.engine.outputs import EngineRequest, EngineStats, RequestOutput
+from loramux.engine.sequence import FinishReason
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from engine.sequence import Sequence
+from loramux.engine.sequence import Sequence
 
 PrefixHash = bytes
 

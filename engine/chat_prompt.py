@@ -37,7 +37,7 @@ from typing import Any
 
 from jinja2 import TemplateError, TemplateSyntaxError
 
-from engine.errors import InvalidRequestError
+from loramux.engine.errors import InvalidRequestError
 
 # Supplementary private-use characters. User text holding them is marked too, so a user cannot
 # forge a marked token or break one open.

@@ -28,34 +28,34 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from adapters.base_spec import BaseModelSpec
-from adapters.peft_format import AdapterLimits
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.errors import InvalidRequestError, UnknownAdapterError, number_text
-from engine.lora.manager import AdapterStats, LoraManager
-from engine.metrics import EngineMetrics
-from engine.model.config import ModelConfig
-from engine.model.llama import LlamaModel
-from engine.model.loader import load_model
-from engine.model_runner import ModelRunner, kv_bytes_per_block
-from engine.output_processor import OutputProcessor
-from engine.outputs import (
+from loramux.adapters.base_spec import BaseModelSpec
+from loramux.adapters.peft_format import AdapterLimits
+from loramux.engine.block_manager import BlockManager
+from loramux.engine.config import EngineConfig
+from loramux.engine.errors import InvalidRequestError, UnknownAdapterError, number_text
+from loramux.engine.lora.manager import AdapterStats, LoraManager
+from loramux.engine.metrics import EngineMetrics
+from loramux.engine.model.config import ModelConfig
+from loramux.engine.model.llama import LlamaModel
+from loramux.engine.model.loader import load_model
+from loramux.engine.model_runner import ModelRunner, kv_bytes_per_block
+from loramux.engine.output_processor import OutputProcessor
+from loramux.engine.outputs import (
     MAX_CACHE_SALT_CHARS,
     EngineRequest,
     EngineStats,
     RequestOutput,
     TokenLogprob,
 )
-from engine.prompt import prompt_token_ids
-from engine.sampler import sample_step
-from engine.sampling import SamplingParams, choice_seed
-from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, SequenceUpdate
-from engine.sequence import BASE_ADAPTER, FinishReason, Sequence
-from engine.step_inputs import LaunchedStep, StepInputs
-from engine.structured import StructuredOutputError
-from engine.structured.grammar import CompiledGrammar, GrammarCompiler
-from engine.structured.mask import GrammarBitmask
+from loramux.engine.prompt import prompt_token_ids
+from loramux.engine.sampler import sample_step
+from loramux.engine.sampling import SamplingParams, choice_seed
+from loramux.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, SequenceUpdate
+from loramux.engine.sequence import BASE_ADAPTER, FinishReason, Sequence
+from loramux.engine.step_inputs import LaunchedStep, StepInputs
+from loramux.engine.structured import StructuredOutputError
+from loramux.engine.structured.grammar import CompiledGrammar, GrammarCompiler
+from loramux.engine.structured.mask import GrammarBitmask
 
 log = logging.getLogger(__name__)
 

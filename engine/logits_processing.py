@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.scheduler import ScheduledChunk
+from loramux.engine.scheduler import ScheduledChunk
 
 PENALTY_RANGE = (2.0**-60, 2.0**60)
 """The repetition penalty is clamped into this range on the device: a larger one already sends

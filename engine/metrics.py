@@ -24,11 +24,11 @@ from prometheus_client import CollectorRegistry, Histogram, disable_created_metr
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.outputs import RequestTimings
-from engine.sequence import Sequence
+from loramux.engine.outputs import RequestTimings
+from loramux.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+    from loramux.engine.llm_engine import LLMEngine
 
 # No `_created` series beside every counter and histogram (prometheus_client's default, for
 # this whole process): they double the series count and no dashboard or alert reads them.

@@ -10,15 +10,15 @@ import logging
 
 import torch
 
-from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, graph_batches
-from engine.lora.batch import order_by_adapter
-from engine.lora.manager import LoraManager
-from engine.model.config import ModelConfig
-from engine.model.llama import LlamaModel
-from engine.scheduler import ScheduledChunk
-from engine.step_inputs import LaunchedStep, StepBuffers, StepInputs
-from kernels.lora_meta import LoraMetaBuffers
+from loramux.engine.config import EngineConfig
+from loramux.engine.cuda_graphs import DecodeGraphs, graph_batches
+from loramux.engine.lora.batch import order_by_adapter
+from loramux.engine.lora.manager import LoraManager
+from loramux.engine.model.config import ModelConfig
+from loramux.engine.model.llama import LlamaModel
+from loramux.engine.scheduler import ScheduledChunk
+from loramux.engine.step_inputs import LaunchedStep, StepBuffers, StepInputs
+from loramux.kernels.lora_meta import LoraMetaBuffers
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.outputs import RequestOutput, RequestTimings, TokenLogprob, Usage
-from engine.sequence import FinishReason, Sequence
+from loramux.engine.outputs import RequestOutput, RequestTimings, TokenLogprob, Usage
+from loramux.engine.sequence import FinishReason, Sequence
 
 
 @dataclass

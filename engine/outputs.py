@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling import SamplingParams
-from engine.sequence import FinishReason
+from loramux.engine.sampling import SamplingParams
+from loramux.engine.sequence import FinishReason
 
 MAX_CACHE_SALT_CHARS = 1024
 """A salt names a namespace (a tenant id, a hash): longer ones are refused, not hashed."""

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.chat_prompt import chat_prompt_ids, text_prompt_ids
-from engine.errors import InvalidRequestError, PromptTooLongError, number_text
-from engine.outputs import EngineRequest
+from loramux.engine.chat_prompt import chat_prompt_ids, text_prompt_ids
+from loramux.engine.errors import InvalidRequestError, PromptTooLongError, number_text
+from loramux.engine.outputs import EngineRequest
 
 
 def prompt_token_ids(

@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from engine.logits_processing import LogitsProcessors, apply_processors, build_processors
-from engine.outputs import TokenLogprob
-from engine.scheduler import ScheduledChunk
-from engine.structured.mask import TokenMask
+from loramux.engine.logits_processing import LogitsProcessors, apply_processors, build_processors
+from loramux.engine.outputs import TokenLogprob
+from loramux.engine.scheduler import ScheduledChunk
+from loramux.engine.structured.mask import TokenMask
 
 NO_TOKEN = -1
 """What `sample` returns for a row whose logits hold NaN or an infinity."""

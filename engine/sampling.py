@@ -12,8 +12,8 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequestError, number_text
-from engine.structured import StructuredOutput
+from loramux.engine.errors import InvalidRequestError, number_text
+from loramux.engine.structured import StructuredOutput
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures below this are greedy. At 1e-5 a logit gap of 0.001 already becomes 100, so

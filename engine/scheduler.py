@@ -31,9 +31,9 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from engine.block_manager import Allocation, BlockManager
-from engine.lora.manager import Readiness
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from loramux.engine.block_manager import Allocation, BlockManager
+from loramux.engine.lora.manager import Readiness
+from loramux.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 class AdapterGate(Protocol):

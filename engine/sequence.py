@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.sampling import SamplingParams
+from loramux.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.structured.grammar import GrammarMatcher
+    from loramux.engine.structured.grammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):

@@ -38,11 +38,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.model.llama import LoraApplier, StepContext
-from engine.sampler import SampledTokens, SamplingBatch, SamplingBuffers
-from engine.scheduler import ScheduledChunk, sample_rows
-from engine.sequence import Sequence as EngineSequence
-from kernels.paged_attention import AttentionMetadata
+from loramux.engine.model.llama import LoraApplier, StepContext
+from loramux.engine.sampler import SampledTokens, SamplingBatch, SamplingBuffers
+from loramux.engine.scheduler import ScheduledChunk, sample_rows
+from loramux.engine.sequence import Sequence as EngineSequence
+from loramux.kernels.paged_attention import AttentionMetadata
 
 
 class StagedTensor:

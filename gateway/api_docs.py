@@ -23,7 +23,7 @@ from litestar.openapi.spec import Operation, RequestBody
 from litestar.params import FromPath
 from litestar.response import File
 
-from gateway.errors import ErrorResponse, NotFound
+from loramux.gateway.errors import ErrorResponse, NotFound
 
 EXPLORER_ASSETS = "/schema-assets"
 _ASSET_DIR = Path(swagger_ui.__file__).parent / "static"

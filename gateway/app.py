@@ -13,16 +13,16 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from opentelemetry.trace import StatusCode
 
-from gateway import tracing
-from gateway.admin.router import admin_router
-from gateway.api_docs import explorer, explorer_asset
-from gateway.dashboard import dashboard_router
-from gateway.errors import exception_handler, refuse_empty_segments
-from gateway.health import health_router
-from gateway.metrics import Metrics, route_label
-from gateway.metrics.routes import CHAT, COMPLETIONS
-from gateway.openai import openai_router
-from gateway.state import GatewayState
+from loramux.gateway import tracing
+from loramux.gateway.admin.router import admin_router
+from loramux.gateway.api_docs import explorer, explorer_asset
+from loramux.gateway.dashboard import dashboard_router
+from loramux.gateway.errors import exception_handler, refuse_empty_segments
+from loramux.gateway.health import health_router
+from loramux.gateway.metrics import Metrics, route_label
+from loramux.gateway.metrics.routes import CHAT, COMPLETIONS
+from loramux.gateway.openai import openai_router
+from loramux.gateway.state import GatewayState
 
 CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,64}")
 """An `x-request-id` a client may have echoed back: a plain token of at most 64 characters."""

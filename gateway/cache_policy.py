@@ -19,11 +19,11 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cache.pacing import HitPacing, Pacing
-from cache.types import CachePolicy, CacheRequest, VerifierName
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
-from gateway.errors import BadRequest
+from loramux.cache.pacing import HitPacing, Pacing
+from loramux.cache.types import CachePolicy, CacheRequest, VerifierName
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.sampling import SamplingParams
+from loramux.gateway.errors import BadRequest
 
 MAX_TTL = 7 * 86400
 """Longest entry lifetime a tenant or a request may ask for (seconds)."""

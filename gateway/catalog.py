@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from sqlalchemy import Select, func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.auth.api_keys import Principal
-from gateway.db import AdapterVersion
-from gateway.db.adapter import SHARED_OWNER
-from gateway.errors import NotFound, PermissionDenied
+from loramux.gateway.auth.api_keys import Principal
+from loramux.gateway.db import AdapterVersion
+from loramux.gateway.db.adapter import SHARED_OWNER
+from loramux.gateway.errors import NotFound, PermissionDenied
 
 
 @dataclass(frozen=True)

@@ -9,20 +9,20 @@ import sys
 from pathlib import Path
 from typing import TypeAlias
 
-from gateway.settings import Settings, private_folder
+from loramux.gateway.settings import Settings, private_folder
 
 log = logging.getLogger("loramux")
 
 
 def _demo_model(args: argparse.Namespace) -> None:
-    from engine.demo_model import build_demo_model
+    from loramux.engine.demo_model import build_demo_model
 
     out = build_demo_model(Path(args.dir), seed=args.seed)
     print(out)
 
 
 def _demo_adapters(args: argparse.Namespace) -> None:
-    from adapters.demo import build_demo_adapters
+    from loramux.adapters.demo import build_demo_adapters
 
     for path in build_demo_adapters(
         Path(args.model_dir), Path(args.out_dir), args.count, seed=args.seed
@@ -35,7 +35,7 @@ def ensure_model(settings: Settings) -> Path:
     private_folder(settings.data_dir)
     folder = settings.model_dir
     if settings.model is None and not (folder / "config.json").is_file():
-        from engine.demo_model import build_demo_model
+        from loramux.engine.demo_model import build_demo_model
 
         log.info("building the demo model in %s", folder)
         build_demo_model(folder, seed=0)
@@ -44,10 +44,10 @@ def ensure_model(settings: Settings) -> Path:
 
 def _chat(args: argparse.Namespace) -> None:
     """Stream one chat reply from the engine, in-process."""
-    from engine.async_engine import AsyncEngine
-    from engine.detokenizer import IncrementalDetokenizer
-    from engine.outputs import EngineRequest
-    from engine.sampling import SamplingParams
+    from loramux.engine.async_engine import AsyncEngine
+    from loramux.engine.detokenizer import IncrementalDetokenizer
+    from loramux.engine.outputs import EngineRequest
+    from loramux.engine.sampling import SamplingParams
 
     settings = Settings()
     engine = AsyncEngine.from_config(settings.engine.engine_config(ensure_model(settings)))
@@ -79,8 +79,8 @@ def _chat(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> None:
     """The gateway with its private redis-server and its engine as supervised child processes
     (each only when no external one is configured); see gateway.serve."""
-    from gateway.serve import Bind, serve_forever
-    from gateway.serve_workers import default_workers
+    from loramux.gateway.serve import Bind, serve_forever
+    from loramux.gateway.serve_workers import default_workers
 
     if args.workers is not None and args.workers < 1:
         raise SystemExit("--workers must be at least 1")
@@ -98,7 +98,7 @@ def _serve(args: argparse.Namespace) -> None:
 
 def _engine(args: argparse.Namespace) -> None:
     """The engine in a process of its own, for gateways on this host or others."""
-    from engine.service import Listen, run_engine_service
+    from loramux.engine.service import Listen, run_engine_service
 
     settings = Settings()
     run_engine_service(
@@ -112,7 +112,7 @@ def _engine(args: argparse.Namespace) -> None:
 
 
 def _admin_token(args: argparse.Namespace) -> None:
-    from gateway.state import admin_auth
+    from loramux.gateway.state import admin_auth
 
     auth = admin_auth(Settings())
     if not 1 <= args.ttl <= auth.max_ttl:
@@ -124,7 +124,7 @@ def _admin_token(args: argparse.Namespace) -> None:
 
 
 def _migrate(args: argparse.Namespace) -> None:
-    from gateway.db.migrate import upgrade
+    from loramux.gateway.db.migrate import upgrade
 
     settings = Settings()
     upgrade(settings.database_url)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from sqlalchemy import func, select
 
-from gateway.auth.api_keys import mint_key
-from gateway.db import ApiKey, Tenant
-from gateway.state import GatewayState
+from loramux.gateway.auth.api_keys import mint_key
+from loramux.gateway.db import ApiKey, Tenant
+from loramux.gateway.state import GatewayState
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,9 @@ async def first_start(gw: GatewayState, model_dir: Path) -> None:
 
 
 async def _upload_demo_adapters(gw: GatewayState, model_dir: Path, count: int) -> list[str]:
-    from adapters.demo import build_demo_adapters
-    from gateway.adapters.service import AdapterService
-    from gateway.audit.service import AuditLog
+    from loramux.adapters.demo import build_demo_adapters
+    from loramux.gateway.adapters.service import AdapterService
+    from loramux.gateway.audit.service import AuditLog
 
     folders = build_demo_adapters(model_dir, gw.settings.data_dir / "demo-adapters", count)
     audit_log = AuditLog(gw.sessions)

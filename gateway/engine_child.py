@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from gateway.settings import Settings
-from gateway.supervisor import ChildSpec
+from loramux.gateway.settings import Settings
+from loramux.gateway.supervisor import ChildSpec
 
 START_SECONDS = 900.0
 """How long an engine may take to load its model and answer /health (a large model on a GPU
@@ -41,7 +41,14 @@ def engine_child(settings: Settings) -> EngineChild:
     url = f"ipc://{_socket_path(settings.data_dir)}"
     health = f"http://127.0.0.1:{_free_loopback_port()}"
     token = secrets.token_urlsafe(32)
-    argv: tuple[str, ...] = (sys.executable, "-m", "gateway.cli", "engine", "--address", url)
+    argv: tuple[str, ...] = (
+        sys.executable,
+        "-m",
+        "loramux.gateway.cli",
+        "engine",
+        "--address",
+        url,
+    )
     argv += ("--health-port", health.rsplit(":", 1)[1], "--log-level", "warning")
     env = {k: v for k, v in os.environ.items() if k != "LORAMUX_ENGINE_URLS"}
     env |= {"LORAMUX_ENGINE_TOKEN": token, "LORAMUX_DATA_DIR": str(settings.data_dir)}

@@ -17,8 +17,8 @@ from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException, ValidationException
 from sqlalchemy import exc as sql
 
-from adapters.errors import AdapterError, FileTooLarge
-from engine.errors import (
+from loramux.adapters.errors import AdapterError, FileTooLarge
+from loramux.engine.errors import (
     EngineError,
     EngineOverloadedError,
     EngineStoppedError,
@@ -27,8 +27,8 @@ from engine.errors import (
     RequestFailedError,
     UnknownAdapterError,
 )
-from engine.structured import StructuredOutputError
-from gateway.engine_client.base import EngineTimeoutError
+from loramux.engine.structured import StructuredOutputError
+from loramux.gateway.engine_client.base import EngineTimeoutError
 
 log = logging.getLogger(__name__)
 

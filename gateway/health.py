@@ -18,13 +18,13 @@ from redis.asyncio import Redis
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from cache.response_cache import ResponseCache
-from gateway.engine_client.base import EngineClient
-from gateway.metrics import Degradation, Metrics
-from gateway.quotas import QuotaService
-from gateway.state import GatewayState
-from gateway.supervisor import Supervisor
-from gateway.usage import UsageRecorder
+from loramux.cache.response_cache import ResponseCache
+from loramux.gateway.engine_client.base import EngineClient
+from loramux.gateway.metrics import Degradation, Metrics
+from loramux.gateway.quotas import QuotaService
+from loramux.gateway.state import GatewayState
+from loramux.gateway.supervisor import Supervisor
+from loramux.gateway.usage import UsageRecorder
 
 
 @dataclass(frozen=True)

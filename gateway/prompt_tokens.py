@@ -17,10 +17,10 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from engine.chat_prompt import chat_template
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import EngineRequest
-from engine.prompt import prompt_token_ids
+from loramux.engine.chat_prompt import chat_template
+from loramux.engine.detokenizer import IncrementalDetokenizer
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.prompt import prompt_token_ids
 
 TOKENIZER_THREADS = 2
 

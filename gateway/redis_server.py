@@ -19,7 +19,7 @@ from pathlib import Path
 import redis
 import redis.asyncio
 
-from gateway.supervisor import ChildSpec, spawn, stop_group
+from loramux.gateway.supervisor import ChildSpec, spawn, stop_group
 
 START_SECONDS = 10.0
 

@@ -26,11 +26,16 @@ from typing import Any
 
 import uvicorn
 
-from gateway.engine_child import engine_child
-from gateway.redis_server import redis_child
-from gateway.serve_workers import MULTIPROCESS_DIR, listening_sockets, metrics_folder, worker_child
-from gateway.settings import Settings
-from gateway.supervisor import SupervisedChild, Supervisor
+from loramux.gateway.engine_child import engine_child
+from loramux.gateway.redis_server import redis_child
+from loramux.gateway.serve_workers import (
+    MULTIPROCESS_DIR,
+    listening_sockets,
+    metrics_folder,
+    worker_child,
+)
+from loramux.gateway.settings import Settings
+from loramux.gateway.supervisor import SupervisedChild, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +92,12 @@ async def _serve(
     # Imported now, after the children were spawned, so that importing the gateway (torch,
     # sentence-transformers: seconds) overlaps the engine's start; on a thread, so that the
     # event loop meanwhile handles a stop at once.
-    await asyncio.to_thread(importlib.import_module, "gateway.app")
-    from gateway.app import create_app
-    from gateway.db.migrate import upgrade
-    from gateway.demo_setup import first_start
-    from gateway.server import engine_client
-    from gateway.state import build_state
+    await asyncio.to_thread(importlib.import_module, "loramux.gateway.app")
+    from loramux.gateway.app import create_app
+    from loramux.gateway.db.migrate import upgrade
+    from loramux.gateway.demo_setup import first_start
+    from loramux.gateway.server import engine_client
+    from loramux.gateway.state import build_state
 
     await asyncio.to_thread(upgrade, settings.database_url)  # it runs an event loop of its own
     for child in starting:

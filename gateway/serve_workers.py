@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from gateway.supervisor import ChildSpec
+from loramux.gateway.supervisor import ChildSpec
 
 START_SECONDS = 300.0
 """How long a worker may take to import the gateway and answer /ready."""
@@ -60,7 +60,7 @@ def worker_child(
     """Worker `index`, serving on `host`:`port` with the redis-server and engine that `shared`
     (LORAMUX_* variables) names."""
     control = _control_socket(data_dir, index)
-    argv: tuple[str, ...] = (sys.executable, "-m", "gateway.cli", "serve", "--workers", "1")
+    argv: tuple[str, ...] = (sys.executable, "-m", "loramux.gateway.cli", "serve", "--workers", "1")
     argv += ("--host", host, "--port", str(port), "--reuse-port", "--control-socket", str(control))
 
     async def ready() -> bool:

@@ -14,12 +14,12 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from engine.async_engine import AsyncEngine
-from gateway.app import create_app
-from gateway.engine_client.base import EngineClient
-from gateway.engine_client.local import LocalEngineClient
-from gateway.settings import Settings
-from gateway.state import GatewayState, build_state
+from loramux.engine.async_engine import AsyncEngine
+from loramux.gateway.app import create_app
+from loramux.gateway.engine_client.base import EngineClient
+from loramux.gateway.engine_client.local import LocalEngineClient
+from loramux.gateway.settings import Settings
+from loramux.gateway.state import GatewayState, build_state
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -28,7 +28,7 @@ T = TypeVar("T")
 def engine_client(settings: Settings, model_dir: Path) -> EngineClient:
     """The in-process engine, or the remote engines named by LORAMUX_ENGINE_URLS."""
     if settings.server.engine_urls:
-        from gateway.engine_client.remote import RemoteEngineClient
+        from loramux.gateway.engine_client.remote import RemoteEngineClient
 
         server = settings.server
         return RemoteEngineClient(

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig
+from loramux.engine.config import EngineConfig
 
 
 def private_folder(path: Path) -> Path:

@@ -11,24 +11,24 @@ from pathlib import Path
 from redis.asyncio import BlockingConnectionPool, Redis
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from adapters.base_spec import BaseModelSpec
-from adapters.peft_format import AdapterLimits
-from adapters.store import AdapterStore
-from cache.embedder import Embedder
-from cache.response_cache import ResponseCache
-from gateway import tracing
-from gateway.access_log import redact_access_log
-from gateway.auth.admin_jwt import AdminAuth
-from gateway.auth.api_keys import ApiKeyAuth
-from gateway.catalog import ModelCatalog
-from gateway.db.session import create_engine, session_factory
-from gateway.engine_client.base import EngineClient
-from gateway.metrics import Metrics
-from gateway.prompt_tokens import PromptTokens
-from gateway.quotas import QuotaService
-from gateway.settings import Settings, private_folder
-from gateway.supervisor import Supervisor
-from gateway.usage import UsageRecorder
+from loramux.adapters.base_spec import BaseModelSpec
+from loramux.adapters.peft_format import AdapterLimits
+from loramux.adapters.store import AdapterStore
+from loramux.cache.embedder import Embedder
+from loramux.cache.response_cache import ResponseCache
+from loramux.gateway import tracing
+from loramux.gateway.access_log import redact_access_log
+from loramux.gateway.auth.admin_jwt import AdminAuth
+from loramux.gateway.auth.api_keys import ApiKeyAuth
+from loramux.gateway.catalog import ModelCatalog
+from loramux.gateway.db.session import create_engine, session_factory
+from loramux.gateway.engine_client.base import EngineClient
+from loramux.gateway.metrics import Metrics
+from loramux.gateway.prompt_tokens import PromptTokens
+from loramux.gateway.quotas import QuotaService
+from loramux.gateway.settings import Settings, private_folder
+from loramux.gateway.supervisor import Supervisor
+from loramux.gateway.usage import UsageRecorder
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from opentelemetry import trace
 from opentelemetry.propagate import extract
 from opentelemetry.trace import NoOpTracerProvider, ProxyTracerProvider, Span, SpanKind
 
-from engine.outputs import RequestTimings
-from engine.sampling import SamplingParams
+from loramux.engine.outputs import RequestTimings
+from loramux.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_meta import (
+from loramux.kernels.lora_meta import (
     INTERPRET,
     locate_segment_tile,
     pow2_clamp,

@@ -20,7 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention_ref import AttentionMetadata, paged_attention_torch, write_kv_cache
+from loramux.kernels.paged_attention_ref import (
+    AttentionMetadata,
+    paged_attention_torch,
+    write_kv_cache,
+)
 
 __all__ = [
     "AttentionMetadata",

@@ -14,9 +14,9 @@ from alembic import context
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from gateway.db import Base
-from gateway.db.migrate import with_connection
-from gateway.settings import Settings
+from loramux.gateway.db import Base
+from loramux.gateway.db.migrate import with_connection
+from loramux.gateway.settings import Settings
 
 MIGRATION_LOCK_KEY = 0x6C6D78_6D6967
 """PostgreSQL advisory lock held while migrating: gateways starting together migrate one at a time,

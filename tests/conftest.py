@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A demo-model checkpoint (seed 0), built once per session."""
-    from engine.demo_model import build_demo_model
+    from loramux.engine.demo_model import build_demo_model
 
     out = tmp_path_factory.mktemp("demo-model")
     build_demo_model(out, seed=0)
@@ -43,7 +43,7 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def demo_adapter_dirs(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """40 genuine PEFT adapters for the demo model (mixed ranks and targets), built once."""
-    from adapters.demo import build_demo_adapters
+    from loramux.adapters.demo import build_demo_adapters
 
     return build_demo_adapters(demo_model_dir, tmp_path_factory.mktemp("demo-adapters"), 40, seed=0)
 

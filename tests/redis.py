@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from gateway.redis_server import packaged_redis8
+from loramux.gateway.redis_server import packaged_redis8
 
 
 def _free_port() -> int:

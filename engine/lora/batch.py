@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from adapters.layout import LoraStack
-from engine.lora.manager import LoraManager
-from engine.scheduler import ScheduledChunk
-from kernels.lora_expand import bgmv_expand, sgmv_expand
-from kernels.lora_meta import LoraBatchMeta, LoraMetaBuffers
-from kernels.lora_ref import sgmv_expand_ref, sgmv_shrink_ref
-from kernels.lora_shrink import bgmv_shrink, sgmv_shrink
+from loramux.adapters.layout import LoraStack
+from loramux.engine.lora.manager import LoraManager
+from loramux.engine.scheduler import ScheduledChunk
+from loramux.kernels.lora_expand import bgmv_expand, sgmv_expand
+from loramux.kernels.lora_meta import LoraBatchMeta, LoraMetaBuffers
+from loramux.kernels.lora_ref import sgmv_expand_ref, sgmv_shrink_ref
+from loramux.kernels.lora_shrink import bgmv_shrink, sgmv_shrink
 
 
 class LoraBatch:

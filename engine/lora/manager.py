@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from adapters.base_spec import BaseModelSpec
-from adapters.layout import LoraStack
-from adapters.peft_format import AdapterLimits, LoraAdapter, load_peft_adapter
-from engine.sequence import BASE_ADAPTER, Sequence
+from loramux.adapters.base_spec import BaseModelSpec
+from loramux.adapters.layout import LoraStack
+from loramux.adapters.peft_format import AdapterLimits, LoraAdapter, load_peft_adapter
+from loramux.engine.sequence import BASE_ADAPTER, Sequence
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.errors import UnsupportedModelError
+from loramux.engine.errors import UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

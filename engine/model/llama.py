@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.config import ModelConfig
-from engine.model.rope import RotaryEmbedding
-from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv_cache
+from loramux.engine.model.config import ModelConfig
+from loramux.engine.model.rope import RotaryEmbedding
+from loramux.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv_cache
 
 
 class LoraApplier(Protocol):

@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.demo_model import LOGIT_STD
-from engine.errors import UnsupportedModelError
-from engine.model.config import ModelConfig
-from engine.model.llama import LlamaModel
-from engine.model.rope import RotaryEmbedding
+from loramux.engine.demo_model import LOGIT_STD
+from loramux.engine.errors import UnsupportedModelError
+from loramux.engine.model.config import ModelConfig
+from loramux.engine.model.llama import LlamaModel
+from loramux.engine.model.rope import RotaryEmbedding
 
 # Checkpoint projection names fused into one of our parameters, in output order.
 _FUSED = {

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from engine.model.config import ModelConfig
+from loramux.engine.model.config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:

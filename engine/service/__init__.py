@@ -2,6 +2,6 @@
 both ends speak, `server` the engine end) and one HTTP endpoint for health and metrics
 (`health`); `runner` starts them."""
 
-from engine.service.runner import Listen, run_engine_service, serve_engine_in_thread
+from loramux.engine.service.runner import Listen, run_engine_service, serve_engine_in_thread
 
 __all__ = ["Listen", "run_engine_service", "serve_engine_in_thread"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from litestar import Litestar, Response, get
 from litestar.di import NamedDependency, Provide
 
-from engine.async_engine import AsyncEngine
+from loramux.engine.async_engine import AsyncEngine
 
 Engine = NamedDependency[AsyncEngine]
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import uvicorn
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.service.health import create_health_app
-from engine.service.server import EngineServer
+from loramux.engine.async_engine import AsyncEngine
+from loramux.engine.config import EngineConfig
+from loramux.engine.service.health import create_health_app
+from loramux.engine.service.server import EngineServer
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,12 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE
-from adapters.store import AdapterStore
-from engine.async_engine import AsyncEngine
-from engine.errors import InvalidRequestError
-from engine.outputs import EngineRequest, RequestOutput
-from engine.service.wire import (
+from loramux.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE
+from loramux.adapters.store import AdapterStore
+from loramux.engine.async_engine import AsyncEngine
+from loramux.engine.errors import InvalidRequestError
+from loramux.engine.outputs import EngineRequest, RequestOutput
+from loramux.engine.service.wire import (
     Abort,
     Call,
     Delta,

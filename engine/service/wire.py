@@ -26,8 +26,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from adapters.errors import AdapterError
-from engine.errors import (
+from loramux.adapters.errors import AdapterError
+from loramux.engine.errors import (
     EngineError,
     EngineOverloadedError,
     EngineStoppedError,
@@ -36,9 +36,9 @@ from engine.errors import (
     RequestFailedError,
     UnknownAdapterError,
 )
-from engine.outputs import RequestTimings, TokenLogprob, Usage
-from engine.sampling import SamplingParams
-from engine.structured import StructuredOutputError
+from loramux.engine.outputs import RequestTimings, TokenLogprob, Usage
+from loramux.engine.sampling import SamplingParams
+from loramux.engine.structured import StructuredOutputError
 
 
 class UnauthorizedError(EngineError):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from engine.errors import InvalidRequestError
+from loramux.engine.errors import InvalidRequestError
 
 MAX_SCHEMA_CHARS = 100_000
 """Longest schema text accepted. OpenAI's own strict mode caps a schema far lower (5,000

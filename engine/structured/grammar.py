@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 import llguidance.hf
 
-from engine.structured import StructuredOutput, StructuredOutputError
+from loramux.engine.structured import StructuredOutput, StructuredOutputError
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict of the type stubs only

@@ -21,7 +21,7 @@ import llguidance
 import llguidance.torch
 import torch
 
-from engine.scheduler import ScheduledChunk
+from loramux.engine.scheduler import ScheduledChunk
 
 
 @dataclass(frozen=True)

@@ -18,21 +18,21 @@ from litestar.openapi.spec import (
 from litestar.params import Body, FromPath, FromQuery
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
-from gateway.adapters.schemas import (
+from loramux.gateway.adapters.schemas import (
     AdapterDetail,
     AdapterOut,
     AdapterPage,
     CurrentVersion,
     Published,
 )
-from gateway.adapters.service import AdapterService
-from gateway.adapters.upload import MAX_TEXT_BYTES, UploadSpace, receive_upload, workspace
-from gateway.admin.paging import Paging
-from gateway.admin.wire import Deleted
-from gateway.api_docs import admin_errors, documented_body
-from gateway.audit.action import audited_as
-from gateway.audit.service import AuditRecord
-from gateway.state import GatewayState
+from loramux.gateway.adapters.service import AdapterService
+from loramux.gateway.adapters.upload import MAX_TEXT_BYTES, UploadSpace, receive_upload, workspace
+from loramux.gateway.admin.paging import Paging
+from loramux.gateway.admin.wire import Deleted
+from loramux.gateway.api_docs import admin_errors, documented_body
+from loramux.gateway.audit.action import audited_as
+from loramux.gateway.audit.service import AuditRecord
+from loramux.gateway.state import GatewayState
 
 _UPLOAD = """multipart/form-data with `name` (1-64 letters, digits, `.`, `_` or `-`, starting
 with a letter or digit, no `..`), `owner` (a tenant's id or name, or `shared`) and either

@@ -32,19 +32,24 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from adapters.archive import ArchiveLimits, extract_adapter_archive
-from adapters.peft_format import MAX_CONFIG_BYTES
-from adapters.store import AdapterStore, StoredAdapter
-from gateway.adapters.schemas import AdapterDetail, AdapterOut, AdapterPage, Published
-from gateway.adapters.upload import AdapterUpload
-from gateway.admin.paging import Paging, page_of
-from gateway.admin.wire import Deleted, utc
-from gateway.catalog import ModelCatalog, latest_version, latest_versions_query, live_version
-from gateway.db import AdapterVersion
-from gateway.db.base import utcnow
-from gateway.engine_client.base import EngineClient
-from gateway.errors import BadRequest, Conflict, NotFound
-from gateway.tenants.lookup import owner_id
+from loramux.adapters.archive import ArchiveLimits, extract_adapter_archive
+from loramux.adapters.peft_format import MAX_CONFIG_BYTES
+from loramux.adapters.store import AdapterStore, StoredAdapter
+from loramux.gateway.adapters.schemas import AdapterDetail, AdapterOut, AdapterPage, Published
+from loramux.gateway.adapters.upload import AdapterUpload
+from loramux.gateway.admin.paging import Paging, page_of
+from loramux.gateway.admin.wire import Deleted, utc
+from loramux.gateway.catalog import (
+    ModelCatalog,
+    latest_version,
+    latest_versions_query,
+    live_version,
+)
+from loramux.gateway.db import AdapterVersion
+from loramux.gateway.db.base import utcnow
+from loramux.gateway.engine_client.base import EngineClient
+from loramux.gateway.errors import BadRequest, Conflict, NotFound
+from loramux.gateway.tenants.lookup import owner_id
 
 ADAPTER_NAME = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """1-64 letters, digits, '.', '_' or '-', starting with a letter or digit, without '..': a name

@@ -19,8 +19,8 @@ from typing import IO, Any
 from litestar import Request
 from multipart import MultipartError, MultipartSegment, PushMultipartParser
 
-from adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE
-from gateway.errors import BadRequest, PayloadTooLarge
+from loramux.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE
+from loramux.gateway.errors import BadRequest, PayloadTooLarge
 
 TEXT_PARTS = ("name", "owner")
 MAX_TEXT_BYTES = 1024

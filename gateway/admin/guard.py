@@ -9,10 +9,10 @@ from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from litestar.types import Guard
 
-from gateway.audit.action import IDENTITY
-from gateway.audit.service import AuditLog
-from gateway.auth.admin_jwt import AdminAuth
-from gateway.errors import GatewayError
+from loramux.gateway.audit.action import IDENTITY
+from loramux.gateway.audit.service import AuditLog
+from loramux.gateway.auth.admin_jwt import AdminAuth
+from loramux.gateway.errors import GatewayError
 
 ANONYMOUS = "anonymous"
 

@@ -13,26 +13,26 @@ from litestar import Router
 from litestar.di import NamedDependency, Provide
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.adapters.controller import AdapterController
-from gateway.adapters.service import AdapterService
-from gateway.adapters.upload import UploadSpace
-from gateway.admin.body import AdminRequest
-from gateway.admin.guard import admin_guard
-from gateway.admin.paging import provide_paging
-from gateway.audit.action import audit_middleware, provide_entry
-from gateway.audit.controller import AuditController
-from gateway.audit.service import AuditLog
-from gateway.cache.controller import CacheController
-from gateway.cache.service import CacheAdmin
-from gateway.keys.controller import KeyController
-from gateway.keys.service import KeyService
-from gateway.quotas.controller import QuotaController
-from gateway.quotas.limits import QuotaLimits
-from gateway.state import GatewayState
-from gateway.tenants.controller import TenantController
-from gateway.tenants.service import TenantService
-from gateway.usage.controller import UsageController
-from gateway.usage.service import UsageReports
+from loramux.gateway.adapters.controller import AdapterController
+from loramux.gateway.adapters.service import AdapterService
+from loramux.gateway.adapters.upload import UploadSpace
+from loramux.gateway.admin.body import AdminRequest
+from loramux.gateway.admin.guard import admin_guard
+from loramux.gateway.admin.paging import provide_paging
+from loramux.gateway.audit.action import audit_middleware, provide_entry
+from loramux.gateway.audit.controller import AuditController
+from loramux.gateway.audit.service import AuditLog
+from loramux.gateway.cache.controller import CacheController
+from loramux.gateway.cache.service import CacheAdmin
+from loramux.gateway.keys.controller import KeyController
+from loramux.gateway.keys.service import KeyService
+from loramux.gateway.quotas.controller import QuotaController
+from loramux.gateway.quotas.limits import QuotaLimits
+from loramux.gateway.state import GatewayState
+from loramux.gateway.tenants.controller import TenantController
+from loramux.gateway.tenants.service import TenantService
+from loramux.gateway.usage.controller import UsageController
+from loramux.gateway.usage.service import UsageReports
 
 
 def admin_router(gw: GatewayState) -> Router:

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, Meta, Struct
 
-from gateway.errors import BadRequest
+from loramux.gateway.errors import BadRequest
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1

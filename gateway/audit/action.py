@@ -19,9 +19,9 @@ from typing import Any
 from litestar import Request
 from litestar.types import ASGIApp, Message, Middleware, Receive, Scope, Send
 
-from gateway.audit.service import AuditLog, AuditRecord
-from gateway.auth.admin_jwt import AdminIdentity
-from gateway.errors import ANSWERED_WITH
+from loramux.gateway.audit.service import AuditLog, AuditRecord
+from loramux.gateway.auth.admin_jwt import AdminIdentity
+from loramux.gateway.errors import ANSWERED_WITH
 
 _ACTION = "audit_action"
 _TARGET = "audit_target"

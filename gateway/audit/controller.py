@@ -5,11 +5,11 @@ from __future__ import annotations
 from litestar import Controller, get
 from litestar.di import NamedDependency
 
-from gateway.admin.paging import Paging
-from gateway.admin.wire import utc
-from gateway.api_docs import admin_errors
-from gateway.audit.schemas import AuditOut, AuditPage
-from gateway.audit.service import AuditLog
+from loramux.gateway.admin.paging import Paging
+from loramux.gateway.admin.wire import utc
+from loramux.gateway.api_docs import admin_errors
+from loramux.gateway.audit.schemas import AuditOut, AuditPage
+from loramux.gateway.audit.service import AuditLog
 
 
 class AuditController(Controller):

@@ -23,9 +23,9 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.admin.paging import Paging, page_of
-from gateway.db import AuditEntry
-from gateway.errors import to_gateway_error
+from loramux.gateway.admin.paging import Paging, page_of
+from loramux.gateway.db import AuditEntry
+from loramux.gateway.errors import to_gateway_error
 
 log = logging.getLogger(__name__)
 

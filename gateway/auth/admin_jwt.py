@@ -16,7 +16,7 @@ from typing import Any, TypeGuard
 
 import jwt
 
-from gateway.errors import Unauthorized
+from loramux.gateway.errors import Unauthorized
 
 AUDIENCE = "loramux-admin"
 DEFAULT_MAX_TTL = 24 * 3600

@@ -18,8 +18,8 @@ from datetime import UTC, datetime
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.db import ApiKey, Tenant
-from gateway.errors import Unauthorized
+from loramux.gateway.db import ApiKey, Tenant
+from loramux.gateway.errors import Unauthorized
 
 _KEY = re.compile(r"^lmx-(?P<id>[A-Za-z0-9]{12})\.(?P<secret>[A-Za-z0-9_-]{43})$")
 

@@ -8,11 +8,11 @@ from litestar import Controller, delete, get, post, put
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody
 
-from gateway.admin.wire import given
-from gateway.api_docs import admin_errors
-from gateway.audit.action import audited_as
-from gateway.audit.service import AuditRecord
-from gateway.cache.schemas import (
+from loramux.gateway.admin.wire import given
+from loramux.gateway.api_docs import admin_errors
+from loramux.gateway.audit.action import audited_as
+from loramux.gateway.audit.service import AuditRecord
+from loramux.gateway.cache.schemas import (
     CacheSettingsOut,
     CacheSettingsUpdate,
     CacheStatsOut,
@@ -22,7 +22,7 @@ from gateway.cache.schemas import (
     WrongHit,
     WrongHitOut,
 )
-from gateway.cache.service import CacheAdmin
+from loramux.gateway.cache.service import CacheAdmin
 
 _BODY = """Body: any of `enabled`, `semantic`, `cache_sampled` (booleans), `threshold` (0.5 to
 1.0), `verifier` (`strict` or `off`), `ttl` (seconds, 1 to 604800), `hit_pacing` (`instant` or

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from gateway.cache_policy import MAX_TTL
+from loramux.gateway.cache_policy import MAX_TTL
 
 Threshold = Annotated[float, Meta(ge=0.5, le=1.0)]
 Ttl = Annotated[int, Meta(ge=1, le=MAX_TTL)]

@@ -15,15 +15,20 @@ import re
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from cache.response_cache import ResponseCache
-from cache.threshold import choose_threshold, score_pairs
-from gateway.auth.api_keys import ApiKeyAuth
-from gateway.cache.schemas import CacheSettingsOut, CacheStatsOut, ThresholdTuned, ThresholdTuning
-from gateway.cache_policy import TenantCacheSettings
-from gateway.db import AdapterVersion, ApiKey
-from gateway.db.adapter import SHARED_OWNER
-from gateway.errors import NotFound, ServiceUnavailable, Unprocessable
-from gateway.tenants.lookup import get_tenant, tenant_id_of
+from loramux.cache.response_cache import ResponseCache
+from loramux.cache.threshold import choose_threshold, score_pairs
+from loramux.gateway.auth.api_keys import ApiKeyAuth
+from loramux.gateway.cache.schemas import (
+    CacheSettingsOut,
+    CacheStatsOut,
+    ThresholdTuned,
+    ThresholdTuning,
+)
+from loramux.gateway.cache_policy import TenantCacheSettings
+from loramux.gateway.db import AdapterVersion, ApiKey
+from loramux.gateway.db.adapter import SHARED_OWNER
+from loramux.gateway.errors import NotFound, ServiceUnavailable, Unprocessable
+from loramux.gateway.tenants.lookup import get_tenant, tenant_id_of
 
 _DIGEST = re.compile(r"^[0-9a-f]{16,64}$")
 

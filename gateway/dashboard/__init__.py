@@ -6,6 +6,6 @@ token, and see usage against quota, per adapter and over time, read from the usa
 construction), `routes` (the controller and its router).
 """
 
-from gateway.dashboard.routes import dashboard_router
+from loramux.gateway.dashboard.routes import dashboard_router
 
 __all__ = ["dashboard_router"]

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.dashboard.html import Html, el
+from loramux.gateway.dashboard.html import Html, el
 
 WIDTH, HEIGHT = 640, 200
 LEFT, RIGHT, TOP, BOTTOM = 52, 8, 10, 24

@@ -14,11 +14,11 @@ from datetime import datetime
 
 from sqlalchemy import select
 
-from gateway.dashboard.sources import DashboardSources
-from gateway.db import ApiKey, Quota, Tenant
-from gateway.quotas.buckets import budget_period
-from gateway.quotas.live import LiveUse, live_use
-from gateway.usage.query import Dimension, read_usage
+from loramux.gateway.dashboard.sources import DashboardSources
+from loramux.gateway.db import ApiKey, Quota, Tenant
+from loramux.gateway.quotas.buckets import budget_period
+from loramux.gateway.quotas.live import LiveUse, live_use
+from loramux.gateway.usage.query import Dimension, read_usage
 
 LIMITS = (
     ("rpm", "requests per minute", "requests"),

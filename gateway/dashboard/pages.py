@@ -9,18 +9,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
-from gateway.dashboard.charts import Series, lines, stacked_bars
-from gateway.dashboard.html import Child, Html, el
-from gateway.dashboard.panels import (
+from loramux.gateway.dashboard.charts import Series, lines, stacked_bars
+from loramux.gateway.dashboard.html import Child, Html, el
+from loramux.gateway.dashboard.panels import (
     REFRESH_SECONDS,
     engine_panel,
     live_panel,
     percent,
     tenant_quota_panel,
 )
-from gateway.dashboard.session import Viewer
-from gateway.dashboard.view import Breakdown, DashboardView
-from gateway.db import UsageTotals
+from loramux.gateway.dashboard.session import Viewer
+from loramux.gateway.dashboard.view import Breakdown, DashboardView
+from loramux.gateway.db import UsageTotals
 
 WINDOWS = (1, 7, 30, 90)
 """Windows (days) offered by the page's selector."""

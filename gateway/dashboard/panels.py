@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gateway.dashboard.html import Child, Html, el
-from gateway.dashboard.live import EngineHealth, QuotaLine, TenantQuotas
+from loramux.gateway.dashboard.html import Child, Html, el
+from loramux.gateway.dashboard.live import EngineHealth, QuotaLine, TenantQuotas
 
 REFRESH_SECONDS = 10
 ORANGE, RED, TEAL = "#fa8231", "#eb3b5a", "#20bf6b"

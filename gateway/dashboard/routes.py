@@ -20,14 +20,14 @@ from litestar.params import FromQuery, QueryParameter
 from litestar.response import Redirect
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.dashboard.html import Html
-from gateway.dashboard.pages import dashboard_page, sign_in_page
-from gateway.dashboard.session import COOKIE, Viewer, current_viewer, mint, sign_in
-from gateway.dashboard.sources import DashboardSources
-from gateway.dashboard.style import STYLESHEET
-from gateway.dashboard.view import chosen_tenant, load_view, view_json, window_of
-from gateway.errors import PermissionDenied, Unauthorized
-from gateway.state import GatewayState
+from loramux.gateway.dashboard.html import Html
+from loramux.gateway.dashboard.pages import dashboard_page, sign_in_page
+from loramux.gateway.dashboard.session import COOKIE, Viewer, current_viewer, mint, sign_in
+from loramux.gateway.dashboard.sources import DashboardSources
+from loramux.gateway.dashboard.style import STYLESHEET
+from loramux.gateway.dashboard.view import chosen_tenant, load_view, view_json, window_of
+from loramux.gateway.errors import PermissionDenied, Unauthorized
+from loramux.gateway.state import GatewayState
 
 AnyRequest = Request[Any, Any, Any]
 Days = Annotated[int, QueryParameter(ge=1, le=366)]

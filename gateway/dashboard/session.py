@@ -20,9 +20,9 @@ from datetime import UTC, datetime
 
 import jwt
 
-from gateway.dashboard.sources import DashboardSources
-from gateway.db import ApiKey, Tenant
-from gateway.errors import Unauthorized
+from loramux.gateway.dashboard.sources import DashboardSources
+from loramux.gateway.db import ApiKey, Tenant
+from loramux.gateway.errors import Unauthorized
 
 COOKIE = "loramux_dashboard"
 AUDIENCE = "loramux-dashboard"

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.auth.admin_jwt import AdminAuth
-from gateway.auth.api_keys import ApiKeyAuth
-from gateway.engine_client.base import EngineClient
-from gateway.state import GatewayState, admin_secret
+from loramux.gateway.auth.admin_jwt import AdminAuth
+from loramux.gateway.auth.api_keys import ApiKeyAuth
+from loramux.gateway.engine_client.base import EngineClient
+from loramux.gateway.state import GatewayState, admin_secret
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from typing import Any
 
 from sqlalchemy import select
 
-from gateway.catalog import latest_versions
-from gateway.dashboard.live import (
+from loramux.gateway.catalog import latest_versions
+from loramux.gateway.dashboard.live import (
     EngineHealth,
     QuotaLine,
     TenantQuotas,
@@ -25,14 +25,14 @@ from gateway.dashboard.live import (
     quota_lines,
     quotas_across_tenants,
 )
-from gateway.dashboard.sources import DashboardSources
-from gateway.db import ApiKey, Tenant, UsageTotals
-from gateway.db.adapter import SHARED_OWNER
-from gateway.db.usage_rollup import REFUSALS
-from gateway.errors import BadRequest, NotFound, PermissionDenied
-from gateway.usage.outcomes import UNRESOLVED_MODEL
-from gateway.usage.query import Dimension, read_usage
-from gateway.usage.recorder import day_of, hour_of
+from loramux.gateway.dashboard.sources import DashboardSources
+from loramux.gateway.db import ApiKey, Tenant, UsageTotals
+from loramux.gateway.db.adapter import SHARED_OWNER
+from loramux.gateway.db.usage_rollup import REFUSALS
+from loramux.gateway.errors import BadRequest, NotFound, PermissionDenied
+from loramux.gateway.usage.outcomes import UNRESOLVED_MODEL
+from loramux.gateway.usage.query import Dimension, read_usage
+from loramux.gateway.usage.recorder import day_of, hour_of
 
 PERCENTILES = (0.5, 0.9, 0.99)
 MAX_DAYS = 366

@@ -5,7 +5,7 @@ from datetime import datetime
 from sqlalchemy import JSON, DateTime, Integer, String, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
-from gateway.db.base import Base, Timestamped, new_id
+from loramux.gateway.db.base import Base, Timestamped, new_id
 
 SHARED_OWNER = "shared"
 """Owner of adapters every tenant may use."""

@@ -5,7 +5,7 @@ from datetime import datetime
 from sqlalchemy import JSON, DateTime, ForeignKey, String
 from sqlalchemy.orm import Mapped, mapped_column
 
-from gateway.db.base import Base, Timestamped
+from loramux.gateway.db.base import Base, Timestamped
 
 
 class ApiKey(Timestamped, Base):

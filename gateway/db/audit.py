@@ -6,7 +6,7 @@ from typing import Any
 from sqlalchemy import JSON, BigInteger, DateTime, Integer, String
 from sqlalchemy.orm import Mapped, mapped_column
 
-from gateway.db.base import Base, utcnow
+from loramux.gateway.db.base import Base, utcnow
 
 
 class AuditEntry(Base):

@@ -19,8 +19,8 @@ from sqlalchemy import pool
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
-import migrations
-from gateway.db.session import async_url, prepare_sqlite_file
+from loramux import migrations
+from loramux.gateway.db.session import async_url, prepare_sqlite_file
 
 T = TypeVar("T")
 

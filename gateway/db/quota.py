@@ -3,7 +3,7 @@ from __future__ import annotations
 from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, UniqueConstraint, text
 from sqlalchemy.orm import Mapped, mapped_column
 
-from gateway.db.base import Base, new_id
+from loramux.gateway.db.base import Base, new_id
 
 
 class Quota(Base):

@@ -5,7 +5,7 @@ from typing import Any
 from sqlalchemy import JSON, Boolean, String
 from sqlalchemy.orm import Mapped, mapped_column
 
-from gateway.db.base import Base, Timestamped, new_id
+from loramux.gateway.db.base import Base, Timestamped, new_id
 
 TENANT_ID_PREFIX = "tnt_"
 

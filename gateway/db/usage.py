@@ -5,7 +5,7 @@ from datetime import datetime
 from sqlalchemy import BigInteger, DateTime, Float, Integer, String
 from sqlalchemy.orm import Mapped, mapped_column
 
-from gateway.db.base import Base, utcnow
+from loramux.gateway.db.base import Base, utcnow
 
 
 class UsageEvent(Base):

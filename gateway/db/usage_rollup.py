@@ -16,7 +16,7 @@ from typing import Any
 
 from sqlalchemy import BigInteger, Column, DateTime, Float, PrimaryKeyConstraint, String, Table
 
-from gateway.db.base import Base
+from loramux.gateway.db.base import Base
 
 BOUNDS_MS: tuple[float, ...] = (
     5, 10, 20, 50, 100, 200, 350, 500, 750, 1000, 1500, 2000, 3000, 5000, 10000, 20000, 60000,

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from engine.errors import EngineError
-from engine.outputs import EngineRequest, EngineStats, RequestOutput
+from loramux.engine.errors import EngineError
+from loramux.engine.outputs import EngineRequest, EngineStats, RequestOutput
 
 
 class EngineTimeoutError(EngineError):

@@ -20,8 +20,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine.errors import EngineStoppedError
-from engine.service.wire import (
+from loramux.engine.errors import EngineStoppedError
+from loramux.engine.service.wire import (
     Abort,
     Call,
     Delta,
@@ -33,7 +33,7 @@ from engine.service.wire import (
     encode,
     error_from,
 )
-from gateway.engine_client.routing import Endpoint
+from loramux.gateway.engine_client.routing import Endpoint
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from engine.async_engine import AsyncEngine
-from engine.errors import InvalidRequestError
-from engine.outputs import EngineRequest, EngineStats, RequestOutput
-from gateway.engine_client.base import EngineInfo
+from loramux.engine.async_engine import AsyncEngine
+from loramux.engine.errors import InvalidRequestError
+from loramux.engine.outputs import EngineRequest, EngineStats, RequestOutput
+from loramux.gateway.engine_client.base import EngineInfo
 
 
 class LocalEngineClient:

@@ -21,22 +21,22 @@ from typing import TypeVar
 
 import zmq.asyncio
 
-from adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE
-from engine.errors import (
+from loramux.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE
+from loramux.engine.errors import (
     EngineError,
     EngineOverloadedError,
     EngineStoppedError,
     InvalidRequestError,
     UnknownAdapterError,
 )
-from engine.outputs import EngineRequest, EngineStats, RequestOutput
-from engine.sampling import SamplingParams
-from engine.sequence import FinishReason
-from engine.service.wire import Delta, Generate
-from gateway.engine_client.base import EngineInfo, EngineTimeoutError
-from gateway.engine_client.channel import Channel, StreamItem
-from gateway.engine_client.routing import Endpoint, adapter_key, affinity_key, route
-from gateway.settings import ENGINE_FIRST_OUTPUT_SECONDS
+from loramux.engine.outputs import EngineRequest, EngineStats, RequestOutput
+from loramux.engine.sampling import SamplingParams
+from loramux.engine.sequence import FinishReason
+from loramux.engine.service.wire import Delta, Generate
+from loramux.gateway.engine_client.base import EngineInfo, EngineTimeoutError
+from loramux.gateway.engine_client.channel import Channel, StreamItem
+from loramux.gateway.engine_client.routing import Endpoint, adapter_key, affinity_key, route
+from loramux.gateway.settings import ENGINE_FIRST_OUTPUT_SECONDS
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from engine.outputs import EngineRequest
+from loramux.engine.outputs import EngineRequest
 
 PREFIX_CHARS = 64
 """Characters (or token ids) of a base request's prompt that pick its engine."""

@@ -7,12 +7,12 @@ from litestar import Controller, delete, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 
-from gateway.admin.paging import Paging
-from gateway.api_docs import admin_errors
-from gateway.audit.action import audited_as
-from gateway.audit.service import AuditRecord
-from gateway.keys.schemas import KeyCreate, KeyOut, KeyPage, NewKeyOut
-from gateway.keys.service import KeyService
+from loramux.gateway.admin.paging import Paging
+from loramux.gateway.api_docs import admin_errors
+from loramux.gateway.audit.action import audited_as
+from loramux.gateway.audit.service import AuditRecord
+from loramux.gateway.keys.schemas import KeyCreate, KeyOut, KeyPage, NewKeyOut
+from loramux.gateway.keys.service import KeyService
 
 
 class KeyController(Controller):

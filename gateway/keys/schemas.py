@@ -7,7 +7,7 @@ from typing import Annotated
 
 from msgspec import Meta, Struct
 
-from gateway.admin.wire import DisplayName, ModelName
+from loramux.gateway.admin.wire import DisplayName, ModelName
 
 
 class KeyCreate(Struct, forbid_unknown_fields=True):

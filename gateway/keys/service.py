@@ -13,14 +13,14 @@ import msgspec
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.admin.paging import Paging, page_of
-from gateway.admin.wire import check_display_name, utc, utc_or_none
-from gateway.auth.api_keys import ApiKeyAuth, mint_key
-from gateway.db import ApiKey
-from gateway.db.base import utcnow
-from gateway.errors import BadRequest, NotFound
-from gateway.keys.schemas import KeyCreate, KeyOut, KeyPage, NewKeyOut
-from gateway.tenants.lookup import get_tenant
+from loramux.gateway.admin.paging import Paging, page_of
+from loramux.gateway.admin.wire import check_display_name, utc, utc_or_none
+from loramux.gateway.auth.api_keys import ApiKeyAuth, mint_key
+from loramux.gateway.db import ApiKey
+from loramux.gateway.db.base import utcnow
+from loramux.gateway.errors import BadRequest, NotFound
+from loramux.gateway.keys.schemas import KeyCreate, KeyOut, KeyPage, NewKeyOut
+from loramux.gateway.tenants.lookup import get_tenant
 
 
 def key_out(key: ApiKey) -> KeyOut:

@@ -14,9 +14,9 @@ import os
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from gateway.metrics.collectors import Degradation, DegradationCollector, EngineSeries
-from gateway.metrics.families import AdmissionFamilies, CompletionFamilies, HttpFamilies
-from gateway.metrics.routes import completion_route, route_label
+from loramux.gateway.metrics.collectors import Degradation, DegradationCollector, EngineSeries
+from loramux.gateway.metrics.families import AdmissionFamilies, CompletionFamilies, HttpFamilies
+from loramux.gateway.metrics.routes import completion_route, route_label
 
 __all__ = ["Degradation", "Metrics", "completion_route", "route_label"]
 

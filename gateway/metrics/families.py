@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from engine.metrics import REQUEST_BUCKETS, TTFT_BUCKETS
-from gateway.metrics.routes import CHAT, COMPLETIONS
+from loramux.engine.metrics import REQUEST_BUCKETS, TTFT_BUCKETS
+from loramux.gateway.metrics.routes import CHAT, COMPLETIONS
 
 COMPLETION_ROUTES = (CHAT, COMPLETIONS)
 FINISH_REASONS = ("stop", "length", "abort", "error")

@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 from litestar import Request
 
-from gateway.errors import BadRequest, UnsupportedMediaType
+from loramux.gateway.errors import BadRequest, UnsupportedMediaType
 
 MAX_NESTING = 32
 """Deepest nesting of arrays and objects a body may have (a chat body needs 5, a JSON schema in

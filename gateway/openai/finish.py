@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from gateway import tracing
-from gateway.metrics import Metrics, completion_route
-from gateway.openai.generation import Generation
-from gateway.openai.prepared import Prepared
-from gateway.usage import UsageRecord, UsageRecorder
+from loramux.gateway import tracing
+from loramux.gateway.metrics import Metrics, completion_route
+from loramux.gateway.openai.generation import Generation
+from loramux.gateway.openai.prepared import Prepared
+from loramux.gateway.usage import UsageRecord, UsageRecorder
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import EngineRequest, RequestOutput, RequestTimings, TokenLogprob, Usage
-from engine.sequence import FinishReason
-from gateway.engine_client.base import EngineClient
-from gateway.errors import GatewayError, as_gateway_error
+from loramux.engine.detokenizer import IncrementalDetokenizer
+from loramux.engine.outputs import EngineRequest, RequestOutput, RequestTimings, TokenLogprob, Usage
+from loramux.engine.sequence import FinishReason
+from loramux.gateway.engine_client.base import EngineClient
+from loramux.gateway.errors import GatewayError, as_gateway_error
 
 log = logging.getLogger(__name__)
 

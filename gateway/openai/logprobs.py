@@ -16,8 +16,8 @@ from typing import Any
 
 from tokenizers import decoders
 
-from engine.outputs import TokenLogprob
-from gateway.openai.shapes import TextLogprobs, TokenLogprobEntry, TopLogprob
+from loramux.engine.outputs import TokenLogprob
+from loramux.gateway.openai.shapes import TextLogprobs, TokenLogprobEntry, TopLogprob
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 

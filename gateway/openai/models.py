@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from gateway.auth.api_keys import Principal
-from gateway.catalog import ModelCatalog
-from gateway.db.adapter import SHARED_OWNER
-from gateway.errors import NotFound
-from gateway.openai.shapes import Model, ModelList
+from loramux.gateway.auth.api_keys import Principal
+from loramux.gateway.catalog import ModelCatalog
+from loramux.gateway.db.adapter import SHARED_OWNER
+from loramux.gateway.errors import NotFound
+from loramux.gateway.openai.shapes import Model, ModelList
 
 _BUILD_SOURCES = ("engine", "kernels")
 """The packages whose code decides what the engine computes."""

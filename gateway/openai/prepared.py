@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from cache.types import CacheHit, CachePolicy, CacheRequest
-from engine.outputs import EngineRequest
-from gateway.auth.api_keys import Principal
-from gateway.catalog import ResolvedModel
-from gateway.openai.responses import Answer, ResponseMeta
-from gateway.openai.tool_use import ToolUse
-from gateway.quotas import Admission
+from loramux.cache.types import CacheHit, CachePolicy, CacheRequest
+from loramux.engine.outputs import EngineRequest
+from loramux.gateway.auth.api_keys import Principal
+from loramux.gateway.catalog import ResolvedModel
+from loramux.gateway.openai.responses import Answer, ResponseMeta
+from loramux.gateway.openai.tool_use import ToolUse
+from loramux.gateway.quotas import Admission
 
 
 @dataclass(frozen=True)

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.errors import BadRequest
-from gateway.openai.schemas import (
+from loramux.gateway.errors import BadRequest
+from loramux.gateway.openai.schemas import (
     INT32_MAX,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     ContentPart,
 )
-from gateway.openai.tools import ToolCallFormat, template_tool_calls, template_tool_result
+from loramux.gateway.openai.tools import ToolCallFormat, template_tool_calls, template_tool_result
 
 ROLES = ("system", "user", "assistant", "tool")
 

@@ -13,11 +13,11 @@ from typing import Literal
 
 import msgspec
 
-from cache.types import CachedResponse
-from gateway.errors import GatewayError
-from gateway.openai.generation import ChoiceDelta, ChoiceRun
-from gateway.openai.logprobs import TokenPieces
-from gateway.openai.shapes import (
+from loramux.cache.types import CachedResponse
+from loramux.gateway.errors import GatewayError
+from loramux.gateway.openai.generation import ChoiceDelta, ChoiceRun
+from loramux.gateway.openai.logprobs import TokenPieces
+from loramux.gateway.openai.shapes import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -31,8 +31,8 @@ from gateway.openai.shapes import (
     TextLogprobs,
     Usage,
 )
-from gateway.openai.tools import ParsedToolCalls, ToolCallStreamParser
-from gateway.openai.tools.schemas import FunctionCallDelta, ToolCall, ToolCallDelta
+from loramux.gateway.openai.tools import ParsedToolCalls, ToolCallStreamParser
+from loramux.gateway.openai.tools.schemas import FunctionCallDelta, ToolCall, ToolCallDelta
 
 Kind = Literal["chat", "text"]
 Logprobs = ChoiceLogprobs | TextLogprobs

@@ -17,26 +17,26 @@ from litestar.openapi.spec import Example, OpenAPIMediaType, Operation, Referenc
 from litestar.params import Body, FromPath
 from litestar.response import Stream
 
-from gateway import tracing
-from gateway.api_docs import errors
-from gateway.auth.api_keys import Principal
-from gateway.openai.body import CompletionRequestBody
-from gateway.openai.finish import Metering
-from gateway.openai.logprobs import TokenPieces
-from gateway.openai.models import ModelDirectory
-from gateway.openai.prepared import ServingLimits
-from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.openai.service import CompletionService
-from gateway.openai.shapes import (
+from loramux.gateway import tracing
+from loramux.gateway.api_docs import errors
+from loramux.gateway.auth.api_keys import Principal
+from loramux.gateway.openai.body import CompletionRequestBody
+from loramux.gateway.openai.finish import Metering
+from loramux.gateway.openai.logprobs import TokenPieces
+from loramux.gateway.openai.models import ModelDirectory
+from loramux.gateway.openai.prepared import ServingLimits
+from loramux.gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
+from loramux.gateway.openai.service import CompletionService
+from loramux.gateway.openai.shapes import (
     ChatCompletion,
     ChatCompletionChunk,
     Model,
     ModelList,
     TextCompletion,
 )
-from gateway.openai.tools import tool_call_format
-from gateway.state import GatewayState
-from gateway.usage.outcomes import METERED, record_unmetered
+from loramux.gateway.openai.tools import tool_call_format
+from loramux.gateway.state import GatewayState
+from loramux.gateway.usage.outcomes import METERED, record_unmetered
 
 Caller = NamedDependency[Principal]
 Completions = NamedDependency[CompletionService]

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 
-from engine.sampling import SamplingParams
-from engine.structured import StructuredOutput, StructuredOutputError
-from engine.structured.grammar import check_structured_output
-from gateway.errors import BadRequest
-from gateway.openai.schemas import (
+from loramux.engine.sampling import SamplingParams
+from loramux.engine.structured import StructuredOutput, StructuredOutputError
+from loramux.engine.structured.grammar import check_structured_output
+from loramux.gateway.errors import BadRequest
+from loramux.gateway.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     JsonObjectFormat,

@@ -15,8 +15,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from gateway.errors import BadRequest
-from gateway.openai.tools.schemas import MAX_TOOLS, Tool, ToolCall, ToolChoice
+from loramux.gateway.errors import BadRequest
+from loramux.gateway.openai.tools.schemas import MAX_TOOLS, Tool, ToolCall, ToolChoice
 
 INT32_MAX = 2**31 - 1
 MAX_N = 16

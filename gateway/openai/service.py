@@ -27,24 +27,24 @@ from typing import Any
 
 import msgspec
 
-from adapters.store import AdapterStore
-from cache.response_cache import ResponseCache
-from cache.types import CacheHit, CachePolicy, CacheRequest
-from engine.outputs import EngineRequest
-from gateway import tracing
-from gateway.auth.api_keys import Principal
-from gateway.cache_policy import cache_policy, cache_request, is_deterministic
-from gateway.catalog import ModelCatalog, ResolvedModel
-from gateway.engine_client.base import EngineClient
-from gateway.errors import ClientClosedRequest, InsufficientQuota, RateLimited
-from gateway.metrics import completion_route
-from gateway.openai.finish import Metering
-from gateway.openai.generation import Generation
-from gateway.openai.logprobs import TokenPieces
-from gateway.openai.models import system_fingerprint
-from gateway.openai.prepared import CacheLookup, Prepared, ServingLimits, Tokenized
-from gateway.openai.prompt import engine_prompt
-from gateway.openai.responses import (
+from loramux.adapters.store import AdapterStore
+from loramux.cache.response_cache import ResponseCache
+from loramux.cache.types import CacheHit, CachePolicy, CacheRequest
+from loramux.engine.outputs import EngineRequest
+from loramux.gateway import tracing
+from loramux.gateway.auth.api_keys import Principal
+from loramux.gateway.cache_policy import cache_policy, cache_request, is_deterministic
+from loramux.gateway.catalog import ModelCatalog, ResolvedModel
+from loramux.gateway.engine_client.base import EngineClient
+from loramux.gateway.errors import ClientClosedRequest, InsufficientQuota, RateLimited
+from loramux.gateway.metrics import completion_route
+from loramux.gateway.openai.finish import Metering
+from loramux.gateway.openai.generation import Generation
+from loramux.gateway.openai.logprobs import TokenPieces
+from loramux.gateway.openai.models import system_fingerprint
+from loramux.gateway.openai.prepared import CacheLookup, Prepared, ServingLimits, Tokenized
+from loramux.gateway.openai.prompt import engine_prompt
+from loramux.gateway.openai.responses import (
     Ending,
     Kind,
     Part,
@@ -59,15 +59,19 @@ from gateway.openai.responses import (
     usage_chunk,
     whole,
 )
-from gateway.openai.sampling import sampling_params
-from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, refuse_unsupported
-from gateway.openai.shapes import SSE_DONE, ChatCompletion, TextCompletion, Usage, sse
-from gateway.openai.tool_use import NONE as NO_TOOL_USE
-from gateway.openai.tool_use import ToolUse
-from gateway.openai.tools import ToolCallFormat, tool_plan
-from gateway.prefix_cache import cache_salt
-from gateway.prompt_tokens import PromptTokens
-from gateway.quotas import Admission, QuotaService
+from loramux.gateway.openai.sampling import sampling_params
+from loramux.gateway.openai.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    refuse_unsupported,
+)
+from loramux.gateway.openai.shapes import SSE_DONE, ChatCompletion, TextCompletion, Usage, sse
+from loramux.gateway.openai.tool_use import NONE as NO_TOOL_USE
+from loramux.gateway.openai.tool_use import ToolUse
+from loramux.gateway.openai.tools import ToolCallFormat, tool_plan
+from loramux.gateway.prefix_cache import cache_salt
+from loramux.gateway.prompt_tokens import PromptTokens
+from loramux.gateway.quotas import Admission, QuotaService
 
 Body = ChatCompletionRequest | CompletionRequest
 

@@ -13,7 +13,7 @@ from typing import Literal
 import msgspec
 from msgspec import Struct
 
-from gateway.openai.tools.schemas import ToolCall, ToolCallDelta
+from loramux.gateway.openai.tools.schemas import ToolCall, ToolCallDelta
 
 SSE_DONE = b"data: [DONE]\n\n"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.openai.tools import (
+from loramux.gateway.openai.tools import (
     NO_TOOLS,
     ParsedToolCalls,
     ToolCallStreamParser,

@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 
-from gateway.quotas.buckets import Bucket
+from loramux.gateway.quotas.buckets import Bucket
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Literal
 
-from gateway.quotas.config import PrincipalLimits, ScopeLimits
+from loramux.gateway.quotas.config import PrincipalLimits, ScopeLimits
 
 WINDOW_MS = 60_000
 """Requests and tokens per minute are counted over a sliding window of this length."""

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from sqlalchemy import or_, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.db import Quota
-from gateway.quotas.single_flight import SingleFlight
+from loramux.gateway.db import Quota
+from loramux.gateway.quotas.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
 

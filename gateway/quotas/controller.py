@@ -10,12 +10,12 @@ from litestar.di import NamedDependency
 from litestar.openapi.spec import Example
 from litestar.params import Body, FromPath
 
-from gateway.admin.wire import given
-from gateway.api_docs import admin_errors
-from gateway.audit.action import audited_as
-from gateway.audit.service import AuditRecord
-from gateway.quotas.limits import QuotaLimits
-from gateway.quotas.schemas import QuotaOut, QuotaUpdate
+from loramux.gateway.admin.wire import given
+from loramux.gateway.api_docs import admin_errors
+from loramux.gateway.audit.action import audited_as
+from loramux.gateway.audit.service import AuditRecord
+from loramux.gateway.quotas.limits import QuotaLimits
+from loramux.gateway.quotas.schemas import QuotaOut, QuotaUpdate
 
 _QUOTA_EXAMPLE = Example(
     summary="Limit the rate and budget, lift the concurrency limit",

@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from gateway.errors import GatewayError, InsufficientQuota, RateLimited
-from gateway.quotas.readings import NEVER, UNKNOWN, Reading
+from loramux.gateway.errors import GatewayError, InsufficientQuota, RateLimited
+from loramux.gateway.quotas.readings import NEVER, UNKNOWN, Reading
 
 UNKNOWN_WAIT_MS = 1000
 """The retry-after hint when a concurrency slot frees only as a running request ends."""

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gateway.quotas.scripts import RENEW
+from loramux.gateway.quotas.scripts import RENEW
 
 log = logging.getLogger(__name__)
 

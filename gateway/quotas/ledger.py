@@ -15,8 +15,8 @@ from __future__ import annotations
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.db import UsageEvent
-from gateway.quotas.buckets import BudgetPeriod
+from loramux.gateway.db import UsageEvent
+from loramux.gateway.quotas.buckets import BudgetPeriod
 
 
 async def spent_in_period(

@@ -12,12 +12,12 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.admin.wire import given
-from gateway.db import Quota
-from gateway.errors import BadRequest, Conflict
-from gateway.keys.service import get_key
-from gateway.quotas.schemas import QuotaOut, QuotaUpdate
-from gateway.tenants.lookup import get_tenant
+from loramux.gateway.admin.wire import given
+from loramux.gateway.db import Quota
+from loramux.gateway.errors import BadRequest, Conflict
+from loramux.gateway.keys.service import get_key
+from loramux.gateway.quotas.schemas import QuotaOut, QuotaUpdate
+from loramux.gateway.tenants.lookup import get_tenant
 
 LIMITS = ("rpm", "tpm", "max_concurrent", "token_budget", "budget_period")
 _ATTEMPTS = 3

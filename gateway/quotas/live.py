@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from gateway.quotas.buckets import WINDOW_MS, scope_prefix
+from loramux.gateway.quotas.buckets import WINDOW_MS, scope_prefix
 
 
 @dataclass(frozen=True)

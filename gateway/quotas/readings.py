@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from gateway.quotas.buckets import NO_LIMIT, WINDOW_MS, Bucket, Scope
+from loramux.gateway.quotas.buckets import NO_LIMIT, WINDOW_MS, Bucket, Scope
 
 FITS, NEVER, UNKNOWN = -1, -2, -3
 """Values of `wait_ms` besides a count of milliseconds (see gateway.quotas.scripts.ADMIT)."""

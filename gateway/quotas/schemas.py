@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from gateway.admin.wire import INT32_MAX, INT64_MAX
+from loramux.gateway.admin.wire import INT32_MAX, INT64_MAX
 
 PositiveInt32 = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 PositiveInt64 = Annotated[int, Meta(ge=1, le=INT64_MAX)]

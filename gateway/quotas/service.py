@@ -42,18 +42,18 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.auth.api_keys import Principal
-from gateway.errors import ServiceUnavailable
-from gateway.quotas.admission import Admission, Reservation
-from gateway.quotas.buckets import WINDOW_MS, Bucket, plan
-from gateway.quotas.config import QuotaConfig
-from gateway.quotas.headers import rate_limit_headers, refusal
-from gateway.quotas.leases import LeaseKeeper
-from gateway.quotas.ledger import spent_in_period
-from gateway.quotas.readings import NEEDS_SEED, REFUSED, ScriptReply, parse_reply
-from gateway.quotas.scripts import ADMIT, SETTLE
-from gateway.quotas.single_flight import SingleFlight
-from gateway.settings import QuotaSettings
+from loramux.gateway.auth.api_keys import Principal
+from loramux.gateway.errors import ServiceUnavailable
+from loramux.gateway.quotas.admission import Admission, Reservation
+from loramux.gateway.quotas.buckets import WINDOW_MS, Bucket, plan
+from loramux.gateway.quotas.config import QuotaConfig
+from loramux.gateway.quotas.headers import rate_limit_headers, refusal
+from loramux.gateway.quotas.leases import LeaseKeeper
+from loramux.gateway.quotas.ledger import spent_in_period
+from loramux.gateway.quotas.readings import NEEDS_SEED, REFUSED, ScriptReply, parse_reply
+from loramux.gateway.quotas.scripts import ADMIT, SETTLE
+from loramux.gateway.quotas.single_flight import SingleFlight
+from loramux.gateway.settings import QuotaSettings
 
 log = logging.getLogger(__name__)
 

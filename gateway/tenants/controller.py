@@ -9,13 +9,13 @@ from litestar.di import NamedDependency
 from litestar.openapi.spec import Example
 from litestar.params import Body, FromPath, JSONBody
 
-from gateway.admin.paging import Paging
-from gateway.admin.wire import Deleted, given
-from gateway.api_docs import admin_errors
-from gateway.audit.action import audited_as
-from gateway.audit.service import AuditRecord
-from gateway.tenants.schemas import TenantCreate, TenantOut, TenantPage, TenantUpdate
-from gateway.tenants.service import TenantService
+from loramux.gateway.admin.paging import Paging
+from loramux.gateway.admin.wire import Deleted, given
+from loramux.gateway.api_docs import admin_errors
+from loramux.gateway.audit.action import audited_as
+from loramux.gateway.audit.service import AuditRecord
+from loramux.gateway.tenants.schemas import TenantCreate, TenantOut, TenantPage, TenantUpdate
+from loramux.gateway.tenants.service import TenantService
 
 _CREATE_EXAMPLE = Example(
     summary="A tenant whose prompts may share the prefix cache",

@@ -9,11 +9,11 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.admin.wire import check_display_name
-from gateway.db import Tenant
-from gateway.db.adapter import SHARED_OWNER
-from gateway.db.tenant import TENANT_ID_PREFIX
-from gateway.errors import BadRequest, NotFound
+from loramux.gateway.admin.wire import check_display_name
+from loramux.gateway.db import Tenant
+from loramux.gateway.db.adapter import SHARED_OWNER
+from loramux.gateway.db.tenant import TENANT_ID_PREFIX
+from loramux.gateway.errors import BadRequest, NotFound
 
 
 async def get_tenant(session: AsyncSession, ref: str) -> Tenant:

@@ -6,8 +6,8 @@ from datetime import datetime
 
 from msgspec import UNSET, Struct, UnsetType
 
-from gateway.admin.wire import DisplayName
-from gateway.prefix_cache import PrefixCacheScope
+from loramux.gateway.admin.wire import DisplayName
+from loramux.gateway.prefix_cache import PrefixCacheScope
 
 
 class TenantCreate(Struct, forbid_unknown_fields=True):

@@ -14,17 +14,17 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from cache.response_cache import ResponseCache
-from gateway.adapters.service import AdapterService
-from gateway.admin.paging import Paging, page_of
-from gateway.admin.wire import Deleted, utc
-from gateway.auth.api_keys import ApiKeyAuth
-from gateway.db import ApiKey, Tenant
-from gateway.errors import Conflict
-from gateway.prefix_cache import SETTING as PREFIX_SCOPE
-from gateway.prefix_cache import scope_of
-from gateway.tenants.lookup import check_tenant_name, get_tenant
-from gateway.tenants.schemas import TenantCreate, TenantOut, TenantPage, TenantUpdate
+from loramux.cache.response_cache import ResponseCache
+from loramux.gateway.adapters.service import AdapterService
+from loramux.gateway.admin.paging import Paging, page_of
+from loramux.gateway.admin.wire import Deleted, utc
+from loramux.gateway.auth.api_keys import ApiKeyAuth
+from loramux.gateway.db import ApiKey, Tenant
+from loramux.gateway.errors import Conflict
+from loramux.gateway.prefix_cache import SETTING as PREFIX_SCOPE
+from loramux.gateway.prefix_cache import scope_of
+from loramux.gateway.tenants.lookup import check_tenant_name, get_tenant
+from loramux.gateway.tenants.schemas import TenantCreate, TenantOut, TenantPage, TenantUpdate
 
 
 def tenant_out(tenant: Tenant) -> TenantOut:

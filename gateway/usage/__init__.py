@@ -2,6 +2,6 @@
 the `/admin/usage` report (`controller`, `service`, `schemas`). The dashboard reads `query` too.
 The tables are `gateway.db.usage` and `gateway.db.usage_rollup`."""
 
-from gateway.usage.recorder import UsageRecord, UsageRecorder
+from loramux.gateway.usage.recorder import UsageRecord, UsageRecorder
 
 __all__ = ["UsageRecord", "UsageRecorder"]

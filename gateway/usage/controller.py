@@ -8,9 +8,9 @@ from litestar import Controller, get
 from litestar.di import NamedDependency
 from litestar.params import FromQuery, QueryParameter
 
-from gateway.api_docs import admin_errors
-from gateway.usage.schemas import UsageReport
-from gateway.usage.service import GroupBy, UsageReports, parse_query
+from loramux.gateway.api_docs import admin_errors
+from loramux.gateway.usage.schemas import UsageReport
+from loramux.gateway.usage.service import GroupBy, UsageReports, parse_query
 
 
 class UsageController(Controller):

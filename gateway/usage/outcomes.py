@@ -16,9 +16,9 @@ from typing import Any
 
 from litestar.types import ASGIApp, Middleware, Receive, Scope, Send
 
-from gateway.auth.api_keys import Principal
-from gateway.errors import ANSWERED_WITH, GatewayError
-from gateway.usage.recorder import UsageRecord, UsageRecorder
+from loramux.gateway.auth.api_keys import Principal
+from loramux.gateway.errors import ANSWERED_WITH, GatewayError
+from loramux.gateway.usage.recorder import UsageRecord, UsageRecorder
 
 METERED = "usage_metered"
 """Set in the request's state once the completion service will meter the request itself."""

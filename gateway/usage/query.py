@@ -19,9 +19,9 @@ from typing import Any, Literal
 from sqlalchemy import ColumnElement, FromClause, Select, case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.db import UsageEvent, UsageTotals, usage_daily, usage_hourly
-from gateway.db.usage_rollup import BOUNDS_MS, CLIENT_CLOSED, MEASURES, REFUSALS
-from gateway.usage.recorder import as_utc, day_of, hour_of
+from loramux.gateway.db import UsageEvent, UsageTotals, usage_daily, usage_hourly
+from loramux.gateway.db.usage_rollup import BOUNDS_MS, CLIENT_CLOSED, MEASURES, REFUSALS
+from loramux.gateway.usage.recorder import as_utc, day_of, hour_of
 
 Dimension = Literal["tenant", "key", "model", "day", "hour"]
 """What totals can be grouped by: `day` labels are `YYYY-MM-DD`, `hour` labels

@@ -28,9 +28,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DataError, IntegrityError, StatementError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.db import Base, UsageEvent, UsageTotals, usage_daily, usage_hourly
-from gateway.db.base import utcnow
-from gateway.db.usage_rollup import GROUP_KEY, MEASURES, histogram_bin
+from loramux.gateway.db import Base, UsageEvent, UsageTotals, usage_daily, usage_hourly
+from loramux.gateway.db.base import utcnow
+from loramux.gateway.db.usage_rollup import GROUP_KEY, MEASURES, histogram_bin
 
 usage_events = Base.metadata.tables[UsageEvent.__tablename__]
 

@@ -15,13 +15,13 @@ from typing import Literal
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.admin.wire import utc
-from gateway.db import UsageTotals
-from gateway.db.usage_rollup import REFUSALS
-from gateway.errors import BadRequest
-from gateway.tenants.lookup import tenant_id_of
-from gateway.usage.query import Dimension, read_usage
-from gateway.usage.schemas import UsageReport, UsageRow
+from loramux.gateway.admin.wire import utc
+from loramux.gateway.db import UsageTotals
+from loramux.gateway.db.usage_rollup import REFUSALS
+from loramux.gateway.errors import BadRequest
+from loramux.gateway.tenants.lookup import tenant_id_of
+from loramux.gateway.usage.query import Dimension, read_usage
+from loramux.gateway.usage.schemas import UsageReport, UsageRow
 
 GroupBy = Literal["day", "adapter", "key"]
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")

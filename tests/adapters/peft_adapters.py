@@ -17,7 +17,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from adapters.base_spec import BaseModelSpec
+from loramux.adapters.base_spec import BaseModelSpec
 
 
 def tiny_config(**overrides: Any) -> LlamaConfig:

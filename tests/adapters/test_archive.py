@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from adapters.archive import ArchiveLimits, extract_adapter_archive
-from adapters.errors import AdapterError
-from adapters.peft_format import load_peft_adapter
+from loramux.adapters.archive import ArchiveLimits, extract_adapter_archive
+from loramux.adapters.errors import AdapterError
+from loramux.adapters.peft_format import load_peft_adapter
 from tests.adapters.peft_adapters import make_peft_adapter, tiny_base
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from adapters.base_spec import PROJECTIONS, BaseModelSpec, ProjectionShape
+from loramux.adapters.base_spec import PROJECTIONS, BaseModelSpec, ProjectionShape
 from tests.adapters.peft_adapters import tiny_config, tiny_model
 
 

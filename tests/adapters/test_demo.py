@@ -9,9 +9,9 @@ import torch
 from peft import PeftModel
 from transformers import LlamaForCausalLM
 
-from adapters.base_spec import BaseModelSpec
-from adapters.demo import DEMO_RANKS, DEMO_TARGET_SETS, build_demo_adapters
-from adapters.peft_format import LoraAdapter, load_peft_adapter
+from loramux.adapters.base_spec import BaseModelSpec
+from loramux.adapters.demo import DEMO_RANKS, DEMO_TARGET_SETS, build_demo_adapters
+from loramux.adapters.peft_format import LoraAdapter, load_peft_adapter
 
 COUNT = 40  # what the session fixture `demo_adapter_dirs` builds
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from adapters.errors import RankOverLimit, ShapeMismatch
-from adapters.layout import GROUPS, LoraStack, slice_offsets
-from adapters.peft_format import AdapterLimits, LoraAdapter, load_peft_adapter
+from loramux.adapters.errors import RankOverLimit, ShapeMismatch
+from loramux.adapters.layout import GROUPS, LoraStack, slice_offsets
+from loramux.adapters.peft_format import AdapterLimits, LoraAdapter, load_peft_adapter
 from tests.adapters.peft_adapters import make_peft_adapter, tiny_base, tiny_model
 
 ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

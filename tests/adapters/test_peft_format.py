@@ -9,7 +9,7 @@ import pytest
 import torch
 from peft import PeftModel
 
-from adapters.peft_format import AdapterLimits, LoraAdapter, load_peft_adapter
+from loramux.adapters.peft_format import AdapterLimits, LoraAdapter, load_peft_adapter
 from tests.adapters.peft_adapters import (
     edit_config,
     edit_weights,

@@ -9,9 +9,9 @@ import pytest
 import torch
 from peft import IA3Config, get_peft_model
 
-from adapters import errors
-from adapters.errors import AdapterError
-from adapters.peft_format import AdapterLimits, load_peft_adapter
+from loramux.adapters import errors
+from loramux.adapters.errors import AdapterError
+from loramux.adapters.peft_format import AdapterLimits, load_peft_adapter
 from tests.adapters.peft_adapters import (
     edit_config,
     edit_weights,

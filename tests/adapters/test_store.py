@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from adapters.errors import AdapterError
-from adapters.store import AdapterStore
+from loramux.adapters.errors import AdapterError
+from loramux.adapters.store import AdapterStore
 from tests.adapters.peft_adapters import make_peft_adapter, tiny_base
 
 

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from cache.embedder import Embedder
-from cache.response_cache import ResponseCache
-from cache.types import CachedResponse, CachePolicy, CacheRequest
+from loramux.cache.embedder import Embedder
+from loramux.cache.response_cache import ResponseCache
+from loramux.cache.types import CachedResponse, CachePolicy, CacheRequest
 
 EXACT = CachePolicy(
     lookup=True, store=True, semantic=False, ttl=60, threshold=0.92, verifier="strict"

@@ -7,7 +7,7 @@ import asyncio
 
 import numpy as np
 
-from cache.embedder import Embedder, default_model_path, load_model
+from loramux.cache.embedder import Embedder, default_model_path, load_model
 
 
 async def test_embeddings_are_unit_float32_rows(embedder: Embedder) -> None:

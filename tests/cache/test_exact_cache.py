@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from cache.types import CacheRequest
+from loramux.cache.types import CacheRequest
 from tests.cache.conftest import EXACT, MakeCache, answer, chat, until_missing
 
 BASE = chat("What is the capital of France?", seed=None, stop=["\n"])

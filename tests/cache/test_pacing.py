@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cache.pacing import Pacing, hit_pieces, paced_hit
+from loramux.cache.pacing import Pacing, hit_pieces, paced_hit
 
 TEXT = "Paris is the capital of France."
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from redis.asyncio import Redis
 
-from cache.embedder import Embedder
-from cache.response_cache import ResponseCache
+from loramux.cache.embedder import Embedder
+from loramux.cache.response_cache import ResponseCache
 from tests.cache.conftest import SEMANTIC, answer, chat
 from tests.redis import RedisServer
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from redis.asyncio import Redis
 
-from cache.keys import BucketKeys, Keyspace
-from cache.semantic_index import CoreVectorIndex
+from loramux.cache.keys import BucketKeys, Keyspace
+from loramux.cache.semantic_index import CoreVectorIndex
 from tests.cache.conftest import chat
 
 DIM = 384

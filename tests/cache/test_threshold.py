@@ -3,7 +3,7 @@ a precision floor, ties to the higher (safer) threshold."""
 
 from __future__ import annotations
 
-from cache.threshold import ScoredPair, choose_threshold, outcome
+from loramux.cache.threshold import ScoredPair, choose_threshold, outcome
 
 PAIRS = [
     ScoredPair(0.97, True, True),

@@ -17,10 +17,10 @@ import uuid
 import numpy as np
 from redis.asyncio import Redis
 
-from cache.embedder import Embedder
-from cache.response_cache import ResponseCache
-from cache.semantic_index import CoreVectorIndex
-from cache.vset_index import VectorSetIndex
+from loramux.cache.embedder import Embedder
+from loramux.cache.response_cache import ResponseCache
+from loramux.cache.semantic_index import CoreVectorIndex
+from loramux.cache.vset_index import VectorSetIndex
 from tests.cache.conftest import SEMANTIC, answer, chat
 from tests.redis import RedisServer
 

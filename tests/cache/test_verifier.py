@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cache.embedder import Embedder
-from cache.verifier import parse, stem, verify
+from loramux.cache.embedder import Embedder
+from loramux.cache.verifier import parse, stem, verify
 
 SAME = [
     ("How do I reset my password?", "How can I reset my password"),

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.outputs import EngineRequest, RequestOutput
-from engine.sampling import SamplingParams
+from loramux.engine.async_engine import AsyncEngine
+from loramux.engine.errors import InvalidRequestError, PromptTooLongError
+from loramux.engine.outputs import EngineRequest, RequestOutput
+from loramux.engine.sampling import SamplingParams
 from tests.engine.conftest import make_engine
 
 

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from engine.llm_engine import LLMEngine
-from engine.outputs import EngineRequest, RequestOutput
-from engine.sampling import SamplingParams
-from engine.sequence import FinishReason
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.outputs import EngineRequest, RequestOutput
+from loramux.engine.sampling import SamplingParams
+from loramux.engine.sequence import FinishReason
 from tests.engine.conftest import make_engine
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager, prefix_root
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence
+from loramux.engine.block_manager import BlockManager, prefix_root
+from loramux.engine.sampling import SamplingParams
+from loramux.engine.sequence import Sequence
 
 
 def _seq(name: str, tokens: list[int], adapter: str = "base", salt: str | None = None) -> Sequence:

@@ -11,11 +11,11 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from engine.chat_prompt import chat_prompt_ids, text_prompt_ids
-from engine.demo_model import IM_START_ID
-from engine.errors import InvalidRequestError
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
+from loramux.engine.chat_prompt import chat_prompt_ids, text_prompt_ids
+from loramux.engine.demo_model import IM_START_ID
+from loramux.engine.errors import InvalidRequestError
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.sampling import SamplingParams
 from tests.engine.chat_families import BUILDERS, QWEN2_TEMPLATE, family_tokenizer
 from tests.engine.conftest import make_engine
 

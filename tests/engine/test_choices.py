@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from engine.errors import InvalidRequestError
-from engine.outputs import EngineRequest, RequestOutput
-from engine.sampling import SamplingParams, choice_seed
-from engine.sequence import FinishReason
+from loramux.engine.errors import InvalidRequestError
+from loramux.engine.outputs import EngineRequest, RequestOutput
+from loramux.engine.sampling import SamplingParams, choice_seed
+from loramux.engine.sequence import FinishReason
 from tests.engine.conftest import make_engine, run_to_completion
 
 BLOCK = 16

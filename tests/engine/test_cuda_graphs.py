@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.cuda_graphs import graph_batches
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
+from loramux.engine.cuda_graphs import graph_batches
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.sampling import SamplingParams
 from tests.engine.conftest import make_engine, run_to_completion
 
 

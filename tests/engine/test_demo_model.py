@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from engine.demo_model import build_demo_model
+from loramux.engine.demo_model import build_demo_model
 
 CHECKPOINT_FILES = {
     "config.json",

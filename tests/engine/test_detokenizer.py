@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.detokenizer import IncrementalDetokenizer
+from loramux.engine.detokenizer import IncrementalDetokenizer
 
 
 def _stream(

@@ -7,8 +7,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.sampling import SamplingParams
 from tests.engine.conftest import hf_greedy, make_engine, run_to_completion
 
 
@@ -87,7 +87,7 @@ def test_prefix_cache_distinguishes_adapter_identity(demo_model_dir: Path, token
     run_to_completion(engine, [EngineRequest("a", params, prompt_token_ids=prompt)])
     hits = engine.stats().prefix_cache_hit_tokens
     matched = engine.block_manager.match_prefix
-    from engine.sequence import Sequence
+    from loramux.engine.sequence import Sequence
 
     assert len(matched(Sequence("x", prompt, params)).block_ids) == 2
     assert (

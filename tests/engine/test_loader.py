@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from engine.errors import UnsupportedModelError
-from engine.model.config import ModelConfig
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
+from loramux.engine.errors import UnsupportedModelError
+from loramux.engine.model.config import ModelConfig
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.sampling import SamplingParams
 from tests.engine.conftest import hf_greedy, make_engine, run_to_completion
 
 _SMALL = {

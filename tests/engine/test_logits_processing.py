@@ -19,12 +19,12 @@ from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
 )
 
-from engine.logits_processing import apply_processors, build_processors
-from engine.outputs import EngineRequest, RequestOutput
-from engine.sampler import min_p_filter
-from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledChunk
-from engine.sequence import Sequence
+from loramux.engine.logits_processing import apply_processors, build_processors
+from loramux.engine.outputs import EngineRequest, RequestOutput
+from loramux.engine.sampler import min_p_filter
+from loramux.engine.sampling import SamplingParams
+from loramux.engine.scheduler import ScheduledChunk
+from loramux.engine.sequence import Sequence
 from tests.engine.conftest import make_engine, run_to_completion
 
 VOCAB = 4096

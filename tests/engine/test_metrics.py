@@ -7,8 +7,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.sampling import SamplingParams
 from tests.engine.conftest import make_engine, run_to_completion
 
 

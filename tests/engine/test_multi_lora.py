@@ -11,10 +11,10 @@ import pytest
 import torch
 from peft import PeftModel
 
-from engine.errors import InvalidRequestError, UnknownAdapterError
-from engine.llm_engine import LLMEngine
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
+from loramux.engine.errors import InvalidRequestError, UnknownAdapterError
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.sampling import SamplingParams
 from tests.engine.conftest import hf_greedy, make_engine, run_to_completion
 
 MAX_TOKENS = 12

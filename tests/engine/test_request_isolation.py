@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.async_engine import AsyncEngine
-from engine.errors import RequestFailedError
-from engine.llm_engine import LLMEngine
-from engine.outputs import EngineRequest, RequestOutput
-from engine.sampling import SamplingParams
-from engine.sequence import FinishReason
+from loramux.engine.async_engine import AsyncEngine
+from loramux.engine.errors import RequestFailedError
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.outputs import EngineRequest, RequestOutput
+from loramux.engine.sampling import SamplingParams
+from loramux.engine.sequence import FinishReason
 from tests.engine.conftest import make_engine, run_to_completion
 
 MAX_TOKENS = 10

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from engine.sampler import NO_TOKEN, SamplingBuffers, sample, seeded_exponential
-from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledChunk
-from engine.sequence import Sequence
+from loramux.engine.sampler import NO_TOKEN, SamplingBuffers, sample, seeded_exponential
+from loramux.engine.sampling import SamplingParams
+from loramux.engine.scheduler import ScheduledChunk
+from loramux.engine.sequence import Sequence
 
 VOCAB = 257
 CPU = torch.device("cpu")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import InvalidRequestError
-from engine.sampling import SamplingParams, choice_seed
+from loramux.engine.errors import InvalidRequestError
+from loramux.engine.sampling import SamplingParams, choice_seed
 
 HUGE = 10**400
 

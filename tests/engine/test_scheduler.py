@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
-from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import FinishReason, Sequence
+from loramux.engine.block_manager import BlockManager
+from loramux.engine.sampling import SamplingParams
+from loramux.engine.scheduler import Scheduler
+from loramux.engine.sequence import FinishReason, Sequence
 
 
 def _seq(i: int, n: int, **params: object) -> Sequence:

@@ -15,15 +15,15 @@ import msgspec
 import pytest
 import zmq
 
-from adapters.base_spec import BaseModelSpec
-from adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE, load_peft_adapter
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
-from engine.service import serve_engine_in_thread
-from engine.service.runner import RunningEngineService
-from engine.service.wire import (
+from loramux.adapters.base_spec import BaseModelSpec
+from loramux.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE, load_peft_adapter
+from loramux.engine.async_engine import AsyncEngine
+from loramux.engine.config import EngineConfig
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.sampling import SamplingParams
+from loramux.engine.service import serve_engine_in_thread
+from loramux.engine.service.runner import RunningEngineService
+from loramux.engine.service.wire import (
     Abort,
     Call,
     Delta,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import SampledTokens
-from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledChunk
-from engine.sequence import Sequence
-from engine.step_inputs import LaunchedStep, StepBuffers
+from loramux.engine.sampler import SampledTokens
+from loramux.engine.sampling import SamplingParams
+from loramux.engine.scheduler import ScheduledChunk
+from loramux.engine.sequence import Sequence
+from loramux.engine.step_inputs import LaunchedStep, StepBuffers
 
 BLOCK = 4
 

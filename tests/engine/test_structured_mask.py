@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine.sampling import SamplingParams
-from engine.service.wire import Generate, decode_to_engine, encode, error_from, failure
-from engine.structured import StructuredOutput, StructuredOutputError
-from engine.structured.grammar import GrammarCompiler, json_depth
-from engine.structured.mask import GrammarBitmask, apply_token_mask_
+from loramux.engine.sampling import SamplingParams
+from loramux.engine.service.wire import Generate, decode_to_engine, encode, error_from, failure
+from loramux.engine.structured import StructuredOutput, StructuredOutputError
+from loramux.engine.structured.grammar import GrammarCompiler, json_depth
+from loramux.engine.structured.mask import GrammarBitmask, apply_token_mask_
 
 
 def _reference(logits: torch.Tensor, words: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

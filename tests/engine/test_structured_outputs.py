@@ -12,13 +12,13 @@ from typing import Any
 import jsonschema
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.errors import InvalidRequestError
-from engine.llm_engine import LLMEngine
-from engine.outputs import EngineRequest, RequestOutput
-from engine.sampling import SamplingParams
-from engine.sequence import FinishReason
-from engine.structured import StructuredOutput, StructuredOutputError
+from loramux.engine.async_engine import AsyncEngine
+from loramux.engine.errors import InvalidRequestError
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.outputs import EngineRequest, RequestOutput
+from loramux.engine.sampling import SamplingParams
+from loramux.engine.sequence import FinishReason
+from loramux.engine.structured import StructuredOutput, StructuredOutputError
 from tests.engine.conftest import make_engine, run_to_completion
 from tests.engine.structured_schemas import NESTED, RECURSIVE, SCHEMAS, schema_text
 

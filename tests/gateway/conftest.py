@@ -12,9 +12,9 @@ import httpx
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.db.migrate import upgrade
-from gateway.db.session import create_engine, session_factory
-from gateway.server import RunningServer
+from loramux.gateway.db.migrate import upgrade
+from loramux.gateway.db.session import create_engine, session_factory
+from loramux.gateway.server import RunningServer
 from tests.gateway.servers import gateway_server
 from tests.migrations.test_revisions import new_postgres_database
 

@@ -41,7 +41,7 @@ def engine_process(
     port, health_port = free_port(), free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     log = data_dir / "engine.log"
-    command = [sys.executable, "-m", "gateway.cli", "engine", "--address"]
+    command = [sys.executable, "-m", "loramux.gateway.cli", "engine", "--address"]
     command += [f"tcp://127.0.0.1:{port}", "--health-port", str(health_port)]
     settings = {
         "LORAMUX_MODEL": str(model_dir),

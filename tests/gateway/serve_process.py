@@ -108,7 +108,7 @@ def serve(
     port = free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     log = (data_dir / "serve.log").open("wb")
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "loramux.gateway.cli", "serve", "--port", str(port), *args]
     proc = subprocess.Popen(
         cmd,
         env=os.environ | env | {"LORAMUX_DATA_DIR": str(data_dir)},

@@ -10,15 +10,15 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.service import serve_engine_in_thread
-from engine.service.runner import RunningEngineService
-from gateway.db.migrate import upgrade
-from gateway.engine_client.base import EngineClient
-from gateway.server import RunningServer, engine_client, serve_in_thread
-from gateway.settings import Settings
+from loramux.engine.async_engine import AsyncEngine
+from loramux.engine.config import EngineConfig
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.service import serve_engine_in_thread
+from loramux.engine.service.runner import RunningEngineService
+from loramux.gateway.db.migrate import upgrade
+from loramux.gateway.engine_client.base import EngineClient
+from loramux.gateway.server import RunningServer, engine_client, serve_in_thread
+from loramux.gateway.settings import Settings
 
 ENGINE_TOKEN = "shared-secret"
 

@@ -44,7 +44,7 @@ def served(demo_model_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[tup
         "LORAMUX_KV_CACHE_MB": "16",
         "LORAMUX_REDIS_URL": redis_url,
     }
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
+    command = [sys.executable, "-m", "loramux.gateway.cli", "serve", "--port", str(port)]
     with log.open("wb") as out:
         proc = subprocess.Popen(
             command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.server import RunningServer
+from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import json_of
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 

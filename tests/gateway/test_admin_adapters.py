@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.server import RunningServer
+from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import json_of
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")

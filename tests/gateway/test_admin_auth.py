@@ -13,10 +13,10 @@ import httpx
 import jwt
 import pytest
 
-from gateway.auth.admin_jwt import AUDIENCE, DEFAULT_MAX_TTL
-from gateway.cli import main
-from gateway.server import RunningServer
-from gateway.state import admin_secret
+from loramux.gateway.auth.admin_jwt import AUDIENCE, DEFAULT_MAX_TTL
+from loramux.gateway.cli import main
+from loramux.gateway.server import RunningServer
+from loramux.gateway.state import admin_secret
 from tests.gateway.conftest import json_of
 
 MAX_TTL = DEFAULT_MAX_TTL  # the test gateway leaves LORAMUX_ADMIN_TOKEN_MAX_TTL unset

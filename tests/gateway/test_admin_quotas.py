@@ -10,8 +10,8 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from gateway.db import Quota
-from gateway.server import RunningServer
+from loramux.gateway.db import Quota
+from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import json_of
 
 NO_LIMITS = {

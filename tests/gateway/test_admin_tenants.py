@@ -10,10 +10,10 @@ import httpx
 import pytest
 from sqlalchemy import update
 
-from gateway.auth.api_keys import Principal
-from gateway.db import ApiKey
-from gateway.errors import Unauthorized
-from gateway.server import RunningServer
+from loramux.gateway.auth.api_keys import Principal
+from loramux.gateway.db import ApiKey
+from loramux.gateway.errors import Unauthorized
+from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import json_of
 
 

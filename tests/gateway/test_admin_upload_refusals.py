@@ -20,8 +20,8 @@ from peft import IA3Config, LoraConfig, get_peft_model
 from sqlalchemy import func, select
 from transformers import LlamaForCausalLM
 
-from gateway.db import AdapterVersion
-from gateway.server import RunningServer
+from loramux.gateway.db import AdapterVersion
+from loramux.gateway.server import RunningServer
 from tests.adapters.peft_adapters import make_peft_adapter, tiny_model
 from tests.gateway.conftest import json_of
 

@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 import httpx
 import pytest
 
-from gateway.server import RunningServer
-from gateway.usage import UsageRecord
+from loramux.gateway.server import RunningServer
+from loramux.gateway.usage import UsageRecord
 from tests.gateway.conftest import json_of
 
 DAY1, DAY2 = datetime(2031, 3, 1, 23, 30, tzinfo=UTC), datetime(2031, 3, 2, 0, 15, tzinfo=UTC)

@@ -12,7 +12,7 @@ import pytest
 from playwright.sync_api import Route, sync_playwright
 
 from bench.usage_workload import CHROMIUM_ARGS
-from gateway.server import RunningServer
+from loramux.gateway.server import RunningServer
 
 ASSET_URL = re.compile(r"""<(?:script|link)[^>]*?\s(?:src|href)=["']([^"']+)["']""")
 

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.server import RunningServer
+from loramux.gateway.server import RunningServer
 from tests.gateway.tenants import TenantKey, new_tenant
 
 OK = {"model": "demo-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -17,11 +17,11 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from engine.outputs import EngineStats
-from gateway.db import UsageEvent
-from gateway.engine_client.remote import RemoteEngineClient
-from gateway.quotas.buckets import budget_period, scope_prefix
-from gateway.server import RunningServer
+from loramux.engine.outputs import EngineStats
+from loramux.gateway.db import UsageEvent
+from loramux.gateway.engine_client.remote import RemoteEngineClient
+from loramux.gateway.quotas.buckets import budget_period, scope_prefix
+from loramux.gateway.server import RunningServer
 from tests.gateway.servers import ENGINE_TOKEN, TcpRelay, engine_service, gateway_server
 from tests.gateway.tenants import TenantKey, new_tenant
 

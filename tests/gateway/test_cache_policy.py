@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
-from gateway.cache_policy import DEFAULTS, cache_policy, cache_request, is_deterministic
-from gateway.errors import BadRequest
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.sampling import SamplingParams
+from loramux.gateway.cache_policy import DEFAULTS, cache_policy, cache_request, is_deterministic
+from loramux.gateway.errors import BadRequest
 
 SEMANTIC_TENANT: dict[str, Any] = {"cache": {"semantic": True, "threshold": 0.95, "ttl": 60}}
 

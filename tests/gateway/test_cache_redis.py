@@ -11,9 +11,9 @@ import httpx
 import pytest
 import redis
 
-from gateway.db.migrate import upgrade
-from gateway.server import RunningServer, engine_client, serve_in_thread
-from gateway.settings import CacheSettings, EngineSettings, ServerSettings, Settings
+from loramux.gateway.db.migrate import upgrade
+from loramux.gateway.server import RunningServer, engine_client, serve_in_thread
+from loramux.gateway.settings import CacheSettings, EngineSettings, ServerSettings, Settings
 from tests.gateway.conftest import json_of
 from tests.gateway.tenants import new_tenant
 from tests.redis import RedisServer

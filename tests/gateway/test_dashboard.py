@@ -19,11 +19,11 @@ import pytest
 from playwright.sync_api import Locator, Page, sync_playwright
 
 from bench.usage_workload import CHROMIUM_ARGS
-from gateway.dashboard.charts import Series, axis_top, stacked_bars
-from gateway.dashboard.html import el
-from gateway.dashboard.session import COOKIE, SESSION_SECONDS, Viewer, mint, signing_key
-from gateway.dashboard.sources import DashboardSources
-from gateway.server import RunningServer
+from loramux.gateway.dashboard.charts import Series, axis_top, stacked_bars
+from loramux.gateway.dashboard.html import el
+from loramux.gateway.dashboard.session import COOKIE, SESSION_SECONDS, Viewer, mint, signing_key
+from loramux.gateway.dashboard.sources import DashboardSources
+from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import json_of
 from tests.gateway.tenants import TenantKey, new_tenant
 

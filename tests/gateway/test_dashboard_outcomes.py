@@ -18,7 +18,7 @@ import pytest
 from playwright.sync_api import sync_playwright
 
 from bench.usage_workload import CHROMIUM_ARGS
-from gateway.server import RunningServer
+from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import json_of
 from tests.gateway.serve_process import wait_for
 from tests.gateway.tenants import TenantKey, new_key, new_tenant, upload_adapter

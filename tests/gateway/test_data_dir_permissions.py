@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import ensure_model, main
-from gateway.db import Tenant
-from gateway.db.migrate import upgrade
-from gateway.db.session import create_engine, session_factory
-from gateway.settings import Settings
+from loramux.gateway.cli import ensure_model, main
+from loramux.gateway.db import Tenant
+from loramux.gateway.db.migrate import upgrade
+from loramux.gateway.db.session import create_engine, session_factory
+from loramux.gateway.settings import Settings
 
 
 def mode(path: Path) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.server import RunningServer
+from loramux.gateway.server import RunningServer
 from tests.gateway.engine_process import EngineProcess, engine_process
 from tests.gateway.serve_process import wait_for
 from tests.gateway.servers import ENGINE_TOKEN, gateway_server

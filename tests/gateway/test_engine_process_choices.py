@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.errors import InvalidRequestError
-from engine.outputs import EngineRequest, RequestOutput
-from engine.sampling import SamplingParams
-from gateway.engine_client.remote import RemoteEngineClient
+from loramux.engine.errors import InvalidRequestError
+from loramux.engine.outputs import EngineRequest, RequestOutput
+from loramux.engine.sampling import SamplingParams
+from loramux.gateway.engine_client.remote import RemoteEngineClient
 from tests.engine.conftest import make_engine, run_to_completion
 from tests.gateway.engine_process import engine_process
 

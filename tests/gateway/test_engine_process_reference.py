@@ -14,11 +14,11 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from adapters.base_spec import BaseModelSpec
-from adapters.peft_format import load_peft_adapter
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
-from gateway.engine_client.remote import RemoteEngineClient
+from loramux.adapters.base_spec import BaseModelSpec
+from loramux.adapters.peft_format import load_peft_adapter
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.sampling import SamplingParams
+from loramux.gateway.engine_client.remote import RemoteEngineClient
 from tests.engine.conftest import hf_greedy
 from tests.engine.test_multi_lora import peft_greedy
 from tests.gateway.engine_process import engine_process

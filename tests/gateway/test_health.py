@@ -7,8 +7,8 @@ import os
 
 import httpx
 
-from gateway.server import RunningServer
-from gateway.supervisor import FAILING_EXITS, ChildSpec, SupervisedChild, Supervisor
+from loramux.gateway.server import RunningServer
+from loramux.gateway.supervisor import FAILING_EXITS, ChildSpec, SupervisedChild, Supervisor
 from tests.gateway.serve_process import wait_for
 
 

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from adapters.demo import build_demo_adapters
-from gateway.server import RunningServer
+from loramux.adapters.demo import build_demo_adapters
+from loramux.gateway.server import RunningServer
 from tests.gateway.serve_process import wait_for
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 

@@ -13,7 +13,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gateway.server import RunningServer
+from loramux.gateway.server import RunningServer
 from tests.gateway.tenants import TenantKey, new_key, new_tenant, upload_adapter
 
 MESSAGES = [{"role": "user", "content": "Write a function that adds two numbers."}]

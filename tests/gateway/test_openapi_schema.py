@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.server import RunningServer
+from loramux.gateway.server import RunningServer
 
 ERROR_REF = "#/components/schemas/ErrorResponse"
 TAKES_A_BODY = {"post", "put", "patch"}

@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.db.migrate import upgrade
-from gateway.server import RunningServer, engine_client, serve_in_thread
-from gateway.settings import EngineSettings, ServerSettings, Settings
+from loramux.gateway.db.migrate import upgrade
+from loramux.gateway.server import RunningServer, engine_client, serve_in_thread
+from loramux.gateway.settings import EngineSettings, ServerSettings, Settings
 from tests.gateway.conftest import json_of
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 

@@ -13,8 +13,8 @@ import openai
 import pytest
 from sqlalchemy import select
 
-from gateway.db import UsageEvent
-from gateway.server import RunningServer
+from loramux.gateway.db import UsageEvent
+from loramux.gateway.server import RunningServer
 from tests.gateway.tenants import TenantKey, new_tenant
 
 MESSAGES = [{"role": "user", "content": "Say something short."}]

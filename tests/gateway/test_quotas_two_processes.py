@@ -15,10 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.auth.admin_jwt import AdminAuth
-from gateway.db.migrate import upgrade
-from gateway.db.session import create_engine, session_factory
-from gateway.db.tenant import Tenant
+from loramux.gateway.auth.admin_jwt import AdminAuth
+from loramux.gateway.db.migrate import upgrade
+from loramux.gateway.db.session import create_engine, session_factory
+from loramux.gateway.db.tenant import Tenant
 from tests.gateway.tenants import new_tenant
 
 N = 37
@@ -64,7 +64,7 @@ def two_gateways(
             # default 1 s, which would (correctly) count Redis as down and answer 503.
             "LORAMUX_QUOTA_REDIS_TIMEOUT_MS": "30000",
         }
-        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
+        cmd = [sys.executable, "-m", "loramux.gateway.cli", "serve", "--port", str(port)]
         procs.append(
             subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         )

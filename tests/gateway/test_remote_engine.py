@@ -12,19 +12,19 @@ from typing import Any
 
 import pytest
 
-from engine.errors import (
+from loramux.engine.errors import (
     InvalidRequestError,
     PromptTooLongError,
     UnknownAdapterError,
 )
-from engine.llm_engine import LLMEngine
-from engine.outputs import EngineRequest, RequestOutput
-from engine.prompt import prompt_token_ids
-from engine.sampling import SamplingParams
-from engine.service.runner import RunningEngineService
-from engine.service.wire import UnauthorizedError
-from gateway.engine_client.remote import RemoteEngineClient
-from gateway.engine_client.routing import Endpoint, route
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.outputs import EngineRequest, RequestOutput
+from loramux.engine.prompt import prompt_token_ids
+from loramux.engine.sampling import SamplingParams
+from loramux.engine.service.runner import RunningEngineService
+from loramux.engine.service.wire import UnauthorizedError
+from loramux.gateway.engine_client.remote import RemoteEngineClient
+from loramux.gateway.engine_client.routing import Endpoint, route
 from tests.engine.conftest import make_engine, run_to_completion
 from tests.gateway.servers import ENGINE_TOKEN, engine_service
 

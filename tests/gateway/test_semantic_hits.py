@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.server import RunningServer
+from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import json_of
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from adapters.demo import build_demo_adapters
-from gateway.auth.admin_jwt import AdminAuth
+from loramux.adapters.demo import build_demo_adapters
+from loramux.gateway.auth.admin_jwt import AdminAuth
 from tests.gateway.serve_process import Serve, command_line, serve
 from tests.gateway.tenants import new_tenant, upload_adapter
 from tests.reliability.books import open_reservations

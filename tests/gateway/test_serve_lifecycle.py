@@ -16,12 +16,12 @@ from typing import Any
 import httpx
 import pytest
 
-from adapters.demo import build_demo_adapters
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.service import serve_engine_in_thread
-from gateway.auth.admin_jwt import AdminAuth
+from loramux.adapters.demo import build_demo_adapters
+from loramux.engine.async_engine import AsyncEngine
+from loramux.engine.config import EngineConfig
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.service import serve_engine_in_thread
+from loramux.gateway.auth.admin_jwt import AdminAuth
 from tests.gateway.serve_process import START_SECONDS, Serve, alive, serve, wait_for
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from adapters.demo import build_demo_adapters
-from gateway.auth.admin_jwt import AdminAuth
+from loramux.adapters.demo import build_demo_adapters
+from loramux.gateway.auth.admin_jwt import AdminAuth
 from tests.gateway.serve_process import Serve, alive, serve, wait_for
 from tests.gateway.tenants import new_tenant, upload_adapter
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from gateway.settings import EngineSettings
+from loramux.engine.config import EngineConfig
+from loramux.gateway.settings import EngineSettings
 
 MODEL = Path("model")
 

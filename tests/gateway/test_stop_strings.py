@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.service.runner import RunningEngineService
-from gateway.engine_client.remote import RemoteEngineClient
-from gateway.server import RunningServer
+from loramux.engine.service.runner import RunningEngineService
+from loramux.gateway.engine_client.remote import RemoteEngineClient
+from loramux.gateway.server import RunningServer
 from tests.gateway.servers import ENGINE_TOKEN, engine_service, gateway_server
 from tests.gateway.tenants import TenantKey, new_tenant
 

@@ -13,11 +13,11 @@ import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
-from engine.structured import StructuredOutput, StructuredOutputError
-from gateway.engine_client.remote import RemoteEngineClient
-from gateway.errors import to_gateway_error
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.sampling import SamplingParams
+from loramux.engine.structured import StructuredOutput, StructuredOutputError
+from loramux.gateway.engine_client.remote import RemoteEngineClient
+from loramux.gateway.errors import to_gateway_error
 from tests.engine.structured_schemas import NESTED, schema_text
 from tests.gateway.engine_process import engine_process
 

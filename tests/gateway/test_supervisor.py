@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.supervisor import FAILING_EXITS, ChildFailed, ChildSpec, Supervisor
+from loramux.gateway.supervisor import FAILING_EXITS, ChildFailed, ChildSpec, Supervisor
 from tests.gateway.serve_process import alive
 
 

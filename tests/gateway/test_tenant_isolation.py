@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.server import RunningServer
+from loramux.gateway.server import RunningServer
 from tests.gateway.tenants import TenantKey, new_key, new_tenant, upload_adapter
 
 

@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from gateway.server import RunningServer
+from loramux.gateway.server import RunningServer
 from tests.gateway.serve_process import wait_for
 from tests.gateway.tenants import TenantKey, new_tenant
 

@@ -15,10 +15,10 @@ from sqlalchemy import func, pool, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 
-from gateway.db import UsageEvent
-from gateway.db.migrate import upgrade
-from gateway.db.session import async_url, create_engine, session_factory
-from gateway.usage import UsageRecord, UsageRecorder
+from loramux.gateway.db import UsageEvent
+from loramux.gateway.db.migrate import upgrade
+from loramux.gateway.db.session import async_url, create_engine, session_factory
+from loramux.gateway.usage import UsageRecord, UsageRecorder
 from tests.gateway.test_usage_rollups import assert_rollups_match_events, random_events
 from tests.migrations.test_revisions import new_postgres_database
 

@@ -19,14 +19,14 @@ from sqlalchemy import Table, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.db import Quota, Tenant, UsageEvent, UsageTotals, usage_daily, usage_hourly
-from gateway.db.migrate import alembic_config, upgrade, with_connection
-from gateway.db.session import create_engine, session_factory
-from gateway.db.usage_rollup import BINS, BOUNDS_MS, GROUP_KEY, MEASURES, percentile
-from gateway.server import RunningServer, engine_client, serve_in_thread
-from gateway.settings import EngineSettings, ServerSettings, Settings
-from gateway.usage.query import Dimension, Span, read_usage, spans
-from gateway.usage.recorder import UsageRecord, UsageRecorder, as_utc
+from loramux.gateway.db import Quota, Tenant, UsageEvent, UsageTotals, usage_daily, usage_hourly
+from loramux.gateway.db.migrate import alembic_config, upgrade, with_connection
+from loramux.gateway.db.session import create_engine, session_factory
+from loramux.gateway.db.usage_rollup import BINS, BOUNDS_MS, GROUP_KEY, MEASURES, percentile
+from loramux.gateway.server import RunningServer, engine_client, serve_in_thread
+from loramux.gateway.settings import EngineSettings, ServerSettings, Settings
+from loramux.gateway.usage.query import Dimension, Span, read_usage, spans
+from loramux.gateway.usage.recorder import UsageRecord, UsageRecorder, as_utc
 from tests.gateway.conftest import json_of
 from tests.gateway.tenants import new_tenant
 

@@ -20,10 +20,20 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.lora_expand import bgmv_expand, sgmv_expand
-from kernels.lora_meta import INTERPRET, NO_SLOT, LoraBatchMeta, LoraMetaBuffers
-from kernels.lora_ref import bgmv_expand_ref, bgmv_shrink_ref, sgmv_expand_ref, sgmv_shrink_ref
-from kernels.lora_shrink import bgmv_shrink, bgmv_shrink_tiles, sgmv_shrink, sgmv_shrink_tiles
+from loramux.kernels.lora_expand import bgmv_expand, sgmv_expand
+from loramux.kernels.lora_meta import INTERPRET, NO_SLOT, LoraBatchMeta, LoraMetaBuffers
+from loramux.kernels.lora_ref import (
+    bgmv_expand_ref,
+    bgmv_shrink_ref,
+    sgmv_expand_ref,
+    sgmv_shrink_ref,
+)
+from loramux.kernels.lora_shrink import (
+    bgmv_shrink,
+    bgmv_shrink_tiles,
+    sgmv_shrink,
+    sgmv_shrink_tiles,
+)
 
 KERNEL_DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

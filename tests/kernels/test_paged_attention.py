@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.paged_attention import (
+from loramux.kernels.paged_attention import (
     AttentionMetadata,
     paged_attention,
     paged_attention_torch,

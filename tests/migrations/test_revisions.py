@@ -17,9 +17,9 @@ from sqlalchemy import insert, inspect, pool, select, text
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from gateway.db import Base, Tenant
-from gateway.db.migrate import alembic_config, current, downgrade, upgrade, with_connection
-from gateway.db.session import async_url
+from loramux.gateway.db import Base, Tenant
+from loramux.gateway.db.migrate import alembic_config, current, downgrade, upgrade, with_connection
+from loramux.gateway.db.session import async_url
 
 REPO = Path(__file__).parents[2]
 HEAD = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()

@@ -22,10 +22,10 @@ from datetime import UTC, datetime
 import redis
 from sqlalchemy import func, select
 
-from gateway.db import UsageEvent
-from gateway.engine_client.local import LocalEngineClient
-from gateway.quotas.buckets import budget_period, scope_prefix
-from gateway.server import RunningServer
+from loramux.gateway.db import UsageEvent
+from loramux.gateway.engine_client.local import LocalEngineClient
+from loramux.gateway.quotas.buckets import budget_period, scope_prefix
+from loramux.gateway.server import RunningServer
 from tests.reliability.rig import eventually, on_gateway
 from tests.reliability.traffic import Outcome, Tenant
 

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from gateway.server import RunningServer
+from loramux.gateway.server import RunningServer
 from tests.reliability.rig import gateway_settings, serve
 
 
 @pytest.fixture(scope="session")
 def adapter_dirs(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """Five PEFT adapters for the demo model (the session's forty take far longer to build)."""
-    from adapters.demo import build_demo_adapters
+    from loramux.adapters.demo import build_demo_adapters
 
     return build_demo_adapters(demo_model_dir, tmp_path_factory.mktemp("adapters"), 5, seed=1)
 

@@ -14,9 +14,9 @@ from typing import Any, TypeVar
 
 import httpx
 
-from gateway.db.migrate import upgrade
-from gateway.server import RunningServer, engine_client, serve_in_thread
-from gateway.settings import (
+from loramux.gateway.db.migrate import upgrade
+from loramux.gateway.server import RunningServer, engine_client, serve_in_thread
+from loramux.gateway.settings import (
     CacheSettings,
     EngineSettings,
     QuotaSettings,

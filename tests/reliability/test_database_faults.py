@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.server import RunningServer
+from loramux.gateway.server import RunningServer
 from tests.postgres import PostgresServer
 from tests.reliability import books
 from tests.reliability.rig import (

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.server import RunningServer
+from loramux.gateway.server import RunningServer
 from tests.postgres import free_port
 from tests.reliability import books
 from tests.reliability.rig import (
@@ -63,7 +63,7 @@ class EngineProcess:
 
     def start(self) -> None:
         """Start it and return once it answers /health (a minute at most)."""
-        command = [sys.executable, "-m", "gateway.cli", "engine", "--address", self.url]
+        command = [sys.executable, "-m", "loramux.gateway.cli", "engine", "--address", self.url]
         command += ["--health-port", str(self.health_port)]
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.server import RunningServer
+from loramux.gateway.server import RunningServer
 from tests.reliability.rig import admin_client, make_tenants
 from tests.reliability.traffic import Tenant
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.server import RunningServer
-from gateway.settings import QuotaSettings
+from loramux.gateway.server import RunningServer
+from loramux.gateway.settings import QuotaSettings
 from tests.redis import RedisServer
 from tests.reliability import books
 from tests.reliability.rig import (

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gateway.server import RunningServer
+from loramux.gateway.server import RunningServer
 from tests.reliability.rig import admin_client, make_tenants
 
 SEED = "20261123"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.server import RunningServer
+from loramux.gateway.server import RunningServer
 from tests.reliability import books
 from tests.reliability.rig import admin_client, make_tenants
 from tests.reliability.traffic import Mix, Outcome, Tenant, plan_requests, run_load

@@ -2,15 +2,15 @@
 fields make, reading calls out of each model family's output (whole or streamed), the schema
 that forces a call, and tool turns of the history as chat templates take them."""
 
-from gateway.openai.tools.forced import forced_call_schema, parse_forced_output
-from gateway.openai.tools.formats import (
+from loramux.gateway.openai.tools.forced import forced_call_schema, parse_forced_output
+from loramux.gateway.openai.tools.formats import (
     ParsedToolCalls,
     ToolCallFormat,
     call_id,
     tool_call_format,
 )
-from gateway.openai.tools.plan import NO_TOOLS, ToolPlan, tool_plan
-from gateway.openai.tools.schemas import (
+from loramux.gateway.openai.tools.plan import NO_TOOLS, ToolPlan, tool_plan
+from loramux.gateway.openai.tools.schemas import (
     FunctionCall,
     FunctionCallDelta,
     FunctionDefinition,
@@ -21,8 +21,8 @@ from gateway.openai.tools.schemas import (
     ToolChoice,
     checked_tools,
 )
-from gateway.openai.tools.stream import StreamDelta, ToolCallStreamParser, parse_tool_calls
-from gateway.openai.tools.turns import template_tool_calls, template_tool_result
+from loramux.gateway.openai.tools.stream import StreamDelta, ToolCallStreamParser, parse_tool_calls
+from loramux.gateway.openai.tools.turns import template_tool_calls, template_tool_result
 
 __all__ = [
     "NO_TOOLS",

@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.openai.tools.formats import ParsedToolCalls, ToolCallFormat
-from gateway.openai.tools.schemas import NamedToolChoice, Tool, ToolChoice
-from gateway.openai.tools.stream import parse_tool_calls
+from loramux.gateway.openai.tools.formats import ParsedToolCalls, ToolCallFormat
+from loramux.gateway.openai.tools.schemas import NamedToolChoice, Tool, ToolChoice
+from loramux.gateway.openai.tools.stream import parse_tool_calls
 
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 """The arguments schema of a function declared without `parameters`: it takes none."""

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from engine.chat_prompt import chat_template
-from gateway.openai.tools.schemas import FunctionCall, ToolCall
+from loramux.engine.chat_prompt import chat_template
+from loramux.gateway.openai.tools.schemas import FunctionCall, ToolCall
 
 
 class ToolCallFormat(StrEnum):

@@ -8,10 +8,10 @@ from typing import Any
 
 import msgspec
 
-from gateway.errors import BadRequest
-from gateway.openai.tools.forced import forced_call_schema
-from gateway.openai.tools.formats import ToolCallFormat
-from gateway.openai.tools.schemas import Tool, ToolChoice, checked_tools
+from loramux.gateway.errors import BadRequest
+from loramux.gateway.openai.tools.forced import forced_call_schema
+from loramux.gateway.openai.tools.formats import ToolCallFormat
+from loramux.gateway.openai.tools.schemas import Tool, ToolChoice, checked_tools
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from adapters.peft_format import nesting_depth
-from gateway.errors import BadRequest
+from loramux.adapters.peft_format import nesting_depth
+from loramux.gateway.errors import BadRequest
 
 MAX_TOOLS = 128
 """OpenAI's limit on the functions one request may offer."""

@@ -16,8 +16,13 @@ reassembles to exactly the non-streamed one, wherever the deltas split.
 
 from __future__ import annotations
 
-from gateway.openai.tools.formats import ParsedToolCalls, ToolCallFormat, decode_calls, tool_calls
-from gateway.openai.tools.schemas import FunctionCallDelta, ToolCall, ToolCallDelta
+from loramux.gateway.openai.tools.formats import (
+    ParsedToolCalls,
+    ToolCallFormat,
+    decode_calls,
+    tool_calls,
+)
+from loramux.gateway.openai.tools.schemas import FunctionCallDelta, ToolCall, ToolCallDelta
 
 StreamDelta = str | ToolCallDelta
 """What a stream sends next: content text, or one tool-call delta."""

@@ -16,10 +16,10 @@ import json
 import re
 from typing import Any
 
-from adapters.peft_format import nesting_depth
-from gateway.errors import BadRequest
-from gateway.openai.tools.formats import ToolCallFormat
-from gateway.openai.tools.schemas import MAX_SCHEMA_DEPTH, ToolCall
+from loramux.adapters.peft_format import nesting_depth
+from loramux.gateway.errors import BadRequest
+from loramux.gateway.openai.tools.formats import ToolCallFormat
+from loramux.gateway.openai.tools.schemas import MAX_SCHEMA_DEPTH, ToolCall
 
 MISTRAL_ID_LENGTH = 9
 _NOT_ALNUM = re.compile(r"[^a-zA-Z0-9]")

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.server import RunningServer
+from loramux.gateway.server import RunningServer
 from tests.gateway.tenants import TenantKey, new_tenant
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import openai
 
-from gateway.server import RunningServer
+from loramux.gateway.server import RunningServer
 from tests.gateway.tenants import TenantKey, new_tenant
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a lighthouse."}]

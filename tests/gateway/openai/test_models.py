@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx
 
-from gateway.openai.models import system_fingerprint
-from gateway.server import RunningServer
+from loramux.gateway.openai.models import system_fingerprint
+from loramux.gateway.server import RunningServer
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 
 

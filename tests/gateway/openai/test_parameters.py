@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.outputs import EngineStats
-from gateway.server import RunningServer
+from loramux.engine.outputs import EngineStats
+from loramux.gateway.server import RunningServer
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

@@ -16,8 +16,8 @@ import jsonschema
 import openai
 import pytest
 
-from engine.outputs import EngineStats
-from gateway.server import RunningServer
+from loramux.engine.outputs import EngineStats
+from loramux.gateway.server import RunningServer
 from tests.engine.structured_schemas import SCHEMAS
 from tests.gateway.tenants import TenantKey, upload_adapter
 

@@ -10,8 +10,8 @@ import pytest
 from tokenizers import Tokenizer, models
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from engine.outputs import TokenLogprob
-from gateway.openai.logprobs import TokenPieces
+from loramux.engine.outputs import TokenLogprob
+from loramux.gateway.openai.logprobs import TokenPieces
 
 TEXTS = [
     "plain words",

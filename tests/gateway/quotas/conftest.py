@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.db.migrate import upgrade
-from gateway.db.session import create_engine, session_factory
+from loramux.gateway.db.migrate import upgrade
+from loramux.gateway.db.session import create_engine, session_factory
 from tests.gateway.quotas.rig import Clock, QuotaRig
 
 

@@ -12,11 +12,11 @@ from typing import Any
 from redis.asyncio import BlockingConnectionPool, Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.auth.api_keys import Principal
-from gateway.db import ApiKey, Quota, Tenant, UsageEvent
-from gateway.errors import GatewayError
-from gateway.quotas import Admission, QuotaService
-from gateway.settings import QuotaSettings
+from loramux.gateway.auth.api_keys import Principal
+from loramux.gateway.db import ApiKey, Quota, Tenant, UsageEvent
+from loramux.gateway.errors import GatewayError
+from loramux.gateway.quotas import Admission, QuotaService
+from loramux.gateway.settings import QuotaSettings
 
 
 class Clock:

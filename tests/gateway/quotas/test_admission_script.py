@@ -7,10 +7,10 @@ from datetime import UTC, datetime
 
 from redis.asyncio import Redis
 
-from gateway.quotas.buckets import WINDOW_MS, plan
-from gateway.quotas.config import PrincipalLimits, ScopeLimits
-from gateway.quotas.readings import ADMITTED, ADMITTED_BEFORE
-from gateway.quotas.scripts import ADMIT, SETTLE
+from loramux.gateway.quotas.buckets import WINDOW_MS, plan
+from loramux.gateway.quotas.config import PrincipalLimits, ScopeLimits
+from loramux.gateway.quotas.readings import ADMITTED, ADMITTED_BEFORE
+from loramux.gateway.quotas.scripts import ADMIT, SETTLE
 from tests.gateway.quotas.rig import QuotaRig
 
 

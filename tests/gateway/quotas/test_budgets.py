@@ -7,11 +7,11 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime, timedelta
 
-from gateway.auth.api_keys import Principal
-from gateway.errors import InsufficientQuota
-from gateway.quotas import QuotaService
-from gateway.quotas.buckets import budget_period, scope_prefix
-from gateway.usage import UsageRecord, UsageRecorder
+from loramux.gateway.auth.api_keys import Principal
+from loramux.gateway.errors import InsufficientQuota
+from loramux.gateway.quotas import QuotaService
+from loramux.gateway.quotas.buckets import budget_period, scope_prefix
+from loramux.gateway.usage import UsageRecord, UsageRecorder
 from tests.gateway.quotas.rig import QuotaRig, refusal
 
 

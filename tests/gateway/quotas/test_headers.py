@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.quotas.headers import go_duration, retry_after
+from loramux.gateway.quotas.headers import go_duration, retry_after
 from tests.gateway.quotas.rig import QuotaRig
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.db import Quota
-from gateway.errors import InsufficientQuota, RateLimited
+from loramux.gateway.db import Quota
+from loramux.gateway.errors import InsufficientQuota, RateLimited
 from tests.gateway.quotas.rig import QuotaRig, refusal, remaining_tokens
 
 

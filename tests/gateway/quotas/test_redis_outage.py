@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 
-from gateway.errors import InsufficientQuota, ServiceUnavailable
+from loramux.gateway.errors import InsufficientQuota, ServiceUnavailable
 from tests.gateway.quotas.rig import QuotaRig, refusal
 from tests.redis import RedisServer
 

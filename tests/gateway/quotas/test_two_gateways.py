@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from gateway.auth.api_keys import Principal
-from gateway.db.session import create_engine, session_factory
-from gateway.errors import GatewayError, InsufficientQuota, RateLimited
-from gateway.quotas import Admission, QuotaService
+from loramux.gateway.auth.api_keys import Principal
+from loramux.gateway.db.session import create_engine, session_factory
+from loramux.gateway.errors import GatewayError, InsufficientQuota, RateLimited
+from loramux.gateway.quotas import Admission, QuotaService
 from tests.gateway.quotas.rig import QuotaRig, redis_client, refusal, remaining_tokens, settings
 
 REQUESTS = 500

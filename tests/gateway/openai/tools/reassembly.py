@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.openai.tools import (
+from loramux.gateway.openai.tools import (
     FunctionCall,
     ParsedToolCalls,
     StreamDelta,

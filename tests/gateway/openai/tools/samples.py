@@ -5,7 +5,7 @@ optionally after `<|python_tag|>`), Mistral-7B-Instruct-v0.3 (`[TOOL_CALLS]` the
 
 from __future__ import annotations
 
-from gateway.openai.tools import ToolCallFormat
+from loramux.gateway.openai.tools import ToolCallFormat
 
 WEATHER = '{"city": "Paris", "unit": "celsius"}'
 TIME = '{"zone": "Europe/Paris"}'

@@ -11,8 +11,8 @@ import jsonschema_rs
 import msgspec
 import pytest
 
-from gateway.errors import BadRequest
-from gateway.openai.tools import (
+from loramux.gateway.errors import BadRequest
+from loramux.gateway.openai.tools import (
     NO_TOOLS,
     NamedToolChoice,
     Tool,
@@ -21,7 +21,7 @@ from gateway.openai.tools import (
     parse_forced_output,
     tool_plan,
 )
-from gateway.openai.tools.schemas import NamedFunction
+from loramux.gateway.openai.tools.schemas import NamedFunction
 
 TOOLS = msgspec.convert(
     [

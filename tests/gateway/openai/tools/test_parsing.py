@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gateway.openai.tools import ToolCallFormat, call_id, parse_tool_calls
+from loramux.gateway.openai.tools import ToolCallFormat, call_id, parse_tool_calls
 from tests.gateway.openai.tools.samples import HERMES_SAMPLES, LLAMA3_SAMPLES, MISTRAL_SAMPLES
 
 F = ToolCallFormat

@@ -8,8 +8,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from gateway.errors import BadRequest
-from gateway.openai.tools import (
+from loramux.gateway.errors import BadRequest
+from loramux.gateway.openai.tools import (
     FunctionCallDelta,
     NamedToolChoice,
     Tool,
@@ -18,7 +18,7 @@ from gateway.openai.tools import (
     ToolChoice,
     checked_tools,
 )
-from gateway.openai.tools.schemas import MAX_SCHEMA_DEPTH, MAX_TOOLS
+from loramux.gateway.openai.tools.schemas import MAX_SCHEMA_DEPTH, MAX_TOOLS
 
 
 class Body(msgspec.Struct):

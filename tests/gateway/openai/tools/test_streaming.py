@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from gateway.openai.tools import (
+from loramux.gateway.openai.tools import (
     StreamDelta,
     ToolCallDelta,
     ToolCallFormat,

@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from engine.chat_prompt import chat_prompt_ids
-from engine.demo_model import VOCAB_SIZE
-from engine.errors import InvalidRequestError
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
-from gateway.errors import BadRequest
-from gateway.openai.tools import (
+from loramux.engine.chat_prompt import chat_prompt_ids
+from loramux.engine.demo_model import VOCAB_SIZE
+from loramux.engine.errors import InvalidRequestError
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.sampling import SamplingParams
+from loramux.gateway.errors import BadRequest
+from loramux.gateway.openai.tools import (
     FunctionCall,
     ToolCall,
     ToolCallFormat,
@@ -26,7 +26,7 @@ from gateway.openai.tools import (
     template_tool_result,
     tool_call_format,
 )
-from gateway.prompt_tokens import PromptTokens
+from loramux.gateway.prompt_tokens import PromptTokens
 from tests.engine.chat_families import family_tokenizer
 from tests.gateway.openai.tools.family_templates import (
     LLAMA31_TEMPLATE,

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from engine.chat_prompt import chat_prompt_ids
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import EngineRequest
-from engine.sampling import SamplingParams
-from gateway.openai.tools import (
+from loramux.engine.chat_prompt import chat_prompt_ids
+from loramux.engine.detokenizer import IncrementalDetokenizer
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.sampling import SamplingParams
+from loramux.gateway.openai.tools import (
     FunctionCall,
     StreamDelta,
     ToolCall,

@@ -11,8 +11,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.chat_prompt import chat_prompt_ids
-from engine.demo_model import IM_END_ID
+from loramux.engine.chat_prompt import chat_prompt_ids
+from loramux.engine.demo_model import IM_END_ID
 
 TOOLS: list[dict[str, Any]] = [
     {
