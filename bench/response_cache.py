@@ -113,7 +113,7 @@ def _tenant_key(http: httpx.Client, admin_token: str) -> str:
 
 
 def _time_requests(http: httpx.Client, key: str, w: Workload) -> dict[str, Any]:
-    questions = [p.a for p in load(PAIRS)][: w.requests]
+    questions = list(dict.fromkeys(p.a for p in load(PAIRS)))[: w.requests]
     auth = {"authorization": f"Bearer {key}"}
     timings: dict[str, list[float]] = {"uncached": [], "hit": []}
     seen: dict[str, list[str]] = {"fill": [], "uncached": [], "hit": []}

@@ -13,6 +13,7 @@ from typing import Literal
 
 import msgspec
 
+from loramux.cache.pacing import Pacing, hit_pieces
 from loramux.cache.types import CachedResponse
 from loramux.gateway.errors import GatewayError
 from loramux.gateway.openai.generation import ChoiceDelta, ChoiceRun
@@ -36,9 +37,6 @@ from loramux.gateway.openai.tools.schemas import FunctionCallDelta, ToolCall, To
 
 Kind = Literal["chat", "text"]
 Logprobs = ChoiceLogprobs | TextLogprobs
-
-HIT_CHUNK_CHARS = 16
-"""A streamed cache hit is sent in pieces of this many characters."""
 
 
 @dataclass(frozen=True)
@@ -151,18 +149,22 @@ def replayed(response: CachedResponse, kind: Kind) -> Answer:
     )
 
 
-def replay_parts(answer: Answer) -> Iterator[Part]:
-    """A cached answer as stream parts: its text in short pieces, the logprobs and tool calls
-    with the first, the finish reason last."""
-    text = answer.text
+def replay_parts(
+    answer: Answer, completion_tokens: int, pacing: Pacing
+) -> Iterator[tuple[Part, float]]:
+    """A cached answer as stream parts, each with the delay before it is sent (the tenant's
+    `cache.pacing`: at once, or a piece per completion token at its rate): the logprobs and
+    tool calls with the first part, the finish reason last."""
     calls = [
         ToolCallDelta(i, _function_delta(call), call.id, "function")
         for i, call in enumerate(answer.tool_calls or [])
     ]
-    yield Part(0, text[:HIT_CHUNK_CHARS], None, answer.logprobs, calls or None)
-    for i in range(HIT_CHUNK_CHARS, len(text), HIT_CHUNK_CHARS):
-        yield Part(0, text[i : i + HIT_CHUNK_CHARS], None)
-    yield Part(0, "", answer.finish_reason)
+    for n, (piece, delay) in enumerate(hit_pieces(answer.text, completion_tokens, pacing)):
+        if n == 0:
+            yield Part(0, piece, None, answer.logprobs, calls or None), delay
+        else:
+            yield Part(0, piece, None), delay
+    yield Part(0, "", answer.finish_reason), 0.0
 
 
 def _function_delta(call: ToolCall) -> FunctionCallDelta:

@@ -246,7 +246,10 @@ class CompletionService:
     async def _replay(self, p: Prepared, hit: CacheHit) -> AsyncIterator[Part | Ending]:
         answer = replayed(hit.response, p.meta.kind)
         try:
-            for part in replay_parts(answer):
+            pacing = p.cache.policy.pacing
+            for part, delay in replay_parts(answer, hit.response.completion_tokens, pacing):
+                if delay:
+                    await asyncio.sleep(delay)
                 yield part
             usage = Usage.of(hit.response.prompt_tokens, hit.response.completion_tokens, 0)
             yield Ending([answer], usage)

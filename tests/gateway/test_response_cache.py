@@ -256,3 +256,36 @@ def test_a_redis_restart_fails_no_request_and_caching_resumes(
     redis_server.restart()
     assert ask(api, tenant, question).headers["x-cache"] == "miss"
     assert ask(api, tenant, question).headers["x-cache"] == "exact"
+
+
+def _streamed_pieces(api: httpx.Client, tenant: TenantKey, question: str) -> tuple[str, list[str]]:
+    """(x-cache, the content pieces) of a streamed request."""
+    body = {
+        "model": "demo-model",
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "stream": True,
+    }
+    headers = {"authorization": f"Bearer {tenant.key}"}
+    with api.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+        outcome = r.headers["x-cache"]
+    pieces = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
+    return outcome, [p for p in pieces if p]
+
+
+@pytest.mark.parametrize(("pacing", "paced"), [("instant", False), ("paced", True)])
+def test_a_streamed_hit_is_sent_at_once_or_paced_as_the_tenant_says(
+    admin: httpx.Client, api: httpx.Client, pacing: str, paced: bool
+) -> None:
+    tenant = semantic_tenant(admin, hit_pacing=pacing, hit_tokens_per_second=10_000)
+    question = unique("Tell me about the sea")
+    first, generated = _streamed_pieces(api, tenant, question)
+    again, replayed = _streamed_pieces(api, tenant, question)
+    assert (first, again) == ("miss", "exact")
+    assert "".join(replayed) == "".join(generated)
+    # paced: a piece per completion token, as it was generated; instant: the whole text at once
+    assert len(generated) > 1
+    assert (len(replayed) > 1) if paced else (len(replayed) == 1)
