@@ -13,6 +13,7 @@ from loramux.gateway.dashboard.charts import Series, lines, stacked_bars
 from loramux.gateway.dashboard.html import Child, Html, el
 from loramux.gateway.dashboard.panels import (
     REFRESH_SECONDS,
+    cache_panel,
     engine_panel,
     live_panel,
     percent,
@@ -85,6 +86,7 @@ def dashboard_page(view: DashboardView, viewer: Viewer) -> Html:
             _charts(view),
             _breakdown(view),
             _key_breakdown(view.keys) if view.tenant else None,
+            cache_panel(view.cache) if view.cache is not None else None,
         ),
         refresh=REFRESH_SECONDS if view.live else None,
     )

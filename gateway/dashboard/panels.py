@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from loramux.cache.tenant_stats import TenantCacheStats
 from loramux.gateway.dashboard.html import Child, Html, el
 from loramux.gateway.dashboard.live import EngineHealth, QuotaLine, TenantQuotas
 
@@ -102,3 +103,25 @@ def tenant_quota_panel(tenants: Sequence[TenantQuotas]) -> Html:
             for t in tenants
         ]
     return el("section", el("h2", "Quota use across tenants"), body, class_="card")
+
+
+def cache_panel(stats: TenantCacheStats) -> Html:
+    """The tenant's response cache since this gateway started: how often it answers, how often
+    a semantic candidate came close, what the verifier refused and why, and the wrong hits an
+    admin reported (each invalidated its entry)."""
+    rows = [
+        ("Lookups", f"{stats.lookups:,}", "cache-lookups"),
+        ("Hit rate", percent(stats.hit_rate), "cache-hit-rate"),
+        ("Exact / semantic hits", f"{stats.exact_hits:,} / {stats.semantic_hits:,}", "cache-hits"),
+        ("Near misses", f"{stats.near_misses:,} ({percent(stats.near_miss_rate)})", "cache-near"),
+        ("Wrong hits reported", f"{stats.wrong_hits:,}", "cache-wrong-hits"),
+    ]
+    rows += [
+        (f"Refused: {reason}", f"{n:,}", f"cache-refused-{reason}")
+        for reason, n in sorted(stats.refusals.items())
+    ]
+    body = [
+        el("tr", el("th", label), el("td", value, data_testid=testid))
+        for label, value, testid in rows
+    ]
+    return el("section", el("h2", "Response cache"), el("table", body), class_="card")

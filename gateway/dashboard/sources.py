@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from loramux.cache.response_cache import ResponseCache
 from loramux.gateway.auth.admin_jwt import AdminAuth
 from loramux.gateway.auth.api_keys import ApiKeyAuth
 from loramux.gateway.engine_client.base import EngineClient
@@ -26,6 +27,8 @@ class DashboardSources:
     model_name: str
     admin_secret: str
     """Signs dashboard sessions (through a derived key, `gateway.dashboard.session`)."""
+    cache: ResponseCache
+    """The response cache: its per-tenant counts (hits, near misses, refusals, wrong hits)."""
 
     @classmethod
     def of(cls, gw: GatewayState) -> DashboardSources:
@@ -37,4 +40,5 @@ class DashboardSources:
             gw.admin,
             gw.model_name,
             admin_secret(gw.settings),
+            gw.cache,
         )

@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import select
 
+from loramux.cache.tenant_stats import TenantCacheStats
 from loramux.gateway.catalog import latest_versions
 from loramux.gateway.dashboard.live import (
     EngineHealth,
@@ -123,6 +124,8 @@ class DashboardView:
     """Admins only."""
     tenant_quotas: list[TenantQuotas] = field(default_factory=list)
     """Admins only, on the all-tenants page."""
+    cache: TenantCacheStats | None = None
+    """The tenant's response-cache counts since this gateway process started."""
 
     @property
     def days(self) -> int:
@@ -189,6 +192,7 @@ async def load_view(
         in_flight=await in_flight_of(src, tenant_id) if tenant_id else 0,
         engines=await engine_health(src) if is_admin else [],
         tenant_quotas=await quotas_across_tenants(src, now) if is_admin and not tenant_id else [],
+        cache=src.cache.tenant_stats(tenant_id) if tenant_id else None,
     )
 
 

@@ -15,6 +15,7 @@ import pytest
 from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import json_of
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
+from tests.gateway.test_dashboard import signed_in
 
 PARAPHRASES = {
     "synonym": ("How do I cancel my subscription?", "How do I terminate my subscription?"),
@@ -115,7 +116,7 @@ def test_every_change_that_changes_the_answer_misses(
 
 
 def test_a_reported_wrong_hit_is_invalidated_and_the_next_identical_request_misses(
-    admin: httpx.Client, api: httpx.Client
+    gateway: RunningServer, admin: httpx.Client, api: httpx.Client
 ) -> None:
     tenant = semantic_tenant(admin)
     stored, asked = PARAPHRASES["synonym"]
@@ -129,6 +130,11 @@ def test_a_reported_wrong_hit_is_invalidated_and_the_next_identical_request_miss
     assert admin.post("/admin/cache/feedback", json=report).status_code == 404
     stats = json_of(admin.get(f"/admin/tenants/{tenant.tenant_id}/cache/stats"))
     assert stats["wrong_hits"] == 1 and stats["semantic_hits"] == 1
+    # ... and the tenant's dashboard shows it
+    with signed_in(gateway, tenant.key) as dashboard:
+        page = dashboard.get("/dashboard", params={"paused": "true"}).text
+    assert 'data-testid="cache-wrong-hits">1<' in page
+    assert 'data-testid="cache-hits">0 / 1<' in page
 
 
 def test_another_tenant_cannot_report_a_tenants_response(
