@@ -164,12 +164,18 @@ class ServerSettings:
         default_factory=lambda: _env("USAGE_MAX_BUFFERED", 250_000, int)
     )
     """LORAMUX_USAGE_MAX_BUFFERED: usage events held in memory while the database is unavailable (about 0.5 KB each); past this they are dropped, logged and counted."""
+    usage_flush_seconds: float = field(
+        default_factory=lambda: _env("USAGE_FLUSH_SECONDS", 0.5, float)
+    )
+    """LORAMUX_USAGE_FLUSH_SECONDS: how often usage events are written to the database (sooner when many are waiting)."""
     demo_adapters: int = field(default_factory=lambda: _env("DEMO_ADAPTERS", 4, int))
     """LORAMUX_DEMO_ADAPTERS: shared demo adapters uploaded on first start with the demo model."""
 
     def __post_init__(self) -> None:
         if not 0 < self.engine_first_output_seconds < float("inf"):
             raise ValueError("LORAMUX_ENGINE_FIRST_OUTPUT_SECONDS must be a positive number")
+        if not 0 < self.usage_flush_seconds < float("inf"):
+            raise ValueError("LORAMUX_USAGE_FLUSH_SECONDS must be a positive number")
 
 
 @dataclass(frozen=True)

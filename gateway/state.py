@@ -133,7 +133,11 @@ async def build_state(
         catalog=ModelCatalog(sessions, info.model_name),
         store=AdapterStore(settings.adapter_dir, base, limits),
         metrics=Metrics(),
-        usage=UsageRecorder(sessions, max_buffered=settings.server.usage_max_buffered),
+        usage=UsageRecorder(
+            sessions,
+            interval=settings.server.usage_flush_seconds,
+            max_buffered=settings.server.usage_max_buffered,
+        ),
         model_name=info.model_name,
         max_model_len=info.max_model_len,
         prompts=PromptTokens(model_dir, info.vocab_size, info.max_model_len),

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from loramux.engine.config import EngineConfig
-from loramux.gateway.settings import EngineSettings
+from loramux.gateway.settings import EngineSettings, ServerSettings
 
 MODEL = Path("model")
 
@@ -69,3 +69,12 @@ def test_an_invalid_setting_is_refused_by_the_engine_config(clean_env: pytest.Mo
     clean_env.setenv("LORAMUX_MAX_LORA_RANK", "512")
     with pytest.raises(ValueError, match="max_lora_rank"):
         EngineSettings().engine_config(MODEL)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_a_usage_flush_interval_that_is_not_a_positive_number_is_refused(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("LORAMUX_USAGE_FLUSH_SECONDS", value)
+    with pytest.raises(ValueError, match="LORAMUX_USAGE_FLUSH_SECONDS"):
+        ServerSettings()

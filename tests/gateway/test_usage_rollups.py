@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 import uuid
 from collections.abc import Callable, Hashable, Sequence
 from datetime import UTC, datetime, timedelta
@@ -339,14 +338,13 @@ def test_requests_answered_just_before_shutdown_are_all_stored(
         data_dir=tmp_path,
         model=demo_model_dir,
         engine=EngineSettings(max_model_len=512, kv_cache_mb=32),
-        server=ServerSettings(model_name="demo-model"),
+        # the recorder writes only when the gateway shuts down
+        server=ServerSettings(model_name="demo-model", usage_flush_seconds=3600.0),
     )
     upgrade(settings.database_url)
     body = {"model": "demo-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
     client = engine_client(settings, demo_model_dir)
     with serve_in_thread(settings, client, demo_model_dir, redis_url=redis_url) as server:
-        server.state.usage.interval = 3600.0
-        time.sleep(1.0)  # the recorder's current wait (0.5 s) ends; the next lasts an hour
         token = server.state.admin.mint("test-admin", ttl_seconds=600)
         headers = {"authorization": f"Bearer {token}"}
         with httpx.Client(base_url=server.url, headers=headers, timeout=120) as admin:
