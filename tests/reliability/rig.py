@@ -205,3 +205,17 @@ async def drill(
 def answered(o: Outcome) -> bool:
     """Answered whole: 200, read to the end, with usage, no error inside the stream."""
     return o.status == 200 and o.done and o.usage is not None and o.stream_error is None
+
+
+@dataclass(frozen=True)
+class TenantsDrill:
+    """A drill and the tenants whose traffic it ran."""
+
+    drill: Drill
+    tenants: list[Tenant]
+
+
+def unanswered(at_least: int) -> Callable[[list[Outcome]], bool]:
+    """An `outage_seen` for `drill`: `at_least` requests since the fault were not answered
+    whole (a few more than the caches that answer for a moment after a part goes)."""
+    return lambda outcomes: sum(not answered(o) for o in outcomes) >= at_least

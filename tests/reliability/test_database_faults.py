@@ -9,7 +9,6 @@ nothing stays held.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,15 +17,15 @@ from loramux.gateway.server import RunningServer
 from tests.postgres import PostgresServer
 from tests.reliability import books
 from tests.reliability.rig import (
-    Drill,
+    TenantsDrill,
     admin_client,
-    answered,
     drill,
     gateway_settings,
     make_tenants,
     serve,
+    unanswered,
 )
-from tests.reliability.traffic import Mix, Outcome, Tenant, plan_requests
+from tests.reliability.traffic import Mix, plan_requests
 
 FAULT_MIX = Mix(disconnect=0.0, cancel=0.0, bad=0.0)
 
@@ -44,24 +43,12 @@ def postgres_gateway(
         yield server
 
 
-@dataclass(frozen=True)
-class DatabaseDrill:
-    drill: Drill
-    tenants: list[Tenant]
-
-
-def felt(outcomes: list[Outcome]) -> bool:
-    """The outage has shown for a while: 8 requests since the stop were not answered whole
-    (the API-key and quota caches answer for a moment after the database goes)."""
-    return sum(not answered(o) for o in outcomes) >= 8
-
-
 @pytest.fixture(scope="module")
 async def stopped(
     postgres_gateway: RunningServer,
     postgres_server: PostgresServer,
     adapter_dirs: list[Path],
-) -> DatabaseDrill:
+) -> TenantsDrill:
     with admin_client(postgres_gateway) as admin:
         tenants = make_tenants(admin, 2, adapter_dirs)
     try:
@@ -70,33 +57,33 @@ async def stopped(
             tenants,
             plan_requests(None, len(tenants), FAULT_MIX, seed=31),
             fault=postgres_server.stop,
-            outage_seen=felt,
+            outage_seen=unanswered(8),
             recover=postgres_server.start,
         )
     except BaseException:
         postgres_server.start()  # for the tests after this one
         raise
-    return DatabaseDrill(d, tenants)
+    return TenantsDrill(d, tenants)
 
 
-def test_the_outage_is_seen_and_service_comes_back(stopped: DatabaseDrill) -> None:
+def test_the_outage_is_seen_and_service_comes_back(stopped: TenantsDrill) -> None:
     assert stopped.drill.outage_seen
     assert stopped.drill.recovery_seen
 
 
-def test_requests_are_answered_or_refused_with_a_503_never_a_500(stopped: DatabaseDrill) -> None:
+def test_requests_are_answered_or_refused_with_a_503_never_a_500(stopped: TenantsDrill) -> None:
     assert books.unclean_failures(stopped.drill.run.outcomes) == []
 
 
 def test_usage_of_requests_answered_during_the_outage_reaches_sql_afterwards(
-    stopped: DatabaseDrill, postgres_gateway: RunningServer
+    stopped: TenantsDrill, postgres_gateway: RunningServer
 ) -> None:
     rows = postgres_gateway.run(books.stored_usage(postgres_gateway, stopped.tenants))
     assert books.unbilled(stopped.drill.run.outcomes, rows) == []
 
 
 async def test_nothing_stays_held(
-    stopped: DatabaseDrill, postgres_gateway: RunningServer, redis_url: str
+    stopped: TenantsDrill, postgres_gateway: RunningServer, redis_url: str
 ) -> None:
     left = await books.settled_residue(postgres_gateway, redis_url, stopped.tenants)
     assert left.idle, left

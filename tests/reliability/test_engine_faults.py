@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -26,15 +25,15 @@ from loramux.gateway.server import RunningServer
 from tests.postgres import free_port
 from tests.reliability import books
 from tests.reliability.rig import (
-    Drill,
+    TenantsDrill,
     admin_client,
-    answered,
     drill,
     gateway_settings,
     make_tenants,
     serve,
+    unanswered,
 )
-from tests.reliability.traffic import Mix, Outcome, Tenant, plan_requests
+from tests.reliability.traffic import Mix, plan_requests
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 TOKEN = "reliability-engine-token"
@@ -126,21 +125,10 @@ def remote_gateway(
         yield server
 
 
-@dataclass(frozen=True)
-class EngineDrill:
-    drill: Drill
-    tenants: list[Tenant]
-
-
-def failed_cleanly(outcomes: list[Outcome]) -> bool:
-    """The outage has shown for a while: 8 requests since the kill failed."""
-    return sum(not answered(o) for o in outcomes) >= 8
-
-
 @pytest.fixture(scope="module")
 async def killed(
     remote_gateway: RunningServer, engine_process: EngineProcess, adapter_dirs: list[Path]
-) -> EngineDrill:
+) -> TenantsDrill:
     with admin_client(remote_gateway) as admin:
         tenants = make_tenants(admin, 2, adapter_dirs)
     d = await drill(
@@ -148,35 +136,35 @@ async def killed(
         tenants,
         plan_requests(None, len(tenants), FAULT_MIX, seed=21),
         fault=engine_process.kill,
-        outage_seen=failed_cleanly,
+        outage_seen=unanswered(8),
         recover=engine_process.start,
     )
-    return EngineDrill(d, tenants)
+    return TenantsDrill(d, tenants)
 
 
-def test_the_outage_is_seen_and_service_comes_back(killed: EngineDrill) -> None:
+def test_the_outage_is_seen_and_service_comes_back(killed: TenantsDrill) -> None:
     assert killed.drill.outage_seen
     assert killed.drill.recovery_seen
 
 
-def test_requests_fail_only_with_a_clean_503(killed: EngineDrill) -> None:
+def test_requests_fail_only_with_a_clean_503(killed: TenantsDrill) -> None:
     assert books.unclean_failures(killed.drill.run.outcomes, ENGINE_CODES) == []
 
 
-def test_streams_under_way_end_with_an_error_event_and_no_done(killed: EngineDrill) -> None:
+def test_streams_under_way_end_with_an_error_event_and_no_done(killed: TenantsDrill) -> None:
     cut = [o for o in killed.drill.run.outcomes if o.stream_error is not None]
     assert all(not o.done and o.status == 200 for o in cut)
 
 
 def test_every_answered_request_is_billed_once(
-    killed: EngineDrill, remote_gateway: RunningServer
+    killed: TenantsDrill, remote_gateway: RunningServer
 ) -> None:
     rows = remote_gateway.run(books.stored_usage(remote_gateway, killed.tenants))
     assert books.unbilled(killed.drill.run.outcomes, rows) == []
 
 
 async def test_nothing_stays_held_in_the_new_engine_or_in_redis(
-    killed: EngineDrill, remote_gateway: RunningServer, redis_url: str
+    killed: TenantsDrill, remote_gateway: RunningServer, redis_url: str
 ) -> None:
     left = await books.settled_residue(remote_gateway, redis_url, killed.tenants)
     assert (left.running, left.waiting, left.kv_blocks_used) == (0, 0, 0)
