@@ -18,6 +18,7 @@ results are cached by schema text, and the step thread only copies the cached ma
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -189,7 +190,18 @@ def check_structured_output(spec: StructuredOutput) -> None:
     """Refuse, with StructuredOutputError, what can be refused without a tokenizer: a schema
     out of bounds, not JSON, or one the library cannot compile. The gateway calls it before it
     queues anything, so a streamed request gets its 400 before the stream starts; the engine
-    compiles (and probes the first mask) again at admission."""
-    error = llguidance.LLMatcher.validate_grammar(_grammar_text(spec), None, limits=LIMITS)
-    if error:
-        raise StructuredOutputError(f"the JSON schema cannot be compiled: {error}")
+    compiles (and probes the first mask) again at admission. Verdicts are remembered by schema
+    text, so a schema that many requests share is checked once per process."""
+    error = _check_error(spec)
+    if error is not None:
+        raise StructuredOutputError(error)
+
+
+@functools.lru_cache(maxsize=CACHE_ENTRIES)
+def _check_error(spec: StructuredOutput) -> str | None:
+    try:
+        grammar = _grammar_text(spec)
+    except StructuredOutputError as exc:
+        return str(exc)
+    error = llguidance.LLMatcher.validate_grammar(grammar, None, limits=LIMITS)
+    return f"the JSON schema cannot be compiled: {error}" if error else None
