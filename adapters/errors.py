@@ -157,3 +157,9 @@ class InvalidArchive(AdapterError):
     """An uploaded archive is not a readable .zip or .tar.gz."""
 
     code = "invalid_archive"
+
+
+class OverMemoryBudget(AdapterError):
+    """The adapter's weights at their ranks need more than the engine's whole adapter memory."""
+
+    code = "over_memory_budget"

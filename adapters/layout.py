@@ -1,4 +1,5 @@
-"""The engine's stacked LoRA layout: every device slot's adapter weights, per layer and group.
+"""The engine's adapter memory: one flat pool of weights, and per (layer, group) a table saying
+where each resident adapter's pairs lie in it.
 
 The model fuses projections that read the same input into one GEMM, and LoRA follows:
 
@@ -8,16 +9,22 @@ The model fuses projections that read the same input into one GEMM, and LoRA fol
     gate_up   gate, up      hidden                2 * intermediate
     down      down          intermediate          hidden
 
-For one (layer, group), with S device slots, L slices and R the maximum rank:
+Every resident adapter holds one contiguous *region* of the pool, sized by its own ranks:
+for every module it adapts, A [r, H_in] then B [N_slice, r] (scaling folded), row-major. A
+rank-8 adapter therefore takes an eighth of a rank-64 one's memory, and the number of resident
+adapters follows the memory budget. Regions are addressed by a *slot*: a row of the tables,
+one per resident adapter (S rows: a bound on resident adapters, cheap metadata).
 
-    lora_a: [S, L, R, H_in]   slice l's A of the adapter in slot s, rows >= its rank zero
-    lora_b: [S, N_total, R]   slice l's B (scaling folded) at rows slice_offsets[l]:[l+1],
-                              columns >= its rank zero
-    ranks:  int32 [S, L]      the adapter's rank for slice l; 0 = not adapted (A and B zero)
+For one (layer, group), with L slices:
 
-so for a token x using slot s, slice l's output gains
-    (x @ lora_a[s, l].T) @ lora_b[s, off[l]:off[l+1]].T
-and the zero padding makes using R instead of ranks[s, l] give the same result.
+    a_offsets: int64 [S, L]   element offset of slice l's A in the pool
+    b_offsets: int64 [S, L]   element offset of slice l's B in the pool
+    ranks:     int32 [S, L]   the adapter's rank for slice l; 0 = not adapted (offsets unused)
+
+so for a token x using slot s, slice l's output gains, with r = ranks[s, l],
+    (x @ A.T) @ B.T,  A = pool[a_offsets[s, l]:][:r * H_in].view(r, H_in),
+                      B = pool[b_offsets[s, l]:][:N_slice * r].view(N_slice, r)
+Which region an adapter gets is the caller's choice (engine.lora.memory allocates them).
 """
 
 from __future__ import annotations
@@ -49,74 +56,91 @@ def slice_offsets(base: BaseModelSpec, group: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True, eq=False)
 class StackedLora:
-    """The LoRA weights of one (layer, group) for every device slot (see the module docstring)."""
+    """Where every slot's pairs of one (layer, group) lie in the pool (see the module docstring)."""
 
     layer: int
     group: str
-    lora_a: torch.Tensor
-    lora_b: torch.Tensor
+    pool: torch.Tensor
+    a_offsets: torch.Tensor
+    b_offsets: torch.Tensor
     ranks: torch.Tensor
     slice_offsets: tuple[int, ...]
+    in_features: int
 
     @classmethod
     def allocate(
-        cls,
-        base: BaseModelSpec,
-        layer: int,
-        group: str,
-        max_slots: int,
-        max_rank: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
+        cls, base: BaseModelSpec, layer: int, group: str, max_slots: int, pool: torch.Tensor
     ) -> StackedLora:
-        """Zeroed buffers: every slot empty."""
+        """Zeroed tables: every slot empty."""
         projections = GROUPS[group]
-        in_features = base.projection_shape(projections[0]).in_features
-        offsets = slice_offsets(base, group)
+
+        def table(dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(max_slots, len(projections), dtype=dtype, device=pool.device)
+
         return cls(
             layer=layer,
             group=group,
-            lora_a=torch.zeros(
-                max_slots, len(projections), max_rank, in_features, dtype=dtype, device=device
-            ),
-            lora_b=torch.zeros(max_slots, offsets[-1], max_rank, dtype=dtype, device=device),
-            ranks=torch.zeros(max_slots, len(projections), dtype=torch.int32, device=device),
-            slice_offsets=offsets,
+            pool=pool,
+            a_offsets=table(torch.int64),
+            b_offsets=table(torch.int64),
+            ranks=table(torch.int32),
+            slice_offsets=slice_offsets(base, group),
+            in_features=base.projection_shape(projections[0]).in_features,
         )
 
-    @property
-    def max_rank(self) -> int:
-        return self.lora_a.shape[2]
+    def a_of(self, slot: int, index: int) -> torch.Tensor:
+        """Slice `index`'s A in `slot`: a [r, H_in] view of the pool."""
+        rank, start = int(self.ranks[slot, index]), int(self.a_offsets[slot, index])
+        return self.pool[start : start + rank * self.in_features].view(rank, self.in_features)
 
-    def write_slot(self, slot: int, adapter: LoraAdapter) -> None:
-        """Put the adapter's pairs for this layer into `slot`; slices it does not adapt get rank 0."""
+    def b_of(self, slot: int, index: int) -> torch.Tensor:
+        """Slice `index`'s B in `slot`: a [N_slice, r] view of the pool."""
+        rank, start = int(self.ranks[slot, index]), int(self.b_offsets[slot, index])
+        width = self.slice_offsets[index + 1] - self.slice_offsets[index]
+        return self.pool[start : start + width * rank].view(width, rank)
+
+    def write_slot(self, slot: int, adapter: LoraAdapter, start: int) -> int:
+        """Copy the adapter's pairs for this (layer, group) into the pool from element `start`
+        and point `slot` at them; slices it does not adapt get rank 0. Returns the end."""
         self.clear_slot(slot)
         for index, proj in enumerate(GROUPS[self.group]):
             weights = adapter.modules.get((self.layer, proj))
             if weights is None:
                 continue
-            rank = weights.a.shape[0]
-            start, end = self.slice_offsets[index], self.slice_offsets[index + 1]
-            self.lora_a[slot, index, :rank].copy_(weights.a, non_blocking=True)
-            self.lora_b[slot, start:end, :rank].copy_(weights.b, non_blocking=True)
-            self.ranks[slot, index] = rank
+            a_end = start + weights.a.numel()
+            b_end = a_end + weights.b.numel()
+            self.pool[start:a_end].view_as(weights.a).copy_(weights.a, non_blocking=True)
+            self.pool[a_end:b_end].view_as(weights.b).copy_(weights.b, non_blocking=True)
+            self.a_offsets[slot, index] = start
+            self.b_offsets[slot, index] = a_end
+            self.ranks[slot, index] = weights.a.shape[0]
+            start = b_end
+        return start
 
     def clear_slot(self, slot: int) -> None:
-        """Zero the slot's weights and ranks: it then adds nothing."""
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        """Point `slot` at nothing: it then adds nothing (its pool region is left as it was)."""
+        self.a_offsets[slot].zero_()
+        self.b_offsets[slot].zero_()
         self.ranks[slot].zero_()
 
 
 class LoraStack:
-    """Every (layer, group)'s `StackedLora` of one base model, sharing S slots of rank R.
+    """The pool of one base model's adapter weights and every (layer, group)'s `StackedLora`.
 
-    Writes validate first, so a refused adapter leaves every slot as it was.
+    Writes validate first, so a refused adapter leaves every slot and region as it was.
     """
 
-    def __init__(self, base: BaseModelSpec, groups: dict[tuple[int, str], StackedLora]) -> None:
+    def __init__(
+        self,
+        base: BaseModelSpec,
+        pool: torch.Tensor,
+        groups: dict[tuple[int, str], StackedLora],
+        max_rank: int,
+    ) -> None:
         self.base = base
+        self.pool = pool
         self.groups = groups
+        self.max_rank = max_rank
 
     @classmethod
     def allocate(
@@ -124,38 +148,58 @@ class LoraStack:
         base: BaseModelSpec,
         max_slots: int,
         max_rank: int,
+        pool_elements: int,
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> LoraStack:
-        """Zeroed buffers for `max_slots` adapters of rank up to `max_rank` on `device`."""
-        if max_slots < 1 or max_rank < 1:
-            raise ValueError(f"need at least one slot and rank 1, not {max_slots}, {max_rank}")
-        groups = {
-            (layer, group): StackedLora.allocate(
-                base, layer, group, max_slots, max_rank, dtype, device
+        """A zeroed pool of `pool_elements` weights and tables for `max_slots` adapters of
+        rank up to `max_rank` on `device`."""
+        if max_slots < 1 or max_rank < 1 or pool_elements < 1:
+            raise ValueError(
+                f"need a slot, rank 1 and pool memory, not {max_slots}, {max_rank}, {pool_elements}"
             )
+        pool = torch.zeros(pool_elements, dtype=dtype, device=device)
+        groups = {
+            (layer, group): StackedLora.allocate(base, layer, group, max_slots, pool)
             for layer in range(base.num_layers)
             for group in GROUPS
         }
-        return cls(base, groups)
+        return cls(base, pool, groups, max_rank)
+
+    @staticmethod
+    def full_rank_elements(base: BaseModelSpec, rank: int) -> int:
+        """Pool elements of an adapter of `rank` on every projection of every layer: the most
+        one adapter can need."""
+        per_layer = 0
+        for projections in GROUPS.values():
+            for proj in projections:
+                shape = base.projection_shape(proj)
+                per_layer += rank * (shape.in_features + shape.out_features)
+        return per_layer * base.num_layers
+
+    @staticmethod
+    def region_elements(adapter: LoraAdapter) -> int:
+        """Pool elements the adapter's region takes: its pairs at their own ranks."""
+        return sum(w.a.numel() + w.b.numel() for w in adapter.modules.values())
 
     @property
     def max_slots(self) -> int:
-        return self.groups[0, "qkv"].lora_a.shape[0]
+        return self.groups[0, "qkv"].ranks.shape[0]
 
     @property
-    def max_rank(self) -> int:
-        return self.groups[0, "qkv"].max_rank
+    def pool_elements(self) -> int:
+        return self.pool.shape[0]
 
     def __getitem__(self, key: tuple[int, str]) -> StackedLora:
-        """The stacked weights of (layer, group)."""
+        """The tables of (layer, group)."""
         return self.groups[key]
 
-    def write_slot(self, slot: int, adapter: LoraAdapter) -> None:
-        """Load the adapter into `slot` (replacing what was there) in every layer and group."""
-        self._check_fits(slot, adapter)
+    def write_slot(self, slot: int, adapter: LoraAdapter, start: int) -> None:
+        """Copy the adapter into the region from element `start` (`region_elements` long) and
+        point `slot` at it in every layer and group, replacing what the slot held."""
+        self._check_fits(slot, adapter, start)
         for stacked in self.groups.values():
-            stacked.write_slot(slot, adapter)
+            start = stacked.write_slot(slot, adapter, start)
 
     def clear_slot(self, slot: int) -> None:
         """Empty `slot` in every layer and group."""
@@ -167,12 +211,10 @@ class LoraStack:
         if not 0 <= slot < self.max_slots:
             raise IndexError(f"slot {slot} is outside 0..{self.max_slots - 1}")
 
-    def _check_fits(self, slot: int, adapter: LoraAdapter) -> None:
+    def _check_fits(self, slot: int, adapter: LoraAdapter, start: int) -> None:
         self._check_slot(slot)
         if adapter.rank > self.max_rank:
-            raise RankOverLimit(
-                f"rank {adapter.rank} is over the engine's slot rank {self.max_rank}"
-            )
+            raise RankOverLimit(f"rank {adapter.rank} is over the engine's rank {self.max_rank}")
         for (layer, proj), weights in adapter.modules.items():
             expected = self.base.projection_shape(proj)
             actual = (weights.a.shape[1], weights.b.shape[0])
@@ -180,3 +222,6 @@ class LoraStack:
                 raise ShapeMismatch(
                     f"adapter {adapter.digest[:12]} does not fit the base model at layer {layer} {proj}"
                 )
+        end = start + self.region_elements(adapter)
+        if not 0 <= start <= end <= self.pool_elements:
+            raise IndexError(f"region {start}..{end} is outside the pool of {self.pool_elements}")

@@ -152,53 +152,61 @@ class KernelCase:
 
 @dataclass(frozen=True)
 class KernelInputs:
-    """One case's tensors in the engine's stacked layout: lora_a [S, 1, R, H], lora_b [S, H, R],
-    ranks [S, 1] (every slot at the case's rank); token i uses slot i // tokens_per_adapter."""
+    """One case's tensors in the engine's pool layout: slot s's A [r, H] then B [H, r] packed
+    from element 2 r H s of the pool, ranks [S, 1] (every slot at the case's rank), t sized for
+    the workload's slot rank; token i uses slot i // tokens_per_adapter."""
 
     x: torch.Tensor
-    lora_a: torch.Tensor
-    lora_b: torch.Tensor
+    pool: torch.Tensor
+    a_offsets: torch.Tensor
+    b_offsets: torch.Tensor
     ranks: torch.Tensor
     meta: LoraBatchMeta
+    max_rank: int
+
+    def pair(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot `slot`'s (A, B) as views of the pool."""
+        r, h = int(self.ranks[slot, 0]), self.x.shape[1]
+        a, b = int(self.a_offsets[slot, 0]), int(self.b_offsets[slot, 0])
+        return self.pool[a : a + r * h].view(r, h), self.pool[b : b + h * r].view(h, r)
 
     @classmethod
     def make(cls, case: KernelCase, w: Workload, device: str) -> KernelInputs:
         dtype, h, r = DTYPES[case.dtype], w.hidden, case.rank
         gen = torch.Generator(device).manual_seed(0)
-        lora_a = torch.zeros(case.adapters, 1, w.slot_rank, h, dtype=dtype, device=device)
-        lora_b = torch.zeros(case.adapters, h, w.slot_rank, dtype=dtype, device=device)
-        lora_a[:, :, :r] = (
-            torch.randn(case.adapters, 1, r, h, generator=gen, device=device) / h**0.5
-        )
-        lora_b[:, :, :r] = torch.randn(case.adapters, h, r, generator=gen, device=device) / r**0.5
+        lora_a = torch.randn(case.adapters, r, h, generator=gen, device=device) / h**0.5
+        lora_b = torch.randn(case.adapters, h, r, generator=gen, device=device) / r**0.5
+        pool = torch.cat([lora_a.flatten(1), lora_b.flatten(1)], dim=1).flatten().to(dtype)
+        a_offsets = torch.arange(case.adapters, device=device)[:, None] * (2 * r * h)
         x = torch.randn(case.tokens, h, generator=gen, device=device).to(dtype)
         ranks = torch.full((case.adapters, 1), r, dtype=torch.int32, device=device)
         slots = [i // case.tokens_per_adapter for i in range(case.tokens)]
         meta = LoraMetaBuffers(case.tokens, torch.device(device)).build(slots)
-        return cls(x, lora_a, lora_b, ranks, meta)
+        return cls(x, pool, a_offsets, a_offsets + r * h, ranks, meta, w.slot_rank)
 
 
 def kernel_call(inp: KernelInputs, per_token: bool, y: torch.Tensor) -> Callable[[], None]:
     """Shrink then expand into y, as the engine's LoraBatch.apply does for one group."""
-    x, a, b, ranks, m = inp.x, inp.lora_a, inp.lora_b, inp.ranks, inp.meta
-    offsets = (0, b.shape[1])
+    x, pool, a_offs, b_offs = inp.x, inp.pool, inp.a_offsets, inp.b_offsets
+    ranks, m = inp.ranks, inp.meta
+    offsets = (0, x.shape[1])
 
     def call() -> None:
-        t = torch.zeros(1, x.shape[0], a.shape[2], dtype=torch.float32, device=x.device)
+        t = torch.zeros(1, x.shape[0], inp.max_rank, dtype=torch.float32, device=x.device)
         if per_token:
-            bgmv_shrink(x, a, ranks, m.token_indices, m.token_slots, t)
-            bgmv_expand(t, b, offsets, ranks, m.token_indices, m.token_slots, y)
+            bgmv_shrink(x, pool, a_offs, ranks, m.token_indices, m.token_slots, t)
+            bgmv_expand(t, pool, b_offs, offsets, ranks, m.token_indices, m.token_slots, y)
         else:
-            sgmv_shrink(x, a, ranks, m.seg_starts, m.seg_lens, m.seg_slots, t)
-            sgmv_expand(t, b, offsets, ranks, m.seg_starts, m.seg_lens, m.seg_slots, y)
+            sgmv_shrink(x, pool, a_offs, ranks, m.seg_starts, m.seg_lens, m.seg_slots, t)
+            sgmv_expand(t, pool, b_offs, offsets, ranks, m.seg_starts, m.seg_lens, m.seg_slots, y)
 
     return call
 
 
 def loop_call(inp: KernelInputs, case: KernelCase, y: torch.Tensor) -> Callable[[], None]:
     """The plain torch way: one pair of matmuls per adapter, in the inputs' dtype."""
-    n, r = case.tokens_per_adapter, case.rank
-    pairs = [(inp.lora_a[s, 0, :r], inp.lora_b[s, :, :r]) for s in range(case.adapters)]
+    n = case.tokens_per_adapter
+    pairs = [inp.pair(s) for s in range(case.adapters)]
 
     def call() -> None:
         for s, (a, b) in enumerate(pairs):

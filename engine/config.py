@@ -47,7 +47,11 @@ class EngineConfig:
     enable_lora: bool = True
     """Serve LoRA adapters; False allocates no adapter slots."""
     max_loras: int = 8
-    """Device slots: distinct adapters in one step at most."""
+    """Adapters resident on the device at once at most (rows of the kernels' tables), so also
+    distinct adapters in one step; how many fit is up to `lora_memory_bytes`."""
+    lora_memory_bytes: int | None = None
+    """Device memory for resident adapters' weights, each held at its own ranks. None: room for
+    `max_loras` adapters of `max_lora_rank` on every projection."""
     max_cpu_loras: int = 64
     """Adapters kept parsed in host memory (the tier between disk and device slots)."""
     max_lora_rank: int = 64
@@ -71,6 +75,8 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be at least 1")
         if self.max_loras < 1 or self.max_cpu_loras < 1:
             raise ValueError("max_loras and max_cpu_loras must be at least 1")
+        if self.lora_memory_bytes is not None and self.lora_memory_bytes < 1:
+            raise ValueError("lora_memory_bytes must be positive")
         if not 1 <= self.max_lora_rank <= 256:
             raise ValueError(f"max_lora_rank must be within 1..256, not {self.max_lora_rank}")
 

@@ -141,6 +141,7 @@ class LLMEngine:
             AdapterLimits(max_rank=c.max_lora_rank),
             c.torch_dtype,
             c.device,
+            c.lora_memory_bytes,
         )
 
     # -- adapters -----------------------------------------------------------------------------

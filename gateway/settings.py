@@ -71,7 +71,11 @@ class EngineSettings:
     max_loras: int = field(
         default_factory=lambda: _env("MAX_LORAS", _engine_default("max_loras"), int)
     )
-    """LORAMUX_MAX_LORAS: adapter slots on the device (distinct adapters in one step)."""
+    """LORAMUX_MAX_LORAS: adapters resident on the device at once at most (distinct adapters in
+    one step); how many fit is up to LORAMUX_LORA_MEMORY_MB."""
+    lora_memory_mb: int | None = field(default_factory=lambda: _env("LORA_MEMORY_MB", None, int))
+    """LORAMUX_LORA_MEMORY_MB: device memory for resident adapters, each at its own ranks; unset:
+    room for LORAMUX_MAX_LORAS adapters of LORAMUX_MAX_LORA_RANK on every projection."""
     max_cpu_loras: int = field(
         default_factory=lambda: _env("MAX_CPU_LORAS", _engine_default("max_cpu_loras"), int)
     )
@@ -111,6 +115,7 @@ class EngineSettings:
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.prefix_caching,
             max_loras=self.max_loras,
+            lora_memory_bytes=None if self.lora_memory_mb is None else self.lora_memory_mb << 20,
             max_cpu_loras=self.max_cpu_loras,
             max_lora_rank=self.max_lora_rank,
             cuda_graphs=self.cuda_graphs,

@@ -1,6 +1,7 @@
-"""LoRA expand kernels: ``y[i, cols(l)] += t[l, i, :r] @ B[slot(i), cols(l), :r].T`` for every
-token i that uses an adapter and every slice l of the projection group, where cols(l) is the
-slice's range of output columns and r = ranks[slot, l].
+"""LoRA expand kernels: ``y[i, cols(l)] += t[l, i, :r] @ B(slot(i), l).T`` for every token i
+that uses an adapter and every slice l of the projection group, where cols(l) is the slice's
+range of output columns and r = ranks[slot, l]. B(slot, l) is the [width(l), r] row-major matrix
+at element ``b_offsets[slot, l]`` of the flat adapter pool (adapters.layout).
 
 SGMV (segments) tiles each segment's tokens and runs tl.dot; BGMV (per token) runs one
 matrix-vector product per token. Both grid over the group's L slices in one launch, loop over
@@ -67,26 +68,29 @@ def _offsets_on(slice_offsets: tuple[int, ...], device: torch.device) -> torch.T
 
 def _slice_layout(
     t: torch.Tensor,
-    lora_b: torch.Tensor,
+    pool: torch.Tensor,
+    b_offsets: torch.Tensor,
     slice_offsets: Sequence[int],
     ranks: torch.Tensor,
     y: torch.Tensor,
 ) -> tuple[tuple[int, ...], int]:
     """Checks shapes and dtypes against ``slice_offsets``; returns (offsets, widest slice)."""
     offsets = tuple(slice_offsets)
-    num_slots, n_total, max_rank = lora_b.shape
     num_slices = len(offsets) - 1
-    assert offsets[0] == 0 and offsets[-1] == n_total
+    assert offsets[0] == 0 and offsets[-1] == y.shape[1]
     assert all(a < b for a, b in itertools.pairwise(offsets))
-    assert ranks.shape == (num_slots, num_slices) and ranks.dtype == torch.int32
-    assert t.shape == (num_slices, y.shape[0], max_rank) and t.dtype == torch.float32
-    assert y.shape[1] == n_total and y.dtype == lora_b.dtype
+    assert ranks.dim() == 2 and ranks.shape[1] == num_slices and ranks.dtype == torch.int32
+    assert b_offsets.shape == ranks.shape and b_offsets.dtype == torch.int64
+    assert b_offsets.stride() == ranks.stride()
+    assert t.shape == (num_slices, y.shape[0], t.shape[2]) and t.dtype == torch.float32
+    assert pool.dim() == 1 and y.dtype == pool.dtype
     return offsets, max(b - a for a, b in itertools.pairwise(offsets))
 
 
 def sgmv_expand(
     t: torch.Tensor,
-    lora_b: torch.Tensor,
+    pool: torch.Tensor,
+    b_offsets: torch.Tensor,
     slice_offsets: Sequence[int],
     ranks: torch.Tensor,
     seg_starts: torch.Tensor,
@@ -96,31 +100,31 @@ def sgmv_expand(
 ) -> None:
     """Segmented LoRA expand, all slices of a projection group in one launch, added into y.
 
-    Semantics (t float32 [L, T, R]; lora_b [S, N, R] y's dtype; slice_offsets L+1 host ints,
-    0 = off[0] < ... < off[L] = N; ranks int32 [S, L]; seg_* int32 [G]; y [T, N]):
+    Semantics (t float32 [L, T, R]; pool [P] y's dtype; b_offsets int64 [S, L]; slice_offsets
+    L+1 host ints, 0 = off[0] < ... < off[L] = N; ranks int32 [S, L], each at most R; seg_*
+    int32 [G]; y [T, N]; B(slot, l) = pool[b_offsets[slot, l]:][:(c1 - c0) * r].view(c1 - c0, r)):
         for g in range(G):
             s0, n, slot = seg_starts[g], seg_lens[g], seg_slots[g]
             for l in range(L):
                 r, c0, c1 = ranks[slot, l], off[l], off[l+1]   # r == 0: no work
-                y[s0:s0+n, c0:c1] += t[l, s0:s0+n, :r] @ lora_b[slot, c0:c1, :r].T
+                y[s0:s0+n, c0:c1] += t[l, s0:s0+n, :r] @ B(slot, l).T
     accumulated in fp32 and rounded once into y's dtype (on a GPU the product's inputs are
     t rounded to y's dtype and B, as tf32 when fp32). Rows outside every segment are untouched.
     """
-    offsets, max_width = _slice_layout(t, lora_b, slice_offsets, ranks, y)
+    offsets, max_width = _slice_layout(t, pool, b_offsets, slice_offsets, ranks, y)
     num_segs = seg_starts.shape[0]
     if num_segs == 0:
         return
-    tiles = sgmv_expand_tiles(y.shape[0], num_segs, max_width, lora_b.shape[2])
+    tiles = sgmv_expand_tiles(y.shape[0], num_segs, max_width, t.shape[2])
     grid = (
         segment_tile_bound(y.shape[0], num_segs, tiles.block_m),
         len(offsets) - 1,
         triton.cdiv(max_width, tiles.block_n),
     )
     _sgmv_expand_kernel[grid](
-        t, lora_b, _offsets_on(offsets, y.device), ranks, seg_starts, seg_lens, seg_slots, y,
+        t, pool, b_offsets, _offsets_on(offsets, y.device), ranks, seg_starts, seg_lens, seg_slots, y,
         num_segs,
         t.stride(0), t.stride(1), t.stride(2),
-        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         ranks.stride(0), ranks.stride(1),
         y.stride(0), y.stride(1),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
@@ -130,10 +134,9 @@ def sgmv_expand(
 
 @triton.jit
 def _sgmv_expand_kernel(
-    t_ptr, b_ptr, offsets_ptr, ranks_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, y_ptr,
+    t_ptr, pool_ptr, b_offsets_ptr, offsets_ptr, ranks_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, y_ptr,
     num_segs,
     stride_tl, stride_tm, stride_tk,
-    stride_bs, stride_bn, stride_bk,
     stride_rs, stride_rl,
     stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -154,6 +157,7 @@ def _sgmv_expand_kernel(
     rank = tl.load(ranks_ptr + slot * stride_rs + slice_id * stride_rl)
     if (pid_n * BLOCK_N >= width) | (rank == 0):
         return
+    b_start = tl.load(b_offsets_ptr + slot * stride_rs + slice_id * stride_rl)
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.load(seg_starts_ptr + g).to(tl.int64) + offs_m
@@ -162,7 +166,7 @@ def _sgmv_expand_kernel(
     n_mask = offs_n < width
     offs_k = tl.arange(0, BLOCK_K)
     t_ptrs = t_ptr + slice_id * stride_tl + rows[:, None] * stride_tm + offs_k[None, :] * stride_tk
-    b_ptrs = b_ptr + slot * stride_bs + cols[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    b_ptrs = pool_ptr + b_start + offs_n[None, :] * rank + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(0, rank, BLOCK_K):
         k_mask = offs_k < rank
@@ -175,7 +179,7 @@ def _sgmv_expand_kernel(
         acc = tl.dot(tt, bt, acc)
         offs_k += BLOCK_K
         t_ptrs += BLOCK_K * stride_tk
-        b_ptrs += BLOCK_K * stride_bk
+        b_ptrs += BLOCK_K
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
     y_mask = m_mask[:, None] & n_mask[None, :]
     out = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32) + acc
@@ -184,7 +188,8 @@ def _sgmv_expand_kernel(
 
 def bgmv_expand(
     t: torch.Tensor,
-    lora_b: torch.Tensor,
+    pool: torch.Tensor,
+    b_offsets: torch.Tensor,
     slice_offsets: Sequence[int],
     ranks: torch.Tensor,
     token_indices: torch.Tensor,
@@ -193,32 +198,30 @@ def bgmv_expand(
 ) -> None:
     """Per-token LoRA expand, all slices of a projection group in one launch, added into y.
 
-    Semantics (t float32 [L, T, R]; lora_b [S, N, R] y's dtype; slice_offsets L+1 host ints,
-    0 = off[0] < ... < off[L] = N; ranks int32 [S, L]; token_indices, token_slots int32 [T'],
-    indices distinct; y [T, N]):
+    Semantics (t, pool, b_offsets, slice_offsets, ranks, B(slot, l) and y as for
+    ``sgmv_expand``; token_indices, token_slots int32 [T'], indices distinct):
         for p in range(T'):
             i, slot = token_indices[p], token_slots[p]
             if slot == NO_SLOT: continue                    # -1: no adapter, row untouched
             for l in range(L):
                 r, c0, c1 = ranks[slot, l], off[l], off[l+1]   # r == 0: no work
-                y[i, c0:c1] += lora_b[slot, c0:c1, :r] @ t[l, i, :r]
+                y[i, c0:c1] += B(slot, l) @ t[l, i, :r]
     accumulated in fp32 and rounded once into y's dtype. Rows not listed are untouched.
     """
-    offsets, max_width = _slice_layout(t, lora_b, slice_offsets, ranks, y)
+    offsets, max_width = _slice_layout(t, pool, b_offsets, slice_offsets, ranks, y)
     num_active = token_indices.shape[0]
     if num_active == 0:
         return
-    tiles = bgmv_expand_tiles(num_active, max_width, lora_b.shape[2])
+    tiles = bgmv_expand_tiles(num_active, max_width, t.shape[2])
     grid = (
         triton.cdiv(num_active, tiles.block_m),
         len(offsets) - 1,
         triton.cdiv(max_width, tiles.block_n),
     )
     _bgmv_expand_kernel[grid](
-        t, lora_b, _offsets_on(offsets, y.device), ranks, token_indices, token_slots, y,
+        t, pool, b_offsets, _offsets_on(offsets, y.device), ranks, token_indices, token_slots, y,
         num_active,
         t.stride(0), t.stride(1), t.stride(2),
-        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         ranks.stride(0), ranks.stride(1),
         y.stride(0), y.stride(1),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
@@ -227,10 +230,9 @@ def bgmv_expand(
 
 @triton.jit
 def _bgmv_expand_kernel(
-    t_ptr, b_ptr, offsets_ptr, ranks_ptr, token_indices_ptr, token_slots_ptr, y_ptr,
+    t_ptr, pool_ptr, b_offsets_ptr, offsets_ptr, ranks_ptr, token_indices_ptr, token_slots_ptr, y_ptr,
     num_active,
     stride_tl, stride_tm, stride_tk,
-    stride_bs, stride_bn, stride_bk,
     stride_rs, stride_rl,
     stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -256,8 +258,11 @@ def _bgmv_expand_kernel(
     n_mask = offs_n < width
     offs_k = tl.arange(0, BLOCK_K)
     t_ptrs = t_ptr + slice_id * stride_tl + rows[:, None] * stride_tm + offs_k[None, :] * stride_tk
-    b_cols = b_ptr + slots[:, None] * stride_bs + cols[None, :] * stride_bn
-    b_ptrs = b_cols[:, :, None] + offs_k[None, None, :] * stride_bk
+    b_start = tl.load(
+        b_offsets_ptr + slots * stride_rs + slice_id * stride_rl, mask=rank > 0, other=0
+    )
+    b_cols = pool_ptr + b_start[:, None] + offs_n[None, :] * rank[:, None]
+    b_ptrs = b_cols[:, :, None] + offs_k[None, None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(0, max_rank, BLOCK_K):
         mk_mask = offs_k[None, :] < rank[:, None]
@@ -266,7 +271,7 @@ def _bgmv_expand_kernel(
         acc += tl.sum(bt.to(tl.float32) * tt[:, None, :], axis=2)
         offs_k += BLOCK_K
         t_ptrs += BLOCK_K * stride_tk
-        b_ptrs += BLOCK_K * stride_bk
+        b_ptrs += BLOCK_K
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
     y_mask = (rank > 0)[:, None] & n_mask[None, :]
     out = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32) + acc

@@ -1,9 +1,10 @@
 """Plain-torch twins of the multi-LoRA kernels (same signatures, same semantics), and the
 engine's CPU serving path.
 
-Every adapter is computed at its own rank: A rows and B columns beyond ``ranks[slot, l]`` are
-never read, slices of rank 0 cost nothing, tokens without an adapter cost nothing. Products
-accumulate in float32; expand adds into y in place with one rounding to y's dtype.
+Every adapter is computed at its own rank, reading its A [r, H] and B [width, r] from the flat
+adapter pool at their offsets: nothing outside those regions is read, slices of rank 0 cost
+nothing, tokens without an adapter cost nothing. Products accumulate in float32; expand adds
+into y in place with one rounding to y's dtype.
 """
 
 from __future__ import annotations
@@ -14,9 +15,15 @@ from collections.abc import Sequence
 import torch
 
 
+def _matrix(pool: torch.Tensor, start: int, rows: int, cols: int) -> torch.Tensor:
+    """The row-major [rows, cols] matrix at element `start` of the pool, as float32."""
+    return pool[start : start + rows * cols].view(rows, cols).float()
+
+
 def sgmv_shrink_ref(
     x: torch.Tensor,
-    lora_a: torch.Tensor,
+    pool: torch.Tensor,
+    a_offsets: torch.Tensor,
     ranks: torch.Tensor,
     seg_starts: torch.Tensor,
     seg_lens: torch.Tensor,
@@ -24,22 +31,24 @@ def sgmv_shrink_ref(
     t: torch.Tensor,
 ) -> None:
     """Semantics: as ``kernels.lora_shrink.sgmv_shrink``, one matmul per segment and slice:
-    for g: for l: t[l, s0:s0+n, :r] = x[s0:s0+n] @ A[slot[g], l, :r].T  with r = ranks[slot[g], l]
+    for g: for l: t[l, s0:s0+n, :r] = x[s0:s0+n] @ A(slot[g], l).T  with r = ranks[slot[g], l]
     """
-    slot_ranks = ranks.tolist()
-    for start, n, slot in zip(
-        seg_starts.tolist(), seg_lens.tolist(), seg_slots.tolist(), strict=True
+    hidden = x.shape[1]
+    seg_ranks, seg_offsets = ranks[seg_slots.long()].tolist(), a_offsets[seg_slots.long()].tolist()
+    for start, n, slice_ranks, slice_offsets in zip(
+        seg_starts.tolist(), seg_lens.tolist(), seg_ranks, seg_offsets, strict=True
     ):
         xs = x[start : start + n].float()
-        for slice_idx, r in enumerate(slot_ranks[slot]):
+        for slice_idx, (r, a_start) in enumerate(zip(slice_ranks, slice_offsets, strict=True)):
             if r:
-                a = lora_a[slot, slice_idx, :r].float()
+                a = _matrix(pool, a_start, r, hidden)
                 t[slice_idx, start : start + n, :r] = xs @ a.T
 
 
 def sgmv_expand_ref(
     t: torch.Tensor,
-    lora_b: torch.Tensor,
+    pool: torch.Tensor,
+    b_offsets: torch.Tensor,
     slice_offsets: Sequence[int],
     ranks: torch.Tensor,
     seg_starts: torch.Tensor,
@@ -48,16 +57,18 @@ def sgmv_expand_ref(
     y: torch.Tensor,
 ) -> None:
     """Semantics: as ``kernels.lora_expand.sgmv_expand``, one matmul per segment and slice:
-    for g: for l: y[s0:s0+n, c0:c1] += t[l, s0:s0+n, :r] @ B[slot[g], c0:c1, :r].T
+    for g: for l: y[s0:s0+n, c0:c1] += t[l, s0:s0+n, :r] @ B(slot[g], l).T
     """
-    slot_ranks = ranks.tolist()
     bounds = list(itertools.pairwise(slice_offsets))
-    for start, n, slot in zip(
-        seg_starts.tolist(), seg_lens.tolist(), seg_slots.tolist(), strict=True
+    seg_ranks, seg_offsets = ranks[seg_slots.long()].tolist(), b_offsets[seg_slots.long()].tolist()
+    for start, n, slice_ranks, slice_starts in zip(
+        seg_starts.tolist(), seg_lens.tolist(), seg_ranks, seg_offsets, strict=True
     ):
-        for slice_idx, ((c0, c1), r) in enumerate(zip(bounds, slot_ranks[slot], strict=True)):
+        for slice_idx, ((c0, c1), r, b_start) in enumerate(
+            zip(bounds, slice_ranks, slice_starts, strict=True)
+        ):
             if r:
-                b = lora_b[slot, c0:c1, :r].float()
+                b = _matrix(pool, b_start, c1 - c0, r)
                 # In-place add of a float32 operand computes in float32, rounds once into y.
                 y[start : start + n, c0:c1] += t[slice_idx, start : start + n, :r] @ b.T
 
@@ -83,19 +94,20 @@ def _slot_runs(
 
 def bgmv_shrink_ref(
     x: torch.Tensor,
-    lora_a: torch.Tensor,
+    pool: torch.Tensor,
+    a_offsets: torch.Tensor,
     ranks: torch.Tensor,
     token_indices: torch.Tensor,
     token_slots: torch.Tensor,
     t: torch.Tensor,
 ) -> None:
     """Semantics: as ``kernels.lora_shrink.bgmv_shrink``; tokens grouped by slot:
-    for slot: for l: t[l, rows, :r] = x[rows] @ A[slot, l, :r].T  with r = ranks[slot, l]
+    for slot: for l: t[l, rows, :r] = x[rows] @ A(slot, l).T  with r = ranks[slot, l]
     """
     rows, seg_starts, seg_lens, seg_slots = _slot_runs(token_indices, token_slots)
     num_slices, _, max_rank = t.shape
     grouped = torch.zeros(num_slices, rows.shape[0], max_rank, device=t.device)
-    sgmv_shrink_ref(x[rows], lora_a, ranks, seg_starts, seg_lens, seg_slots, grouped)
+    sgmv_shrink_ref(x[rows], pool, a_offsets, ranks, seg_starts, seg_lens, seg_slots, grouped)
     token_ranks = ranks[seg_slots].repeat_interleave(seg_lens, dim=0)
     written = torch.arange(max_rank, device=t.device) < token_ranks.T[:, :, None]
     t[:, rows] = torch.where(written, grouped, t[:, rows])
@@ -103,7 +115,8 @@ def bgmv_shrink_ref(
 
 def bgmv_expand_ref(
     t: torch.Tensor,
-    lora_b: torch.Tensor,
+    pool: torch.Tensor,
+    b_offsets: torch.Tensor,
     slice_offsets: Sequence[int],
     ranks: torch.Tensor,
     token_indices: torch.Tensor,
@@ -111,11 +124,11 @@ def bgmv_expand_ref(
     y: torch.Tensor,
 ) -> None:
     """Semantics: as ``kernels.lora_expand.bgmv_expand``; tokens grouped by slot:
-    for slot: for l: y[rows, c0:c1] += t[l, rows, :r] @ B[slot, c0:c1, :r].T
+    for slot: for l: y[rows, c0:c1] += t[l, rows, :r] @ B(slot, l).T
     """
     rows, seg_starts, seg_lens, seg_slots = _slot_runs(token_indices, token_slots)
     delta = torch.zeros(rows.shape[0], y.shape[1], device=y.device)
     sgmv_expand_ref(
-        t[:, rows], lora_b, slice_offsets, ranks, seg_starts, seg_lens, seg_slots, delta
+        t[:, rows], pool, b_offsets, slice_offsets, ranks, seg_starts, seg_lens, seg_slots, delta
     )
     y[rows] += delta

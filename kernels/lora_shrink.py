@@ -1,5 +1,7 @@
-"""LoRA shrink kernels: ``t[l, i, :r] = x[i] @ A[slot(i), l, :r].T`` for every token i that uses
+"""LoRA shrink kernels: ``t[l, i, :r] = x[i] @ A(slot(i), l).T`` for every token i that uses
 an adapter, every slice l of the projection group, at the slot's own rank r = ranks[slot, l].
+A(slot, l) is the [r, H] row-major matrix at element ``a_offsets[slot, l]`` of the flat adapter
+pool (adapters.layout), so each adapter's weights take only its own rank's memory.
 
 SGMV (segments, prefill and mixed batches) tiles each segment's tokens and runs tl.dot; BGMV
 (per token, decode) runs one matrix-vector product per token. Both grid over the group's L
@@ -75,16 +77,24 @@ def bgmv_shrink_tiles(num_tokens: int, hidden: int, rank: int, slices: int) -> S
     return ShrinkTiles(block_m, block_n, block_k, _split_k(programs, triton.cdiv(hidden, block_k)))
 
 
-def _check(x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, t: torch.Tensor) -> None:
-    num_slots, num_slices, max_rank, hidden = lora_a.shape
-    assert x.dim() == 2 and x.shape[1] == hidden and x.dtype == lora_a.dtype
-    assert ranks.shape == (num_slots, num_slices) and ranks.dtype == torch.int32
-    assert t.shape == (num_slices, x.shape[0], max_rank) and t.dtype == torch.float32
+def _check(
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    a_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    t: torch.Tensor,
+) -> None:
+    assert x.dim() == 2 and pool.dim() == 1 and x.dtype == pool.dtype
+    assert a_offsets.dtype == torch.int64 and a_offsets.stride() == ranks.stride()
+    assert a_offsets.shape == ranks.shape
+    assert ranks.dim() == 2 and ranks.dtype == torch.int32
+    assert t.shape == (ranks.shape[1], x.shape[0], t.shape[2]) and t.dtype == torch.float32
 
 
 def sgmv_shrink(
     x: torch.Tensor,
-    lora_a: torch.Tensor,
+    pool: torch.Tensor,
+    a_offsets: torch.Tensor,
     ranks: torch.Tensor,
     seg_starts: torch.Tensor,
     seg_lens: torch.Tensor,
@@ -93,20 +103,21 @@ def sgmv_shrink(
 ) -> None:
     """Segmented LoRA shrink, all slices of a projection group in one launch.
 
-    Semantics (x [T, H] fp32/fp16/bf16; lora_a [S, L, R, H] x's dtype; ranks int32 [S, L];
-    seg_* int32 [G]; t float32 [L, T, R], zeroed by the caller):
+    Semantics (x [T, H] fp32/fp16/bf16; pool [P] x's dtype; a_offsets int64 [S, L];
+    ranks int32 [S, L], each at most R; seg_* int32 [G]; t float32 [L, T, R], zeroed by the
+    caller; A(slot, l) = pool[a_offsets[slot, l]:][:r * H].view(r, H)):
         for g in range(G):
             s0, n, slot = seg_starts[g], seg_lens[g], seg_slots[g]
             for l in range(L):
                 r = ranks[slot, l]                          # 0: slice not targeted, no work
-                t[l, s0:s0+n, :r] = x[s0:s0+n] @ lora_a[slot, l, :r].T     # fp32 accumulate
+                t[l, s0:s0+n, :r] = x[s0:s0+n] @ A(slot, l).T              # fp32 accumulate
     Entries of t outside every segment's rows and ranks are left as they are.
     """
-    _check(x, lora_a, ranks, t)
+    _check(x, pool, a_offsets, ranks, t)
     num_segs = seg_starts.shape[0]
     if num_segs == 0:
         return
-    _, num_slices, max_rank, hidden = lora_a.shape
+    num_slices, max_rank, hidden = ranks.shape[1], t.shape[2], x.shape[1]
     tiles = sgmv_shrink_tiles(x.shape[0], num_segs, hidden, max_rank, num_slices)
     k_iters = triton.cdiv(triton.cdiv(hidden, tiles.block_k), tiles.split_k)
     grid = (
@@ -115,10 +126,9 @@ def sgmv_shrink(
         triton.cdiv(max_rank, tiles.block_n) * tiles.split_k,
     )
     _sgmv_shrink_kernel[grid](
-        x, lora_a, ranks, seg_starts, seg_lens, seg_slots, t,
+        x, pool, a_offsets, ranks, seg_starts, seg_lens, seg_slots, t,
         num_segs, hidden, k_iters,
         x.stride(0), x.stride(1),
-        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_a.stride(3),
         ranks.stride(0), ranks.stride(1),
         t.stride(0), t.stride(1), t.stride(2),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
@@ -128,10 +138,9 @@ def sgmv_shrink(
 
 @triton.jit
 def _sgmv_shrink_kernel(
-    x_ptr, a_ptr, ranks_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, t_ptr,
+    x_ptr, pool_ptr, a_offsets_ptr, ranks_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, t_ptr,
     num_segs, hidden, k_iters,
     stride_xm, stride_xk,
-    stride_as, stride_al, stride_ar, stride_ak,
     stride_rs, stride_rl,
     stride_tl, stride_tm, stride_tr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -151,6 +160,7 @@ def _sgmv_shrink_kernel(
     rank = tl.load(ranks_ptr + slot * stride_rs + slice_id * stride_rl)
     if pid_n * BLOCK_N >= rank:
         return
+    a_start = tl.load(a_offsets_ptr + slot * stride_rs + slice_id * stride_rl)
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.load(seg_starts_ptr + g).to(tl.int64) + offs_m
@@ -158,13 +168,7 @@ def _sgmv_shrink_kernel(
     n_mask = offs_n < rank
     offs_k = pid_k * k_iters * BLOCK_K + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    a_ptrs = (
-        a_ptr
-        + slot * stride_as
-        + slice_id * stride_al
-        + offs_n[None, :] * stride_ar
-        + offs_k[:, None] * stride_ak
-    )
+    a_ptrs = pool_ptr + a_start + offs_n[None, :] * hidden + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(k_iters):
         k_mask = offs_k < hidden
@@ -176,7 +180,7 @@ def _sgmv_shrink_kernel(
         acc = tl.dot(xt, at, acc)
         offs_k += BLOCK_K
         x_ptrs += BLOCK_K * stride_xk
-        a_ptrs += BLOCK_K * stride_ak
+        a_ptrs += BLOCK_K
     t_ptrs = t_ptr + slice_id * stride_tl + rows[:, None] * stride_tm + offs_n[None, :] * stride_tr
     if SPLIT_K == 1:
         tl.store(t_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
@@ -186,7 +190,8 @@ def _sgmv_shrink_kernel(
 
 def bgmv_shrink(
     x: torch.Tensor,
-    lora_a: torch.Tensor,
+    pool: torch.Tensor,
+    a_offsets: torch.Tensor,
     ranks: torch.Tensor,
     token_indices: torch.Tensor,
     token_slots: torch.Tensor,
@@ -194,21 +199,22 @@ def bgmv_shrink(
 ) -> None:
     """Per-token LoRA shrink, all slices of a projection group in one launch.
 
-    Semantics (x [T, H] fp32/fp16/bf16; lora_a [S, L, R, H] x's dtype; ranks int32 [S, L];
-    token_indices, token_slots int32 [T'], indices distinct; t float32 [L, T, R], zeroed):
+    Semantics (x [T, H] fp32/fp16/bf16; pool, a_offsets, ranks and A(slot, l) as for
+    ``sgmv_shrink``; token_indices, token_slots int32 [T'], indices distinct; t float32
+    [L, T, R], zeroed):
         for p in range(T'):
             i, slot = token_indices[p], token_slots[p]
             if slot == NO_SLOT: continue                    # -1: no adapter, x[i] not read
             for l in range(L):
                 r = ranks[slot, l]                          # 0: slice not targeted, no work
-                t[l, i, :r] = lora_a[slot, l, :r] @ x[i]                  # fp32 accumulate
+                t[l, i, :r] = A(slot, l) @ x[i]                           # fp32 accumulate
     Entries of t outside the listed tokens' rows and ranks are left as they are.
     """
-    _check(x, lora_a, ranks, t)
+    _check(x, pool, a_offsets, ranks, t)
     num_active = token_indices.shape[0]
     if num_active == 0:
         return
-    _, num_slices, max_rank, hidden = lora_a.shape
+    num_slices, max_rank, hidden = ranks.shape[1], t.shape[2], x.shape[1]
     tiles = bgmv_shrink_tiles(num_active, hidden, max_rank, num_slices)
     k_iters = triton.cdiv(triton.cdiv(hidden, tiles.block_k), tiles.split_k)
     grid = (
@@ -217,10 +223,9 @@ def bgmv_shrink(
         triton.cdiv(max_rank, tiles.block_n) * tiles.split_k,
     )
     _bgmv_shrink_kernel[grid](
-        x, lora_a, ranks, token_indices, token_slots, t,
+        x, pool, a_offsets, ranks, token_indices, token_slots, t,
         num_active, hidden, k_iters,
         x.stride(0), x.stride(1),
-        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_a.stride(3),
         ranks.stride(0), ranks.stride(1),
         t.stride(0), t.stride(1), t.stride(2),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k,
@@ -229,10 +234,9 @@ def bgmv_shrink(
 
 @triton.jit
 def _bgmv_shrink_kernel(
-    x_ptr, a_ptr, ranks_ptr, token_indices_ptr, token_slots_ptr, t_ptr,
+    x_ptr, pool_ptr, a_offsets_ptr, ranks_ptr, token_indices_ptr, token_slots_ptr, t_ptr,
     num_active, hidden, k_iters,
     stride_xm, stride_xk,
-    stride_as, stride_al, stride_ar, stride_ak,
     stride_rs, stride_rl,
     stride_tl, stride_tm, stride_tr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -255,8 +259,11 @@ def _bgmv_shrink_kernel(
     mn_mask = offs_n[None, :] < rank[:, None]
     offs_k = pid_k * k_iters * BLOCK_K + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    a_rows = a_ptr + slots[:, None] * stride_as + slice_id * stride_al + offs_n[None, :] * stride_ar
-    a_ptrs = a_rows[:, :, None] + offs_k[None, None, :] * stride_ak
+    a_start = tl.load(
+        a_offsets_ptr + slots * stride_rs + slice_id * stride_rl, mask=active, other=0
+    )
+    a_rows = pool_ptr + a_start[:, None] + offs_n[None, :] * hidden
+    a_ptrs = a_rows[:, :, None] + offs_k[None, None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(k_iters):
         k_mask = offs_k < hidden
@@ -265,7 +272,7 @@ def _bgmv_shrink_kernel(
         acc += tl.sum(at.to(tl.float32) * xt[:, None, :], axis=2)
         offs_k += BLOCK_K
         x_ptrs += BLOCK_K * stride_xk
-        a_ptrs += BLOCK_K * stride_ak
+        a_ptrs += BLOCK_K
     t_ptrs = t_ptr + slice_id * stride_tl + rows[:, None] * stride_tm + offs_n[None, :] * stride_tr
     if SPLIT_K == 1:
         tl.store(t_ptrs, acc, mask=mn_mask)

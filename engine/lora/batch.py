@@ -51,19 +51,22 @@ class LoraBatch:
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         stacked = self.stack[layer, group]
-        num_slices = stacked.lora_a.shape[1]
+        num_slices = stacked.ranks.shape[1]
         t = torch.zeros(
-            num_slices, x.shape[0], stacked.max_rank, dtype=torch.float32, device=x.device
+            num_slices, x.shape[0], self.stack.max_rank, dtype=torch.float32, device=x.device
         )
         m = self.meta
         on_gpu = x.is_cuda
         # The runner orders tokens by slot, so on the CPU the segmented twins serve decodes too
         # (the per-token twins would regroup them first); per-token kernels pay off on a GPU.
         if self.per_token and on_gpu:
-            bgmv_shrink(x, stacked.lora_a, stacked.ranks, m.token_indices, m.token_slots, t)
+            bgmv_shrink(
+                x, stacked.pool, stacked.a_offsets, stacked.ranks, m.token_indices, m.token_slots, t
+            )
             bgmv_expand(
                 t,
-                stacked.lora_b,
+                stacked.pool,
+                stacked.b_offsets,
                 stacked.slice_offsets,
                 stacked.ranks,
                 m.token_indices,
@@ -73,10 +76,20 @@ class LoraBatch:
         else:
             seg_shrink = sgmv_shrink if on_gpu else sgmv_shrink_ref
             seg_expand = sgmv_expand if on_gpu else sgmv_expand_ref
-            seg_shrink(x, stacked.lora_a, stacked.ranks, m.seg_starts, m.seg_lens, m.seg_slots, t)
+            seg_shrink(
+                x,
+                stacked.pool,
+                stacked.a_offsets,
+                stacked.ranks,
+                m.seg_starts,
+                m.seg_lens,
+                m.seg_slots,
+                t,
+            )
             seg_expand(
                 t,
-                stacked.lora_b,
+                stacked.pool,
+                stacked.b_offsets,
                 stacked.slice_offsets,
                 stacked.ranks,
                 m.seg_starts,

@@ -1,12 +1,15 @@
-"""Where each adapter lives: device slots ◀ host tier ◀ its folder on disk.
+"""Where each adapter lives: device memory ◀ host tier ◀ its folder on disk.
 
 - A *registered* adapter is known by its content digest and its folder; requests name it by
   digest. Registration validates it (and leaves it in the host tier).
 - The *host tier* (`max_cpu_loras`) holds parsed adapters, least recently used out first. Loads
   from disk happen on a background thread, never on the step loop; waiting requests prefetch.
-- A *device slot* (`max_loras`) holds an adapter's weights in the stacked layout the kernels
-  read. A slot is pinned while any running sequence uses it; unpinned slots are reused least
-  recently used first.
+- *Device memory* is one pool (`memory_bytes`) where each resident adapter holds a region
+  sized by its own ranks (adapters.layout), addressed by a slot: a row of the kernels' tables
+  (`max_loras` rows, a bound on resident adapters). A slot is pinned while any running
+  sequence uses it. A new adapter goes to the first free range it fits; while none is long
+  enough, unpinned adapters are evicted least recently used first (freed neighbours merge).
+  So many small adapters fit where few large ones do.
 - *Retiring* an adapter refuses new requests at once and drops it when its last request ends.
 
 Threads: `register`/`retire`/`is_servable` may be called from any thread; everything else runs on
@@ -27,8 +30,10 @@ from pathlib import Path
 import torch
 
 from loramux.adapters.base_spec import BaseModelSpec
+from loramux.adapters.errors import OverMemoryBudget
 from loramux.adapters.layout import LoraStack
 from loramux.adapters.peft_format import AdapterLimits, LoraAdapter, load_peft_adapter
+from loramux.engine.lora.memory import RegionAllocator
 from loramux.engine.sequence import BASE_ADAPTER, Sequence
 
 log = logging.getLogger(__name__)
@@ -36,11 +41,12 @@ log = logging.getLogger(__name__)
 
 class Readiness(enum.Enum):
     READY = "ready"
-    """The adapter is in a slot, or can be put in one now."""
+    """The adapter is resident, or can be made resident now."""
     LOADING = "loading"
     """Its weights are still on their way from disk: skip the request for now, it will be back."""
     NO_SLOT = "no_slot"
-    """Every slot is pinned by running sequences: admit nothing after this request."""
+    """Its region does not fit even after evicting every unpinned adapter (or every slot is
+    pinned): the adapters running sequences pin must finish first."""
 
 
 @dataclass
@@ -51,10 +57,12 @@ class AdapterStats:
     """Times its weights were read from disk into the host tier."""
     slot_loads: int = 0
     evictions: int = 0
-    """Times it lost its device slot to another adapter."""
+    """Times it lost its device memory to another adapter."""
+    device_bytes: int = 0
+    """Device memory its region holds now; 0 when not resident."""
     load_seconds: float = 0.0
     resident_since: float | None = None
-    """time.monotonic() when it last entered a device slot; None when not in one."""
+    """time.monotonic() when it last became resident on the device; None when not."""
 
 
 @dataclass
@@ -62,6 +70,9 @@ class _Slot:
     digest: str | None = None
     pins: int = 0
     last_used: int = 0
+    start: int = 0
+    """The region's first pool element and its length (0: the slot is empty)."""
+    length: int = 0
 
 
 class LoraManager:
@@ -73,11 +84,21 @@ class LoraManager:
         limits: AdapterLimits,
         dtype: torch.dtype,
         device: str,
+        memory_bytes: int | None = None,
     ):
+        """`memory_bytes`: the device pool; None sizes it for `max_loras` adapters of the
+        maximum rank on every projection."""
         self.base = base
         self.limits = limits
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
-        self.stack = LoraStack.allocate(base, max_loras, limits.max_rank, dtype, device)
+        element = torch.empty(0, dtype=dtype).element_size()
+        elements = (
+            memory_bytes // element
+            if memory_bytes is not None
+            else max_loras * LoraStack.full_rank_elements(base, limits.max_rank)
+        )
+        self.stack = LoraStack.allocate(base, max_loras, limits.max_rank, elements, dtype, device)
+        self.regions = RegionAllocator(elements)
         self.slots = [_Slot() for _ in range(max_loras)]
         self._slot_of: dict[str, int] = {}
         self._folders: dict[str, Path] = {}
@@ -95,6 +116,13 @@ class LoraManager:
         """Validate the adapter in `folder`; returns its digest. Raises adapters.errors.AdapterError."""
         started = time.monotonic()
         adapter = load_peft_adapter(folder, self.base, self.limits)
+        needed = LoraStack.region_elements(adapter)
+        if needed > self.regions.size:
+            element = self.stack.pool.element_size()
+            raise OverMemoryBudget(
+                f"the adapter needs {needed * element} bytes of device memory at its ranks; "
+                f"the engine's adapter memory is {self.regions.size * element} bytes"
+            )
         with self._lock:
             self._folders[adapter.digest] = Path(folder)
             self._retired.discard(adapter.digest)
@@ -142,11 +170,11 @@ class LoraManager:
         if digest == BASE_ADAPTER or digest in self._slot_of:
             return Readiness.READY
         with self._lock:
-            in_host = digest in self._host
-        if not in_host:
+            adapter = self._host.get(digest)
+        if adapter is None:
             self.prefetch(seq)
             return Readiness.LOADING
-        return Readiness.READY if self._free_slot() is not None else Readiness.NO_SLOT
+        return Readiness.READY if self._can_place(adapter) else Readiness.NO_SLOT
 
     def acquire(self, seq: Sequence) -> None:
         """Pin `seq`'s adapter in a slot (loading it there first); requires readiness READY."""
@@ -193,6 +221,11 @@ class LoraManager:
             in_host = list(self._host)
         return {d: "host" for d in in_host} | {d: "device" for d in in_slots}
 
+    def memory(self) -> tuple[int, int]:
+        """Device adapter memory in bytes: (used by resident adapters, the whole pool)."""
+        element = self.stack.pool.element_size()
+        return self.regions.used * element, self.regions.size * element
+
     def count_tokens(self, digest: str, tokens: int) -> None:
         if digest != BASE_ADAPTER:
             self.stats.setdefault(digest, AdapterStats()).tokens += tokens
@@ -229,32 +262,58 @@ class LoraManager:
         while len(self._host) > self.max_cpu_loras:
             self._host.popitem(last=False)
 
-    def _free_slot(self) -> int | None:
-        """An empty slot, else the least recently used unpinned one; None if all are pinned."""
-        candidates = [i for i, s in enumerate(self.slots) if s.pins == 0]
-        if not candidates:
-            return None
-        empty = [i for i in candidates if self.slots[i].digest is None]
-        return empty[0] if empty else min(candidates, key=lambda i: self.slots[i].last_used)
+    def _unpinned(self) -> list[int]:
+        """Slots holding an adapter no running sequence uses."""
+        return [i for i, s in enumerate(self.slots) if s.digest is not None and s.pins == 0]
+
+    def _can_place(self, adapter: LoraAdapter) -> bool:
+        """Whether `_load_into_slot` can make the adapter resident, evicting only unpinned ones."""
+        unpinned = self._unpinned()
+        if not unpinned and all(s.digest is not None for s in self.slots):
+            return False
+        regions = [(self.slots[i].start, self.slots[i].length) for i in unpinned]
+        return self.regions.fits_after_release(LoraStack.region_elements(adapter), regions)
+
+    def _evict_least_recent(self) -> None:
+        unpinned = self._unpinned()
+        assert unpinned, "acquire() without room for the adapter"
+        slot = min(unpinned, key=lambda i: self.slots[i].last_used)
+        digest = self.slots[slot].digest
+        assert digest is not None
+        stats = self.stats[digest]
+        stats.evictions += 1
+        self._vacate(slot)
+
+    def _vacate(self, slot: int) -> None:
+        """Empty `slot` and free its region."""
+        held = self.slots[slot]
+        assert held.digest is not None and held.pins == 0, "vacating a pinned or empty slot"
+        del self._slot_of[held.digest]
+        stats = self.stats[held.digest]
+        stats.resident_since, stats.device_bytes = None, 0
+        self.stack.clear_slot(slot)
+        self.regions.release(held.start, held.length)
+        self.slots[slot] = _Slot()
 
     def _load_into_slot(self, digest: str) -> int:
-        slot = self._free_slot()
-        assert slot is not None, "acquire() without a free slot"
+        """Make the adapter resident: a free slot and the first free range that fits, evicting
+        least recently used unpinned adapters until both exist."""
         with self._lock:
             adapter = self._host[digest]
             self._host.move_to_end(digest)
-        old = self.slots[slot].digest
-        if old is not None:
-            del self._slot_of[old]
-            old_stats = self.stats[old]
-            old_stats.evictions += 1
-            old_stats.resident_since = None
-        self.stack.write_slot(slot, adapter)
-        self.slots[slot] = _Slot(digest, 0, self._clock)
+        length = LoraStack.region_elements(adapter)
+        while all(s.digest is not None for s in self.slots):
+            self._evict_least_recent()
+        while (start := self.regions.allocate(length)) is None:
+            self._evict_least_recent()
+        slot = next(i for i, s in enumerate(self.slots) if s.digest is None)
+        self.stack.write_slot(slot, adapter, start)
+        self.slots[slot] = _Slot(digest, 0, self._clock, start, length)
         self._slot_of[digest] = slot
         stats = self.stats.setdefault(digest, AdapterStats())
         stats.slot_loads += 1
         stats.resident_since = time.monotonic()
+        stats.device_bytes = length * self.stack.pool.element_size()
         return slot
 
     def _drop(self, digest: str) -> None:
@@ -262,7 +321,6 @@ class LoraManager:
         self._folders.pop(digest, None)
         self._retired.discard(digest)
         self._host.pop(digest, None)
-        slot = self._slot_of.pop(digest, None)
+        slot = self._slot_of.get(digest)
         if slot is not None:
-            self.stack.clear_slot(slot)
-            self.slots[slot] = _Slot()
+            self._vacate(slot)

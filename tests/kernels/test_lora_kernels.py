@@ -3,8 +3,9 @@ compiled on a GPU), and the twins equal a dead-simple per-token float64 loop.
 
 Cases cover dtype, hidden size, rank (uniform and mixed across slots), token count, how tokens
 spread over adapters, and projection groups (L=3 with unequal widths, L=2, L=1, a slice of rank
-0), sampled pairwise. Weights beyond each slot's rank, x rows of tokens without an adapter and
-expand inputs beyond the rank hold NaN, so any read of them shows in the result.
+0), sampled pairwise. The kernels read each slot's weights from a flat pool at offsets, packed
+at the slot's own rank in shuffled order with NaN between regions; x rows of tokens without an
+adapter and expand inputs beyond the rank hold NaN too, so any read of them shows in the result.
 """
 
 from __future__ import annotations
@@ -127,13 +128,17 @@ CASES = [
 
 @dataclass(frozen=True)
 class Problem:
-    """Stacked weights with NaN beyond each slot's rank, x with NaN in rows of tokens without
+    """Stacked weights with NaN beyond each slot's rank (the per-token loop's view) and the same
+    weights packed into a pool (the kernels' view, see `pack`), x with NaN in rows of tokens without
     an adapter, the token-to-slot assignment in segment order, and ``written``: the entries of
     t that a shrink writes (adapter tokens' rows, up to the slot's rank per slice)."""
 
     x: torch.Tensor
     lora_a: torch.Tensor
     lora_b: torch.Tensor
+    pool: torch.Tensor
+    a_offsets: torch.Tensor
+    b_offsets: torch.Tensor
     ranks: torch.Tensor
     offsets: tuple[int, ...]
     token_slots: tuple[int | None, ...]
@@ -166,6 +171,29 @@ def _assignment(spread: str, tokens: int, rng: random.Random) -> tuple[int, list
     return num_slots, slots
 
 
+def pack(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor, offsets: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pool, a_offsets, b_offsets): every slot's A [r, H] and B [width, r] per slice, at its
+    own rank, slots in a shuffled order, each region followed by a few NaN elements."""
+    gap = 5
+    a_offsets = torch.zeros(ranks.shape, dtype=torch.int64)
+    b_offsets = torch.zeros(ranks.shape, dtype=torch.int64)
+    parts, used = [], 0
+    order = torch.randperm(ranks.shape[0], generator=torch.Generator().manual_seed(3))
+    for slot in order.tolist():
+        for j, r in enumerate(ranks[slot].tolist()):
+            if not r:
+                continue
+            a = lora_a[slot, j, :r].flatten()
+            b = lora_b[slot, offsets[j] : offsets[j + 1], :r].flatten()
+            a_offsets[slot, j], b_offsets[slot, j] = used, used + a.numel() + gap
+            parts += [a, torch.full((gap,), math.nan), b, torch.full((gap,), math.nan)]
+            used += a.numel() + b.numel() + 2 * gap
+    pool = torch.cat([torch.full((gap,), math.nan), *parts]) if parts else torch.zeros(gap)
+    return pool, a_offsets + gap, b_offsets + gap
+
+
 @functools.cache
 def make_problem(case: Case) -> Problem:
     seed = zlib.crc32(str(case).encode())
@@ -195,10 +223,14 @@ def make_problem(case: Case) -> Problem:
         [ranks[s] if s is not None else torch.zeros_like(ranks[0]) for s in token_slots]
     )
     dtype = DTYPES[case.dtype]
+    pool, a_offsets, b_offsets = pack(lora_a, lora_b, ranks, offsets)
     return Problem(
         x=x.to(dtype),
         lora_a=lora_a.to(dtype),
         lora_b=lora_b.to(dtype),
+        pool=pool.to(dtype),
+        a_offsets=a_offsets,
+        b_offsets=b_offsets,
         ranks=ranks.to(torch.int32),
         offsets=offsets,
         token_slots=tuple(token_slots),
@@ -258,8 +290,8 @@ def check_shrink(
 ) -> None:
     """The kernel writes what its twin writes, and nothing else of the zeroed t."""
     t_kernel, t_twin = p.t_zeros(), p.t_zeros()
-    kernel(p.x, p.lora_a, p.ranks, *meta, t_kernel)
-    twin(p.x, p.lora_a, p.ranks, *meta, t_twin)
+    kernel(p.x, p.pool, p.a_offsets, p.ranks, *meta, t_kernel)
+    twin(p.x, p.pool, p.a_offsets, p.ranks, *meta, t_twin)
     assert_close(t_kernel, t_twin, case.dtype)
     assert not bool(t_kernel[~p.written].any()), "wrote outside adapter rows or ranks"
 
@@ -271,8 +303,8 @@ def check_expand(
     and leaves rows of tokens without an adapter bit for bit as they were."""
     t = per_token_loop(case)[0].float().to(p.x.device)
     y_kernel, y_twin = p.y0.clone(), p.y0.clone()
-    kernel(t, p.lora_b, p.offsets, p.ranks, *meta, y_kernel)
-    twin(t, p.lora_b, p.offsets, p.ranks, *meta, y_twin)
+    kernel(t, p.pool, p.b_offsets, p.offsets, p.ranks, *meta, y_kernel)
+    twin(t, p.pool, p.b_offsets, p.offsets, p.ranks, *meta, y_twin)
     assert_close(y_kernel.float(), y_twin.float(), case.dtype)
     base_rows = [i for i, s in enumerate(p.token_slots) if s is None]
     assert torch.equal(y_kernel[base_rows], p.y0[base_rows]), "touched a token without adapter"
@@ -312,12 +344,12 @@ def test_twins_match_per_token_fp64_loop(case: Case) -> None:
     ]
     for shrink, expand, meta in layouts:
         t = p.t_zeros()
-        shrink(p.x, p.lora_a, p.ranks, *meta, t)
+        shrink(p.x, p.pool, p.a_offsets, p.ranks, *meta, t)
         assert not bool(t[~p.written].any())
         t = torch.where(p.written, t, math.nan)
         assert_close(t, t_loop, "fp32")
         y = p.y0.clone()
-        expand(t, p.lora_b, p.offsets, p.ranks, *meta, y)
+        expand(t, p.pool, p.b_offsets, p.offsets, p.ranks, *meta, y)
         assert_close(y, y_loop, case.dtype)
 
 
