@@ -167,6 +167,11 @@ class EngineStateCollector(Collector):
         load_time = CounterMetricFamily(
             "loramux_lora_adapter_load_seconds", "Time spent on those reads", labels=["adapter"]
         )
+        device_bytes = GaugeMetricFamily(
+            "loramux_lora_adapter_device_bytes",
+            "Device adapter memory its weights hold at their ranks (0 in host memory only)",
+            labels=["adapter"],
+        )
         for digest, where in sorted(resident.items()):
             tier.add_metric([digest, where], 1)
             run.add_metric([digest], running[digest])
@@ -174,8 +179,12 @@ class EngineStateCollector(Collector):
             adapter = stats.get(digest)
             loads.add_metric([digest], adapter.loads if adapter else 0)
             load_time.add_metric([digest], adapter.load_seconds if adapter else 0.0)
-        yield from (tier, run, wait, loads, load_time)
+            device_bytes.add_metric([digest], adapter.device_bytes if adapter else 0)
+        yield from (tier, run, wait, loads, load_time, device_bytes)
         yield _gauge("lora_slots_pinned", "Device slot pins held", sum(s.pins for s in lora.slots))
+        used, total = lora.memory()
+        yield _gauge("lora_memory_used_bytes", "Device adapter memory held by adapters", used)
+        yield _gauge("lora_memory_free_bytes", "Device adapter memory free", total - used)
         info = GaugeMetricFamily(
             "loramux_lora_requests_info",
             "vLLM's LoRA summary: resident adapters with running or waiting requests (value: now)",

@@ -66,6 +66,11 @@ def test_adapter_series_exist_while_it_is_resident(
     assert _value(text, "loramux_lora_adapter_loaded", adapter=digest, tier="device") == 1
     assert _value(text, "loramux_lora_adapter_running_requests", adapter=digest) == 0
     assert _value(text, "loramux_lora_adapter_loads_total", adapter=digest) >= 1
+    assert engine.lora is not None
+    held = _value(text, "loramux_lora_adapter_device_bytes", adapter=digest)
+    used, total = engine.lora.memory()
+    assert 0 < held == used == _value(text, "loramux_lora_memory_used_bytes")
+    assert _value(text, "loramux_lora_memory_free_bytes") == total - used
 
     engine.retire_adapter(digest)
     run_to_completion(engine, [EngineRequest("b", params, prompt_token_ids=[5])])  # a sweep

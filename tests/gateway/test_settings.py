@@ -35,6 +35,7 @@ def test_loramux_variables_reach_the_engine_config(clean_env: pytest.MonkeyPatch
         "MAX_BATCHED_TOKENS": "96",
         "MAX_MODEL_LEN": "200",
         "MAX_LORAS": "2",
+        "LORA_MEMORY_MB": "48",
         "MAX_CPU_LORAS": "5",
         "MAX_LORA_RANK": "16",
         "PREFIX_CACHING": "0",
@@ -52,12 +53,22 @@ def test_loramux_variables_reach_the_engine_config(clean_env: pytest.MonkeyPatch
         max_num_batched_tokens=96,
         max_model_len=200,
         max_loras=2,
+        lora_memory_bytes=48 << 20,
         max_cpu_loras=5,
         max_lora_rank=16,
         enable_prefix_caching=False,
         cuda_graphs=False,
         async_scheduling=True,
     )
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_an_adapter_memory_that_is_not_positive_is_refused(
+    clean_env: pytest.MonkeyPatch, value: str
+) -> None:
+    clean_env.setenv("LORAMUX_LORA_MEMORY_MB", value)
+    with pytest.raises(ValueError, match="lora_memory_bytes"):
+        EngineSettings().engine_config(MODEL)
 
 
 def test_fields_given_in_code_win_over_the_environment(clean_env: pytest.MonkeyPatch) -> None:

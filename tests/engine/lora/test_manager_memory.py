@@ -41,6 +41,11 @@ def device(lm: LoraManager) -> set[str]:
     return {d for d, tier in lm.resident().items() if tier == "device"}
 
 
+def test_without_a_budget_the_pool_holds_max_loras_adapters_of_the_maximum_rank() -> None:
+    lm = LoraManager(tiny_base(), 3, 8, AdapterLimits(max_rank=16), torch.bfloat16, "cpu")
+    assert lm.memory() == (0, 3 * FULL_16 * 2)
+
+
 def test_many_small_adapters_fit_where_two_large_ones_do(tmp_path: Path) -> None:
     lm = manager(2 * FULL_16)
     small = [register(lm, tmp_path / f"s{i}", 4, i) for i in range(8)]
