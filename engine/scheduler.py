@@ -40,11 +40,12 @@ class AdapterGate(Protocol):
     """Admission control for adapters: a running sequence's adapter is always in a device slot.
 
     `acquire` pins the slot of an admitted sequence (after `readiness` said READY); `release`
-    unpins it when the sequence is preempted or finishes. Slots are the limit on distinct
-    adapters in one step.
+    unpins it when the sequence is preempted or finishes. Slots and adapter memory are the
+    limit on distinct adapters in one step. With `may_defer`, an adapter that would take a
+    large share of the memory from resident ones is not READY (it lets smaller ones go first).
     """
 
-    def readiness(self, seq: Sequence) -> Readiness: ...
+    def readiness(self, seq: Sequence, may_defer: bool = False) -> Readiness: ...
     def acquire(self, seq: Sequence) -> None: ...
     def release(self, seq: Sequence) -> None: ...
     def prefetch(self, seq: Sequence) -> None: ...
@@ -125,6 +126,10 @@ class Scheduler:
     """Waiting requests whose adapters are fetched from disk ahead of their turn."""
     max_slot_wait_steps = 64
     """Steps a request waiting for an adapter slot lets others (needing no new slot) go first."""
+    max_large_adapter_defer_steps = 8
+    """Of those, steps a request whose adapter would evict a large share of adapter memory
+    defers to the requests behind it (rank-aware admission: a few large adapters do not crowd
+    out many small ones)."""
 
     def __init__(
         self,
@@ -184,6 +189,9 @@ class Scheduler:
           requests that need no new slot (adapter already in one, or the base model), and only
           for `max_slot_wait_steps` steps; after that, admission stops until a slot frees, which
           happens as running sequences finish. So no request waits forever.
+        - A request whose adapter would evict resident ones to take over a quarter of adapter
+          memory waits like that, for at most `max_large_adapter_defer_steps` steps, while
+          requests wait behind it: smaller adapters go first (rank-aware admission).
         - Running out of KV blocks stops admission: nobody overtakes the oldest request there.
         """
         if out.preempted:
@@ -195,7 +203,12 @@ class Scheduler:
         slot_waiter: Sequence | None = None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            readiness = self.adapters.readiness(seq) if self.adapters else Readiness.READY
+            may_defer = len(self.waiting) > 1 and seq.slot_wait_steps < min(
+                self.max_large_adapter_defer_steps, self.max_slot_wait_steps
+            )
+            readiness = (
+                self.adapters.readiness(seq, may_defer) if self.adapters else Readiness.READY
+            )
             if readiness is Readiness.LOADING or (
                 readiness is Readiness.NO_SLOT and slot_waiter is not None
             ):

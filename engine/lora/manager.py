@@ -38,6 +38,10 @@ from loramux.engine.sequence import BASE_ADAPTER, Sequence
 
 log = logging.getLogger(__name__)
 
+LARGE_SHARE = 0.25
+"""An adapter whose region is over this share of the pool may defer to smaller ones rather
+than evict resident adapters (Scheduler.max_large_adapter_defer_steps bounds the wait)."""
+
 
 class Readiness(enum.Enum):
     READY = "ready"
@@ -165,7 +169,9 @@ class LoraManager:
             for digest in [d for d in self._retired if d not in self._users]:
                 self._drop(digest)
 
-    def readiness(self, seq: Sequence) -> Readiness:
+    def readiness(self, seq: Sequence, may_defer: bool = False) -> Readiness:
+        """READY, LOADING or NO_SLOT (see Readiness); with `may_defer`, also NO_SLOT for an
+        adapter whose region is over LARGE_SHARE of the pool and does not fit without evicting."""
         digest = seq.adapter_id
         if digest == BASE_ADAPTER or digest in self._slot_of:
             return Readiness.READY
@@ -174,7 +180,9 @@ class LoraManager:
         if adapter is None:
             self.prefetch(seq)
             return Readiness.LOADING
-        return Readiness.READY if self._can_place(adapter) else Readiness.NO_SLOT
+        if not self._can_place(adapter) or (may_defer and self._crowds_out(adapter)):
+            return Readiness.NO_SLOT
+        return Readiness.READY
 
     def acquire(self, seq: Sequence) -> None:
         """Pin `seq`'s adapter in a slot (loading it there first); requires readiness READY."""
@@ -273,6 +281,14 @@ class LoraManager:
             return False
         regions = [(self.slots[i].start, self.slots[i].length) for i in unpinned]
         return self.regions.fits_after_release(LoraStack.region_elements(adapter), regions)
+
+    def _crowds_out(self, adapter: LoraAdapter) -> bool:
+        """A large adapter that would have to evict resident ones to fit."""
+        length = LoraStack.region_elements(adapter)
+        if length <= LARGE_SHARE * self.regions.size:
+            return False
+        has_row = any(s.digest is None for s in self.slots)
+        return not (has_row and self.regions.largest_free >= length)
 
     def _evict_least_recent(self) -> None:
         unpinned = self._unpinned()

@@ -19,7 +19,7 @@ from loramux.adapters.layout import LoraStack
 from loramux.engine.outputs import EngineRequest
 from loramux.engine.sampling import SamplingParams
 from tests.adapters.peft_adapters import make_peft_adapter
-from tests.engine.conftest import make_engine
+from tests.engine.conftest import make_engine, run_to_completion
 
 MAX_TOKENS = 6
 RANK_4_TARGETS = (["q_proj", "v_proj"], ["gate_proj", "up_proj", "down_proj"], ["o_proj"])
@@ -112,3 +112,40 @@ def test_sixty_adapters_of_ranks_4_to_64_share_the_memory_of_twenty_rank_64_ones
     assert most_pinned > 20, f"only {most_pinned} adapters were resident at once"
     for i, folder in enumerate(sixty_adapters):
         assert outputs[f"r{i}"] == peft_greedy(peft_model, folder.name, _prompt(i)), folder.name
+
+
+def test_a_large_adapter_lets_small_ones_go_first_for_a_bounded_time(
+    demo_model_dir: Path, sixty_adapters: list[Path]
+) -> None:
+    """The pool holds one rank-64 adapter on every projection, or many rank-4 ones. With small
+    ones resident, a request for the large one (which would evict them all) defers to the small
+    requests behind it, then runs once they are done."""
+    base = BaseModelSpec.from_model_dir(demo_model_dir)
+    engine = make_engine(
+        demo_model_dir,
+        max_loras=16,
+        lora_memory_bytes=LoraStack.full_rank_elements(base, 64) * 4,
+        max_num_seqs=16,
+    )
+    large = engine.register_adapter(sixty_adapters[15])  # rank 64, all seven projections
+    small = [engine.register_adapter(f) for f in sixty_adapters[40:46]]  # rank 4
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    warm = [
+        EngineRequest(f"warm{i}", params, prompt_token_ids=_prompt(i), adapter=d)
+        for i, d in enumerate(small)
+    ]
+    run_to_completion(engine, warm)
+    engine.add_request(EngineRequest("large", params, prompt_token_ids=_prompt(50), adapter=large))
+    for i, digest in enumerate(small):
+        engine.add_request(
+            EngineRequest(f"small{i}", params, prompt_token_ids=_prompt(60 + i), adapter=digest)
+        )
+    started: dict[str, int] = {}
+    step = 0
+    while engine.has_work:
+        for out in engine.step():
+            started.setdefault(out.request_id, step)
+        step += 1
+        assert step < 200, "a request starved"
+    assert len(started) == 7
+    assert all(started[f"small{i}"] < started["large"] for i in range(6))

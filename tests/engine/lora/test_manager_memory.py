@@ -96,6 +96,26 @@ def test_an_adapter_that_cannot_fit_beside_pinned_ones_waits(tmp_path: Path) -> 
     assert {small[5], small[7]} <= device(lm)
 
 
+def test_a_large_adapter_that_would_evict_may_defer_to_small_ones(tmp_path: Path) -> None:
+    lm = manager(2 * FULL_16)
+    small = [register(lm, tmp_path / f"s{i}", 4, i) for i in range(6)]
+    for i, digest in enumerate(small):
+        lm.acquire(seq(digest, f"r{i}"))
+        lm.release(seq(digest, f"r{i}"))
+    large = register(lm, tmp_path / "large", 16, 99)
+    late_small = register(lm, tmp_path / "late", 4, 98)
+    assert lm.readiness(seq(large), may_defer=False) is Readiness.READY
+    assert lm.readiness(seq(large), may_defer=True) is Readiness.NO_SLOT, "it would evict"
+    assert lm.readiness(seq(late_small), may_defer=True) is Readiness.READY, "a small one fits"
+    lm.acquire(seq(late_small, "late"))
+    assert lm.readiness(seq(large), may_defer=True) is Readiness.NO_SLOT
+    lm.acquire(seq(large, "big"))  # the scheduler stops deferring after a bounded wait
+    assert large in device(lm) and late_small in device(lm)
+    roomy = manager(4 * FULL_16)
+    large_alone = register(roomy, tmp_path / "large2", 16, 97)
+    assert roomy.readiness(seq(large_alone), may_defer=True) is Readiness.READY, "fits free"
+
+
 def test_the_slot_table_bounds_resident_adapters_too(tmp_path: Path) -> None:
     lm = manager(2 * FULL_16, max_loras=2)
     a, b, c = (register(lm, tmp_path / f"s{i}", 4, i) for i in range(3))
