@@ -5,8 +5,9 @@ batch G >= B: its inputs are written into the runner's step buffers (the address
 was captured with), rows [B, G) as padding (engine.step_inputs), and the graph computes the
 final hidden states of all G rows, from which the runner takes the rows that sample. The whole
 forward pass is inside the graph: GEMMs, the per-token LoRA kernels (grid fixed by G, rows
-without an adapter skipped as NO_SLOT) and paged attention (grid fixed by G; KV lengths read
-on the device). Graphs share one memory pool, captured largest first so smaller ones reuse it.
+without an adapter skipped as NO_SLOT; they read each adapter's weights through the offset
+and rank tables of adapters.layout, allocated once with the pool, so loading an adapter only
+rewrites their contents) and paged attention (grid fixed by G; KV lengths read on the device). Graphs share one memory pool, captured largest first so smaller ones reuse it.
 
 Memory: the pool holds about one forward pass of the largest batch; `ModelRunner` measures
 that before sizing the KV pool and counts it in the KV budget.
