@@ -136,3 +136,20 @@ def test_an_adapter_larger_than_the_whole_pool_is_refused_at_registration(
     assert lm.resident() == {} and lm.memory() == (0, FULL_16 // 2 * 4)
     fits = register(lm, tmp_path / "small", 4, 1)
     assert lm.readiness(seq(fits)) is Readiness.READY
+
+
+def test_a_retired_adapter_gives_its_memory_back_when_its_last_request_ends(
+    tmp_path: Path,
+) -> None:
+    lm = manager(2 * FULL_16)
+    digest = register(lm, tmp_path / "a", 16, 0)
+    lm.add_user(seq(digest, "r"))
+    lm.acquire(seq(digest, "r"))
+    lm.retire(digest)
+    lm.sweep()
+    assert lm.memory()[0] == FULL_16 * 4, "still in use"
+    lm.release(seq(digest, "r"))
+    lm.remove_user(seq(digest, "r"))
+    lm.sweep()
+    assert lm.memory() == (0, 2 * FULL_16 * 4) and lm.regions.free_ranges() == [(0, 2 * FULL_16)]
+    assert lm.resident() == {}
