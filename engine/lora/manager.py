@@ -296,8 +296,7 @@ class LoraManager:
         slot = min(unpinned, key=lambda i: self.slots[i].last_used)
         digest = self.slots[slot].digest
         assert digest is not None
-        stats = self.stats[digest]
-        stats.evictions += 1
+        self.stats[digest].evictions += 1
         self._vacate(slot)
 
     def _vacate(self, slot: int) -> None:
@@ -323,7 +322,7 @@ class LoraManager:
         while (start := self.regions.allocate(length)) is None:
             self._evict_least_recent()
         slot = next(i for i, s in enumerate(self.slots) if s.digest is None)
-        self.stack.write_slot(slot, adapter, start)
+        self.stack.write_slot(slot, adapter, start)  # validated when registered: cannot refuse
         self.slots[slot] = _Slot(digest, 0, self._clock, start, length)
         self._slot_of[digest] = slot
         stats = self.stats.setdefault(digest, AdapterStats())
