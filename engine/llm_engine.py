@@ -141,6 +141,8 @@ class LLMEngine:
             AdapterLimits(max_rank=c.max_lora_rank),
             c.torch_dtype,
             c.device,
+            load_workers=c.lora_load_workers,
+            copy_groups_per_step=c.lora_copy_groups_per_step,
         )
 
     # -- adapters -----------------------------------------------------------------------------
@@ -252,6 +254,7 @@ class LLMEngine:
         """schedule → prepare → run → sample → postprocess; the outputs of the step landed."""
         if self.lora is not None:
             self.lora.sweep()
+            self.lora.advance()
         batch = self.scheduler.schedule()
         now = time.time()
         for chunk in batch.chunks:

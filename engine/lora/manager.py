@@ -2,11 +2,16 @@
 
 - A *registered* adapter is known by its content digest and its folder; requests name it by
   digest. Registration validates it (and leaves it in the host tier).
-- The *host tier* (`max_cpu_loras`) holds parsed adapters, least recently used out first. Loads
-  from disk happen on a background thread, never on the step loop; waiting requests prefetch.
+- The *host tier* (`max_cpu_loras`) holds parsed adapters, least recently used out first, each
+  in a buffer from a bounded, recycled pool (pinned on CUDA: engine.lora.host_buffers). Loads
+  from disk run on a small pool of loader threads, never on the step loop; waiting requests
+  prefetch.
 - A *device slot* (`max_loras`) holds an adapter's weights in the stacked layout the kernels
   read. A slot is pinned while any running sequence uses it; unpinned slots are reused least
   recently used first.
+- Entering a slot is a copy spread over steps (engine.lora.slot_copy). Until it completes the
+  adapter's requests run anyway, their LoRA work computed from the host copy
+  (engine.lora.host_path), and the adapter stays in the host tier whatever its age.
 - *Retiring* an adapter refuses new requests at once and drops it when its last request ends.
 
 Threads: `register`/`retire`/`is_servable` may be called from any thread; everything else runs on
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -29,6 +35,8 @@ import torch
 from loramux.adapters.base_spec import BaseModelSpec
 from loramux.adapters.layout import LoraStack
 from loramux.adapters.peft_format import AdapterLimits, LoraAdapter, load_peft_adapter
+from loramux.engine.lora.host_buffers import HostBufferPool, adapter_floats, move_into
+from loramux.engine.lora.slot_copy import SlotCopies
 from loramux.engine.sequence import BASE_ADAPTER, Sequence
 
 log = logging.getLogger(__name__)
@@ -55,6 +63,17 @@ class AdapterStats:
     load_seconds: float = 0.0
     resident_since: float | None = None
     """time.monotonic() when it last entered a device slot; None when not in one."""
+    host_path_tokens: int = 0
+    """Tokens whose LoRA work came from the host copy while the device copy was under way."""
+    first_token_step: int | None = None
+    """The engine step at which its first sampled token was counted (LoraManager.steps)."""
+    device_ready_step: int | None = None
+    """The engine step at which its latest device copy completed."""
+
+
+def default_load_workers() -> int:
+    """Loader threads: parsing is mostly file reads and float conversion, a few suffice."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass
@@ -73,11 +92,24 @@ class LoraManager:
         limits: AdapterLimits,
         dtype: torch.dtype,
         device: str,
+        load_workers: int | None = None,
+        copy_groups_per_step: int = 8,
     ):
         self.base = base
         self.limits = limits
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
         self.stack = LoraStack.allocate(base, max_loras, limits.max_rank, dtype, device)
+        workers = load_workers or default_load_workers()
+        on_cuda = torch.device(device).type == "cuda"
+        # The host tier, plus adapters held there past capacity while copied into a slot, plus
+        # a load per loader thread, plus one registration being put in.
+        self.host_buffers = HostBufferPool(self.max_cpu_loras + max_loras + workers + 1, on_cuda)
+        self._buffers: dict[str, torch.Tensor] = {}
+        """The host buffer of each adapter in the host tier."""
+        self.copies = SlotCopies(self.stack, torch.device(device), copy_groups_per_step)
+        self._held: set[str] = set()
+        """Adapters whose device copy is under way: kept in the host tier until it completes."""
+        self.steps = 0
         self.slots = [_Slot() for _ in range(max_loras)]
         self._slot_of: dict[str, int] = {}
         self._folders: dict[str, Path] = {}
@@ -86,7 +118,7 @@ class LoraManager:
         self._host: OrderedDict[str, LoraAdapter] = OrderedDict()
         self._loading: dict[str, Future[None]] = {}
         self._lock = threading.Lock()
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loramux-lora-load")
+        self._loader = ThreadPoolExecutor(workers, thread_name_prefix="loramux-lora-load")
         self._clock = 0
         self.stats: dict[str, AdapterStats] = {}
 
@@ -101,7 +133,8 @@ class LoraManager:
             stats = self.stats.setdefault(adapter.digest, AdapterStats())
             stats.loads += 1
             stats.load_seconds += time.monotonic() - started
-            self._put_host(adapter)
+            buffer = self.host_buffers.take(adapter_floats(adapter))
+            self._put_host(move_into(adapter, buffer), buffer)
         return adapter.digest
 
     def retire(self, digest: str) -> bool:
@@ -165,17 +198,45 @@ class LoraManager:
             assert self.slots[slot].pins >= 0, "slot released more often than acquired"
 
     def slot_of(self, digest: str) -> int | None:
-        """The device slot of a running sequence's adapter; None for the base model."""
+        """The device slot of a running sequence's adapter; None for the base model and while
+        the adapter's device copy is under way (see `host_adapter`)."""
         if digest == BASE_ADAPTER:
             return None
         slot = self._slot_of[digest]
         self._clock += 1
         self.slots[slot].last_used = self._clock
-        return slot
+        return None if self.copies.copying(slot) else slot
+
+    def host_adapter(self, digest: str) -> LoraAdapter | None:
+        """The host copy serving a running sequence's adapter while its device copy is under
+        way; None for the base model and once the slot is usable."""
+        slot = self._slot_of.get(digest)
+        if slot is None or not self.copies.copying(slot):
+            return None
+        return self.copies.adapter(slot)
+
+    def count_host_path(self, digest: str, tokens: int) -> None:
+        self.stats[digest].host_path_tokens += tokens
+
+    def advance(self) -> None:
+        """Between steps (step thread): progress the device copies; an adapter whose copy
+        completed serves from its slot from the next step on and may leave the host tier."""
+        self.steps += 1
+        for slot in self.copies.advance():
+            digest = self.slots[slot].digest
+            assert digest is not None, "a copy into an empty slot"
+            self.stats[digest].device_ready_step = self.steps
+            with self._lock:
+                self._held.discard(digest)
+                self._trim_host()
 
     def prefetch(self, seq: Sequence) -> None:
         """Start reading `seq`'s adapter from disk into the host tier unless it is there or coming."""
-        digest = seq.adapter_id
+        self.prefetch_digest(seq.adapter_id)
+
+    def prefetch_digest(self, digest: str) -> None:
+        """`prefetch` by digest (any thread): a hint, ignored for the base model and for digests
+        that are not registered."""
         if digest == BASE_ADAPTER:
             return
         with self._lock:
@@ -195,18 +256,34 @@ class LoraManager:
 
     def count_tokens(self, digest: str, tokens: int) -> None:
         if digest != BASE_ADAPTER:
-            self.stats.setdefault(digest, AdapterStats()).tokens += tokens
+            stats = self.stats.setdefault(digest, AdapterStats())
+            stats.tokens += tokens
+            if stats.first_token_step is None:
+                stats.first_token_step = self.steps
+
+    def in_flight_loads(self) -> int:
+        with self._lock:
+            return len(self._loading)
 
     def shutdown(self) -> None:
         self._loader.shutdown(wait=False, cancel_futures=True)
 
     # -- internals -----------------------------------------------------------------------------
     def _load_host(self, digest: str, folder: Path) -> None:
+        """A loader thread's work: parse into a pooled host buffer, then enter the host tier."""
         started = time.monotonic()
+        taken: list[torch.Tensor] = []
+
+        def storage(num_floats: int) -> torch.Tensor:
+            taken.append(self.host_buffers.take(num_floats))
+            return taken[-1]
+
         try:
-            adapter = load_peft_adapter(folder, self.base, self.limits)
+            adapter = load_peft_adapter(folder, self.base, self.limits, storage)
         except Exception:
             log.exception("adapter %s could not be reloaded from %s", digest[:12], folder)
+            for buffer in taken:
+                self.host_buffers.give_back(buffer)
             with self._lock:
                 self._loading.pop(digest, None)
             return
@@ -216,18 +293,35 @@ class LoraManager:
                 log.error(
                     "adapter folder %s changed on disk: digest %s", folder, adapter.digest[:12]
                 )
+                self.host_buffers.give_back(taken[0])
                 return
             stats = self.stats.setdefault(digest, AdapterStats())
             stats.loads += 1
             stats.load_seconds += time.monotonic() - started
-            self._put_host(adapter)
+            self._put_host(adapter, taken[0])
 
-    def _put_host(self, adapter: LoraAdapter) -> None:
-        """Insert into the host tier (lock held), evicting least recently used beyond capacity."""
-        self._host[adapter.digest] = adapter
+    def _put_host(self, adapter: LoraAdapter, buffer: torch.Tensor) -> None:
+        """Insert into the host tier (lock held); an adapter already there keeps its copy."""
+        if adapter.digest in self._host:
+            self.host_buffers.give_back(buffer)
+        else:
+            self._host[adapter.digest] = adapter
+            self._buffers[adapter.digest] = buffer
         self._host.move_to_end(adapter.digest)
-        while len(self._host) > self.max_cpu_loras:
-            self._host.popitem(last=False)
+        self._trim_host()
+
+    def _trim_host(self) -> None:
+        """Evict least recently used adapters beyond capacity, except those being copied into
+        a slot (lock held); their buffers go back to the pool."""
+        excess = len(self._host) - self.max_cpu_loras
+        for digest in [d for d in self._host if d not in self._held][: max(excess, 0)]:
+            self._evict_host(digest)
+
+    def _evict_host(self, digest: str) -> None:
+        """Take `digest` out of the host tier (lock held; nothing may read its weights after)."""
+        assert digest not in self._held, "evicting an adapter whose device copy reads it"
+        if self._host.pop(digest, None) is not None:
+            self.host_buffers.give_back(self._buffers.pop(digest))
 
     def _free_slot(self) -> int | None:
         """An empty slot, else the least recently used unpinned one; None if all are pinned."""
@@ -243,13 +337,15 @@ class LoraManager:
         with self._lock:
             adapter = self._host[digest]
             self._host.move_to_end(digest)
+            self._held.add(digest)
         old = self.slots[slot].digest
         if old is not None:
             del self._slot_of[old]
             old_stats = self.stats[old]
             old_stats.evictions += 1
             old_stats.resident_since = None
-        self.stack.write_slot(slot, adapter)
+            self._cancel_copy(slot, old)
+        self.copies.start(slot, adapter)
         self.slots[slot] = _Slot(digest, 0, self._clock)
         self._slot_of[digest] = slot
         stats = self.stats.setdefault(digest, AdapterStats())
@@ -261,8 +357,18 @@ class LoraManager:
         """Forget a retired adapter nobody uses any more (lock held)."""
         self._folders.pop(digest, None)
         self._retired.discard(digest)
-        self._host.pop(digest, None)
         slot = self._slot_of.pop(digest, None)
         if slot is not None:
+            self.copies.cancel(slot)
+            self._held.discard(digest)
             self.stack.clear_slot(slot)
             self.slots[slot] = _Slot()
+        self._evict_host(digest)
+
+    def _cancel_copy(self, slot: int, digest: str) -> None:
+        """Abandon the device copy of `digest` into `slot`, if one is under way."""
+        self.copies.cancel(slot)
+        with self._lock:
+            if digest in self._held:
+                self._held.discard(digest)
+                self._trim_host()
