@@ -261,6 +261,11 @@ class LoraManager:
             if stats.first_token_step is None:
                 stats.first_token_step = self.steps
 
+    def host_tier_size(self) -> int:
+        """Adapters in the host tier (each holds one host buffer)."""
+        with self._lock:
+            return len(self._host)
+
     def in_flight_loads(self) -> int:
         with self._lock:
             return len(self._loading)
