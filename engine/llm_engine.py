@@ -153,6 +153,12 @@ class LLMEngine:
             raise InvalidRequestError("this engine was started without LoRA support")
         return self.lora.register(folder)
 
+    def prefetch_adapter(self, digest: str) -> None:
+        """Start loading adapter `digest` for a request that is on its way; ignored for unknown
+        digests and when loads are already backed up. Safe from any thread."""
+        if self.lora is not None:
+            self.lora.hint(digest)
+
     def retire_adapter(self, digest: str) -> bool:
         """New requests for `digest` are refused at once; it is dropped when its last one ends."""
         return self.lora.retire(digest) if self.lora is not None else False

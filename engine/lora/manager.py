@@ -63,6 +63,8 @@ class AdapterStats:
     load_seconds: float = 0.0
     resident_since: float | None = None
     """time.monotonic() when it last entered a device slot; None when not in one."""
+    hinted_loads: int = 0
+    """Loads started by a gateway's hint rather than by the waiting queue."""
     host_path_tokens: int = 0
     """Tokens whose LoRA work came from the host copy while the device copy was under way."""
     first_token_step: int | None = None
@@ -110,6 +112,7 @@ class LoraManager:
         self._held: set[str] = set()
         """Adapters whose device copy is under way: kept in the host tier until it completes."""
         self.steps = 0
+        self.max_hinted_loads = 2 * workers
         self.slots = [_Slot() for _ in range(max_loras)]
         self._slot_of: dict[str, int] = {}
         self._folders: dict[str, Path] = {}
@@ -232,16 +235,23 @@ class LoraManager:
 
     def prefetch(self, seq: Sequence) -> None:
         """Start reading `seq`'s adapter from disk into the host tier unless it is there or coming."""
-        self.prefetch_digest(seq.adapter_id)
+        self._prefetch(seq.adapter_id, hint=False)
 
-    def prefetch_digest(self, digest: str) -> None:
-        """`prefetch` by digest (any thread): a hint, ignored for the base model and for digests
-        that are not registered."""
+    def hint(self, digest: str) -> None:
+        """A request for `digest` is on its way (any thread): prefetch it, unless it is unknown
+        or retired, or the loaders already have `max_hinted_loads` loads in hand (hints never
+        crowd out the waiting queue's own prefetches)."""
+        self._prefetch(digest, hint=True)
+
+    def _prefetch(self, digest: str, hint: bool) -> None:
         if digest == BASE_ADAPTER:
             return
         with self._lock:
             if digest in self._host or digest in self._loading or digest not in self._folders:
                 return
+            if hint and (digest in self._retired or len(self._loading) >= self.max_hinted_loads):
+                return
+            self.stats[digest].hinted_loads += hint
             self._loading[digest] = self._loader.submit(
                 self._load_host, digest, self._folders[digest]
             )
