@@ -113,6 +113,8 @@ class LLMEngine:
         self._steps = 0
         self._aborted = 0
         self.metrics = EngineMetrics(self)
+        if self.lora is not None:
+            self.lora.on_load = self.metrics.lora_load.observe
 
     def _num_blocks(self, graph_bytes: int) -> int:
         """Blocks in the KV pool: `num_kv_blocks`, or what the KV budget holds once the decode

@@ -26,6 +26,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +114,8 @@ class LoraManager:
         """Adapters whose device copy is under way: kept in the host tier until it completes."""
         self.steps = 0
         self.max_hinted_loads = 2 * workers
+        self.on_load: Callable[[float], None] = lambda seconds: None
+        """Told each load's seconds (from a loader thread): the engine's metrics."""
         self.slots = [_Slot() for _ in range(max_loras)]
         self._slot_of: dict[str, int] = {}
         self._folders: dict[str, Path] = {}
@@ -136,6 +139,7 @@ class LoraManager:
             stats = self.stats.setdefault(adapter.digest, AdapterStats())
             stats.loads += 1
             stats.load_seconds += time.monotonic() - started
+            self.on_load(time.monotonic() - started)
             buffer = self.host_buffers.take(adapter_floats(adapter))
             self._put_host(move_into(adapter, buffer), buffer)
         return adapter.digest
@@ -313,6 +317,7 @@ class LoraManager:
             stats = self.stats.setdefault(digest, AdapterStats())
             stats.loads += 1
             stats.load_seconds += time.monotonic() - started
+            self.on_load(time.monotonic() - started)
             self._put_host(adapter, taken[0])
 
     def _put_host(self, adapter: LoraAdapter, buffer: torch.Tensor) -> None:
