@@ -10,9 +10,10 @@ depend on which path served which of its steps. On the CPU the host copy is alre
 activations are; on CUDA the rows travel to the host and back, which only pays while the side
 stream's copy is still running.
 
-Only plain LoRA on the attention and MLP projections is served this way (what `LoraAdapter`
-holds today); an adapter kind with more (DoRA's magnitude, embedding or lm_head LoRA) must wait
-for its device copy instead.
+Only plain LoRA on the attention and MLP projections is served this way (all `LoraAdapter`
+holds today). Adapter kinds with more (DoRA's magnitude, embedding or lm_head LoRA) are not:
+whoever adds them must keep such adapters off this path (their requests wait, LOADING, until
+the device copy completes) or extend `apply`.
 """
 
 from __future__ import annotations

@@ -104,14 +104,16 @@ class LoraManager:
         self.stack = LoraStack.allocate(base, max_loras, limits.max_rank, dtype, device)
         workers = load_workers or default_load_workers()
         on_cuda = torch.device(device).type == "cuda"
-        # The host tier, plus adapters held there past capacity while copied into a slot, plus
-        # a load per loader thread, plus one registration being put in.
-        self.host_buffers = HostBufferPool(self.max_cpu_loras + max_loras + workers + 1, on_cuda)
+        # The host tier, plus adapters kept there past capacity while copied into a slot or
+        # about to be (one more), plus a load per loader thread and a registration being put in.
+        self.host_buffers = HostBufferPool(self.max_cpu_loras + max_loras + workers + 2, on_cuda)
         self._buffers: dict[str, torch.Tensor] = {}
         """The host buffer of each adapter in the host tier."""
         self.copies = SlotCopies(self.stack, torch.device(device), copy_groups_per_step)
         self._held: set[str] = set()
         """Adapters whose device copy is under way: kept in the host tier until it completes."""
+        self._reserved: set[str] = set()
+        """Adapters `readiness` found in the host tier this step: kept there until the next."""
         self.steps = 0
         self.max_hinted_loads = 2 * workers
         self.on_load: Callable[[float], None] = lambda seconds: None
@@ -183,10 +185,13 @@ class LoraManager:
             return Readiness.READY
         with self._lock:
             in_host = digest in self._host
+            ready = in_host and self._free_slot() is not None
+            if ready:  # a loader finishing before `acquire` must not evict it
+                self._reserved.add(digest)
         if not in_host:
             self.prefetch(seq)
             return Readiness.LOADING
-        return Readiness.READY if self._free_slot() is not None else Readiness.NO_SLOT
+        return Readiness.READY if ready else Readiness.NO_SLOT
 
     def acquire(self, seq: Sequence) -> None:
         """Pin `seq`'s adapter in a slot (loading it there first); requires readiness READY."""
@@ -229,6 +234,8 @@ class LoraManager:
         """Between steps (step thread): progress the device copies; an adapter whose copy
         completed serves from its slot from the next step on and may leave the host tier."""
         self.steps += 1
+        with self._lock:
+            self._reserved.clear()
         for slot in self.copies.advance():
             digest = self.slots[slot].digest
             assert digest is not None, "a copy into an empty slot"
@@ -334,7 +341,8 @@ class LoraManager:
         """Evict least recently used adapters beyond capacity, except those being copied into
         a slot (lock held); their buffers go back to the pool."""
         excess = len(self._host) - self.max_cpu_loras
-        for digest in [d for d in self._host if d not in self._held][: max(excess, 0)]:
+        kept = self._held | self._reserved
+        for digest in [d for d in self._host if d not in kept][: max(excess, 0)]:
             self._evict_host(digest)
 
     def _evict_host(self, digest: str) -> None:

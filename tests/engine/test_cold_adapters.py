@@ -19,6 +19,7 @@ from loramux.engine.outputs import EngineRequest
 from loramux.engine.sampling import SamplingParams
 from tests.adapters.peft_adapters import lora_key, save_weights
 from tests.engine.conftest import make_engine
+from tests.engine.test_multi_lora import peft_greedy
 
 MAX_TOKENS = 24
 
@@ -34,18 +35,6 @@ def cold_peft(demo_model_dir: Path, demo_adapter_dirs: list[Path]) -> Any:
     for folder in rest:
         model.load_adapter(folder, adapter_name=folder.name)
     return model.eval()
-
-
-def _peft_greedy(model: Any, adapter: str | None, prompt: list[int]) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            adapter_names=[adapter or "__base__"],
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def _prompt(seed: int) -> list[int]:
@@ -97,7 +86,7 @@ def test_a_request_starts_before_its_adapter_is_on_the_device_and_equals_peft(
         assert s.device_ready_step - s.first_token_step < MAX_TOKENS, f"{name} never switched"
     for r in requests:
         name = next((n for n, d in digests.items() if d == r.adapter), None)
-        expected = _peft_greedy(cold_peft, name, r.prompt_token_ids or [])
+        expected = peft_greedy(cold_peft, name, r.prompt_token_ids or [], MAX_TOKENS)
         assert tokens[r.request_id] == expected, r.request_id
 
 
