@@ -1,6 +1,7 @@
 """Cold adapters: a request whose adapter is still being copied into its device slot starts at
 once on the host-computed path, with PEFT's output; hundreds of adapters through a small
-budget, with aborts at every stage, leave nothing pinned, held or loading."""
+budget, with aborts and retirements at every stage, leave nothing pinned, held or loading;
+prefetch hints are bounded."""
 
 from __future__ import annotations
 
@@ -162,6 +163,8 @@ def test_five_hundred_adapters_through_a_small_budget_leave_nothing_behind(
         loading = [r.request_id for r in pending[:16] if int(r.request_id[1:]) % 7 == 0]
         for r in pending[:16]:
             engine.add_request(r)
+            if int(r.request_id[1:]) % 11 == 0:  # retired with its request in flight
+                engine.retire_adapter(r.adapter or "")
         del pending[:16]
         for out in engine.step():
             if out.finished:
@@ -182,3 +185,21 @@ def test_five_hundred_adapters_through_a_small_budget_leave_nothing_behind(
     assert counts.in_use + counts.free <= counts.capacity
     assert engine.stats().kv_blocks_used == 0
     assert sum(s.host_path_tokens for s in engine.adapter_stats().values()) > 0
+
+
+def test_prefetch_hints_are_bounded_and_ignore_unknown_and_retired_adapters(
+    demo_model_dir: Path, demo_adapter_dirs: list[Path]
+) -> None:
+    engine = make_engine(demo_model_dir, max_loras=1, max_cpu_loras=1, lora_load_workers=1)
+    lora = engine.lora
+    assert lora is not None
+    digests = [engine.register_adapter(f) for f in demo_adapter_dirs[:12]]
+    engine.retire_adapter(digests[0])
+    for digest in ("f" * 64, "", digests[0], *digests[1:]):
+        engine.prefetch_adapter(digest)
+        assert lora.in_flight_loads() <= lora.max_hinted_loads == 2
+    _drain_loads(engine)
+    stats = engine.adapter_stats()
+    assert stats[digests[0]].hinted_loads == 0, "a retired adapter was loaded by a hint"
+    assert 1 <= sum(s.hinted_loads for s in stats.values()) <= 11
+    assert lora.host_buffers.counts().in_use == lora.host_tier_size() == 1
