@@ -117,6 +117,14 @@ class StackedLora:
             start = b_end
         return start
 
+    def elements(self, adapter: LoraAdapter) -> int:
+        """Pool elements the adapter's pairs for this (layer, group) take."""
+        return sum(
+            w.a.numel() + w.b.numel()
+            for proj in GROUPS[self.group]
+            if (w := adapter.modules.get((self.layer, proj))) is not None
+        )
+
     def clear_slot(self, slot: int) -> None:
         """Point `slot` at nothing: it then adds nothing (its pool region is left as it was)."""
         self.a_offsets[slot].zero_()
@@ -193,6 +201,17 @@ class LoraStack:
     def __getitem__(self, key: tuple[int, str]) -> StackedLora:
         """The tables of (layer, group)."""
         return self.groups[key]
+
+    def block_starts(self, adapter: LoraAdapter, start: int) -> list[tuple[tuple[int, str], int]]:
+        """Where each (layer, group)'s part of the adapter's region begins, for a region from
+        element `start`, in the order `write_slot` lays them out: blocks may then be written
+        one at a time (engine.lora.slot_copy)."""
+        self._check_fits(0, adapter, start)
+        starts = []
+        for key, stacked in self.groups.items():
+            starts.append((key, start))
+            start += stacked.elements(adapter)
+        return starts
 
     def write_slot(self, slot: int, adapter: LoraAdapter, start: int) -> None:
         """Copy the adapter into the region from element `start` (`region_elements` long) and

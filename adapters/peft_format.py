@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,16 +114,33 @@ class LoraAdapter:
         return sum(w.a.nbytes + w.b.nbytes for w in self.modules.values())
 
 
+Storage = Callable[[int], torch.Tensor]
+"""Where converted weights go: given a number of floats, a flat float32 tensor at least that
+long (e.g. a pinned host buffer from a pool); the adapter's A and B matrices are views into it."""
+
+
 def load_peft_adapter(
-    folder: Path, base: BaseModelSpec, limits: AdapterLimits | None = None
+    folder: Path,
+    base: BaseModelSpec,
+    limits: AdapterLimits | None = None,
+    storage: Storage | None = None,
 ) -> LoraAdapter:
-    """Read, validate and convert the PEFT adapter in `folder` for the base model `base`."""
+    """Read, validate and convert the PEFT adapter in `folder` for the base model `base`; the
+    weights are written into `storage`'s tensor (taken only once the header is validated) or
+    into fresh tensors."""
     limits = limits or AdapterLimits()
     config_path, weights_path = adapter_files(Path(folder), limits)
     settings = parse_lora_config(_read_config(config_path), base, limits.max_rank)
     raw = _read_weights(weights_path, settings, base)
     digest = adapter_digest(settings.canonical(), raw)
-    modules = {module: _fold(raw, module, settings.scaling) for module in sorted(settings.modules)}
+    sizes = {m: settings.rank * sum(base.projection_shape(m[1])) for m in settings.modules}
+    flat = storage(sum(sizes.values())) if storage is not None else None
+    modules: dict[ModuleKey, LoraWeights] = {}
+    offset = 0
+    for module in sorted(settings.modules):
+        out = flat[offset : offset + sizes[module]] if flat is not None else None
+        modules[module] = _fold(raw, module, settings.scaling, settings.rank, out)
+        offset += sizes[module]
     return LoraAdapter(
         digest=digest,
         rank=settings.rank,
@@ -259,10 +276,24 @@ def _check_shape(
         )
 
 
-def _fold(raw: dict[str, torch.Tensor], module: ModuleKey, scaling: float) -> LoraWeights:
-    """float32 A and scaling * B, refusing NaN or infinity (also from an overflowing fold)."""
-    a = raw[weight_name(module, "A")].to(torch.float32).contiguous()
-    b = (raw[weight_name(module, "B")].to(torch.float32) * scaling).contiguous()
+def _fold(
+    raw: dict[str, torch.Tensor],
+    module: ModuleKey,
+    scaling: float,
+    rank: int,
+    out: torch.Tensor | None,
+) -> LoraWeights:
+    """float32 A and scaling * B (written into `out`, flat, when given), refusing NaN or
+    infinity (also from an overflowing fold)."""
+    stored_a, stored_b = raw[weight_name(module, "A")], raw[weight_name(module, "B")]
+    if out is None:
+        a = stored_a.to(torch.float32).contiguous()
+        b = (stored_b.to(torch.float32) * scaling).contiguous()
+    else:
+        a = out[: stored_a.numel()].view(stored_a.shape).copy_(stored_a)
+        b = out[stored_a.numel() :].view(stored_b.shape)
+        torch.mul(stored_b.to(torch.float32), scaling, out=b)
+    assert a.shape[0] == rank == b.shape[1], "the header check let a wrong rank through"
     for half, tensor in (("A", a), ("B", b)):
         if not bool(torch.isfinite(tensor).all()):
             raise NonFiniteWeights(f"{weight_name(module, half)} holds NaN or infinite values")

@@ -96,6 +96,10 @@ class AsyncEngine:
         """Validate and register a PEFT adapter (off the event loop); returns its digest."""
         return await asyncio.to_thread(self.engine.register_adapter, folder)
 
+    def prefetch_adapter(self, digest: str) -> None:
+        """A hint that a request for `digest` follows (see LLMEngine.prefetch_adapter)."""
+        self.engine.prefetch_adapter(digest)
+
     def retire_adapter(self, digest: str) -> bool:
         """Refuse new requests for `digest`; it is unloaded once its in-flight requests end."""
         return self.engine.retire_adapter(digest)

@@ -56,6 +56,12 @@ class EngineConfig:
     """Adapters kept parsed in host memory (the tier between disk and device slots)."""
     max_lora_rank: int = 64
     """Largest adapter rank accepted (up to 256); slots are sized for it."""
+    lora_load_workers: int | None = None
+    """Threads reading adapters from disk in parallel; None: the cores, at most 4."""
+    lora_copy_groups_per_step: int = 8
+    """On the CPU, (layer, projection group) blocks of adapter weights copied into device slots
+    per step, so one big adapter never stalls a step (its requests run on the host path while
+    it copies). On CUDA copies run on a side stream and this is unused."""
     cuda_graphs: bool = True
     """On CUDA, decode steps replay captured CUDA graphs (a ladder of batch sizes up to
     max_num_seqs; their memory counts in `kv_cache_bytes`). LORAMUX_CUDA_GRAPHS=0 turns it off."""
@@ -77,6 +83,10 @@ class EngineConfig:
             raise ValueError("max_loras and max_cpu_loras must be at least 1")
         if self.lora_memory_bytes is not None and self.lora_memory_bytes < 1:
             raise ValueError("lora_memory_bytes must be positive")
+        if self.lora_load_workers is not None and self.lora_load_workers < 1:
+            raise ValueError("lora_load_workers must be at least 1")
+        if self.lora_copy_groups_per_step < 1:
+            raise ValueError("lora_copy_groups_per_step must be at least 1")
         if not 1 <= self.max_lora_rank <= 256:
             raise ValueError(f"max_lora_rank must be within 1..256, not {self.max_lora_rank}")
 

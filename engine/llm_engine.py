@@ -113,6 +113,8 @@ class LLMEngine:
         self._steps = 0
         self._aborted = 0
         self.metrics = EngineMetrics(self)
+        if self.lora is not None:
+            self.lora.on_load = self.metrics.lora_load.observe
 
     def _num_blocks(self, graph_bytes: int) -> int:
         """Blocks in the KV pool: `num_kv_blocks`, or what the KV budget holds once the decode
@@ -142,6 +144,8 @@ class LLMEngine:
             c.torch_dtype,
             c.device,
             c.lora_memory_bytes,
+            load_workers=c.lora_load_workers,
+            copy_groups_per_step=c.lora_copy_groups_per_step,
         )
 
     # -- adapters -----------------------------------------------------------------------------
@@ -151,6 +155,12 @@ class LLMEngine:
         if self.lora is None:
             raise InvalidRequestError("this engine was started without LoRA support")
         return self.lora.register(folder)
+
+    def prefetch_adapter(self, digest: str) -> None:
+        """Start loading adapter `digest` for a request that is on its way; ignored for unknown
+        digests and when loads are already backed up. Safe from any thread."""
+        if self.lora is not None:
+            self.lora.hint(digest)
 
     def retire_adapter(self, digest: str) -> bool:
         """New requests for `digest` are refused at once; it is dropped when its last one ends."""
@@ -253,6 +263,7 @@ class LLMEngine:
         """schedule → prepare → run → sample → postprocess; the outputs of the step landed."""
         if self.lora is not None:
             self.lora.sweep()
+            self.lora.advance()
         batch = self.scheduler.schedule()
         now = time.time()
         for chunk in batch.chunks:

@@ -29,6 +29,7 @@ from loramux.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from loramux.engine.llm_engine import LLMEngine
+    from loramux.engine.lora.manager import AdapterStats, LoraManager
 
 # No `_created` series beside every counter and histogram (prometheus_client's default, for
 # this whole process): they double the series count and no dashboard or alert reads them.
@@ -47,6 +48,10 @@ REQUEST_BUCKETS = (
     40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 """vLLM's buckets, with a few sub-second ones added: a small model answers in milliseconds."""
+LOAD_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+"""Adapter loads: a tiny adapter parses in a millisecond, a rank-64 one of an 8B model in ~1 s."""
 
 
 class EngineMetrics:
@@ -79,6 +84,11 @@ class EngineMetrics:
         )
         self.inference = histogram(
             "request_inference_time_seconds", "First step to the end", REQUEST_BUCKETS
+        )
+        self.lora_load = histogram(
+            "lora_load_seconds",
+            "Reads of an adapter from disk into host memory, parsing included",
+            LOAD_BUCKETS,
         )
         r.register(EngineStateCollector(engine))
 
@@ -185,6 +195,7 @@ class EngineStateCollector(Collector):
         used, total = lora.memory()
         yield _gauge("lora_memory_used_bytes", "Device adapter memory held by adapters", used)
         yield _gauge("lora_memory_free_bytes", "Device adapter memory free", total - used)
+        yield from self._cold_path(lora, stats)
         info = GaugeMetricFamily(
             "loramux_lora_requests_info",
             "vLLM's LoRA summary: resident adapters with running or waiting requests (value: now)",
@@ -194,6 +205,34 @@ class EngineStateCollector(Collector):
         waiting_names = ",".join(sorted(d for d in waiting if d in resident))
         info.add_metric([str(len(lora.slots)), running_names, waiting_names], time.time())
         yield info
+
+    def _cold_path(self, lora: LoraManager, stats: dict[str, AdapterStats]) -> Iterator[Metric]:
+        """Loads, device copies and host-path work, over every adapter."""
+        yield CounterMetricFamily(
+            "loramux_lora_host_path_tokens",
+            "Tokens whose LoRA work was computed from the host copy (device copy under way)",
+            value=sum(s.host_path_tokens for s in stats.values()),
+        )
+        yield CounterMetricFamily(
+            "loramux_lora_hinted_loads",
+            "Adapter loads started by a gateway's prefetch hint",
+            value=sum(s.hinted_loads for s in stats.values()),
+        )
+        yield _gauge(
+            "lora_loads_in_flight", "Adapter loads from disk under way", lora.in_flight_loads()
+        )
+        yield _gauge(
+            "lora_copies_in_flight", "Adapter copies into device slots under way", len(lora.copies)
+        )
+        buffers = GaugeMetricFamily(
+            "loramux_lora_host_buffers",
+            "Host buffers of the adapter pool, by state",
+            labels=["state"],
+        )
+        counts = lora.host_buffers.counts()
+        buffers.add_metric(["in_use"], counts.in_use)
+        buffers.add_metric(["free"], counts.free)
+        yield buffers
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -12,7 +12,7 @@ import torch
 
 from loramux.engine.config import EngineConfig
 from loramux.engine.cuda_graphs import DecodeGraphs, graph_batches
-from loramux.engine.lora.batch import order_by_adapter
+from loramux.engine.lora.batch import needs_host_path, order_by_adapter
 from loramux.engine.lora.manager import LoraManager
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LlamaModel
@@ -103,7 +103,8 @@ class ModelRunner:
         chunks is padded to `pad_to` rows, by default to the batch of the smallest captured
         graph that holds it (if any)."""
         one_token = all(c.num_tokens == 1 for c in scheduled)
-        if pad_to is None and self.graphs is not None and one_token:
+        eager = needs_host_path(scheduled, self.lora)  # Python LoRA work: not in a graph
+        if pad_to is None and self.graphs is not None and one_token and not eager:
             pad_to = self.graphs.batch_for(len(scheduled))
         lora = order_by_adapter(scheduled, self.lora, self._lora_buffers, pad_to)
         bs = self.config.block_size

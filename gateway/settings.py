@@ -84,6 +84,18 @@ class EngineSettings:
         default_factory=lambda: _env("MAX_LORA_RANK", _engine_default("max_lora_rank"), int)
     )
     """LORAMUX_MAX_LORA_RANK: largest adapter rank accepted (up to 256); uploads above are refused."""
+    lora_load_workers: int | None = field(
+        default_factory=lambda: _env("LORA_LOAD_WORKERS", _engine_default("lora_load_workers"), int)
+    )
+    """LORAMUX_LORA_LOAD_WORKERS: threads reading adapters from disk in parallel; unset: the
+    cores, at most 4."""
+    lora_copy_groups_per_step: int = field(
+        default_factory=lambda: _env(
+            "LORA_COPY_GROUPS_PER_STEP", _engine_default("lora_copy_groups_per_step"), int
+        )
+    )
+    """LORAMUX_LORA_COPY_GROUPS_PER_STEP: on the CPU, (layer, projection group) blocks of adapter
+    weights copied into device slots per step (requests run on the host path meanwhile)."""
     prefix_caching: bool = field(
         default_factory=lambda: _env(
             "PREFIX_CACHING", _engine_default("enable_prefix_caching"), bool
@@ -118,6 +130,8 @@ class EngineSettings:
             lora_memory_bytes=None if self.lora_memory_mb is None else self.lora_memory_mb << 20,
             max_cpu_loras=self.max_cpu_loras,
             max_lora_rank=self.max_lora_rank,
+            lora_load_workers=self.lora_load_workers,
+            lora_copy_groups_per_step=self.lora_copy_groups_per_step,
             cuda_graphs=self.cuda_graphs,
             async_scheduling=self.async_scheduling,
         )

@@ -6,6 +6,10 @@ segment. Decode-only steps use the per-token kernels (BGMV), others the segmente
 On CUDA these are the Triton kernels; elsewhere their torch twins, the CPU serving path. A step
 replayed as a CUDA graph lists every row of the graph's batch, padding and base-model rows with
 no slot (kernels.lora_meta's padded layout), so the kernels' grid is the graph's.
+
+Chunks whose adapter is still being copied into its slot come after the slotted ones, grouped by
+adapter, and their LoRA work is the host path's (engine.lora.host_path); such a step never
+replays a graph (the runner checks `needs_host_path`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from loramux.adapters.layout import LoraStack
+from loramux.adapters.layout import GROUPS, LoraStack
+from loramux.adapters.peft_format import LoraAdapter
+from loramux.engine.lora.host_path import HostLoraPath, HostRun
 from loramux.engine.lora.manager import LoraManager
 from loramux.engine.scheduler import ScheduledChunk
 from loramux.kernels.lora_expand import bgmv_expand, sgmv_expand
@@ -27,10 +33,18 @@ from loramux.kernels.lora_shrink import bgmv_shrink, sgmv_shrink
 class LoraBatch:
     """Implements the model's `LoraApplier` for one step."""
 
-    def __init__(self, stack: LoraStack, meta: LoraBatchMeta, per_token: bool):
+    def __init__(
+        self,
+        stack: LoraStack,
+        meta: LoraBatchMeta | None,
+        per_token: bool,
+        host: HostLoraPath | None = None,
+    ):
         self.stack = stack
         self.meta = meta
+        """The slotted tokens; None when every adapted token takes the host path."""
         self.per_token = per_token
+        self.host = host
 
     @classmethod
     def build(
@@ -40,22 +54,32 @@ class LoraBatch:
         token_slots: Sequence[int | None],
         per_token: bool,
         pad_to: int | None = None,
+        host: HostLoraPath | None = None,
     ) -> LoraBatch | None:
         """None when no token of the step uses an adapter: the step then costs no LoRA work.
         With `pad_to` (a CUDA graph's batch) there is always a batch, in the padded layout."""
         if pad_to is not None:
+            assert host is None, "a graph replay cannot run the host path"
             return cls(stack, buffers.build(token_slots, pad_to), per_token=True)
-        if all(s is None for s in token_slots):
+        slotted = any(s is not None for s in token_slots)
+        if not slotted and host is None:
             return None
-        return cls(stack, buffers.build(token_slots), per_token)
+        return cls(stack, buffers.build(token_slots) if slotted else None, per_token, host)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.host is not None:
+            self.host.apply(layer, group, x, y)
+        if self.meta is not None:
+            self._apply_slotted(layer, group, x, y, self.meta)
+
+    def _apply_slotted(
+        self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, m: LoraBatchMeta
+    ) -> None:
         stacked = self.stack[layer, group]
         num_slices = stacked.ranks.shape[1]
         t = torch.zeros(
             num_slices, x.shape[0], self.stack.max_rank, dtype=torch.float32, device=x.device
         )
-        m = self.meta
         on_gpu = x.is_cuda
         # The runner orders tokens by slot, so on the CPU the segmented twins serve decodes too
         # (the per-token twins would regroup them first); per-token kernels pay off on a GPU.
@@ -118,8 +142,45 @@ def order_by_adapter(
     if manager is None:
         return LoraStep(chunks, None)
     slots = {id(c): manager.slot_of(c.seq.adapter_id) for c in chunks}
-    ordered = sorted(chunks, key=lambda c: (slots[id(c)] is None, slots[id(c)] or 0))
+    hosts = {id(c): manager.host_adapter(c.seq.adapter_id) for c in chunks}
+
+    def place(c: ScheduledChunk) -> tuple[int, int, str]:
+        slot, host = slots[id(c)], hosts[id(c)]
+        if slot is not None:
+            return (0, slot, "")
+        return (1, 0, host.digest) if host is not None else (2, 0, "")
+
+    ordered = sorted(chunks, key=place)
     token_slots = [slots[id(c)] for c in ordered for _ in range(c.num_tokens)]
     per_token = all(c.num_tokens == 1 for c in ordered)
-    batch = LoraBatch.build(manager.stack, buffers, token_slots, per_token, pad_to)
+    host = _host_path(ordered, hosts, manager)
+    batch = LoraBatch.build(manager.stack, buffers, token_slots, per_token, pad_to, host)
     return LoraStep(ordered, batch)
+
+
+def needs_host_path(chunks: list[ScheduledChunk], manager: LoraManager | None) -> bool:
+    """Some chunk's adapter is still being copied into its slot."""
+    return manager is not None and any(
+        manager.host_adapter(c.seq.adapter_id) is not None for c in chunks
+    )
+
+
+def _host_path(
+    ordered: list[ScheduledChunk], hosts: dict[int, LoraAdapter | None], manager: LoraManager
+) -> HostLoraPath | None:
+    """The host-path runs of the ordered chunks (one per adapter), counted per adapter."""
+    runs: list[HostRun] = []
+    row = 0
+    for c in ordered:
+        adapter = hosts[id(c)]
+        if adapter is not None:
+            if runs and runs[-1].adapter is adapter and runs[-1].end == row:
+                runs[-1] = HostRun(adapter, runs[-1].start, row + c.num_tokens)
+            else:
+                runs.append(HostRun(adapter, row, row + c.num_tokens))
+            manager.count_host_path(adapter.digest, c.num_tokens)
+        row += c.num_tokens
+    if not runs:
+        return None
+    offsets = {group: manager.stack[0, group].slice_offsets for group in GROUPS}
+    return HostLoraPath(runs, offsets)

@@ -1,15 +1,20 @@
-"""Where each adapter lives: device memory ◀ host tier ◀ its folder on disk.
+"""Where each adapter lives: device slots ◀ host tier ◀ its folder on disk.
 
 - A *registered* adapter is known by its content digest and its folder; requests name it by
   digest. Registration validates it (and leaves it in the host tier).
-- The *host tier* (`max_cpu_loras`) holds parsed adapters, least recently used out first. Loads
-  from disk happen on a background thread, never on the step loop; waiting requests prefetch.
+- The *host tier* (`max_cpu_loras`) holds parsed adapters, least recently used out first, each
+  in a buffer from a bounded, recycled pool (pinned on CUDA: engine.lora.host_buffers). Loads
+  from disk run on a small pool of loader threads, never on the step loop; waiting requests
+  prefetch.
 - *Device memory* is one pool (`memory_bytes`) where each resident adapter holds a region
   sized by its own ranks (adapters.layout), addressed by a slot: a row of the kernels' tables
   (`max_loras` rows, a bound on resident adapters). A slot is pinned while any running
   sequence uses it. A new adapter goes to the first free range it fits; while none is long
   enough, unpinned adapters are evicted least recently used first (freed neighbours merge).
   So many small adapters fit where few large ones do.
+- Entering a slot is a copy spread over steps (engine.lora.slot_copy). Until it completes the
+  adapter's requests run anyway, their LoRA work computed from the host copy
+  (engine.lora.host_path), and the adapter stays in the host tier whatever its age.
 - *Retiring* an adapter refuses new requests at once and drops it when its last request ends.
 
 Threads: `register`/`retire`/`is_servable` may be called from any thread; everything else runs on
@@ -20,9 +25,11 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +40,9 @@ from loramux.adapters.base_spec import BaseModelSpec
 from loramux.adapters.errors import OverMemoryBudget
 from loramux.adapters.layout import LoraStack
 from loramux.adapters.peft_format import AdapterLimits, LoraAdapter, load_peft_adapter
+from loramux.engine.lora.host_buffers import HostBufferPool, adapter_floats, move_into
 from loramux.engine.lora.memory import RegionAllocator
+from loramux.engine.lora.slot_copy import SlotCopies
 from loramux.engine.sequence import BASE_ADAPTER, Sequence
 
 log = logging.getLogger(__name__)
@@ -66,7 +75,20 @@ class AdapterStats:
     """Device memory its region holds now; 0 when not resident."""
     load_seconds: float = 0.0
     resident_since: float | None = None
-    """time.monotonic() when it last became resident on the device; None when not."""
+    """time.monotonic() when it last entered a device slot; None when not in one."""
+    hinted_loads: int = 0
+    """Loads started by a gateway's hint rather than by the waiting queue."""
+    host_path_tokens: int = 0
+    """Tokens whose LoRA work came from the host copy while the device copy was under way."""
+    first_token_step: int | None = None
+    """The engine step at which its first sampled token was counted (LoraManager.steps)."""
+    device_ready_step: int | None = None
+    """The engine step at which its latest device copy completed."""
+
+
+def default_load_workers() -> int:
+    """Loader threads: parsing is mostly file reads and float conversion, a few suffice."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass
@@ -89,9 +111,9 @@ class LoraManager:
         dtype: torch.dtype,
         device: str,
         memory_bytes: int | None = None,
+        load_workers: int | None = None,
+        copy_groups_per_step: int = 8,
     ):
-        """`memory_bytes`: the device pool; None sizes it for `max_loras` adapters of the
-        maximum rank on every projection."""
         self.base = base
         self.limits = limits
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
@@ -103,6 +125,22 @@ class LoraManager:
         )
         self.stack = LoraStack.allocate(base, max_loras, limits.max_rank, elements, dtype, device)
         self.regions = RegionAllocator(elements)
+        workers = load_workers or default_load_workers()
+        on_cuda = torch.device(device).type == "cuda"
+        # The host tier, plus adapters kept there past capacity while copied into a slot or
+        # about to be (one more), plus a load per loader thread and a registration being put in.
+        self.host_buffers = HostBufferPool(self.max_cpu_loras + max_loras + workers + 2, on_cuda)
+        self._buffers: dict[str, torch.Tensor] = {}
+        """The host buffer of each adapter in the host tier."""
+        self.copies = SlotCopies(self.stack, torch.device(device), copy_groups_per_step)
+        self._held: set[str] = set()
+        """Adapters whose device copy is under way: kept in the host tier until it completes."""
+        self._reserved: set[str] = set()
+        """Adapters `readiness` found in the host tier this step: kept there until the next."""
+        self.steps = 0
+        self.max_hinted_loads = 2 * workers
+        self.on_load: Callable[[float], None] = lambda seconds: None
+        """Told each load's seconds (from a loader thread): the engine's metrics."""
         self.slots = [_Slot() for _ in range(max_loras)]
         self._slot_of: dict[str, int] = {}
         self._folders: dict[str, Path] = {}
@@ -111,7 +149,7 @@ class LoraManager:
         self._host: OrderedDict[str, LoraAdapter] = OrderedDict()
         self._loading: dict[str, Future[None]] = {}
         self._lock = threading.Lock()
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loramux-lora-load")
+        self._loader = ThreadPoolExecutor(workers, thread_name_prefix="loramux-lora-load")
         self._clock = 0
         self.stats: dict[str, AdapterStats] = {}
 
@@ -133,7 +171,9 @@ class LoraManager:
             stats = self.stats.setdefault(adapter.digest, AdapterStats())
             stats.loads += 1
             stats.load_seconds += time.monotonic() - started
-            self._put_host(adapter)
+            self.on_load(time.monotonic() - started)
+            buffer = self.host_buffers.take(adapter_floats(adapter))
+            self._put_host(move_into(adapter, buffer), buffer)
         return adapter.digest
 
     def retire(self, digest: str) -> bool:
@@ -177,12 +217,17 @@ class LoraManager:
             return Readiness.READY
         with self._lock:
             adapter = self._host.get(digest)
+            ready = (
+                adapter is not None
+                and self._can_place(adapter)
+                and not (may_defer and self._crowds_out(adapter))
+            )
+            if ready:  # a loader finishing before `acquire` must not evict it
+                self._reserved.add(digest)
         if adapter is None:
             self.prefetch(seq)
             return Readiness.LOADING
-        if not self._can_place(adapter) or (may_defer and self._crowds_out(adapter)):
-            return Readiness.NO_SLOT
-        return Readiness.READY
+        return Readiness.READY if ready else Readiness.NO_SLOT
 
     def acquire(self, seq: Sequence) -> None:
         """Pin `seq`'s adapter in a slot (loading it there first); requires readiness READY."""
@@ -201,22 +246,59 @@ class LoraManager:
             assert self.slots[slot].pins >= 0, "slot released more often than acquired"
 
     def slot_of(self, digest: str) -> int | None:
-        """The device slot of a running sequence's adapter; None for the base model."""
+        """The device slot of a running sequence's adapter; None for the base model and while
+        the adapter's device copy is under way (see `host_adapter`)."""
         if digest == BASE_ADAPTER:
             return None
         slot = self._slot_of[digest]
         self._clock += 1
         self.slots[slot].last_used = self._clock
-        return slot
+        return None if self.copies.copying(slot) else slot
+
+    def host_adapter(self, digest: str) -> LoraAdapter | None:
+        """The host copy serving a running sequence's adapter while its device copy is under
+        way; None for the base model and once the slot is usable."""
+        slot = self._slot_of.get(digest)
+        if slot is None or not self.copies.copying(slot):
+            return None
+        return self.copies.adapter(slot)
+
+    def count_host_path(self, digest: str, tokens: int) -> None:
+        self.stats[digest].host_path_tokens += tokens
+
+    def advance(self) -> None:
+        """Between steps (step thread): progress the device copies; an adapter whose copy
+        completed serves from its slot from the next step on and may leave the host tier."""
+        self.steps += 1
+        with self._lock:
+            self._reserved.clear()
+        for slot in self.copies.advance():
+            digest = self.slots[slot].digest
+            assert digest is not None, "a copy into an empty slot"
+            self.stats[digest].device_ready_step = self.steps
+            with self._lock:
+                self._held.discard(digest)
+                self._trim_host()
 
     def prefetch(self, seq: Sequence) -> None:
         """Start reading `seq`'s adapter from disk into the host tier unless it is there or coming."""
-        digest = seq.adapter_id
+        self._prefetch(seq.adapter_id, hint=False)
+
+    def hint(self, digest: str) -> None:
+        """A request for `digest` is on its way (any thread): prefetch it, unless it is unknown
+        or retired, or the loaders already have `max_hinted_loads` loads in hand (hints never
+        crowd out the waiting queue's own prefetches)."""
+        self._prefetch(digest, hint=True)
+
+    def _prefetch(self, digest: str, hint: bool) -> None:
         if digest == BASE_ADAPTER:
             return
         with self._lock:
             if digest in self._host or digest in self._loading or digest not in self._folders:
                 return
+            if hint and (digest in self._retired or len(self._loading) >= self.max_hinted_loads):
+                return
+            self.stats[digest].hinted_loads += hint
             self._loading[digest] = self._loader.submit(
                 self._load_host, digest, self._folders[digest]
             )
@@ -236,18 +318,39 @@ class LoraManager:
 
     def count_tokens(self, digest: str, tokens: int) -> None:
         if digest != BASE_ADAPTER:
-            self.stats.setdefault(digest, AdapterStats()).tokens += tokens
+            stats = self.stats.setdefault(digest, AdapterStats())
+            stats.tokens += tokens
+            if stats.first_token_step is None:
+                stats.first_token_step = self.steps
+
+    def host_tier_size(self) -> int:
+        """Adapters in the host tier (each holds one host buffer)."""
+        with self._lock:
+            return len(self._host)
+
+    def in_flight_loads(self) -> int:
+        with self._lock:
+            return len(self._loading)
 
     def shutdown(self) -> None:
         self._loader.shutdown(wait=False, cancel_futures=True)
 
     # -- internals -----------------------------------------------------------------------------
     def _load_host(self, digest: str, folder: Path) -> None:
+        """A loader thread's work: parse into a pooled host buffer, then enter the host tier."""
         started = time.monotonic()
+        taken: list[torch.Tensor] = []
+
+        def storage(num_floats: int) -> torch.Tensor:
+            taken.append(self.host_buffers.take(num_floats))
+            return taken[-1]
+
         try:
-            adapter = load_peft_adapter(folder, self.base, self.limits)
+            adapter = load_peft_adapter(folder, self.base, self.limits, storage)
         except Exception:
             log.exception("adapter %s could not be reloaded from %s", digest[:12], folder)
+            for buffer in taken:
+                self.host_buffers.give_back(buffer)
             with self._lock:
                 self._loading.pop(digest, None)
             return
@@ -257,18 +360,37 @@ class LoraManager:
                 log.error(
                     "adapter folder %s changed on disk: digest %s", folder, adapter.digest[:12]
                 )
+                self.host_buffers.give_back(taken[0])
                 return
             stats = self.stats.setdefault(digest, AdapterStats())
             stats.loads += 1
             stats.load_seconds += time.monotonic() - started
-            self._put_host(adapter)
+            self.on_load(time.monotonic() - started)
+            self._put_host(adapter, taken[0])
 
-    def _put_host(self, adapter: LoraAdapter) -> None:
-        """Insert into the host tier (lock held), evicting least recently used beyond capacity."""
-        self._host[adapter.digest] = adapter
+    def _put_host(self, adapter: LoraAdapter, buffer: torch.Tensor) -> None:
+        """Insert into the host tier (lock held); an adapter already there keeps its copy."""
+        if adapter.digest in self._host:
+            self.host_buffers.give_back(buffer)
+        else:
+            self._host[adapter.digest] = adapter
+            self._buffers[adapter.digest] = buffer
         self._host.move_to_end(adapter.digest)
-        while len(self._host) > self.max_cpu_loras:
-            self._host.popitem(last=False)
+        self._trim_host()
+
+    def _trim_host(self) -> None:
+        """Evict least recently used adapters beyond capacity, except those being copied into
+        a slot (lock held); their buffers go back to the pool."""
+        excess = len(self._host) - self.max_cpu_loras
+        kept = self._held | self._reserved
+        for digest in [d for d in self._host if d not in kept][: max(excess, 0)]:
+            self._evict_host(digest)
+
+    def _evict_host(self, digest: str) -> None:
+        """Take `digest` out of the host tier (lock held; nothing may read its weights after)."""
+        assert digest not in self._held, "evicting an adapter whose device copy reads it"
+        if self._host.pop(digest, None) is not None:
+            self.host_buffers.give_back(self._buffers.pop(digest))
 
     def _unpinned(self) -> list[int]:
         """Slots holding an adapter no running sequence uses."""
@@ -298,11 +420,16 @@ class LoraManager:
         assert digest is not None
         self.stats[digest].evictions += 1
         self._vacate(slot)
+        with self._lock:  # an unfinished device copy no longer keeps it in the host tier
+            if digest in self._held:
+                self._held.discard(digest)
+                self._trim_host()
 
     def _vacate(self, slot: int) -> None:
-        """Empty `slot` and free its region."""
+        """Empty `slot`, abandoning a device copy into it, and free its region."""
         held = self.slots[slot]
         assert held.digest is not None and held.pins == 0, "vacating a pinned or empty slot"
+        self.copies.cancel(slot)
         del self._slot_of[held.digest]
         stats = self.stats[held.digest]
         stats.resident_since, stats.device_bytes = None, 0
@@ -312,17 +439,18 @@ class LoraManager:
 
     def _load_into_slot(self, digest: str) -> int:
         """Make the adapter resident: a free slot and the first free range that fits, evicting
-        least recently used unpinned adapters until both exist."""
+        least recently used unpinned adapters until both exist; then start its device copy."""
         with self._lock:
             adapter = self._host[digest]
             self._host.move_to_end(digest)
+            self._held.add(digest)
         length = LoraStack.region_elements(adapter)
         while all(s.digest is not None for s in self.slots):
             self._evict_least_recent()
         while (start := self.regions.allocate(length)) is None:
             self._evict_least_recent()
         slot = next(i for i, s in enumerate(self.slots) if s.digest is None)
-        self.stack.write_slot(slot, adapter, start)  # validated when registered: cannot refuse
+        self.copies.start(slot, adapter, start)  # validated when registered: cannot refuse
         self.slots[slot] = _Slot(digest, 0, self._clock, start, length)
         self._slot_of[digest] = slot
         stats = self.stats.setdefault(digest, AdapterStats())
@@ -335,7 +463,8 @@ class LoraManager:
         """Forget a retired adapter nobody uses any more (lock held)."""
         self._folders.pop(digest, None)
         self._retired.discard(digest)
-        self._host.pop(digest, None)
         slot = self._slot_of.get(digest)
         if slot is not None:
             self._vacate(slot)
+        self._held.discard(digest)
+        self._evict_host(digest)

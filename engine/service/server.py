@@ -34,6 +34,7 @@ from loramux.engine.service.wire import (
     Delta,
     Failed,
     Generate,
+    Prefetch,
     Reply,
     ToGateway,
     UnauthorizedError,
@@ -99,7 +100,10 @@ class EngineServer:
         except InvalidRequestError as exc:
             log.warning("dropped a malformed message: %s", exc)
             return
-        if not self._authorized(message.token):
+        if isinstance(message, Prefetch):
+            if self._authorized(message.token):  # nothing is ever answered to a hint
+                self.engine.prefetch_adapter(message.digest)
+        elif not self._authorized(message.token):
             ref = message.ref if isinstance(message, Call) else message.request_id
             refused = UnauthorizedError("missing or wrong engine token")
             self._spawn(self._send(identity, failure(ref, isinstance(message, Call), refused)))

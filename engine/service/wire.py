@@ -9,6 +9,7 @@ without one) and the engine checks it, in constant time, before it reads anythin
     Generate(request_id, prompt_token_ids, …)     Delta(ref=request_id, token_ids, finish, usage,
                                                         index, logprobs)…
     Abort(request_id)                             (the stream's last Delta says `abort`)
+    Prefetch(digest)                              nothing: a hint to start loading an adapter
 
 A request with n > 1 choices streams each choice's Deltas (`index`); its stream ends with the
 Delta that carries `usage`.
@@ -22,7 +23,7 @@ one of `info`, `stats`, `metrics` (the engine's Prometheus text), `adapters` (th
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -57,6 +58,14 @@ class Generate(msgspec.Struct, tag="generate", array_like=True):
 class Abort(msgspec.Struct, tag="abort", array_like=True):
     token: str
     request_id: str
+
+
+class Prefetch(msgspec.Struct, tag="prefetch", array_like=True):
+    """Start reading adapter `digest` from disk: a request for it is on its way (the gateway
+    resolved it for that request's tenant). Fire and forget; unknown digests are ignored."""
+
+    token: str
+    digest: Annotated[str, msgspec.Meta(max_length=128)]
 
 
 Op = Literal["info", "stats", "metrics", "adapters", "register", "retire"]
@@ -98,7 +107,7 @@ class Failed(msgspec.Struct, tag="failed", array_like=True):
     message: str
 
 
-ToEngine = Generate | Abort | Call
+ToEngine = Generate | Abort | Prefetch | Call
 ToGateway = Delta | Reply | Failed
 
 _encoder = msgspec.msgpack.Encoder()

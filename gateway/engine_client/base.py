@@ -57,6 +57,11 @@ class EngineClient(Protocol):
         """Make the engine(s) serve the adapter whose files are in `folder`, named by `digest`."""
         ...
 
+    def prefetch_adapter(self, digest: str) -> None:
+        """Hint the engine that will serve `digest` to start loading it, as a request for it is
+        being prepared. Fire and forget: never waits, never fails, may be dropped."""
+        ...
+
     async def retire_adapter(self, digest: str) -> None:
         """New requests for `digest` are refused; in-flight ones finish on it."""
         ...

@@ -27,6 +27,7 @@ from loramux.engine.service.wire import (
     Delta,
     Failed,
     Op,
+    Prefetch,
     Reply,
     ToEngine,
     decode_to_gateway,
@@ -99,6 +100,14 @@ class Channel:
             self.socket.send(encode(Abort(self.token, request_id)), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.info("could not abort %s on %s: %s", request_id, self.endpoint.url, exc)
+
+    def prefetch(self, digest: str) -> None:
+        """Hint the engine to start loading adapter `digest`, without waiting; dropped when the
+        socket cannot take it at once."""
+        try:
+            self.socket.send(encode(Prefetch(self.token, digest)), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.info("could not hint %s to %s: %s", digest[:12], self.endpoint.url, exc)
 
     async def call(self, op: Op, timeout: float, **fields: Any) -> Any:
         """The engine's answer to `op`; its typed error when it refused. No answer in `timeout`

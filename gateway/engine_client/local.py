@@ -46,6 +46,9 @@ class LocalEngineClient:
         if registered != digest:
             raise RuntimeError(f"adapter files in {folder} have digest {registered}, not {digest}")
 
+    def prefetch_adapter(self, digest: str) -> None:
+        self.engine.prefetch_adapter(digest)
+
     async def retire_adapter(self, digest: str) -> None:
         self.engine.retire_adapter(digest)
 

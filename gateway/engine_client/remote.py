@@ -184,6 +184,13 @@ class RemoteEngineClient:
 
         await self._on_engine(adapter_key(digest), digest, nothing)
 
+    def prefetch_adapter(self, digest: str) -> None:
+        """Hint the engine the request will be routed to, if it already holds the adapter (one
+        that does not gets it uploaded, and loaded, on the request's way)."""
+        first = next(iter(route(self._endpoints, adapter_key(digest))), None)
+        if first is not None and digest in first.adapters and not first.is_down(time.monotonic()):
+            self._channel(first).prefetch(digest)
+
     async def retire_adapter(self, digest: str) -> None:
         """Retire on every engine that answers; this client uploads `digest` nowhere any more."""
         self._folders.pop(digest, None)

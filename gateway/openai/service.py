@@ -135,6 +135,8 @@ class CompletionService:
         model = await self.catalog.resolve(principal, name)
         if model.digest is not None:
             await self.engine.ensure_adapter(model.digest, self.adapters.root / model.digest)
+            # Resolved for this caller's tenant: the hint can name no other tenant's adapter.
+            self.engine.prefetch_adapter(model.digest)
         return model
 
     def _tool_use(self, req: Body, response_id: str) -> ToolUse:

@@ -43,11 +43,18 @@ def _requests(adapters: list[str]) -> list[EngineRequest]:
 def test_padding_rows_change_nothing_for_the_real_rows(
     demo_model_dir: Path, demo_adapter_dirs: list[Path]
 ) -> None:
-    engine = make_engine(demo_model_dir, max_loras=4, async_scheduling=False)
+    # Copies of 48 (layer, group) blocks per step: the three adapters' device copies complete
+    # at the next step, so the decodes below read slots (a graph cannot run the host path).
+    engine = make_engine(
+        demo_model_dir, max_loras=4, async_scheduling=False, lora_copy_groups_per_step=48
+    )
     adapters = [engine.register_adapter(d) for d in demo_adapter_dirs[:3]]
     for request in _requests(adapters)[:5]:
         engine.add_request(request)
     engine.step()  # prefills: every request is decoding from now on
+    assert engine.lora is not None
+    engine.lora.advance()
+    assert len(engine.lora.copies) == 0
     batch = engine.scheduler.schedule()
     assert len(batch.chunks) == 5 and all(c.num_tokens == 1 for c in batch.chunks)
     eager = engine.runner.run(engine.runner.prepare(batch.chunks))

@@ -75,3 +75,21 @@ def test_adapter_series_exist_while_it_is_resident(
     engine.retire_adapter(digest)
     run_to_completion(engine, [EngineRequest("b", params, prompt_token_ids=[5])])  # a sweep
     assert digest not in engine.metrics.render()
+
+
+def test_cold_path_series_count_loads_host_path_tokens_and_buffers(
+    demo_model_dir: Path, demo_adapter_dirs: list[Path]
+) -> None:
+    # Two (layer, group) blocks copied per step: the demo model's 16 take 8 steps, during which
+    # the request runs on the host path.
+    engine = make_engine(demo_model_dir, max_loras=1, lora_copy_groups_per_step=2)
+    digest = engine.register_adapter(demo_adapter_dirs[0])
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    run_to_completion(engine, [EngineRequest("a", params, prompt_token_ids=[5], adapter=digest)])
+    text = engine.metrics.render()
+    assert _value(text, "loramux_lora_load_seconds_count") == 1  # the registration's read
+    assert _value(text, "loramux_lora_host_path_tokens_total") == 4  # the prompt and 3 decodes
+    assert _value(text, "loramux_lora_hinted_loads_total") == 0
+    assert _value(text, "loramux_lora_loads_in_flight") == 0
+    assert _value(text, "loramux_lora_copies_in_flight") == 1  # idle: the copy waits for a step
+    assert _value(text, "loramux_lora_host_buffers", state="in_use") == 1

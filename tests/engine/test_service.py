@@ -29,6 +29,7 @@ from loramux.engine.service.wire import (
     Delta,
     Failed,
     Generate,
+    Prefetch,
     Reply,
     ToEngine,
     ToGateway,
@@ -292,3 +293,41 @@ def test_abort_ends_the_stream_with_usage_and_counts_in_stats(gateway: Gateway) 
     assert isinstance(last, Delta) and last.finish_reason == "abort" and last.usage is not None
     assert last.usage.completion_tokens == sum(len(d.token_ids) for d in received) < 490  # type: ignore[union-attr]
     assert _wait_idle(gateway)["aborted"] == aborted_before + 1
+
+
+def test_a_prefetch_hint_loads_a_known_adapter_and_is_never_answered(
+    demo_model_dir: Path, demo_adapter_dirs: list[Path], tmp_path: Path
+) -> None:
+    config = EngineConfig(
+        model=demo_model_dir,
+        max_model_len=512,
+        kv_cache_bytes=16 << 20,
+        max_loras=1,
+        max_cpu_loras=1,
+    )
+    engine = AsyncEngine(LLMEngine(config))
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    with serve_engine_in_thread(engine, "demo", adapter_dir=tmp_path, token=TOKEN) as running:
+        try:
+            gateway = Gateway(context, running.url)
+            cold, warm = demo_adapter_dirs[:2]
+            digest = _digest(cold, demo_model_dir)
+            assert isinstance(_upload(gateway, digest, cold), Reply)
+            assert isinstance(_upload(gateway, _digest(warm, demo_model_dir), warm), Reply)
+            lora = running.engine.engine.lora
+            assert lora is not None and digest not in lora.resident(), "one host slot: evicted"
+
+            gateway.send(Prefetch("wrong-token", digest))
+            gateway.send(Prefetch(TOKEN, "f" * 64))  # registered nowhere
+            gateway.send(encode(Prefetch(TOKEN, "f" * 10_000)))  # malformed: dropped
+            assert isinstance(gateway.call("adapters"), Reply), "hints are never answered"
+            assert digest not in lora.resident()
+
+            gateway.send(Prefetch(TOKEN, digest))
+            deadline = time.monotonic() + 30
+            while lora.resident().get(digest) != "host":
+                assert time.monotonic() < deadline, "the hinted adapter never loaded"
+            assert running.engine.adapter_stats()[digest].hinted_loads == 1
+            assert isinstance(gateway.call("stats"), Reply)
+        finally:
+            context.destroy(linger=0)

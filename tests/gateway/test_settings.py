@@ -17,7 +17,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for name in (
         "DTYPE", "DEVICE", "KV_CACHE_MB", "MAX_NUM_SEQS", "MAX_BATCHED_TOKENS", "MAX_MODEL_LEN",
         "MAX_LORAS", "MAX_CPU_LORAS", "MAX_LORA_RANK", "PREFIX_CACHING", "CUDA_GRAPHS",
-        "ASYNC_SCHEDULING",
+        "ASYNC_SCHEDULING", "LORA_LOAD_WORKERS", "LORA_COPY_GROUPS_PER_STEP",
     ):  # fmt: skip
         monkeypatch.delenv(f"LORAMUX_{name}", raising=False)
     return monkeypatch
@@ -41,6 +41,8 @@ def test_loramux_variables_reach_the_engine_config(clean_env: pytest.MonkeyPatch
         "PREFIX_CACHING": "0",
         "CUDA_GRAPHS": "0",
         "ASYNC_SCHEDULING": "1",
+        "LORA_LOAD_WORKERS": "2",
+        "LORA_COPY_GROUPS_PER_STEP": "3",
     }.items():
         clean_env.setenv(f"LORAMUX_{name}", value)
     config = EngineSettings().engine_config(MODEL, random_weights=True)
@@ -56,6 +58,8 @@ def test_loramux_variables_reach_the_engine_config(clean_env: pytest.MonkeyPatch
         lora_memory_bytes=48 << 20,
         max_cpu_loras=5,
         max_lora_rank=16,
+        lora_load_workers=2,
+        lora_copy_groups_per_step=3,
         enable_prefix_caching=False,
         cuda_graphs=False,
         async_scheduling=True,

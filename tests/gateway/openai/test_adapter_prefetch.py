@@ -1,0 +1,48 @@
+"""The gateway hints the engine to load a request's adapter as soon as it resolves the model for
+the caller's tenant, before tokenization and admission: a cold adapter starts loading early."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from loramux.gateway.engine_client.local import LocalEngineClient
+from tests.gateway.servers import gateway_server
+from tests.gateway.tenants import new_tenant, upload_adapter
+
+PROMPT = [{"role": "user", "content": "Say something about adapters"}]
+
+
+def test_resolving_an_evicted_adapter_starts_its_load_by_a_hint(
+    demo_model_dir: Path,
+    demo_adapter_dirs: list[Path],
+    tmp_path: Path,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LORAMUX_MAX_LORAS", "1")  # and so one adapter in host memory
+    monkeypatch.setenv("LORAMUX_MAX_CPU_LORAS", "1")
+    with gateway_server(demo_model_dir, tmp_path / "data", redis_url) as server:
+        token = server.state.admin.mint("test-admin", ttl_seconds=600)
+        headers = {"authorization": f"Bearer {token}"}
+        with httpx.Client(base_url=server.url, headers=headers, timeout=60) as admin:
+            tenant = new_tenant(admin, "prefetch")
+            for name, folder in (("cold", demo_adapter_dirs[0]), ("warm", demo_adapter_dirs[1])):
+                upload_adapter(admin, tenant.tenant_id, name, folder)
+        client = openai.OpenAI(
+            base_url=f"{server.url}/v1", api_key=tenant.key, max_retries=0, timeout=60
+        )
+        # One adapter fits in host memory: each request finds its adapter evicted by the other.
+        for model in ("cold", "warm", "cold"):
+            out = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=2)  # type: ignore[arg-type]
+            assert out.choices[0].message.content is not None
+
+        engine = server.state.engine
+        assert isinstance(engine, LocalEngineClient)
+        stats = engine.engine.adapter_stats()
+        assert sorted(s.requests for s in stats.values()) == [1, 2]
+        for s in stats.values():  # each request's read from disk was started by its hint
+            assert s.hinted_loads == s.requests
