@@ -46,12 +46,13 @@ class EngineConfig:
     """Reuse KV blocks of identical prefixes (same tokens, same adapter)."""
     enable_lora: bool = True
     """Serve LoRA adapters; False allocates no adapter slots."""
-    max_loras: int = 8
-    """Adapters resident on the device at once at most (rows of the kernels' tables), so also
-    distinct adapters in one step; how many fit is up to `lora_memory_bytes`."""
+    max_loras: int = 64
+    """Adapters resident on the device at once at most (rows of the kernels' tables, cheap), so
+    also distinct adapters in one step; how many fit is up to `lora_memory_bytes`."""
     lora_memory_bytes: int | None = None
     """Device memory for resident adapters' weights, each held at its own ranks. None: room for
-    `max_loras` adapters of `max_lora_rank` on every projection."""
+    min(`max_loras`, 8) adapters of `max_lora_rank` on every projection; adapters of smaller
+    ranks or fewer targets fit more."""
     max_cpu_loras: int = 64
     """Adapters kept parsed in host memory (the tier between disk and device slots)."""
     max_lora_rank: int = 64

@@ -47,6 +47,10 @@ from loramux.engine.sequence import BASE_ADAPTER, Sequence
 
 log = logging.getLogger(__name__)
 
+DEFAULT_FULL_RANK_ADAPTERS = 8
+"""Without a memory budget, the pool holds this many adapters of the maximum rank on every
+projection (at most `max_loras`): residency then follows the adapters' real sizes."""
+
 LARGE_SHARE = 0.25
 """An adapter whose region is over this share of the pool may defer to smaller ones rather
 than evict resident adapters (Scheduler.max_large_adapter_defer_steps bounds the wait)."""
@@ -121,7 +125,8 @@ class LoraManager:
         elements = (
             memory_bytes // element
             if memory_bytes is not None
-            else max_loras * LoraStack.full_rank_elements(base, limits.max_rank)
+            else min(max_loras, DEFAULT_FULL_RANK_ADAPTERS)
+            * LoraStack.full_rank_elements(base, limits.max_rank)
         )
         self.stack = LoraStack.allocate(base, max_loras, limits.max_rank, elements, dtype, device)
         self.regions = RegionAllocator(elements)
