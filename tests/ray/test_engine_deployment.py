@@ -1,10 +1,13 @@
-"""Adapter-affinity multiplexing on Ray Serve: requests for one adapter keep landing on the
-engine replica that holds it, and what they generate equals PEFT's."""
+"""The engine on Ray Serve: requests for one adapter keep landing on the replica that holds it
+and equal PEFT's, replicas load adapters they never saw from the shared store, and a replica
+killed mid-stream ends its streams cleanly and is brought back."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from loramux.engine.errors import EngineStoppedError
 from loramux.engine.outputs import EngineRequest, RequestOutput
 from loramux.engine.sampling import SamplingParams
 from tests.ray.conftest import ENGINE_REPLICAS, RayEngines
@@ -113,3 +117,78 @@ async def test_requests_for_an_adapter_keep_landing_on_its_replica_and_equal_pef
 
     expected = peft_greedy(demo_model_dir, ray_engines.adapter_dirs, asks + more)
     assert got == expected[len(asks) :]
+
+
+async def test_a_replica_serves_an_adapter_stored_after_it_started(
+    ray_engines: RayEngines, demo_model_dir: Path, demo_adapter_dirs: list[Path]
+) -> None:
+    folder = demo_adapter_dirs[len(ray_engines.digests)]
+    digest = ray_engines.store.put(folder).digest  # as a gateway's upload does; no replica told
+    got = await generate(ray_engines, "late", digest, 7)
+    assert got == peft_greedy(demo_model_dir, [folder], [(0, 7)])[0]
+
+
+async def stream(
+    engines: RayEngines, digest: str, i: int, started: set[int]
+) -> RequestOutput | EngineStoppedError:
+    """The stream's last output, or the error that ended it."""
+    request = EngineRequest(
+        f"long-{i}",
+        SamplingParams(max_tokens=400, ignore_eos=True),
+        prompt_token_ids=prompt(i),
+        adapter=digest,
+    )
+    last: RequestOutput | None = None
+    try:
+        async for out in engines.client.generate(request):
+            started.add(i)
+            last = out
+    except EngineStoppedError as exc:
+        return exc
+    assert last is not None
+    return last
+
+
+async def poll(condition: Any, what: str, seconds: float = 120) -> Any:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if found := await condition():
+            return found
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def test_killing_a_replica_mid_stream_ends_its_streams_cleanly_and_ray_restarts_it(
+    ray_engines: RayEngines,
+) -> None:
+    client, digests = ray_engines.client, ray_engines.digests
+    for a, d in enumerate(digests):  # every adapter placed on a replica before the streams
+        await generate(ray_engines, f"place-{a}", d, a)
+    replicas = await client.replica_stats(digests)
+    victim = max(replicas, key=lambda s: len(s.served))
+    started: set[int] = set()
+    streams = [
+        asyncio.ensure_future(stream(ray_engines, d, i, started)) for i, d in enumerate(digests)
+    ]
+    await poll(lambda: _true(len(started) == len(digests)), "every stream's first output")
+    os.kill(victim.pid, signal.SIGKILL)
+
+    ends = await asyncio.wait_for(asyncio.gather(*streams), 300)  # no client hangs
+    cut = [e for e in ends if isinstance(e, EngineStoppedError)]
+    done = [e for e in ends if isinstance(e, RequestOutput)]
+    assert len(cut) + len(done) == len(digests)
+    assert cut, "the killed replica's streams end with a clean error"
+    assert all(o.usage is not None and o.usage.completion_tokens == 400 for o in done)
+
+    async def replaced() -> bool:
+        now = await client.replica_stats(digests)
+        return len(now) == ENGINE_REPLICAS and victim.pid not in {s.pid for s in now}
+
+    await poll(replaced, "Ray Serve to bring the replica back")
+    lost = [d for d in victim.served if d in digests]
+    for n, d in enumerate(lost):  # its adapters load again wherever Ray Serve sends them
+        assert len(await generate(ray_engines, f"after-{n}", d, n)) == MAX_TOKENS
+
+
+async def _true(value: bool) -> bool:
+    return value
