@@ -37,7 +37,7 @@ class RayEngines:
     adapter_dirs: list[Path]
 
 
-def start_ray() -> None:
+def start_ray(http_port: int | None = None) -> None:
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     for name in ("TRITON_INTERPRET", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         if name in os.environ:
@@ -49,7 +49,10 @@ def start_ray() -> None:
         runtime_env={"env_vars": env},
         configure_logging=False,
     )
-    serve.start(proxy_location="Disabled")
+    if http_port is None:
+        serve.start(proxy_location="Disabled")
+    else:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
 
 
 def stop_ray() -> None:
