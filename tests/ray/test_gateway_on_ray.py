@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,13 +13,18 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import create_engine, select
+from sqlalchemy.orm import Session
 
 from loramux.engine.ray_deployment import EngineDeploymentOptions
+from loramux.gateway.db import UsageEvent
 from loramux.gateway.settings import Settings
 from loramux.gateway.state import admin_auth
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 from tests.postgres import free_port
 from tests.ray.conftest import ENGINE_REPLICAS, serve, start_ray, stop_ray
+from tests.reliability.books import open_reservations
+from tests.reliability.traffic import Tenant
 
 pytestmark = pytest.mark.ray
 
@@ -120,3 +126,89 @@ async def test_an_adapter_uploaded_through_a_gateway_serves_from_an_engine_repli
     deadline = time.monotonic() + 60
     while (await holder.stats.remote()).served.get(uploaded["digest"]) != 1:
         assert time.monotonic() < deadline, "no engine replica reports serving the upload"
+
+
+@dataclass
+class StreamEnd:
+    status: int
+    finished: bool
+    """A finish reason and `data: [DONE]` arrived."""
+    error: str | None
+    """The error event that ended the stream, if one did."""
+
+
+async def stream_chat(url: str, tenant: TenantKey, model: str, first: asyncio.Event) -> StreamEnd:
+    headers = {"authorization": f"Bearer {tenant.key}", "cache-control": "no-store"}
+    body = chat_body(model, max_tokens=300, stream=True)
+    finished, error = False, None
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=120) as c,
+        c.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r,
+    ):
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            first.set()
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                finished = error is None
+                break
+            if '"error"' in data:
+                error = data
+        return StreamEnd(r.status_code, finished, error)
+
+
+def usage_rows(settings: Settings, tenant_id: str) -> list[UsageEvent]:
+    engine = create_engine(settings.database_url.replace("sqlite:", "sqlite+pysqlite:", 1))
+    try:
+        with Session(engine) as s:
+            return list(s.scalars(select(UsageEvent).where(UsageEvent.tenant_id == tenant_id)))
+    finally:
+        engine.dispose()
+
+
+async def test_killing_an_engine_replica_during_12_streams_ends_each_cleanly_and_settles_the_books(
+    ray_gateway: RayGateway, admin: httpx.Client, demo_adapter_dirs: list[Path], redis_url: str
+) -> None:
+    tenant = new_tenant(admin)
+    models = ["demo-model"] + [
+        upload_adapter(admin, tenant.tenant_id, f"k{n}", demo_adapter_dirs[24 + n])["name"]
+        for n in range(3)
+    ]
+    engines = serve.get_deployment_handle("LoramuxEngine", app_name="loramux")
+    firsts = [asyncio.Event() for _ in range(12)]
+    streams = [
+        asyncio.ensure_future(stream_chat(ray_gateway.url, tenant, models[i % 4], firsts[i]))
+        for i in range(12)
+    ]
+    await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 120)
+    victim = await engines.options(multiplexed_model_id="base").stats.remote()
+    os.kill(victim.pid, signal.SIGKILL)
+
+    ends = await asyncio.wait_for(asyncio.gather(*streams), 300)  # no client hangs
+    assert all(e.status == 200 for e in ends)
+    assert all(e.finished != (e.error is not None) for e in ends), ends
+    assert any(e.error is not None for e in ends), "the killed replica's streams were cut"
+    assert all("engine" in (e.error or "engine") for e in ends), ends
+
+    deadline = time.monotonic() + 120
+    while True:  # Ray Serve brings the engine replica back
+        state = serve.status().applications["loramux"].deployments["LoramuxEngine"]
+        replicas = [await engines.stats.remote() for _ in range(ENGINE_REPLICAS)]
+        if state.replica_states.get("RUNNING") == ENGINE_REPLICAS and victim.pid not in {
+            r.pid for r in replicas
+        }:
+            break
+        assert time.monotonic() < deadline, "the killed engine replica was not replaced"
+    again = await chat(ray_gateway.url, tenant, "demo-model")
+    assert again.status_code == 200, again.text
+
+    books = Tenant(tenant.tenant_id, tenant.key_id, tenant.key)
+    while (
+        open_reservations(redis_url, [books])
+        or len(usage_rows(ray_gateway.settings, tenant.tenant_id)) < 13
+    ):
+        assert time.monotonic() < deadline + 60, "reservations left open or usage rows missing"
+        await asyncio.sleep(0.1)
+    rows = usage_rows(ray_gateway.settings, tenant.tenant_id)
+    assert len(rows) == 13 and len({r.request_id for r in rows}) == 13
