@@ -80,3 +80,43 @@ def loramux_application(
         autoscaling_config=gateways.autoscaling,
     )(serve.ingress()(GatewayIngress))
     return gateway.bind(settings, redis_url, engine_app)
+
+
+def replicas(value: str) -> int | str:
+    """A replica count from the command line or a config: a positive integer, or "auto"."""
+    if value == "auto":
+        return value
+    count = int(value)
+    if count < 1:
+        raise ValueError(f"a replica count is at least 1, not {count}")
+    return count
+
+
+def application_from_args(args: dict[str, str]) -> Any:
+    """The application for `serve run loramux.gateway.ray_app:application_from_args` and for
+    docker/ray/serve_config.yaml: settings from LORAMUX_* variables (LORAMUX_REDIS_URL is
+    required: every gateway replica must share one Redis), replica counts from `args`:
+    `gateway_replicas` (default 2), `engine_replicas` (default "auto"), `engine_gpus` per
+    engine replica (default 1), `engine_cpus` (default 1)."""
+    settings = Settings()
+    redis_url = settings.server.redis_url
+    if redis_url is None:
+        raise ValueError("LORAMUX_REDIS_URL must name the Redis every gateway replica shares")
+    engine_replicas = replicas(args.get("engine_replicas", "auto"))
+    engines = EngineDeploymentOptions(
+        num_replicas=engine_replicas,
+        num_cpus=float(args.get("engine_cpus", "1")),
+        num_gpus=float(args.get("engine_gpus", "1")),
+        autoscaling=DEFAULT_AUTOSCALING if engine_replicas == "auto" else None,
+    )
+    gateways = GatewayDeploymentOptions(num_replicas=replicas(args.get("gateway_replicas", "2")))
+    return loramux_application(settings, redis_url, gateways, engines)
+
+
+def run_forever(address: str, host: str, port: int, args: dict[str, str]) -> None:
+    """`loramux ray-serve`: deploy on the Ray cluster at `address` and serve until interrupted."""
+    import ray
+
+    ray.init(address=address)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(application_from_args(args), name="loramux", route_prefix="/", blocking=True)
