@@ -32,8 +32,12 @@ START_ATTEMPTS = 3
 
 
 class RayEngineClient:
-    def __init__(self, handle: DeploymentHandle, first_output_seconds: float = 60.0):
+    def __init__(
+        self, handle: DeploymentHandle, first_output_seconds: float = 60.0, affinity: bool = True
+    ):
         self.handle = handle
+        self.affinity = affinity
+        """False: no multiplexed model id, Ray Serve's default routing (benchmarks compare)."""
         self.first_output_seconds = first_output_seconds
         self._streams: dict[str, _Stream] = {}
 
@@ -81,9 +85,8 @@ class RayEngineClient:
 
     async def _open(self, request: EngineRequest) -> tuple[_Stream, RequestOutput]:
         error: EngineError = EngineStoppedError("no engine replica answered")
-        handle = self.handle.options(
-            stream=True, multiplexed_model_id=request.adapter or BASE_MODEL_ID
-        )
+        model_id = (request.adapter or BASE_MODEL_ID) if self.affinity else ""
+        handle = self.handle.options(stream=True, multiplexed_model_id=model_id)
         for attempt in range(START_ATTEMPTS):
             responses = handle.generate.remote(request)
             assert isinstance(responses, DeploymentResponseGenerator)  # stream=True
