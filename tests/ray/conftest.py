@@ -11,6 +11,17 @@ from typing import Any
 
 import pytest
 
+# Ray Serve's routers (read when ray.serve is imported) probe a replica's queue length before
+# sending it a request, and treat a probe slower than 0.1 s as "busy": an adapter's request
+# then goes to another replica. On 2 shared cores a replica computing a batch answers slower,
+# so the tests give probes the time a loaded machine needs; docs/architecture.md says why.
+ROUTER_PROBE_DEADLINES = {
+    "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "5",
+    "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "10",
+}
+for _name, _value in ROUTER_PROBE_DEADLINES.items():
+    os.environ.setdefault(_name, _value)
+
 ray = pytest.importorskip("ray", reason="the `ray` extra is not installed")
 from ray import serve  # noqa: E402
 
@@ -39,7 +50,12 @@ class RayEngines:
 
 def start_ray(http_port: int | None = None) -> None:
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    for name in ("TRITON_INTERPRET", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    for name in (
+        "TRITON_INTERPRET",
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        *ROUTER_PROBE_DEADLINES,
+    ):
         if name in os.environ:
             env[name] = os.environ[name]
     ray.init(

@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from loramux.engine.errors import EngineStoppedError
+from loramux.engine.errors import EngineStoppedError, InvalidRequestError, UnknownAdapterError
 from loramux.engine.outputs import EngineRequest, RequestOutput
 from loramux.engine.sampling import SamplingParams
+from loramux.engine.sequence import FinishReason
 from tests.ray.conftest import ENGINE_REPLICAS, RayEngines
 
 pytestmark = pytest.mark.ray
@@ -126,6 +127,37 @@ async def test_a_replica_serves_an_adapter_stored_after_it_started(
     digest = ray_engines.store.put(folder).digest  # as a gateway's upload does; no replica told
     got = await generate(ray_engines, "late", digest, 7)
     assert got == peft_greedy(demo_model_dir, [folder], [(0, 7)])[0]
+
+
+async def test_an_unknown_adapter_or_a_text_prompt_is_refused_before_any_output(
+    ray_engines: RayEngines,
+) -> None:
+    unknown = EngineRequest("unknown", prompt_token_ids=[5, 6], adapter="ab" * 32)
+    with pytest.raises(UnknownAdapterError):
+        [o async for o in ray_engines.client.generate(unknown)]
+    text = EngineRequest("text", prompt="hi", adapter=ray_engines.digests[0])
+    with pytest.raises(InvalidRequestError):
+        [o async for o in ray_engines.client.generate(text)]
+    assert len(await generate(ray_engines, "after-refusals", ray_engines.digests[0], 1)) == 6
+
+
+async def test_an_aborted_stream_ends_with_an_abort_output_that_counts_what_it_delivered(
+    ray_engines: RayEngines,
+) -> None:
+    request = EngineRequest(
+        "to-abort",
+        SamplingParams(max_tokens=400, ignore_eos=True),
+        prompt_token_ids=prompt(3),
+        adapter=ray_engines.digests[1],
+    )
+    outputs: list[RequestOutput] = []
+    async for out in ray_engines.client.generate(request):
+        if not outputs:
+            await ray_engines.client.abort("to-abort")
+        outputs.append(out)
+    last = outputs[-1]
+    assert last.finish_reason == FinishReason.ABORT and last.usage is not None
+    assert last.usage.completion_tokens == sum(len(o.token_ids) for o in outputs) < 400
 
 
 async def stream(

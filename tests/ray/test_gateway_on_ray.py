@@ -171,10 +171,11 @@ async def test_killing_an_engine_replica_during_12_streams_ends_each_cleanly_and
     ray_gateway: RayGateway, admin: httpx.Client, demo_adapter_dirs: list[Path], redis_url: str
 ) -> None:
     tenant = new_tenant(admin)
-    models = ["demo-model"] + [
-        upload_adapter(admin, tenant.tenant_id, f"k{n}", demo_adapter_dirs[24 + n])["name"]
+    uploads = [
+        upload_adapter(admin, tenant.tenant_id, f"k{n}", demo_adapter_dirs[24 + n])
         for n in range(3)
     ]
+    models = ["demo-model"] + [u["name"] for u in uploads]
     engines = serve.get_deployment_handle("LoramuxEngine", app_name="loramux")
     firsts = [asyncio.Event() for _ in range(12)]
     streams = [
@@ -182,7 +183,14 @@ async def test_killing_an_engine_replica_during_12_streams_ends_each_cleanly_and
         for i in range(12)
     ]
     await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 120)
-    victim = await engines.options(multiplexed_model_id="base").stats.remote()
+    # The busiest replica among those holding the four models (asked by model id, each call
+    # reaches a holder) is killed while its streams run.
+    seen = [
+        await engines.options(multiplexed_model_id=m).stats.remote()
+        for m in ["base"] + [u["digest"] for u in uploads]
+    ]
+    victim = max(seen, key=lambda s: s.engine["running"])
+    assert victim.engine["running"] > 0
     os.kill(victim.pid, signal.SIGKILL)
 
     ends = await asyncio.wait_for(asyncio.gather(*streams), 300)  # no client hangs
