@@ -9,6 +9,7 @@ every gateway writes and every engine replica reads (a shared volume).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,10 @@ class GatewayIngress:
         self.settings = settings
         self.redis_url = redis_url
         self.engines = engines
+
+    async def process(self) -> int:
+        """This replica's process id (operators and the fault drills find a replica by it)."""
+        return os.getpid()
 
     async def __serve_build_asgi_app__(self) -> Litestar:
         settings = self.settings

@@ -220,3 +220,25 @@ async def test_killing_an_engine_replica_during_12_streams_ends_each_cleanly_and
         await asyncio.sleep(0.1)
     rows = usage_rows(ray_gateway.settings, tenant.tenant_id)
     assert len(rows) == 13 and len({r.request_id for r in rows}) == 13
+
+
+async def test_a_killed_gateway_replica_is_restarted_and_the_other_keeps_serving(
+    ray_gateway: RayGateway, admin: httpx.Client
+) -> None:
+    tenant = new_tenant(admin)
+    gateways = serve.get_deployment_handle("LoramuxGateway", app_name="loramux")
+    victim = await gateways.process.remote()
+    os.kill(victim, signal.SIGKILL)
+    answers = await asyncio.gather(*(chat(ray_gateway.url, tenant, "demo-model") for _ in range(4)))
+    assert all(a.status_code in (200, 502, 503) for a in answers), [a.text for a in answers]
+
+    deadline = time.monotonic() + 120
+    while True:
+        state = serve.status().applications["loramux"].deployments["LoramuxGateway"]
+        pids = {await gateways.process.remote() for _ in range(6)}
+        if state.replica_states.get("RUNNING") == 2 and len(pids) == 2 and victim not in pids:
+            break
+        assert time.monotonic() < deadline, "the killed gateway replica was not replaced"
+    for _ in range(4):
+        r = await chat(ray_gateway.url, tenant, "demo-model")
+        assert r.status_code == 200, r.text
