@@ -122,8 +122,9 @@ class RayEngineClient:
         """Replicas load adapters from the shared store on first use; nothing to push."""
 
     async def retire_adapter(self, digest: str) -> None:
-        """The store no longer has it, so no replica that lacks it will load it; replicas that
-        hold it serve it until Ray Serve's LRU evicts it (see docs/architecture.md)."""
+        """Nothing to do here: a handle cannot reach every replica, and none needs telling.
+        Gateways resolve adapters by name, so a deleted one gets no new request on any
+        replica; in-flight ones finish, and the engine's own adapter tiers drop it as unused."""
 
     async def stats(self) -> list[EngineStats]:
         return [EngineStats(**s.engine) for s in await self.replica_stats()]

@@ -112,7 +112,7 @@ async def test_a_rate_limit_admits_exactly_n_across_the_gateway_replicas(
     assert gateways.replica_states.get("RUNNING") == 2
 
 
-async def test_an_adapter_uploaded_through_a_gateway_serves_from_an_engine_replica(
+async def test_an_adapter_uploaded_through_a_gateway_serves_from_an_engine_replica_until_deleted(
     ray_gateway: RayGateway, admin: httpx.Client, demo_adapter_dirs: list[Path]
 ) -> None:
     tenant = new_tenant(admin)
@@ -126,6 +126,16 @@ async def test_an_adapter_uploaded_through_a_gateway_serves_from_an_engine_repli
     deadline = time.monotonic() + 60
     while (await holder.stats.remote()).served.get(uploaded["digest"]) != 1:
         assert time.monotonic() < deadline, "no engine replica reports serving the upload"
+
+    # Deleted through one gateway, every gateway refuses it once its catalog cache (2 s) ends,
+    # so no engine replica gets a new request for it.
+    assert admin.delete(f"/admin/adapters/{tenant.tenant_id}/late").status_code < 300
+    deadline, refusals = time.monotonic() + 30, 0
+    while refusals < 8:  # in a row, from whichever gateway replicas answer
+        gone = await chat(ray_gateway.url, tenant, "late")
+        assert gone.status_code in (200, 404), gone.text
+        refusals = refusals + 1 if gone.status_code == 404 else 0
+        assert time.monotonic() < deadline, "a gateway still serves the deleted adapter"
 
 
 @dataclass
