@@ -40,6 +40,8 @@ class RayEngineClient:
         """False: no multiplexed model id, Ray Serve's default routing (benchmarks compare)."""
         self.first_output_seconds = first_output_seconds
         self._streams: dict[str, _Stream] = {}
+        self._opening: dict[str, bool] = {}
+        """Requests waiting for their first output, and whether `abort` was asked meanwhile."""
 
     async def start(self) -> None:
         await self.info()
@@ -56,8 +58,14 @@ class RayEngineClient:
         """Typed engine errors are raised before the first output; a replica lost before it is
         replaced by another (START_ATTEMPTS in all), one lost after it ends the stream with
         EngineStoppedError."""
-        stream, first = await self._open(request)
+        self._opening[request.request_id] = False
+        try:
+            stream, first = await self._open(request)
+        finally:
+            aborted_early = self._opening.pop(request.request_id)
         self._streams[request.request_id] = stream
+        if aborted_early:
+            await self.abort(request.request_id)
         finished = False
         try:
             out = first
@@ -113,6 +121,8 @@ class RayEngineClient:
         replica then aborts the sequence and frees its blocks) and ends here with an `abort`
         output whose usage counts the tokens delivered: tokens the engine generated after the
         last one read are not counted."""
+        if request_id in self._opening:  # asked before its first output: abort once it comes
+            self._opening[request_id] = True
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.aborted = True

@@ -21,6 +21,9 @@ ROUTER_PROBE_DEADLINES = {
 }
 for _name, _value in ROUTER_PROBE_DEADLINES.items():
     os.environ.setdefault(_name, _value)
+# Ray's head waits 30 s for its GCS server to listen; other work on 2 shared cores has made that
+# take longer.
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 ray = pytest.importorskip("ray", reason="the `ray` extra is not installed")
 from ray import serve  # noqa: E402

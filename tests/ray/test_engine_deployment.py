@@ -160,6 +160,25 @@ async def test_an_aborted_stream_ends_with_an_abort_output_that_counts_what_it_d
     assert last.usage.completion_tokens == sum(len(o.token_ids) for o in outputs) < 400
 
 
+async def test_an_abort_asked_before_the_first_output_ends_the_stream_after_it(
+    ray_engines: RayEngines,
+) -> None:
+    request = EngineRequest(
+        "abort-early",
+        SamplingParams(max_tokens=400, ignore_eos=True),
+        prompt_token_ids=prompt(4),
+        adapter=ray_engines.digests[2],
+    )
+    outputs = ray_engines.client.generate(request)
+    first = asyncio.ensure_future(anext(outputs))
+    await asyncio.sleep(0)  # let the request leave for a replica: abort must find it opening
+    await ray_engines.client.abort("abort-early")
+    delivered = [await first] + [o async for o in outputs]
+    last = delivered[-1]
+    assert last.finish_reason == FinishReason.ABORT and last.usage is not None
+    assert last.usage.completion_tokens < 400
+
+
 async def stream(
     engines: RayEngines, digest: str, i: int, started: set[int]
 ) -> RequestOutput | EngineStoppedError:
