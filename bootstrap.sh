@@ -36,7 +36,7 @@ python_venv() {
     "$VENV/bin/pip" install -q --upgrade pip
     # torch is pinned in the same command so that pip takes the 2.13.0 build (CPU wheel where one
     # is provided, the CUDA build from the registry on a GPU machine) and pulls no second torch.
-    "$VENV/bin/pip" install -q "torch==2.13.0" -e ".[dev]"
+    "$VENV/bin/pip" install -q "torch==2.13.0" -e ".[dev,ray]"
     echo "$want" > "$STAMP"
   fi
 }

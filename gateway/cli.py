@@ -111,6 +111,19 @@ def _engine(args: argparse.Namespace) -> None:
     )
 
 
+def _ray_serve(args: argparse.Namespace) -> None:
+    """loramux as a Ray Serve application (gateway.ray_app) on an existing Ray cluster."""
+    from loramux.gateway.ray_app import run_forever
+
+    options = {
+        "gateway_replicas": args.gateway_replicas,
+        "engine_replicas": args.engine_replicas,
+        "engine_gpus": str(args.engine_gpus),
+        "engine_cpus": str(args.engine_cpus),
+    }
+    run_forever(args.address, args.host, args.port, options)
+
+
 def _admin_token(args: argparse.Namespace) -> None:
     from loramux.gateway.state import admin_auth
 
@@ -143,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_demo_adapters,
         _add_serve,
         _add_engine,
+        _add_ray_serve,
         _add_admin_token,
         _add_migrate,
         _add_chat,
@@ -202,6 +216,22 @@ def _add_engine(sub: Subcommands) -> None:
         "--log-level", default="info", choices=("debug", "info", "warning", "error", "critical")
     )
     p.set_defaults(func=_engine)
+
+
+def _add_ray_serve(sub: Subcommands) -> None:
+    p = sub.add_parser(
+        "ray-serve",
+        help="deploy gateways and engines as a Ray Serve application (needs the `ray` extra "
+        "and LORAMUX_REDIS_URL); docs/architecture.md, Processes",
+    )
+    p.add_argument("--address", default="auto", help="the Ray cluster (default: the running one)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--gateway-replicas", default="2", help="a count, or auto")
+    p.add_argument("--engine-replicas", default="auto", help="a count, or auto (autoscaled)")
+    p.add_argument("--engine-gpus", type=float, default=1.0, help="GPUs per engine replica")
+    p.add_argument("--engine-cpus", type=float, default=1.0, help="CPUs per engine replica")
+    p.set_defaults(func=_ray_serve)
 
 
 def _add_admin_token(sub: Subcommands) -> None:

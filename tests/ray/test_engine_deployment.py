@@ -1,0 +1,245 @@
+"""The engine on Ray Serve: requests for one adapter keep landing on the replica that holds it
+and equal PEFT's, replicas load adapters they never saw from the shared store, and a replica
+killed mid-stream ends its streams cleanly and is brought back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from loramux.engine.errors import EngineStoppedError, InvalidRequestError, UnknownAdapterError
+from loramux.engine.outputs import EngineRequest, RequestOutput
+from loramux.engine.sampling import SamplingParams
+from loramux.engine.sequence import FinishReason
+from tests.ray.conftest import ENGINE_REPLICAS, RayEngines
+
+pytestmark = pytest.mark.ray
+
+MAX_TOKENS = 6
+
+
+def prompt(i: int) -> list[int]:
+    rng = random.Random(i)
+    return [rng.randrange(3, 2000) for _ in range(rng.randrange(4, 24))]
+
+
+async def generate(engines: RayEngines, request_id: str, digest: str, i: int) -> list[int]:
+    request = EngineRequest(
+        request_id,
+        SamplingParams(max_tokens=MAX_TOKENS),
+        prompt_token_ids=prompt(i),
+        adapter=digest,
+    )
+    outputs: list[RequestOutput] = [o async for o in engines.client.generate(request)]
+    assert outputs[-1].usage is not None
+    return [t for o in outputs for t in o.token_ids]
+
+
+def peft_greedy(
+    model_dir: Path, folders: list[Path], asks: list[tuple[int, int]]
+) -> list[list[int]]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model: Any = PeftModel.from_pretrained(base, folders[0], adapter_name="a0")
+    for n, folder in enumerate(folders[1:], start=1):
+        model.load_adapter(folder, adapter_name=f"a{n}")
+    model.eval()
+    answers = []
+    with torch.inference_mode():
+        for adapter, i in asks:
+            ids = prompt(i)
+            out = model.generate(
+                input_ids=torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                adapter_names=[f"a{adapter}"],
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+            )
+            answers.append(out[0, len(ids) :].tolist())
+    return answers
+
+
+async def holders(engines: RayEngines) -> dict[str, str]:
+    """Each adapter digest → the replica that served it (asserting there is only one)."""
+    found: dict[str, str] = {}
+    for replica in await engines.client.replica_stats(engines.digests):
+        for digest in replica.served:
+            assert digest not in found, f"{digest} was served by two replicas"
+            found[digest] = replica.replica
+    return found
+
+
+async def routing_settled(engines: RayEngines, deadline: float) -> None:
+    """Wait until a call naming each adapter reaches the replica that loaded it: replicas push
+    the ids they hold to Ray Serve's routers every 0.1 s."""
+    while time.monotonic() < deadline:
+        held = await holders(engines)
+        reached = await asyncio.gather(
+            *(engines.client.replica_stats([d]) for d in engines.digests)
+        )
+        if all(
+            any(s.replica == held[d] and d in s.served for s in stats)
+            for d, stats in zip(engines.digests, reached, strict=True)
+        ):
+            return
+    raise AssertionError("routers never learned which replica holds which adapter")
+
+
+async def test_requests_for_an_adapter_keep_landing_on_its_replica_and_equal_peft(
+    ray_engines: RayEngines, demo_model_dir: Path
+) -> None:
+    digests = ray_engines.digests
+    asks = [(a, 100 * a) for a in range(len(digests))]
+    for a, i in asks:  # one at a time: Ray Serve places each adapter on one replica
+        await generate(ray_engines, f"warm-{a}", digests[a], i)
+    await routing_settled(ray_engines, time.monotonic() + 60)
+    placed = await holders(ray_engines)
+    assert len(set(placed.values())) == ENGINE_REPLICAS, "adapters spread over every replica"
+
+    more = [(a, 100 * a + r) for r in (1, 2) for a in range(len(digests))]
+    got = await asyncio.gather(
+        *(generate(ray_engines, f"r-{a}-{i}", digests[a], i) for a, i in more)
+    )
+    assert await holders(ray_engines) == placed
+    counts = {
+        d: n for s in await ray_engines.client.replica_stats(digests) for d, n in s.served.items()
+    }
+    assert counts == {d: 3 for d in digests}
+
+    expected = peft_greedy(demo_model_dir, ray_engines.adapter_dirs, asks + more)
+    assert got == expected[len(asks) :]
+
+
+async def test_a_replica_serves_an_adapter_stored_after_it_started(
+    ray_engines: RayEngines, demo_model_dir: Path, demo_adapter_dirs: list[Path]
+) -> None:
+    folder = demo_adapter_dirs[len(ray_engines.digests)]
+    digest = ray_engines.store.put(folder).digest  # as a gateway's upload does; no replica told
+    got = await generate(ray_engines, "late", digest, 7)
+    assert got == peft_greedy(demo_model_dir, [folder], [(0, 7)])[0]
+
+
+async def test_an_unknown_adapter_or_a_text_prompt_is_refused_before_any_output(
+    ray_engines: RayEngines,
+) -> None:
+    unknown = EngineRequest("unknown", prompt_token_ids=[5, 6], adapter="ab" * 32)
+    with pytest.raises(UnknownAdapterError):
+        [o async for o in ray_engines.client.generate(unknown)]
+    text = EngineRequest("text", prompt="hi", adapter=ray_engines.digests[0])
+    with pytest.raises(InvalidRequestError):
+        [o async for o in ray_engines.client.generate(text)]
+    assert len(await generate(ray_engines, "after-refusals", ray_engines.digests[0], 1)) == 6
+
+
+async def test_an_aborted_stream_ends_with_an_abort_output_that_counts_what_it_delivered(
+    ray_engines: RayEngines,
+) -> None:
+    request = EngineRequest(
+        "to-abort",
+        SamplingParams(max_tokens=400, ignore_eos=True),
+        prompt_token_ids=prompt(3),
+        adapter=ray_engines.digests[1],
+    )
+    outputs: list[RequestOutput] = []
+    async for out in ray_engines.client.generate(request):
+        if not outputs:
+            await ray_engines.client.abort("to-abort")
+        outputs.append(out)
+    last = outputs[-1]
+    assert last.finish_reason == FinishReason.ABORT and last.usage is not None
+    assert last.usage.completion_tokens == sum(len(o.token_ids) for o in outputs) < 400
+
+
+async def test_an_abort_asked_before_the_first_output_ends_the_stream_after_it(
+    ray_engines: RayEngines,
+) -> None:
+    request = EngineRequest(
+        "abort-early",
+        SamplingParams(max_tokens=400, ignore_eos=True),
+        prompt_token_ids=prompt(4),
+        adapter=ray_engines.digests[2],
+    )
+    outputs = ray_engines.client.generate(request)
+    first = asyncio.ensure_future(anext(outputs))
+    await asyncio.sleep(0)  # let the request leave for a replica: abort must find it opening
+    await ray_engines.client.abort("abort-early")
+    delivered = [await first] + [o async for o in outputs]
+    last = delivered[-1]
+    assert last.finish_reason == FinishReason.ABORT and last.usage is not None
+    assert last.usage.completion_tokens < 400
+
+
+async def stream(
+    engines: RayEngines, digest: str, i: int, started: set[int]
+) -> RequestOutput | EngineStoppedError:
+    """The stream's last output, or the error that ended it."""
+    request = EngineRequest(
+        f"long-{i}",
+        SamplingParams(max_tokens=400, ignore_eos=True),
+        prompt_token_ids=prompt(i),
+        adapter=digest,
+    )
+    last: RequestOutput | None = None
+    try:
+        async for out in engines.client.generate(request):
+            started.add(i)
+            last = out
+    except EngineStoppedError as exc:
+        return exc
+    assert last is not None
+    return last
+
+
+async def poll(condition: Any, what: str, seconds: float = 120) -> Any:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if found := await condition():
+            return found
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def test_killing_a_replica_mid_stream_ends_its_streams_cleanly_and_ray_restarts_it(
+    ray_engines: RayEngines,
+) -> None:
+    client, digests = ray_engines.client, ray_engines.digests
+    for a, d in enumerate(digests):  # every adapter placed on a replica before the streams
+        await generate(ray_engines, f"place-{a}", d, a)
+    replicas = await client.replica_stats(digests)
+    victim = max(replicas, key=lambda s: len(s.served))
+    started: set[int] = set()
+    streams = [
+        asyncio.ensure_future(stream(ray_engines, d, i, started)) for i, d in enumerate(digests)
+    ]
+    await poll(lambda: _true(len(started) == len(digests)), "every stream's first output")
+    os.kill(victim.pid, signal.SIGKILL)
+
+    ends = await asyncio.wait_for(asyncio.gather(*streams), 300)  # no client hangs
+    cut = [e for e in ends if isinstance(e, EngineStoppedError)]
+    done = [e for e in ends if isinstance(e, RequestOutput)]
+    assert len(cut) + len(done) == len(digests)
+    assert cut, "the killed replica's streams end with a clean error"
+    assert all(o.usage is not None and o.usage.completion_tokens == 400 for o in done)
+
+    async def replaced() -> bool:
+        now = await client.replica_stats(digests)
+        return len(now) == ENGINE_REPLICAS and victim.pid not in {s.pid for s in now}
+
+    await poll(replaced, "Ray Serve to bring the replica back")
+    lost = [d for d in victim.served if d in digests]
+    for n, d in enumerate(lost):  # its adapters load again wherever Ray Serve sends them
+        assert len(await generate(ray_engines, f"after-{n}", d, n)) == MAX_TOKENS
+
+
+async def _true(value: bool) -> bool:
+    return value
