@@ -131,6 +131,10 @@ class RayEngineClient:
     async def ensure_adapter(self, digest: str, folder: Path) -> None:
         """Replicas load adapters from the shared store on first use; nothing to push."""
 
+    def prefetch_adapter(self, digest: str) -> None:
+        """No hint: which replica serves `digest` is decided when the request is routed, and
+        Ray Serve's multiplexing then loads the adapter there (engine.ray_deployment)."""
+
     async def retire_adapter(self, digest: str) -> None:
         """Nothing to do here: a handle cannot reach every replica, and none needs telling.
         Gateways resolve adapters by name, so a deleted one gets no new request on any
