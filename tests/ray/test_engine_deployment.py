@@ -104,7 +104,9 @@ async def test_requests_for_an_adapter_keep_landing_on_its_replica_and_equal_pef
         await generate(ray_engines, f"warm-{a}", digests[a], i)
     await routing_settled(ray_engines, time.monotonic() + 60)
     placed = await holders(ray_engines)
-    assert len(set(placed.values())) == ENGINE_REPLICAS, "adapters spread over every replica"
+    # Ray Serve picks a replica at random for an adapter nobody holds: 12 adapters land on
+    # one replica with chance 3 / 3**12, on at most two with chance about 2% (too flaky to ask).
+    assert len(set(placed.values())) >= 2, "adapters spread over the replicas"
 
     more = [(a, 100 * a + r) for r in (1, 2) for a in range(len(digests))]
     got = await asyncio.gather(
