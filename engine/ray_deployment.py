@@ -3,8 +3,10 @@ an AsyncEngine, with the adapter digest as Ray Serve's multiplexed model id.
 
 Ray Serve routes a request whose `multiplexed_model_id` a replica already holds to that replica,
 which is our adapter affinity: the adapter's weights and its prefix-cache blocks are there. A
-replica asked for a digest it does not hold loads it from the shared adapter store (the
-content-addressed directory every replica reads) and registers it; Ray Serve's LRU over
+replica asked for a digest it does not hold loads it from its local adapter store (the
+content-addressed directory), fetching it first from the shared adapter store when one is
+configured (the database: gateway.adapters.shared_store, so no directory is shared between
+machines), and registers it; Ray Serve's LRU over
 `max_num_models_per_replica` (the engine's CPU adapter tier) then decides what each replica is
 known to hold.
 
@@ -15,15 +17,16 @@ pickled by Ray; a Ray client never sends text, only token ids, like the ZeroMQ c
 from __future__ import annotations
 
 import os
+import tempfile
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ray import serve
 
-from loramux.adapters.store import AdapterStore
+from loramux.adapters.store import AdapterStore, StoredAdapter
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.config import EngineConfig
 from loramux.engine.errors import InvalidRequestError, UnknownAdapterError
@@ -31,6 +34,12 @@ from loramux.engine.outputs import EngineRequest, RequestOutput
 
 BASE_MODEL_ID = "base"
 """The multiplexed model id of requests without an adapter (never a digest: digests are hex)."""
+
+
+class AdapterSource(Protocol):
+    """Where a replica fetches adapters it has not stored itself (gateway.adapters.shared_store)."""
+
+    async def fetch(self, digest: str, into: AdapterStore) -> StoredAdapter | None: ...
 
 
 @dataclass(frozen=True)
@@ -43,16 +52,27 @@ class ReplicaStats:
     """Requests started here, by adapter digest (BASE_MODEL_ID for the base model)."""
     engine: dict[str, Any]
     """engine.outputs.EngineStats as a dict."""
+    adapter_root: str = ""
+    """The local adapter store this replica serves from."""
 
 
 class EngineReplica:
     """One engine replica. Ray Serve constructs it in a replica process (see `engine_deployment`)."""
 
-    def __init__(self, config: EngineConfig, model_name: str, adapter_dir: Path):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_name: str,
+        adapter_dir: Path,
+        adapter_source: Callable[[], AdapterSource] | None = None,
+    ):
         self.model_name = model_name
+        self.source = None if adapter_source is None else adapter_source()
         self.engine = AsyncEngine.from_config(config)
         self.engine.start()
         lora = self.engine.engine.lora
+        if self.source is not None:  # a store of its own, filled from the shared one
+            adapter_dir = Path(tempfile.mkdtemp(prefix="loramux-replica-adapters-"))
         self.store = None if lora is None else AdapterStore(adapter_dir, lora.base, lora.limits)
         self.served: Counter[str] = Counter()
         capacity = config.max_cpu_loras if lora is not None else 1
@@ -75,6 +95,8 @@ class EngineReplica:
             stored = self.store.get(digest)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
+        if stored is None and self.source is not None:
+            stored = await self.source.fetch(digest, self.store)
         if stored is None:
             raise UnknownAdapterError(f"unknown adapter {digest!r}")
         await self.engine.register_adapter(stored.path)
@@ -116,6 +138,7 @@ class EngineReplica:
             os.getpid(),
             dict(self.served),
             asdict(self.engine.stats()),
+            "" if self.store is None else str(self.store.root),
         )
 
     async def metrics(self) -> str:
@@ -141,9 +164,14 @@ class EngineDeploymentOptions:
 
 
 def engine_deployment(
-    config: EngineConfig, model_name: str, adapter_dir: Path, options: EngineDeploymentOptions
+    config: EngineConfig,
+    model_name: str,
+    adapter_dir: Path,
+    options: EngineDeploymentOptions,
+    adapter_source: Callable[[], AdapterSource] | None = None,
 ) -> Any:
-    """The bound engine application (`serve.run` it, or compose it into the gateway's)."""
+    """The bound engine application (`serve.run` it, or compose it into the gateway's);
+    `adapter_source` makes each replica's shared adapter store (called in the replica)."""
     deployment = serve.deployment(
         name="LoramuxEngine",
         num_replicas=options.num_replicas,
@@ -152,4 +180,4 @@ def engine_deployment(
         autoscaling_config=options.autoscaling,
         health_check_period_s=2,
     )(EngineReplica)
-    return deployment.bind(config, model_name, adapter_dir)
+    return deployment.bind(config, model_name, adapter_dir, adapter_source)

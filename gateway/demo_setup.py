@@ -54,7 +54,9 @@ async def _upload_demo_adapters(gw: GatewayState, model_dir: Path, count: int) -
     for i, folder in enumerate(folders):
         name = f"demo-{i}"
         async with gw.sessions() as session:
-            adapters = AdapterService(session, gw.store, gw.engine, gw.catalog, gw.model_name)
+            adapters = AdapterService(
+                session, gw.store, gw.engine, gw.catalog, gw.model_name, gw.shared_store
+            )
             target = f"shared/{name}"
             async with audit_log.audited("first-start", "adapter.upload", target) as entry:
                 await adapters.check_name_and_owner(name, "shared")

@@ -3,13 +3,16 @@ of engine replicas (engine.ray_deployment), each gateway reaching the engines th
 deployment handle with adapter-affinity multiplexing (gateway.engine_client.ray).
 
 Gateways keep no state of their own (Redis and SQL hold it), so Ray Serve may run, restart and
-scale any number of them. Adapters live in the adapter store under the data directory, which
-every gateway writes and every engine replica reads (a shared volume).
+scale any number of them. Uploads go to the adapter store under the data directory
+and, with LORAMUX_ADAPTER_STORE_URL, to the shared adapter store in the database, from which an
+engine replica on any machine fetches an adapter it has not seen (no shared volume needed).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +21,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from loramux.engine.ray_deployment import EngineDeploymentOptions, engine_deployment
+from loramux.gateway.adapters.shared_store import SharedAdapterStore
 from loramux.gateway.app import create_app
 from loramux.gateway.db.migrate import upgrade
 from loramux.gateway.engine_client.ray import RayEngineClient
@@ -64,6 +68,12 @@ class GatewayIngress:
         return create_app(state)
 
 
+def shared_store_factory(settings: Settings) -> Callable[[], SharedAdapterStore] | None:
+    """What makes each engine replica's shared adapter store (LORAMUX_ADAPTER_STORE_URL)."""
+    url = settings.shared_adapter_store_url
+    return None if url is None else functools.partial(SharedAdapterStore.from_url, url)
+
+
 def loramux_application(
     settings: Settings,
     redis_url: str,
@@ -75,7 +85,11 @@ def loramux_application(
     upgrade(settings.database_url)
     model_dir = settings.model_dir
     engine_app = engine_deployment(
-        settings.engine.engine_config(model_dir), settings.model_name, settings.adapter_dir, engines
+        settings.engine.engine_config(model_dir),
+        settings.model_name,
+        settings.adapter_dir,
+        engines,
+        shared_store_factory(settings),
     )
     gateway = serve.deployment(
         name="LoramuxGateway",

@@ -145,6 +145,9 @@ class ServerSettings:
     """LORAMUX_PORT: port `loramux serve` listens on."""
     database_url: str | None = field(default_factory=lambda: _env("DATABASE_URL", None))
     """LORAMUX_DATABASE_URL: SQLAlchemy URL (sqlite:///… or postgresql://…); SQLite in the data dir by default."""
+    adapter_store_url: str | None = field(default_factory=lambda: _env("ADAPTER_STORE_URL", None))
+    """LORAMUX_ADAPTER_STORE_URL: where engine replicas fetch adapters uploaded elsewhere: `db`
+    (the gateway's database) or a SQLAlchemy URL; unset: only the data dir's adapter store."""
     redis_url: str | None = field(default_factory=lambda: _env("REDIS_URL", None))
     """LORAMUX_REDIS_URL: Redis for quotas (and the response cache unless LORAMUX_CACHE_REDIS_URL); unset: `serve` starts its own redis-server."""
     admin_secret: str | None = field(default_factory=lambda: _env("ADMIN_SECRET", None))
@@ -246,6 +249,12 @@ class Settings:
     @property
     def database_url(self) -> str:
         return self.server.database_url or f"sqlite:///{self.data_dir / 'loramux.db'}"
+
+    @property
+    def shared_adapter_store_url(self) -> str | None:
+        """The database of the shared adapter store (gateway.adapters.shared_store), if any."""
+        url = self.server.adapter_store_url
+        return self.database_url if url == "db" else url
 
     @property
     def adapter_dir(self) -> Path:

@@ -18,6 +18,7 @@ from loramux.cache.embedder import Embedder
 from loramux.cache.response_cache import ResponseCache
 from loramux.gateway import tracing
 from loramux.gateway.access_log import redact_access_log
+from loramux.gateway.adapters.shared_store import SharedAdapterStore
 from loramux.gateway.auth.admin_jwt import AdminAuth
 from loramux.gateway.auth.api_keys import ApiKeyAuth
 from loramux.gateway.catalog import ModelCatalog
@@ -57,6 +58,8 @@ class GatewayState:
     quotas: QuotaService
     children: Supervisor | None = None
     """The child processes `loramux serve` supervises (for /health); None in other setups."""
+    shared_store: SharedAdapterStore | None = None
+    """Where uploads also go for engine replicas on other machines (LORAMUX_ADAPTER_STORE_URL)."""
 
     async def start(self) -> None:
         """Start background tasks (on the serving event loop), after the server has set up its
@@ -74,7 +77,19 @@ class GatewayState:
         await self.redis.aclose()
         if self.cache_redis is not self.redis:
             await self.cache_redis.aclose()
+        if self.shared_store is not None and self.shared_store.engine is not self.db:
+            await self.shared_store.close()
         await self.db.dispose()
+
+
+def shared_store(settings: Settings, db: AsyncEngine) -> SharedAdapterStore | None:
+    """The shared adapter store, on the gateway's own database engine when it is that database."""
+    url = settings.shared_adapter_store_url
+    if url is None:
+        return None
+    return (
+        SharedAdapterStore(db) if url == settings.database_url else SharedAdapterStore.from_url(url)
+    )
 
 
 def admin_secret(settings: Settings) -> str:
@@ -132,6 +147,7 @@ async def build_state(
         admin=admin_auth(settings),
         catalog=ModelCatalog(sessions, info.model_name),
         store=AdapterStore(settings.adapter_dir, base, limits),
+        shared_store=shared_store(settings, db),
         metrics=Metrics(),
         usage=UsageRecorder(
             sessions,

@@ -36,6 +36,7 @@ from loramux.adapters.archive import ArchiveLimits, extract_adapter_archive
 from loramux.adapters.peft_format import MAX_CONFIG_BYTES
 from loramux.adapters.store import AdapterStore, StoredAdapter
 from loramux.gateway.adapters.schemas import AdapterDetail, AdapterOut, AdapterPage, Published
+from loramux.gateway.adapters.shared_store import SharedAdapterStore
 from loramux.gateway.adapters.upload import AdapterUpload
 from loramux.gateway.admin.paging import Paging, page_of
 from loramux.gateway.admin.wire import Deleted, utc
@@ -82,9 +83,12 @@ class AdapterService:
         engine: EngineClient,
         catalog: ModelCatalog,
         model_name: str,
+        shared: SharedAdapterStore | None = None,
     ) -> None:
         self.session = session
         self.store = store
+        self.shared = shared
+        """The shared adapter store engine replicas elsewhere fetch from, if configured."""
         self.engine = engine
         self.catalog = catalog
         self.model_name = model_name
@@ -123,6 +127,8 @@ class AdapterService:
         """Store, load and record a new version of `owner/name` (see the module docstring);
         the current version when it holds the same bytes."""
         stored = await asyncio.to_thread(self.store.put, folder)
+        if self.shared is not None:
+            await self.shared.put(stored)
         current = await latest_version(self.session, owner, name)
         if current is not None and current.digest == stored.digest:
             return Published(adapter_out(current), created=False)
@@ -209,12 +215,16 @@ class AdapterService:
         )
         if named is None:
             await asyncio.to_thread(self.store.delete, digest)
+            if self.shared is not None:
+                await self.shared.delete(digest, self.session)
 
     async def retire_unused(self, digests: Iterable[str]) -> None:
         """Retire in the engine each digest that no live adapter serves any more."""
         unused = [d for d in set(digests) if not await _serves(self.session, d)]
         for digest in unused:
             await self.engine.retire_adapter(digest)
+            if self.shared is not None:  # replicas that never fetched it cannot any more
+                await self.shared.delete(digest, self.session)
 
     async def list_latest(self, owner_ref: str | None, paging: Paging) -> AdapterPage:
         """A page of the latest live version of every adapter (of one owner, when given), by

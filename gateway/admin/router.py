@@ -65,7 +65,9 @@ def _services(gw: GatewayState, audit_log: AuditLog) -> dict[str, Provide]:
             yield session
 
     def adapters(db_session: NamedDependency[AsyncSession]) -> AdapterService:
-        return AdapterService(db_session, gw.store, gw.engine, gw.catalog, gw.model_name)
+        return AdapterService(
+            db_session, gw.store, gw.engine, gw.catalog, gw.model_name, gw.shared_store
+        )
 
     def tenants(
         db_session: NamedDependency[AsyncSession], adapters: NamedDependency[AdapterService]

@@ -1,6 +1,7 @@
 """SQLAlchemy models (one per module) and the async session factory."""
 
 from loramux.gateway.db.adapter import AdapterVersion
+from loramux.gateway.db.adapter_file import AdapterFilePart
 from loramux.gateway.db.api_key import ApiKey
 from loramux.gateway.db.audit import AuditEntry
 from loramux.gateway.db.base import Base
@@ -10,6 +11,7 @@ from loramux.gateway.db.usage import UsageEvent
 from loramux.gateway.db.usage_rollup import UsageTotals, usage_daily, usage_hourly
 
 __all__ = [
+    "AdapterFilePart",
     "AdapterVersion",
     "ApiKey",
     "AuditEntry",

@@ -61,13 +61,20 @@ def start_ray(http_port: int | None = None) -> None:
     ):
         if name in os.environ:
             env[name] = os.environ[name]
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": env},
-        configure_logging=False,
-    )
+    for attempt in (1, 2):  # a local head on a loaded 2-core machine sometimes misses its
+        try:  # start-up deadline ("The current node timed out during startup"): once more
+            ray.init(
+                num_cpus=4,
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": env},
+                configure_logging=False,
+            )
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt == 2:
+                raise
     if http_port is None:
         serve.start(proxy_location="Disabled")
     else:

@@ -49,6 +49,8 @@ def ray_gateway(
         "LORAMUX_MAX_MODEL_LEN": "512",
         "LORAMUX_KV_CACHE_MB": "32",
         "LORAMUX_KEY_CACHE_SECONDS": "0.5",
+        # adapters reach the engine replicas through the database, not the gateways' folder
+        "LORAMUX_ADAPTER_STORE_URL": "db",
     }
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -124,8 +126,12 @@ async def test_an_adapter_uploaded_through_a_gateway_serves_from_an_engine_repli
     engines = serve.get_deployment_handle("LoramuxEngine", app_name="loramux")
     holder = engines.options(multiplexed_model_id=uploaded["digest"])
     deadline = time.monotonic() + 60
-    while (await holder.stats.remote()).served.get(uploaded["digest"]) != 1:
+    while (stats := await holder.stats.remote()).served.get(uploaded["digest"]) != 1:
         assert time.monotonic() < deadline, "no engine replica reports serving the upload"
+    # ... and it did so from a folder of its own, filled from the database (no shared folder)
+    gateway_folder = ray_gateway.settings.adapter_dir
+    assert Path(stats.adapter_root) != gateway_folder
+    assert (Path(stats.adapter_root) / uploaded["digest"]).is_dir()
 
     # Deleted through one gateway, every gateway refuses it once its catalog cache (2 s) ends,
     # so no engine replica gets a new request for it.
