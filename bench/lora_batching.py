@@ -15,11 +15,12 @@ b. The same N requests spread round-robin over 1, 8, ... N adapters (and on the 
 c. M adapters with Zipf(s) popularity; requests arrive as a Poisson process at `load` times the
    request rate the engine sustained in (b) with N adapters (median repetition), and are added
    before each step once their arrival time has come. Time to first token (TTFT) = arrival
-   time to the return of the step that produced the request's first token. Once with `slots`
-   device slots (and `host` adapters in host memory), once with every adapter in a device slot;
-   each engine first runs an untimed burst drawn from the same popularity (the all-resident one
-   also one request per adapter, so that every adapter is in its slot). Goal: median TTFT with
-   few slots at most 2x the all-resident one, reported as all-resident / few-slot >= 0.5. The
+   time to the return of the step that produced the request's first token. Once with the
+   adapter memory of `slots` full-rank adapters (as many adapters resident as fit at their own
+   ranks; `host` adapters in host memory), once with every adapter resident; each engine first
+   runs an untimed burst drawn from the same popularity (the all-resident one also one request
+   per adapter, so that every adapter is resident). Goal: median TTFT in the small memory at
+   most 2x the all-resident one, reported as all-resident / small memory >= 0.5. The
    engines must keep up with the arrivals for TTFT to mean anything: see `drain_seconds`.
 Correctness: the engine's outputs in (a) equal PEFT's one-adapter-at-a-time greedy outputs token
 for token (`generate(eos_token_id=None)` disables EOS; output lengths are asserted).
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import AutoTokenizer
 
 from bench.adapter_requests import (
@@ -66,7 +68,9 @@ from bench.common import (
     report,
 )
 from bench.peft_reference import Peft, load_peft
+from loramux.adapters.base_spec import BaseModelSpec
 from loramux.adapters.demo import build_demo_adapters
+from loramux.adapters.layout import LoraStack
 from loramux.engine.config import EngineConfig
 from loramux.engine.llm_engine import LLMEngine
 
@@ -107,16 +111,30 @@ WORKLOADS = {
 
 
 def engine_config(
-    settings: RunSettings, model_dir: Path, w: Workload, slots: int, host: int
+    settings: RunSettings,
+    model_dir: Path,
+    w: Workload,
+    slots: int,
+    host: int,
+    memory_adapters: int | None = None,
 ) -> EngineConfig:
-    """Prefix caching off: every case reruns the same prompts, and must compute them again."""
-    return settings.engine(
+    """Prefix caching off: every case reruns the same prompts, and must compute them again.
+    `memory_adapters`: adapter memory for that many adapters of the maximum rank on every
+    projection (how many real adapters fit follows their ranks); None: one per slot."""
+    config = settings.engine(
         max_model_len=w.max_model_len,
         max_num_seqs=64,
         max_loras=slots,
         max_cpu_loras=host,
         prefix_caching=False,
     ).engine_config(model_dir)
+    if memory_adapters is None:
+        return config
+    element = torch.empty(0, dtype=config.torch_dtype).element_size()
+    full = LoraStack.full_rank_elements(
+        BaseModelSpec.from_model_dir(model_dir), config.max_lora_rank
+    )
+    return dataclasses.replace(config, lora_memory_bytes=memory_adapters * full * element)
 
 
 # -- (a) and (b) ------------------------------------------------------------------------------
@@ -261,16 +279,17 @@ def adapter_loads(engine: LLMEngine) -> tuple[int, int]:
 def measure_many_adapters(
     settings: RunSettings, model_dir: Path, folders: Sequence[Path], w: Workload, rate: float
 ) -> dict[str, StreamRun]:
-    """The same burst and stream through `w.slots` slots ('few') and through one slot per
-    adapter ('resident'), one engine at a time."""
+    """The same burst and stream through the adapter memory of `w.slots` full-rank adapters
+    ('few': every adapter may be resident, as many as fit at their ranks) and with every
+    adapter resident ('resident'), one engine at a time."""
     m = w.num_adapters
     vocab = plain_vocab(AutoTokenizer.from_pretrained(str(model_dir)))
     rng = random.Random(w.seed + 1)
     burst = zipf_requests(w, vocab, rng, w.burst, rate, "burst")
     stream = zipf_requests(w, vocab, rng, w.stream, rate, "stream")
     runs: dict[str, StreamRun] = {}
-    for case, slots, host in (("few", w.slots, w.host), ("resident", m, m)):
-        engine = LLMEngine(engine_config(settings, model_dir, w, slots, host))
+    for case, memory, host in (("few", w.slots, w.host), ("resident", m, m)):
+        engine = LLMEngine(engine_config(settings, model_dir, w, m, host, memory))
         digests = register(engine, folders[:m])
         if case == "resident":
             warm_slots(engine, digests)
@@ -294,7 +313,7 @@ def figures(w: Workload, timed: dict[str, Timed], runs: dict[str, StreamRun]) ->
     best_peft = max(mixed.tokens_per_s, one.tokens_per_s)
     few, resident = median(runs["few"].ttft), median(runs["resident"].ttft)
     streams = (
-        (f"{w.slots} slots", runs["few"]),
+        (f"memory of {w.slots} full-rank", runs["few"]),
         (f"all {w.num_adapters} resident", runs["resident"]),
     )
     return [
@@ -323,7 +342,12 @@ def figures(w: Workload, timed: dict[str, Timed], runs: dict[str, StreamRun]) ->
             for label, run in streams
             for stat, f in (("median", median), ("p99", lambda v: percentile(v, 99)))
         ),
-        Figure(f"(c) TTFT median all resident / {w.slots} slots", resident / few, "ratio", 0.5),
+        Figure(
+            f"(c) TTFT median all resident / memory of {w.slots} full-rank",
+            resident / few,
+            "ratio",
+            0.5,
+        ),
     ]
 
 
@@ -360,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     }
     config = dataclasses.asdict(engine_config(settings, Path(), w, w.distinct[-1], w.distinct[-1]))
     config.pop("model")
-    config["(c) max_loras, max_cpu_loras"] = {
+    config["(c) adapter memory (full-rank adapters), max_cpu_loras"] = {
         "few": [w.slots, w.host],
         "resident": [w.num_adapters] * 2,
     }
