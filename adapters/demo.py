@@ -9,6 +9,11 @@ Weights: A ~ N(0, 1/in_features); B random, then rescaled per module so the fold
 scaling * B @ A has a Frobenius norm of 0.4-0.8 times the base weight's. That is large
 enough that every adapter changes the demo model's greedy output from the first generated
 token on, and small enough that activations stay O(1).
+
+DoRA variants (`dora=True`): the same configs and A, B with `use_dora`, and each module's
+magnitude set to the merged weight's row norms times a seeded factor in DORA_MAGNITUDE_SPREAD,
+so the DoRA scale (adapters.dora) moves every output channel by up to that much: a DoRA
+adapter served as plain LoRA, or with a wrong scale, gives other tokens.
 """
 
 from __future__ import annotations
@@ -36,11 +41,16 @@ DEMO_TARGET_SETS: tuple[tuple[str, ...], ...] = (
 )
 """Cycled with the ranks (coprime lengths), so any 20 consecutive adapters cover every pair."""
 DELTA_NORM_RATIO = (0.4, 0.8)
+DORA_MAGNITUDE_SPREAD = (0.7, 1.3)
 _LORA_A, _LORA_B = "lora_A.default.weight", "lora_B.default.weight"
+_MAGNITUDE = "lora_magnitude_vector.default.weight"
 
 
-def build_demo_adapters(model_dir: Path, out_dir: Path, count: int, seed: int = 0) -> list[Path]:
-    """Write `count` PEFT adapters `out_dir/adapter-000`, … for the model in `model_dir`.
+def build_demo_adapters(
+    model_dir: Path, out_dir: Path, count: int, seed: int = 0, dora: bool = False
+) -> list[Path]:
+    """Write `count` PEFT adapters `out_dir/adapter-000`, … for the model in `model_dir`
+    (DoRA adapters with `dora`).
 
     Each folder is what `PeftModel.save_pretrained` writes: adapter_config.json,
     adapter_model.safetensors and a README.md. Returns the folders in order.
@@ -54,6 +64,7 @@ def build_demo_adapters(model_dir: Path, out_dir: Path, count: int, seed: int = 
     for index in range(count):
         folder = out_dir / f"adapter-{index:03d}"
         config = demo_lora_config(index)
+        config.use_dora = dora
         peft_model = get_peft_model(model, config, adapter_name="default")
         _randomize(peft_model, _scaling(config), _generator(seed, index))
         peft_model.save_pretrained(str(folder), safe_serialization=True)
@@ -108,3 +119,9 @@ def _randomize(model: PeftModel, scaling: float, generator: torch.Generator) -> 
         b *= ratio * torch.linalg.matrix_norm(base_weight) / delta_norm
         lora_a.copy_(a)
         lora_b.copy_(b)
+        magnitude = params.get(prefix + _MAGNITUDE)
+        if magnitude is not None:
+            low, high = DORA_MAGNITUDE_SPREAD
+            factor = low + (high - low) * torch.rand(magnitude.shape, generator=generator)
+            merged = base_weight + scaling * b @ a
+            magnitude.copy_(torch.linalg.vector_norm(merged, dim=1) * factor)

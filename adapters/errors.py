@@ -40,7 +40,8 @@ class NotLoraAdapter(AdapterError):
 
 
 class DoraUnsupported(AdapterError):
-    """`use_dora: true`: DoRA rescales the merged weight, which the LoRA kernels cannot do."""
+    """A DoRA adapter where DoRA cannot be served: an engine without the base weights its
+    scales are computed from."""
 
     code = "dora_unsupported"
 

@@ -10,7 +10,8 @@ The model fuses projections that read the same input into one GEMM, and LoRA fol
     down      down          intermediate          hidden
 
 Every resident adapter holds one contiguous *region* of the pool, sized by its own ranks:
-for every module it adapts, A [r, H_in] then B [N_slice, r] (scaling folded), row-major. A
+for every module it adapts, A [r, H_in] then B [N_slice, r] (scaling folded), row-major, then
+for DoRA the output's per-channel scale [N_slice] (adapters.dora). A
 rank-8 adapter therefore takes an eighth of a rank-64 one's memory, and the number of resident
 adapters follows the memory budget. Regions are addressed by a *slot*: a row of the tables,
 one per resident adapter (S rows: a bound on resident adapters, cheap metadata).
@@ -20,10 +21,12 @@ For one (layer, group), with L slices:
     a_offsets: int64 [S, L]   element offset of slice l's A in the pool
     b_offsets: int64 [S, L]   element offset of slice l's B in the pool
     ranks:     int32 [S, L]   the adapter's rank for slice l; 0 = not adapted (offsets unused)
+    scale_offsets: int64 [S, L]  element offset of slice l's DoRA scale; -1 = plain LoRA
 
-so for a token x using slot s, slice l's output gains, with r = ranks[s, l],
-    (x @ A.T) @ B.T,  A = pool[a_offsets[s, l]:][:r * H_in].view(r, H_in),
-                      B = pool[b_offsets[s, l]:][:N_slice * r].view(N_slice, r)
+so for a token x using slot s, slice l's output y becomes, with r = ranks[s, l],
+    y + (x @ A.T) @ B.T,  A = pool[a_offsets[s, l]:][:r * H_in].view(r, H_in),
+                          B = pool[b_offsets[s, l]:][:N_slice * r].view(N_slice, r)
+and with DoRA  (y + (x @ A.T) @ B.T) * pool[scale_offsets[s, l]:][:N_slice].
 Which region an adapter gets is the caller's choice (engine.lora.memory allocates them).
 """
 
@@ -64,6 +67,7 @@ class StackedLora:
     a_offsets: torch.Tensor
     b_offsets: torch.Tensor
     ranks: torch.Tensor
+    scale_offsets: torch.Tensor
     slice_offsets: tuple[int, ...]
     in_features: int
 
@@ -84,6 +88,7 @@ class StackedLora:
             a_offsets=table(torch.int64),
             b_offsets=table(torch.int64),
             ranks=table(torch.int32),
+            scale_offsets=table(torch.int64).fill_(-1),
             slice_offsets=slice_offsets(base, group),
             in_features=base.projection_shape(projections[0]).in_features,
         )
@@ -100,29 +105,32 @@ class StackedLora:
         return self.pool[start : start + width * rank].view(width, rank)
 
     def write_slot(self, slot: int, adapter: LoraAdapter, start: int) -> int:
-        """Copy the adapter's pairs for this (layer, group) into the pool from element `start`
+        """Copy the adapter's weights for this (layer, group) into the pool from element `start`
         and point `slot` at them; slices it does not adapt get rank 0. Returns the end."""
         self.clear_slot(slot)
         for index, proj in enumerate(GROUPS[self.group]):
             weights = adapter.modules.get((self.layer, proj))
             if weights is None:
                 continue
-            a_end = start + weights.a.numel()
-            b_end = a_end + weights.b.numel()
-            self.pool[start:a_end].view_as(weights.a).copy_(weights.a, non_blocking=True)
-            self.pool[a_end:b_end].view_as(weights.b).copy_(weights.b, non_blocking=True)
-            self.a_offsets[slot, index] = start
-            self.b_offsets[slot, index] = a_end
+            offsets = []
+            for tensor in weights.tensors():
+                offsets.append(start)
+                end = start + tensor.numel()
+                self.pool[start:end].view_as(tensor).copy_(tensor, non_blocking=True)
+                start = end
+            self.a_offsets[slot, index], self.b_offsets[slot, index] = offsets[:2]
+            if weights.scale is not None:
+                self.scale_offsets[slot, index] = offsets[2]
             self.ranks[slot, index] = weights.a.shape[0]
-            start = b_end
         return start
 
     def elements(self, adapter: LoraAdapter) -> int:
-        """Pool elements the adapter's pairs for this (layer, group) take."""
+        """Pool elements the adapter's weights for this (layer, group) take."""
         return sum(
-            w.a.numel() + w.b.numel()
+            t.numel()
             for proj in GROUPS[self.group]
             if (w := adapter.modules.get((self.layer, proj))) is not None
+            for t in w.tensors()
         )
 
     def clear_slot(self, slot: int) -> None:
@@ -130,6 +138,7 @@ class StackedLora:
         self.a_offsets[slot].zero_()
         self.b_offsets[slot].zero_()
         self.ranks[slot].zero_()
+        self.scale_offsets[slot].fill_(-1)
 
 
 class LoraStack:
@@ -187,8 +196,8 @@ class LoraStack:
 
     @staticmethod
     def region_elements(adapter: LoraAdapter) -> int:
-        """Pool elements the adapter's region takes: its pairs at their own ranks."""
-        return sum(w.a.numel() + w.b.numel() for w in adapter.modules.values())
+        """Pool elements the adapter's region takes: its pairs at their own ranks (and scales)."""
+        return sum(t.numel() for w in adapter.modules.values() for t in w.tensors())
 
     @property
     def max_slots(self) -> int:
@@ -237,7 +246,10 @@ class LoraStack:
         for (layer, proj), weights in adapter.modules.items():
             expected = self.base.projection_shape(proj)
             actual = (weights.a.shape[1], weights.b.shape[0])
-            if layer >= self.base.num_layers or actual != expected:
+            # A DoRA adapter loaded without the base weights has no scales: not servable.
+            assert (weights.scale is not None) == adapter.use_dora, "DoRA scales missing"
+            scale_fits = weights.scale is None or weights.scale.shape == (expected.out_features,)
+            if layer >= self.base.num_layers or actual != expected or not scale_fits:
                 raise ShapeMismatch(
                     f"adapter {adapter.digest[:12]} does not fit the base model at layer {layer} {proj}"
                 )

@@ -1,7 +1,8 @@
 """Parse and validate a PEFT `adapter_config.json` against the base model.
 
 The result, `LoraSettings`, is everything in the config that changes the math: the rank,
-the scaling and the exact set of (layer, projection) modules the adapter adapts, resolved
+the scaling, whether it is DoRA and the exact set of (layer, projection) modules the adapter
+adapts, resolved
 the way PEFT resolves `target_modules` / `exclude_modules` / `layers_to_transform` against
 the module names of a Hugging Face `LlamaForCausalLM`.
 
@@ -20,7 +21,6 @@ from typing import Any
 from loramux.adapters.base_spec import PROJECTIONS, BaseModelSpec
 from loramux.adapters.errors import (
     BiasUnsupported,
-    DoraUnsupported,
     EmbeddingTargetUnsupported,
     InvalidAdapterConfig,
     ModulesToSaveUnsupported,
@@ -66,13 +66,16 @@ _ALL_LINEAR = "all-linear"
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """The math of a plain LoRA adapter: delta_W[m] = scaling * B[m] @ A[m] for m in modules."""
+    """The math of a LoRA adapter: delta_W[m] = scaling * B[m] @ A[m] for m in modules; with
+    DoRA, each module's output is then rescaled per output channel (see adapters.dora)."""
 
     rank: int
     alpha: float
     use_rslora: bool
     modules: frozenset[tuple[int, str]]
     """(layer index, projection) pairs that carry a LoRA pair; never empty."""
+    use_dora: bool = False
+    """Every module also carries a magnitude vector (PEFT's `use_dora`)."""
 
     @property
     def scaling(self) -> float:
@@ -81,13 +84,16 @@ class LoraSettings:
 
     def canonical(self) -> dict[str, Any]:
         """The normalized config that enters the digest: only fields that change the math."""
-        return {
+        canonical: dict[str, Any] = {
             "format": "peft-lora",
             "r": self.rank,
             "lora_alpha": float(self.alpha),
             "use_rslora": self.use_rslora,
             "modules": sorted(f"{layer}.{proj}" for layer, proj in self.modules),
         }
+        if self.use_dora:  # only when set: plain adapters keep the digests they always had
+            canonical["use_dora"] = True
+        return canonical
 
 
 def parse_lora_config(config: Any, base: BaseModelSpec, max_rank: int) -> LoraSettings:
@@ -109,14 +115,17 @@ def parse_lora_config(config: Any, base: BaseModelSpec, max_rank: int) -> LoraSe
     use_rslora = config.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise InvalidAdapterConfig(f"use_rslora must be true or false, not {_brief(use_rslora)}")
+    use_dora = config.get("use_dora") or False
+    if not isinstance(use_dora, bool):
+        raise InvalidAdapterConfig(f"use_dora must be true or false, not {_brief(use_dora)}")
     modules = _resolve_modules(config, base)
-    return LoraSettings(rank=rank, alpha=float(alpha), use_rslora=use_rslora, modules=modules)
+    return LoraSettings(
+        rank=rank, alpha=float(alpha), use_rslora=use_rslora, modules=modules, use_dora=use_dora
+    )
 
 
 def _refuse_unsupported_features(config: dict[str, Any]) -> None:
-    """Refuse every option that would make the adapter more than plain LoRA on linear layers."""
-    if config.get("use_dora"):
-        raise DoraUnsupported("DoRA adapters (use_dora: true) are not supported")
+    """Refuse every option that would make the adapter more than LoRA or DoRA on linear layers."""
     if config.get("modules_to_save"):
         raise ModulesToSaveUnsupported(
             f"modules_to_save {_brief(config['modules_to_save'])} would replace base-model modules; "

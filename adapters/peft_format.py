@@ -7,8 +7,9 @@ safetensors header (names, dtypes, shapes) against the config and the base model
 values (finite). Any refusal raises an `AdapterError` subclass.
 
 PEFT names each weight `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`
-(`base_model.model.layers…` when the adapter was made on the bare `LlamaModel`); inside
-loramux a weight is `layers.{i}.{projection}.lora_{A|B}`.
+(`base_model.model.layers…` when the adapter was made on the bare `LlamaModel`), and a DoRA
+module's magnitude vector `…q_proj.lora_magnitude_vector`; inside loramux a weight is
+`layers.{i}.{projection}.lora_{A|B}` or `layers.{i}.{projection}.lora_magnitude`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 
 from loramux.adapters.base_spec import PROJECTIONS, BaseModelSpec
 from loramux.adapters.digest import adapter_digest
+from loramux.adapters.dora import dora_scale
 from loramux.adapters.errors import (
     FileTooLarge,
     InvalidAdapterConfig,
@@ -50,11 +52,17 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _KEY = re.compile(
     r"base_model\.model\.(?:model\.)?layers\.(0|[1-9][0-9]*)\."
-    r"(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.lora_(A|B)\.weight"
+    r"(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.lora_(A\.weight|B\.weight|magnitude_vector)"
 )
+_HALF = {"A.weight": "A", "B.weight": "B", "magnitude_vector": "M"}
+"""A file key's last part → its tensor: the pair's A and B, and DoRA's magnitude (M)."""
 
 ModuleKey = tuple[int, str]
 """(layer index, projection name)."""
+
+BaseWeights = Callable[[ModuleKey], torch.Tensor]
+"""The base model's weight of a projection, [out_features, in_features], in any dtype on any
+device: DoRA's scale is computed from it at load."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,13 @@ class LoraWeights:
     """[rank, in_features] float32."""
     b: torch.Tensor
     """[out_features, rank] float32, equal to the file's lora_B times the adapter's scaling."""
+    scale: torch.Tensor | None = None
+    """DoRA only: [out_features] float32, the output's per-channel scale (adapters.dora). None
+    for plain LoRA, and for a DoRA adapter loaded without the base weights (validation only)."""
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """A, B and (DoRA) the scale, in the order they are laid out in memory."""
+        return (self.a, self.b) if self.scale is None else (self.a, self.b, self.scale)
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,6 +116,8 @@ class LoraAdapter:
     scaling: float
     """alpha / r, or alpha / sqrt(r) with rsLoRA; already folded into every `b`."""
     modules: Mapping[ModuleKey, LoraWeights]
+    use_dora: bool = False
+    """DoRA: every module's output is rescaled by its `scale` (set when loaded with base weights)."""
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -111,7 +128,7 @@ class LoraAdapter:
     @property
     def nbytes(self) -> int:
         """Host memory held by the weights."""
-        return sum(w.a.nbytes + w.b.nbytes for w in self.modules.values())
+        return sum(t.nbytes for w in self.modules.values() for t in w.tensors())
 
 
 Storage = Callable[[int], torch.Tensor]
@@ -124,22 +141,32 @@ def load_peft_adapter(
     base: BaseModelSpec,
     limits: AdapterLimits | None = None,
     storage: Storage | None = None,
+    base_weights: BaseWeights | None = None,
 ) -> LoraAdapter:
     """Read, validate and convert the PEFT adapter in `folder` for the base model `base`; the
     weights are written into `storage`'s tensor (taken only once the header is validated) or
-    into fresh tensors."""
+    into fresh tensors. A DoRA adapter's scales are computed from `base_weights` when given."""
     limits = limits or AdapterLimits()
     config_path, weights_path = adapter_files(Path(folder), limits)
     settings = parse_lora_config(_read_config(config_path), base, limits.max_rank)
     raw = _read_weights(weights_path, settings, base)
     digest = adapter_digest(settings.canonical(), raw)
-    sizes = {m: settings.rank * sum(base.projection_shape(m[1])) for m in settings.modules}
+    scaled = settings.use_dora and base_weights is not None
+    sizes = {}
+    for module in settings.modules:
+        in_features, out_features = base.projection_shape(module[1])
+        sizes[module] = settings.rank * (in_features + out_features) + scaled * out_features
     flat = storage(sum(sizes.values())) if storage is not None else None
     modules: dict[ModuleKey, LoraWeights] = {}
     offset = 0
     for module in sorted(settings.modules):
         out = flat[offset : offset + sizes[module]] if flat is not None else None
-        modules[module] = _fold(raw, module, settings.scaling, settings.rank, out)
+        weights = _fold(raw, module, settings.scaling, settings.rank, out)
+        if settings.use_dora:
+            magnitude = _finite(raw, weight_name(module, "M"))
+            if base_weights is not None:
+                weights = _with_dora_scale(module, weights, magnitude, base_weights(module), out)
+        modules[module] = weights
         offset += sizes[module]
     return LoraAdapter(
         digest=digest,
@@ -148,13 +175,14 @@ def load_peft_adapter(
         use_rslora=settings.use_rslora,
         scaling=settings.scaling,
         modules=modules,
+        use_dora=settings.use_dora,
     )
 
 
 def weight_name(module: ModuleKey, half: str) -> str:
-    """loramux's name of a LoRA weight, e.g. `layers.3.q.lora_A`."""
+    """loramux's name of a LoRA weight, e.g. `layers.3.q.lora_A` (`half` A, B or M)."""
     layer, proj = module
-    return f"layers.{layer}.{proj}.lora_{half}"
+    return f"layers.{layer}.{proj}.lora_{'magnitude' if half == 'M' else half}"
 
 
 def adapter_files(folder: Path, limits: AdapterLimits) -> tuple[Path, Path]:
@@ -219,7 +247,8 @@ def _read_weights(
     """Every LoRA weight by loramux name, as stored, after checking the header and values."""
     try:
         with safe_open(str(path), framework="pt") as file:
-            keys = _match_keys(list(file.keys()), settings.modules)
+            halves = "ABM" if settings.use_dora else "AB"
+            keys = _match_keys(list(file.keys()), settings.modules, halves)
             for (module, half), key in keys.items():
                 tensor_slice = file.get_slice(key)
                 _check_dtype(weight_name(module, half), tensor_slice.get_dtype())
@@ -232,8 +261,11 @@ def _read_weights(
     return weights
 
 
-def _match_keys(keys: list[str], modules: frozenset[ModuleKey]) -> dict[tuple[ModuleKey, str], str]:
-    """Map (module, "A" | "B") to file keys: one A and one B per targeted module, nothing else."""
+def _match_keys(
+    keys: list[str], modules: frozenset[ModuleKey], halves: str
+) -> dict[tuple[ModuleKey, str], str]:
+    """Map (module, half) to file keys: one of each of `halves` ("AB", or "ABM" for DoRA) per
+    targeted module, nothing else."""
     found: dict[tuple[ModuleKey, str], str] = {}
     unexpected: list[str] = []
     for key in sorted(keys):
@@ -241,17 +273,17 @@ def _match_keys(keys: list[str], modules: frozenset[ModuleKey]) -> dict[tuple[Mo
         if match is None or match[2] != PARENT_MODULE[match[3]]:
             unexpected.append(key)
             continue
-        module = (int(match[1]), match[3])
-        if module not in modules or (module, match[4]) in found:
+        module, half = (int(match[1]), match[3]), _HALF[match[4]]
+        if module not in modules or half not in halves or (module, half) in found:
             unexpected.append(key)
             continue
-        found[module, match[4]] = key
+        found[module, half] = key
     if unexpected:
         raise UnexpectedTensors(
             f"{len(unexpected)} tensor(s) the config does not explain, e.g. {unexpected[:3]}"
         )
     missing = [
-        weight_name(m, half) for m in sorted(modules) for half in "AB" if (m, half) not in found
+        weight_name(m, half) for m in sorted(modules) for half in halves if (m, half) not in found
     ]
     if missing:
         raise MissingTensors(f"{len(missing)} targeted weight(s) are missing, e.g. {missing[:3]}")
@@ -266,9 +298,9 @@ def _check_dtype(name: str, dtype: str) -> None:
 def _check_shape(
     module: ModuleKey, half: str, shape: list[int], rank: int, base: BaseModelSpec
 ) -> None:
-    """lora_A is [r, in_features], lora_B is [out_features, r]."""
+    """lora_A is [r, in_features], lora_B is [out_features, r], a magnitude [out_features]."""
     in_features, out_features = base.projection_shape(module[1])
-    expected = [rank, in_features] if half == "A" else [out_features, rank]
+    expected = {"A": [rank, in_features], "B": [out_features, rank], "M": [out_features]}[half]
     if shape != expected:
         raise ShapeMismatch(
             f"{weight_name(module, half)} has shape {shape}; "
@@ -291,10 +323,37 @@ def _fold(
         b = (stored_b.to(torch.float32) * scaling).contiguous()
     else:
         a = out[: stored_a.numel()].view(stored_a.shape).copy_(stored_a)
-        b = out[stored_a.numel() :].view(stored_b.shape)
+        b = out[stored_a.numel() : stored_a.numel() + stored_b.numel()].view(stored_b.shape)
         torch.mul(stored_b.to(torch.float32), scaling, out=b)
     assert a.shape[0] == rank == b.shape[1], "the header check let a wrong rank through"
     for half, tensor in (("A", a), ("B", b)):
         if not bool(torch.isfinite(tensor).all()):
             raise NonFiniteWeights(f"{weight_name(module, half)} holds NaN or infinite values")
     return LoraWeights(a=a, b=b)
+
+
+def _finite(raw: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    tensor = raw[name]
+    if not bool(torch.isfinite(tensor).all()):
+        raise NonFiniteWeights(f"{name} holds NaN or infinite values")
+    return tensor
+
+
+def _with_dora_scale(
+    module: ModuleKey,
+    weights: LoraWeights,
+    magnitude: torch.Tensor,
+    base_weight: torch.Tensor,
+    out: torch.Tensor | None,
+) -> LoraWeights:
+    """`weights` with DoRA's scale (written into `out` after A and B, when given), refusing a
+    scale that is NaN or infinite (a row of the merged weight of norm zero)."""
+    scale = dora_scale(base_weight, weights.a, weights.b, magnitude)
+    if not bool(torch.isfinite(scale).all()):
+        raise NonFiniteWeights(
+            f"{weight_name(module, 'M')} gives an infinite DoRA scale: a row of the adapted "
+            "weight has norm zero"
+        )
+    if out is not None:
+        scale = out[weights.a.numel() + weights.b.numel() :].copy_(scale)
+    return LoraWeights(a=weights.a, b=weights.b, scale=scale)

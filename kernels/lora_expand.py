@@ -1,7 +1,9 @@
 """LoRA expand kernels: ``y[i, cols(l)] += t[l, i, :r] @ B(slot(i), l).T`` for every token i
 that uses an adapter and every slice l of the projection group, where cols(l) is the slice's
 range of output columns and r = ranks[slot, l]. B(slot, l) is the [width(l), r] row-major matrix
-at element ``b_offsets[slot, l]`` of the flat adapter pool (adapters.layout).
+at element ``b_offsets[slot, l]`` of the flat adapter pool (adapters.layout). A DoRA slice
+(``scale_offsets[slot, l] >= 0``) is then multiplied by its per-column scale in the epilogue:
+``y[i, cols(l)] = (y[i, cols(l)] + delta) * pool[scale_offsets[slot, l]:][:width(l)]``.
 
 SGMV (segments) tiles each segment's tokens and runs tl.dot; BGMV (per token) runs one
 matrix-vector product per token. Both grid over the group's L slices in one launch, loop over
@@ -73,8 +75,12 @@ def _slice_layout(
     slice_offsets: Sequence[int],
     ranks: torch.Tensor,
     y: torch.Tensor,
+    scale_offsets: torch.Tensor | None,
 ) -> tuple[tuple[int, ...], int]:
     """Checks shapes and dtypes against ``slice_offsets``; returns (offsets, widest slice)."""
+    if scale_offsets is not None:
+        assert scale_offsets.shape == ranks.shape and scale_offsets.dtype == torch.int64
+        assert scale_offsets.stride() == ranks.stride()
     offsets = tuple(slice_offsets)
     num_slices = len(offsets) - 1
     assert offsets[0] == 0 and offsets[-1] == y.shape[1]
@@ -97,6 +103,7 @@ def sgmv_expand(
     seg_lens: torch.Tensor,
     seg_slots: torch.Tensor,
     y: torch.Tensor,
+    scale_offsets: torch.Tensor | None = None,
 ) -> None:
     """Segmented LoRA expand, all slices of a projection group in one launch, added into y.
 
@@ -108,10 +115,12 @@ def sgmv_expand(
             for l in range(L):
                 r, c0, c1 = ranks[slot, l], off[l], off[l+1]   # r == 0: no work
                 y[s0:s0+n, c0:c1] += t[l, s0:s0+n, :r] @ B(slot, l).T
+                if scale_offsets is not None and scale_offsets[slot, l] >= 0:   # DoRA
+                    y[s0:s0+n, c0:c1] *= pool[scale_offsets[slot, l]:][:c1 - c0]
     accumulated in fp32 and rounded once into y's dtype (on a GPU the product's inputs are
     t rounded to y's dtype and B, as tf32 when fp32). Rows outside every segment are untouched.
     """
-    offsets, max_width = _slice_layout(t, pool, b_offsets, slice_offsets, ranks, y)
+    offsets, max_width = _slice_layout(t, pool, b_offsets, slice_offsets, ranks, y, scale_offsets)
     num_segs = seg_starts.shape[0]
     if num_segs == 0:
         return
@@ -123,24 +132,26 @@ def sgmv_expand(
     )
     _sgmv_expand_kernel[grid](
         t, pool, b_offsets, _offsets_on(offsets, y.device), ranks, seg_starts, seg_lens, seg_slots, y,
+        b_offsets if scale_offsets is None else scale_offsets,
         num_segs,
         t.stride(0), t.stride(1), t.stride(2),
         ranks.stride(0), ranks.stride(1),
         y.stride(0), y.stride(1),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        SEGS_PAD=segments_pad(num_segs), DOT_F32=INTERPRET,
+        SEGS_PAD=segments_pad(num_segs), DOT_F32=INTERPRET, HAS_SCALE=scale_offsets is not None,
     )  # fmt: skip
 
 
 @triton.jit
 def _sgmv_expand_kernel(
     t_ptr, pool_ptr, b_offsets_ptr, offsets_ptr, ranks_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, y_ptr,
+    scale_offsets_ptr,
     num_segs,
     stride_tl, stride_tm, stride_tk,
     stride_rs, stride_rl,
     stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SEGS_PAD: tl.constexpr, DOT_F32: tl.constexpr,
+    SEGS_PAD: tl.constexpr, DOT_F32: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):  # fmt: skip
     """Program (segment tile, slice l, column tile): a [BLOCK_M, BLOCK_N] tile of y's slice l,
     summed over the slot's rank in BLOCK_K steps."""
@@ -183,6 +194,11 @@ def _sgmv_expand_kernel(
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
     y_mask = m_mask[:, None] & n_mask[None, :]
     out = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32) + acc
+    if HAS_SCALE:  # DoRA: the slot's per-column scale, 1 for a plain LoRA slice (offset -1)
+        scale_start = tl.load(scale_offsets_ptr + slot * stride_rs + slice_id * stride_rl)
+        scale_mask = n_mask & (scale_start + 0 * offs_n >= 0)  # (broadcast: a vector mask)
+        scale = tl.load(pool_ptr + scale_start + offs_n, mask=scale_mask, other=1.0)
+        out = out * scale.to(tl.float32)[None, :]
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
@@ -195,6 +211,7 @@ def bgmv_expand(
     token_indices: torch.Tensor,
     token_slots: torch.Tensor,
     y: torch.Tensor,
+    scale_offsets: torch.Tensor | None = None,
 ) -> None:
     """Per-token LoRA expand, all slices of a projection group in one launch, added into y.
 
@@ -206,9 +223,11 @@ def bgmv_expand(
             for l in range(L):
                 r, c0, c1 = ranks[slot, l], off[l], off[l+1]   # r == 0: no work
                 y[i, c0:c1] += B(slot, l) @ t[l, i, :r]
+                if scale_offsets is not None and scale_offsets[slot, l] >= 0:   # DoRA
+                    y[i, c0:c1] *= pool[scale_offsets[slot, l]:][:c1 - c0]
     accumulated in fp32 and rounded once into y's dtype. Rows not listed are untouched.
     """
-    offsets, max_width = _slice_layout(t, pool, b_offsets, slice_offsets, ranks, y)
+    offsets, max_width = _slice_layout(t, pool, b_offsets, slice_offsets, ranks, y, scale_offsets)
     num_active = token_indices.shape[0]
     if num_active == 0:
         return
@@ -220,22 +239,25 @@ def bgmv_expand(
     )
     _bgmv_expand_kernel[grid](
         t, pool, b_offsets, _offsets_on(offsets, y.device), ranks, token_indices, token_slots, y,
+        b_offsets if scale_offsets is None else scale_offsets,
         num_active,
         t.stride(0), t.stride(1), t.stride(2),
         ranks.stride(0), ranks.stride(1),
         y.stride(0), y.stride(1),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        HAS_SCALE=scale_offsets is not None,
     )  # fmt: skip
 
 
 @triton.jit
 def _bgmv_expand_kernel(
     t_ptr, pool_ptr, b_offsets_ptr, offsets_ptr, ranks_ptr, token_indices_ptr, token_slots_ptr, y_ptr,
+    scale_offsets_ptr,
     num_active,
     stride_tl, stride_tm, stride_tk,
     stride_rs, stride_rl,
     stride_ym, stride_yn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):  # fmt: skip
     """Program (token block, slice l, column tile): a [BLOCK_M, BLOCK_N] tile of y's slice l
     where every token gathers its own slot's B, as multiply-and-sum in fp32 (no tl.dot), over
@@ -275,4 +297,13 @@ def _bgmv_expand_kernel(
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
     y_mask = (rank > 0)[:, None] & n_mask[None, :]
     out = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32) + acc
+    if HAS_SCALE:  # DoRA: each token's slot's per-column scale, 1 for plain LoRA (offset -1)
+        scale_start = tl.load(
+            scale_offsets_ptr + slots * stride_rs + slice_id * stride_rl, mask=rank > 0, other=-1
+        )
+        scale_mask = y_mask & (scale_start >= 0)[:, None]
+        scale = tl.load(
+            pool_ptr + scale_start[:, None] + offs_n[None, :], mask=scale_mask, other=1.0
+        )
+        out = out * scale.to(tl.float32)
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)

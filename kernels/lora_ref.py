@@ -4,7 +4,7 @@ engine's CPU serving path.
 Every adapter is computed at its own rank, reading its A [r, H] and B [width, r] from the flat
 adapter pool at their offsets: nothing outside those regions is read, slices of rank 0 cost
 nothing, tokens without an adapter cost nothing. Products accumulate in float32; expand adds
-into y in place with one rounding to y's dtype.
+into y in place with one rounding to y's dtype (a DoRA slice: adds, scales, then rounds).
 """
 
 from __future__ import annotations
@@ -55,22 +55,36 @@ def sgmv_expand_ref(
     seg_lens: torch.Tensor,
     seg_slots: torch.Tensor,
     y: torch.Tensor,
+    scale_offsets: torch.Tensor | None = None,
 ) -> None:
     """Semantics: as ``kernels.lora_expand.sgmv_expand``, one matmul per segment and slice:
     for g: for l: y[s0:s0+n, c0:c1] += t[l, s0:s0+n, :r] @ B(slot[g], l).T
+                  then, for a DoRA slice, y[s0:s0+n, c0:c1] *= scale(slot[g], l)
     """
     bounds = list(itertools.pairwise(slice_offsets))
-    seg_ranks, seg_offsets = ranks[seg_slots.long()].tolist(), b_offsets[seg_slots.long()].tolist()
-    for start, n, slice_ranks, slice_starts in zip(
-        seg_starts.tolist(), seg_lens.tolist(), seg_ranks, seg_offsets, strict=True
+    slots = seg_slots.long()
+    seg_ranks, seg_offsets = ranks[slots].tolist(), b_offsets[slots].tolist()
+    seg_scales = (
+        scale_offsets[slots].tolist()
+        if scale_offsets is not None
+        else [[-1] * len(bounds)] * len(slots)
+    )
+    for start, n, slice_ranks, slice_starts, scale_starts in zip(
+        seg_starts.tolist(), seg_lens.tolist(), seg_ranks, seg_offsets, seg_scales, strict=True
     ):
-        for slice_idx, ((c0, c1), r, b_start) in enumerate(
-            zip(bounds, slice_ranks, slice_starts, strict=True)
+        for slice_idx, ((c0, c1), r, b_start, scale_start) in enumerate(
+            zip(bounds, slice_ranks, slice_starts, scale_starts, strict=True)
         ):
-            if r:
-                b = _matrix(pool, b_start, c1 - c0, r)
-                # In-place add of a float32 operand computes in float32, rounds once into y.
-                y[start : start + n, c0:c1] += t[slice_idx, start : start + n, :r] @ b.T
+            if not r:
+                continue
+            b = _matrix(pool, b_start, c1 - c0, r)
+            delta = t[slice_idx, start : start + n, :r] @ b.T
+            out = y[start : start + n, c0:c1]
+            if scale_start < 0:
+                out += delta  # a float32 operand: computed in float32, rounded once into y
+            else:
+                scale = pool[scale_start : scale_start + c1 - c0].float()
+                out.copy_((out.float() + delta) * scale)
 
 
 def _slot_runs(
@@ -122,13 +136,23 @@ def bgmv_expand_ref(
     token_indices: torch.Tensor,
     token_slots: torch.Tensor,
     y: torch.Tensor,
+    scale_offsets: torch.Tensor | None = None,
 ) -> None:
     """Semantics: as ``kernels.lora_expand.bgmv_expand``; tokens grouped by slot:
-    for slot: for l: y[rows, c0:c1] += t[l, rows, :r] @ B(slot, l).T
+    for slot: for l: y[rows, c0:c1] += t[l, rows, :r] @ B(slot, l).T, then scaled for DoRA
     """
     rows, seg_starts, seg_lens, seg_slots = _slot_runs(token_indices, token_slots)
-    delta = torch.zeros(rows.shape[0], y.shape[1], device=y.device)
+    grouped = y[rows]
     sgmv_expand_ref(
-        t[:, rows], pool, b_offsets, slice_offsets, ranks, seg_starts, seg_lens, seg_slots, delta
+        t[:, rows],
+        pool,
+        b_offsets,
+        slice_offsets,
+        ranks,
+        seg_starts,
+        seg_lens,
+        seg_slots,
+        grouped,
+        scale_offsets,
     )
-    y[rows] += delta
+    y[rows] = grouped

@@ -96,6 +96,7 @@ class LoraBatch:
                 m.token_indices,
                 m.token_slots,
                 y,
+                stacked.scale_offsets,
             )
         else:
             seg_shrink = sgmv_shrink if on_gpu else sgmv_shrink_ref
@@ -120,6 +121,7 @@ class LoraBatch:
                 m.seg_lens,
                 m.seg_slots,
                 y,
+                stacked.scale_offsets,
             )
 
 

@@ -1,6 +1,7 @@
 """Host memory for parsed adapters: a bounded pool of flat float32 buffers, reused.
 
-Every adapter in the host tier lives in one buffer (its A and B matrices are views into it).
+Every adapter in the host tier lives in one buffer (its A and B matrices, and DoRA's scales,
+are views into it).
 On CUDA the buffers are pinned, so device copies from them run asynchronously; pinning is slow
 (a page-locking system call), which is why buffers are recycled when an adapter leaves the host
 tier instead of allocated per load. A buffer is taken at the smallest free size that fits,
@@ -81,7 +82,7 @@ class HostBufferPool:
 
 def adapter_floats(adapter: LoraAdapter) -> int:
     """The float32 values of an adapter's weights: the buffer size it needs."""
-    return sum(w.a.numel() + w.b.numel() for w in adapter.modules.values())
+    return sum(t.numel() for w in adapter.modules.values() for t in w.tensors())
 
 
 def move_into(adapter: LoraAdapter, buffer: torch.Tensor) -> LoraAdapter:
@@ -90,8 +91,8 @@ def move_into(adapter: LoraAdapter, buffer: torch.Tensor) -> LoraAdapter:
     offset = 0
     for module, weights in adapter.modules.items():
         views = []
-        for tensor in (weights.a, weights.b):
+        for tensor in weights.tensors():
             views.append(buffer[offset : offset + tensor.numel()].view(tensor.shape).copy_(tensor))
             offset += tensor.numel()
-        modules[module] = LoraWeights(a=views[0], b=views[1])
+        modules[module] = LoraWeights(*views)
     return replace(adapter, modules=modules)

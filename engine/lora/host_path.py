@@ -5,15 +5,15 @@ For one (layer, group) and a run of rows using adapter W, each slice l the adapt
 
     y[rows, off[l]:off[l+1]] += (x[rows] @ W.a.T) @ W.b.T        (float32, scaling in W.b)
 
+and a DoRA module then scales those columns by W.scale (adapters.dora), as the kernels do.
 the same product the device kernels compute from the slot, so a request's output does not
 depend on which path served which of its steps. On the CPU the host copy is already where the
 activations are; on CUDA the rows travel to the host and back, which only pays while the side
 stream's copy is still running.
 
-Only plain LoRA on the attention and MLP projections is served this way (all `LoraAdapter`
-holds today). Adapter kinds with more (DoRA's magnitude, embedding or lm_head LoRA) are not:
-whoever adds them must keep such adapters off this path (their requests wait, LOADING, until
-the device copy completes) or extend `apply`.
+Only LoRA and DoRA on the attention and MLP projections are served this way. Adapter kinds
+with more (embedding or lm_head LoRA) are not: whoever adds them must keep such adapters off
+this path (their requests wait, LOADING, until the device copy completes) or extend `apply`.
 """
 
 from __future__ import annotations
@@ -59,5 +59,10 @@ class HostLoraPath:
                 # The slot would hold the weights in the model's dtype: round them the same way.
                 a, b = (w.to(y.dtype).float() for w in (weights.a, weights.b))
                 out = y[run.start : run.end, offsets[index] : offsets[index + 1]]
-                # A float32 operand: computed in float32, rounded once into y (as the kernels).
-                out += ((rows @ a.T) @ b.T).to(y.device)
+                delta = ((rows @ a.T) @ b.T).to(y.device)
+                if weights.scale is None:
+                    # A float32 operand: computed in float32, rounded once into y (as the kernels).
+                    out += delta
+                else:
+                    scale = weights.scale.to(y.dtype).float().to(y.device)
+                    out.copy_((out.float() + delta) * scale)

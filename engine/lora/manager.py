@@ -37,9 +37,14 @@ from pathlib import Path
 import torch
 
 from loramux.adapters.base_spec import BaseModelSpec
-from loramux.adapters.errors import OverMemoryBudget
+from loramux.adapters.errors import DoraUnsupported, OverMemoryBudget
 from loramux.adapters.layout import LoraStack
-from loramux.adapters.peft_format import AdapterLimits, LoraAdapter, load_peft_adapter
+from loramux.adapters.peft_format import (
+    AdapterLimits,
+    BaseWeights,
+    LoraAdapter,
+    load_peft_adapter,
+)
 from loramux.engine.lora.host_buffers import HostBufferPool, adapter_floats, move_into
 from loramux.engine.lora.memory import RegionAllocator
 from loramux.engine.lora.slot_copy import SlotCopies
@@ -117,9 +122,13 @@ class LoraManager:
         memory_bytes: int | None = None,
         load_workers: int | None = None,
         copy_groups_per_step: int = 8,
+        base_weights: BaseWeights | None = None,
     ):
         self.base = base
         self.limits = limits
+        self.base_weights = base_weights
+        """The base model's projection weights, which DoRA's scales are computed from (None:
+        DoRA adapters are refused)."""
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
         element = torch.empty(0, dtype=dtype).element_size()
         elements = (
@@ -162,7 +171,9 @@ class LoraManager:
     def register(self, folder: Path) -> str:
         """Validate the adapter in `folder`; returns its digest. Raises adapters.errors.AdapterError."""
         started = time.monotonic()
-        adapter = load_peft_adapter(folder, self.base, self.limits)
+        adapter = load_peft_adapter(folder, self.base, self.limits, base_weights=self.base_weights)
+        if adapter.use_dora and self.base_weights is None:
+            raise DoraUnsupported("this engine has no base weights to compute DoRA's scales from")
         needed = LoraStack.region_elements(adapter)
         if needed > self.regions.size:
             element = self.stack.pool.element_size()
@@ -351,7 +362,7 @@ class LoraManager:
             return taken[-1]
 
         try:
-            adapter = load_peft_adapter(folder, self.base, self.limits, storage)
+            adapter = load_peft_adapter(folder, self.base, self.limits, storage, self.base_weights)
         except Exception:
             log.exception("adapter %s could not be reloaded from %s", digest[:12], folder)
             for buffer in taken:

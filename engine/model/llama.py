@@ -8,7 +8,7 @@ token's context through the block tables in `StepContext.attention`. Projections
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -136,6 +136,23 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             x = layer(x, ctx)
         return self.norm(x)
+
+    def projection_weight(self, layer: int, proj: str) -> torch.Tensor:
+        """The [out, in] weight of one projection (q, k, v, o, gate, up or down) of `layer`: a
+        view of its rows in the fused weight."""
+        decoder = cast(DecoderLayer, self.layers[layer])
+        attn, mlp = decoder.self_attn, decoder.mlp
+        q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate
+        linear, start, end = {
+            "q": (attn.qkv_proj, 0, q),
+            "k": (attn.qkv_proj, q, q + kv),
+            "v": (attn.qkv_proj, q + kv, q + 2 * kv),
+            "o": (attn.o_proj, 0, None),
+            "gate": (mlp.gate_up_proj, 0, inter),
+            "up": (mlp.gate_up_proj, inter, 2 * inter),
+            "down": (mlp.down_proj, 0, None),
+        }[proj]
+        return linear.weight.detach()[start:end]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

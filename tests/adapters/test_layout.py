@@ -204,3 +204,27 @@ def test_slots_on_a_cuda_device_match_the_cpu_layout(tmp_path: Path) -> None:
         assert torch.equal(stacked.a_offsets.cpu(), on_cpu[key].a_offsets)
         assert torch.equal(stacked.b_offsets.cpu(), on_cpu[key].b_offsets)
         assert torch.equal(stacked.ranks.cpu(), on_cpu[key].ranks)
+
+
+def test_a_dora_adapter_region_holds_each_scale_after_its_pair(tmp_path: Path) -> None:
+    model = tiny_model()
+    folder = make_peft_adapter(tmp_path / "d", r=4, use_dora=True, target_modules=["k_proj"])
+    weights = model.state_dict()
+    dora = load_peft_adapter(
+        folder,
+        tiny_base(),
+        base_weights=lambda m: weights[f"model.layers.{m[0]}.self_attn.{m[1]}_proj.weight"],
+    )
+    # per layer: k's A [4, 64], B [32, 4], then its scale [32]
+    assert LoraStack.region_elements(dora) == 2 * (4 * 64 + 32 * 4 + 32)
+    stack = pooled(max_slots=2, max_rank=16)
+    stack.write_slot(1, dora, 10)
+    qkv = stack[0, "qkv"]
+    assert qkv.scale_offsets[1].tolist() == [-1, 10 + 4 * 64 + 32 * 4, -1]
+    assert qkv.scale_offsets[0].tolist() == [-1, -1, -1]
+    start = int(qkv.scale_offsets[1, 1])
+    assert torch.equal(stack.pool[start : start + 32], dora.modules[0, "k"].scale)
+    layer_one = 10 + (4 * 64 + 32 * 4 + 32)  # layer 1's k follows layer 0's whole block
+    assert int(stack[1, "qkv"].scale_offsets[1, 1]) == layer_one + 4 * 64 + 32 * 4
+    stack.clear_slot(1)
+    assert all((s.scale_offsets == -1).all() for s in stack.groups.values())

@@ -63,7 +63,6 @@ def test_pickle_beside_safetensors_is_refused_too(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("lora_kwargs", "code"),
     [
-        ({"use_dora": True}, "dora_unsupported"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save_unsupported"),
         ({"target_modules": ["embed_tokens", "q_proj"]}, "embedding_target_unsupported"),
         ({"target_modules": ["lm_head"]}, "embedding_target_unsupported"),

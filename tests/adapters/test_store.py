@@ -47,9 +47,9 @@ def test_put_is_idempotent_and_lookups_agree(tmp_path: Path) -> None:
 
 def test_refused_adapters_leave_nothing_behind(tmp_path: Path) -> None:
     store = AdapterStore(tmp_path / "store", tiny_base())
-    dora = make_peft_adapter(tmp_path / "dora", use_dora=True)
+    biased = make_peft_adapter(tmp_path / "bias", bias="all")
     pickled = make_peft_adapter(tmp_path / "bin", safe_serialization=False)
-    for folder, code in ((dora, "dora_unsupported"), (pickled, "pickled_weights")):
+    for folder, code in ((biased, "bias_unsupported"), (pickled, "pickled_weights")):
         with pytest.raises(AdapterError) as raised:
             store.put(folder)
         assert raised.value.code == code

@@ -6,6 +6,8 @@ spread over adapters, and projection groups (L=3 with unequal widths, L=2, L=1, 
 0), sampled pairwise. The kernels read each slot's weights from a flat pool at offsets, packed
 at the slot's own rank in shuffled order with NaN between regions; x rows of tokens without an
 adapter and expand inputs beyond the rank hold NaN too, so any read of them shows in the result.
+Odd slots are DoRA adapters: a per-column scale follows each of their B matrices in the pool,
+and every expand runs once without the scale offsets and once with them (even slots' -1).
 """
 
 from __future__ import annotations
@@ -139,6 +141,10 @@ class Problem:
     pool: torch.Tensor
     a_offsets: torch.Tensor
     b_offsets: torch.Tensor
+    scale_offsets: torch.Tensor
+    """DoRA: where the odd slots' per-column scales lie in the pool; -1 elsewhere."""
+    scales: torch.Tensor
+    """[S, N] float64: every slot's per-column scale (used for odd slots only)."""
     ranks: torch.Tensor
     offsets: tuple[int, ...]
     token_slots: tuple[int | None, ...]
@@ -172,14 +178,21 @@ def _assignment(spread: str, tokens: int, rng: random.Random) -> tuple[int, list
 
 
 def pack(
-    lora_a: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor, offsets: tuple[int, ...]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(pool, a_offsets, b_offsets): every slot's A [r, H] and B [width, r] per slice, at its
-    own rank, slots in a shuffled order, each region followed by a few NaN elements."""
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scales: torch.Tensor,
+    ranks: torch.Tensor,
+    offsets: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pool, a_offsets, b_offsets, scale_offsets): every slot's A [r, H] and B [width, r] per
+    slice, at its own rank, then for odd (DoRA) slots the slice's scales [width]; slots in a
+    shuffled order, each part followed by a few NaN elements."""
     gap = 5
     a_offsets = torch.zeros(ranks.shape, dtype=torch.int64)
     b_offsets = torch.zeros(ranks.shape, dtype=torch.int64)
+    scale_offsets = torch.full(ranks.shape, -1 - gap, dtype=torch.int64)
     parts, used = [], 0
+    nan = torch.full((gap,), math.nan)
     order = torch.randperm(ranks.shape[0], generator=torch.Generator().manual_seed(3))
     for slot in order.tolist():
         for j, r in enumerate(ranks[slot].tolist()):
@@ -188,10 +201,14 @@ def pack(
             a = lora_a[slot, j, :r].flatten()
             b = lora_b[slot, offsets[j] : offsets[j + 1], :r].flatten()
             a_offsets[slot, j], b_offsets[slot, j] = used, used + a.numel() + gap
-            parts += [a, torch.full((gap,), math.nan), b, torch.full((gap,), math.nan)]
+            parts += [a, nan, b, nan]
             used += a.numel() + b.numel() + 2 * gap
-    pool = torch.cat([torch.full((gap,), math.nan), *parts]) if parts else torch.zeros(gap)
-    return pool, a_offsets + gap, b_offsets + gap
+            if slot % 2:
+                scale_offsets[slot, j] = used
+                parts += [scales[slot, offsets[j] : offsets[j + 1]].float(), nan]
+                used += offsets[j + 1] - offsets[j] + gap
+    pool = torch.cat([nan, *parts]) if parts else torch.zeros(gap)
+    return pool, a_offsets + gap, b_offsets + gap, scale_offsets + gap
 
 
 @functools.cache
@@ -223,7 +240,8 @@ def make_problem(case: Case) -> Problem:
         [ranks[s] if s is not None else torch.zeros_like(ranks[0]) for s in token_slots]
     )
     dtype = DTYPES[case.dtype]
-    pool, a_offsets, b_offsets = pack(lora_a, lora_b, ranks, offsets)
+    scales = (0.5 + torch.rand(num_slots, offsets[-1], generator=gen)).to(dtype).double()
+    pool, a_offsets, b_offsets, scale_offsets = pack(lora_a, lora_b, scales, ranks, offsets)
     return Problem(
         x=x.to(dtype),
         lora_a=lora_a.to(dtype),
@@ -231,6 +249,8 @@ def make_problem(case: Case) -> Problem:
         pool=pool.to(dtype),
         a_offsets=a_offsets,
         b_offsets=b_offsets,
+        scale_offsets=scale_offsets,
+        scales=scales,
         ranks=ranks.to(torch.int32),
         offsets=offsets,
         token_slots=tuple(token_slots),
@@ -240,19 +260,23 @@ def make_problem(case: Case) -> Problem:
 
 
 @functools.cache
-def per_token_loop(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 reference, one token and slice at a time: (t, NaN where not written; y)."""
+def per_token_loop(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 reference, one token and slice at a time: (t, NaN where not written; y; y with
+    the odd slots' adapted slices scaled, as DoRA)."""
     p = make_problem(case)
     lora_a, lora_b, x = p.lora_a.double(), p.lora_b.double(), p.x.double()
     t = torch.full(p.written.shape, math.nan, dtype=torch.float64)
-    y = p.y0.double()
+    y, y_dora = p.y0.double(), p.y0.double()
     ranks = p.ranks.tolist()
     for i, slot in enumerate(p.token_slots):
         for j, r in enumerate([] if slot is None else ranks[slot]):
+            if not r:
+                continue
             c0, c1 = p.offsets[j], p.offsets[j + 1]
             t[j, i, :r] = lora_a[slot, j, :r] @ x[i]
             y[i, c0:c1] += lora_b[slot, c0:c1, :r] @ t[j, i, :r]
-    return t, y
+            y_dora[i, c0:c1] = y[i, c0:c1] * (p.scales[slot, c0:c1] if slot % 2 else 1)
+    return t, y, y_dora
 
 
 def segments(p: Problem) -> tuple[torch.Tensor, ...]:
@@ -300,14 +324,16 @@ def check_expand(
     case: Case, p: Problem, kernel: Op, twin: Op, meta: tuple[torch.Tensor, ...]
 ) -> None:
     """From the same t (NaN wherever shrink does not write) the kernel adds what its twin adds,
-    and leaves rows of tokens without an adapter bit for bit as they were."""
+    with and without DoRA scales, and leaves rows of tokens without an adapter bit for bit as
+    they were."""
     t = per_token_loop(case)[0].float().to(p.x.device)
-    y_kernel, y_twin = p.y0.clone(), p.y0.clone()
-    kernel(t, p.pool, p.b_offsets, p.offsets, p.ranks, *meta, y_kernel)
-    twin(t, p.pool, p.b_offsets, p.offsets, p.ranks, *meta, y_twin)
-    assert_close(y_kernel.float(), y_twin.float(), case.dtype)
     base_rows = [i for i, s in enumerate(p.token_slots) if s is None]
-    assert torch.equal(y_kernel[base_rows], p.y0[base_rows]), "touched a token without adapter"
+    for scale_offsets in (None, p.scale_offsets):
+        y_kernel, y_twin = p.y0.clone(), p.y0.clone()
+        kernel(t, p.pool, p.b_offsets, p.offsets, p.ranks, *meta, y_kernel, scale_offsets)
+        twin(t, p.pool, p.b_offsets, p.offsets, p.ranks, *meta, y_twin, scale_offsets)
+        assert_close(y_kernel.float(), y_twin.float(), case.dtype)
+        assert torch.equal(y_kernel[base_rows], p.y0[base_rows]), "touched a row without adapter"
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -337,7 +363,7 @@ def test_bgmv_expand_matches_twin(case: Case) -> None:
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_twins_match_per_token_fp64_loop(case: Case) -> None:
     p = make_problem(case)
-    t_loop, y_loop = per_token_loop(case)
+    t_loop, y_loop, y_dora = per_token_loop(case)
     layouts: list[tuple[Op, Op, tuple[torch.Tensor, ...]]] = [
         (sgmv_shrink_ref, sgmv_expand_ref, segments(p)),
         (bgmv_shrink_ref, bgmv_expand_ref, per_token(p)),
@@ -348,9 +374,10 @@ def test_twins_match_per_token_fp64_loop(case: Case) -> None:
         assert not bool(t[~p.written].any())
         t = torch.where(p.written, t, math.nan)
         assert_close(t, t_loop, "fp32")
-        y = p.y0.clone()
-        expand(t, p.pool, p.b_offsets, p.offsets, p.ranks, *meta, y)
-        assert_close(y, y_loop, case.dtype)
+        for scale_offsets, expected in ((None, y_loop), (p.scale_offsets, y_dora)):
+            y = p.y0.clone()
+            expand(t, p.pool, p.b_offsets, p.offsets, p.ranks, *meta, y, scale_offsets)
+            assert_close(y, expected, case.dtype)
 
 
 SPLIT_CASE = Case("fp32", 1024, "16", 1, "one", "o")
