@@ -64,11 +64,16 @@ class VectorSetIndex:
             pipe.expire(bucket.vset, ttl, gt=True)
             pipe.execute_command("VCARD", bucket.vset)
             *_, size = await pipe.execute()
-        for _ in range(int(size) - self.max_entries):
-            victim = await self.redis.execute_command("VRANDMEMBER", bucket.vset)
-            if victim is None or victim == response_key.encode():
-                break
-            await self.redis.execute_command("VREM", bucket.vset, victim)
+        excess = int(size) - self.max_entries
+        if excess <= 0:
+            return
+        # Distinct random members, one more than needed so the new entry can be spared.
+        sample = await self.redis.execute_command("VRANDMEMBER", bucket.vset, excess + 1)
+        victims = [m for m in sample if m != response_key.encode()][:excess]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for victim in victims:
+                pipe.execute_command("VREM", bucket.vset, victim)
+            await pipe.execute()
 
     async def prefetch(self, bucket: BucketKeys, also_get: str | None = None) -> bytes | None:
         """The value of `also_get` (nothing to bring up to date: the search runs on the server)."""
