@@ -40,22 +40,30 @@ class NotLoraAdapter(AdapterError):
 
 
 class DoraUnsupported(AdapterError):
-    """A DoRA adapter where DoRA cannot be served: an engine without the base weights its
-    scales are computed from."""
+    """A DoRA adapter where DoRA cannot be served: on the embedding or the lm_head, or in an
+    engine without the base weights its scales are computed from."""
 
     code = "dora_unsupported"
 
 
 class ModulesToSaveUnsupported(AdapterError):
-    """`modules_to_save` replaces whole base-model modules; only low-rank deltas are served."""
+    """`modules_to_save` names a module other than the token embedding and the lm_head."""
 
     code = "modules_to_save_unsupported"
 
 
-class EmbeddingTargetUnsupported(AdapterError):
-    """A target is the token embedding or the lm_head."""
+class AddedTokensUnsupported(AdapterError):
+    """The adapter's embedding or lm_head has another vocabulary size than the base model's: it
+    adds (or drops) tokens, which the tokenizer side does not support yet."""
 
-    code = "embedding_target_unsupported"
+    code = "added_tokens_unsupported"
+
+
+class BaseWeightsDiffer(AdapterError):
+    """A copy of a base-model weight saved with the adapter (PEFT saves the embedding and the
+    lm_head it adapts) differs from the base model's: the adapter was made for another model."""
+
+    code = "base_weights_differ"
 
 
 class UnknownTargetModule(AdapterError):

@@ -27,6 +27,11 @@ so for a token x using slot s, slice l's output y becomes, with r = ranks[s, l],
     y + (x @ A.T) @ B.T,  A = pool[a_offsets[s, l]:][:r * H_in].view(r, H_in),
                           B = pool[b_offsets[s, l]:][:N_slice * r].view(N_slice, r)
 and with DoRA  (y + (x @ A.T) @ B.T) * pool[scale_offsets[s, l]:][:N_slice].
+
+After its (layer, group) blocks, an adapter's region holds its token-embedding and lm_head
+weights, if any: LoRA pairs (A, B) then saved copies (adapters.peft_top). No kernel reads them:
+`TopTable` keeps, per slot, views of them in the pool (`TopWeights`), which the embedding and
+logits steps use directly (engine.lora.top_modules).
 Which region an adapter gets is the caller's choice (engine.lora.memory allocates them).
 """
 
@@ -39,6 +44,7 @@ import torch
 from loramux.adapters.base_spec import BaseModelSpec
 from loramux.adapters.errors import RankOverLimit, ShapeMismatch
 from loramux.adapters.peft_format import LoraAdapter
+from loramux.adapters.weights import LoraWeights
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q", "k", "v"),
@@ -141,6 +147,63 @@ class StackedLora:
         self.scale_offsets[slot].fill_(-1)
 
 
+@dataclass(frozen=True)
+class TopWeights:
+    """An adapter's embedding and lm_head weights (LoRA pairs and saved copies, by module), in
+    the pool or in its host copy."""
+
+    top: dict[str, LoraWeights]
+    saved: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, adapter: LoraAdapter) -> TopWeights | None:
+        """The adapter's own (host) weights; None when it has none."""
+        if not (adapter.top or adapter.saved):
+            return None
+        return cls(dict(adapter.top), dict(adapter.saved))
+
+    @property
+    def adapts_embedding(self) -> bool:
+        return "embed_tokens" in self.top or "embed_tokens" in self.saved
+
+
+TOP_BLOCK = (-1, "top")
+"""The block key of a region's embedding and lm_head part (engine.lora.slot_copy)."""
+
+
+class TopTable:
+    """Per slot, where its adapter's embedding and lm_head weights lie in the pool."""
+
+    def __init__(self, pool: torch.Tensor, max_slots: int) -> None:
+        self.pool = pool
+        self.entries: list[TopWeights | None] = [None] * max_slots
+
+    @staticmethod
+    def elements(adapter: LoraAdapter) -> int:
+        return sum(t.numel() for w in adapter.top.values() for t in w.tensors()) + sum(
+            t.numel() for t in adapter.saved.values()
+        )
+
+    def write_slot(self, slot: int, adapter: LoraAdapter, start: int) -> int:
+        """Copy the adapter's embedding and lm_head weights into the pool from `start` (in
+        `LoraAdapter.flat_tensors` order) and point `slot` at them. Returns the end."""
+
+        def place(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal start
+            view = self.pool[start : start + tensor.numel()].view_as(tensor)
+            view.copy_(tensor, non_blocking=True)
+            start += tensor.numel()
+            return view
+
+        top = {m: LoraWeights(place(w.a), place(w.b)) for m, w in sorted(adapter.top.items())}
+        saved = {m: place(t) for m, t in sorted(adapter.saved.items())}
+        self.entries[slot] = TopWeights(top, saved) if (top or saved) else None
+        return start
+
+    def clear_slot(self, slot: int) -> None:
+        self.entries[slot] = None
+
+
 class LoraStack:
     """The pool of one base model's adapter weights and every (layer, group)'s `StackedLora`.
 
@@ -158,6 +221,7 @@ class LoraStack:
         self.pool = pool
         self.groups = groups
         self.max_rank = max_rank
+        self.top = TopTable(pool, self.max_slots)
 
     @classmethod
     def allocate(
@@ -196,8 +260,9 @@ class LoraStack:
 
     @staticmethod
     def region_elements(adapter: LoraAdapter) -> int:
-        """Pool elements the adapter's region takes: its pairs at their own ranks (and scales)."""
-        return sum(t.numel() for w in adapter.modules.values() for t in w.tensors())
+        """Pool elements the adapter's region takes: its pairs at their own ranks (and scales),
+        and its embedding and lm_head weights."""
+        return sum(t.numel() for t in adapter.flat_tensors())
 
     @property
     def max_slots(self) -> int:
@@ -220,7 +285,16 @@ class LoraStack:
         for key, stacked in self.groups.items():
             starts.append((key, start))
             start += stacked.elements(adapter)
+        if TopTable.elements(adapter):
+            starts.append((TOP_BLOCK, start))
         return starts
+
+    def write_block(
+        self, slot: int, key: tuple[int, str], adapter: LoraAdapter, start: int
+    ) -> None:
+        """Write one block of `block_starts` (a (layer, group) or TOP_BLOCK) into `slot`."""
+        table = self.top if key == TOP_BLOCK else self.groups[key]
+        table.write_slot(slot, adapter, start)
 
     def write_slot(self, slot: int, adapter: LoraAdapter, start: int) -> None:
         """Copy the adapter into the region from element `start` (`region_elements` long) and
@@ -228,12 +302,14 @@ class LoraStack:
         self._check_fits(slot, adapter, start)
         for stacked in self.groups.values():
             start = stacked.write_slot(slot, adapter, start)
+        self.top.write_slot(slot, adapter, start)
 
     def clear_slot(self, slot: int) -> None:
         """Empty `slot` in every layer and group."""
         self._check_slot(slot)
         for stacked in self.groups.values():
             stacked.clear_slot(slot)
+        self.top.clear_slot(slot)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_slots:
@@ -253,6 +329,13 @@ class LoraStack:
                 raise ShapeMismatch(
                     f"adapter {adapter.digest[:12]} does not fit the base model at layer {layer} {proj}"
                 )
+        vocab, hidden = self.base.vocab, self.base.hidden_size
+        top_shapes = {"embed_tokens": (vocab, hidden), "lm_head": (hidden, vocab)}
+        for module, weights in adapter.top.items():
+            if (weights.a.shape[1], weights.b.shape[0]) != top_shapes[module]:
+                raise ShapeMismatch(f"adapter {adapter.digest[:12]}'s {module} does not fit")
+        if any(t.shape != (vocab, hidden) for t in adapter.saved.values()):
+            raise ShapeMismatch(f"adapter {adapter.digest[:12]}'s saved modules do not fit")
         end = start + self.region_elements(adapter)
         if not 0 <= start <= end <= self.pool_elements:
             raise IndexError(f"region {start}..{end} is outside the pool of {self.pool_elements}")

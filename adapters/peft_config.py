@@ -1,10 +1,10 @@
 """Parse and validate a PEFT `adapter_config.json` against the base model.
 
 The result, `LoraSettings`, is everything in the config that changes the math: the rank,
-the scaling, whether it is DoRA and the exact set of (layer, projection) modules the adapter
-adapts, resolved
-the way PEFT resolves `target_modules` / `exclude_modules` / `layers_to_transform` against
-the module names of a Hugging Face `LlamaForCausalLM`.
+the scaling, whether it is DoRA, the exact set of (layer, projection) modules the adapter
+adapts, and whether it adapts (LoRA) or replaces (`modules_to_save`) the token embedding and the
+lm_head, resolved the way PEFT resolves `target_modules` / `exclude_modules` /
+`layers_to_transform` against the module names of a Hugging Face `LlamaForCausalLM`.
 
 Policy for the many other PEFT fields: a known option the engine cannot honour is refused
 with its own error; fields that only matter at training time are ignored; any other field
@@ -21,7 +21,7 @@ from typing import Any
 from loramux.adapters.base_spec import PROJECTIONS, BaseModelSpec
 from loramux.adapters.errors import (
     BiasUnsupported,
-    EmbeddingTargetUnsupported,
+    DoraUnsupported,
     InvalidAdapterConfig,
     ModulesToSaveUnsupported,
     NotLoraAdapter,
@@ -42,7 +42,8 @@ PARENT_MODULE = {
 }
 """The Llama submodule holding each projection; its PEFT name is `<projection>_proj`."""
 
-EMBEDDING_MODULES = ("model.embed_tokens", "lm_head")
+TOP_MODULES = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}
+"""The modules outside the layers an adapter may adapt or save, by loramux name: PEFT's name."""
 
 # Fields read only while training or creating the adapter, or metadata: no effect on inference.
 _IGNORED_FIELDS = frozenset(
@@ -73,9 +74,14 @@ class LoraSettings:
     alpha: float
     use_rslora: bool
     modules: frozenset[tuple[int, str]]
-    """(layer index, projection) pairs that carry a LoRA pair; never empty."""
+    """(layer index, projection) pairs that carry a LoRA pair."""
     use_dora: bool = False
     """Every module also carries a magnitude vector (PEFT's `use_dora`)."""
+    top: frozenset[str] = frozenset()
+    """Of TOP_MODULES, those that carry a LoRA pair (never DoRA)."""
+    saved: frozenset[str] = frozenset()
+    """Of TOP_MODULES, those the adapter replaces by its own full copy (`modules_to_save`).
+    Together with `modules` and `top`, never empty, and disjoint from `top`."""
 
     @property
     def scaling(self) -> float:
@@ -91,8 +97,13 @@ class LoraSettings:
             "use_rslora": self.use_rslora,
             "modules": sorted(f"{layer}.{proj}" for layer, proj in self.modules),
         }
-        if self.use_dora:  # only when set: plain adapters keep the digests they always had
+        # Only when set: adapters without them keep the digests they always had.
+        if self.use_dora:
             canonical["use_dora"] = True
+        if self.top:
+            canonical["top_modules"] = sorted(self.top)
+        if self.saved:
+            canonical["modules_to_save"] = sorted(self.saved)
         return canonical
 
 
@@ -118,19 +129,32 @@ def parse_lora_config(config: Any, base: BaseModelSpec, max_rank: int) -> LoraSe
     use_dora = config.get("use_dora") or False
     if not isinstance(use_dora, bool):
         raise InvalidAdapterConfig(f"use_dora must be true or false, not {_brief(use_dora)}")
-    modules = _resolve_modules(config, base)
+    modules, top = _resolve_modules(config, base)
+    saved = _modules_to_save(config)
+    if top & saved:
+        raise InvalidAdapterConfig(
+            f"{', '.join(sorted(top & saved))} is both a LoRA target and in modules_to_save"
+        )
+    if use_dora and top:
+        raise DoraUnsupported(
+            f"DoRA on {', '.join(sorted(top))} is not supported; only on the projections"
+        )
+    if not (modules or top or saved):
+        raise InvalidAdapterConfig("target_modules selects no module of the base model")
     return LoraSettings(
-        rank=rank, alpha=float(alpha), use_rslora=use_rslora, modules=modules, use_dora=use_dora
+        rank=rank,
+        alpha=float(alpha),
+        use_rslora=use_rslora,
+        modules=modules,
+        use_dora=use_dora,
+        top=top,
+        saved=saved,
     )
 
 
 def _refuse_unsupported_features(config: dict[str, Any]) -> None:
-    """Refuse every option that would make the adapter more than LoRA or DoRA on linear layers."""
-    if config.get("modules_to_save"):
-        raise ModulesToSaveUnsupported(
-            f"modules_to_save {_brief(config['modules_to_save'])} would replace base-model modules; "
-            "only LoRA deltas are served"
-        )
+    """Refuse every option that would make the adapter more than LoRA or DoRA on linear layers
+    (and the embedding and lm_head)."""
     if config.get("bias", "none") != "none" or config.get("lora_bias"):
         raise BiasUnsupported(
             f"adapters may not train biases (bias={_brief(config.get('bias'))}, "
@@ -158,13 +182,17 @@ def _required_int(config: dict[str, Any], name: str) -> int:
     return value
 
 
-def _resolve_modules(config: dict[str, Any], base: BaseModelSpec) -> frozenset[tuple[int, str]]:
-    """Apply PEFT's module matching to the base model's module names.
+def _resolve_modules(
+    config: dict[str, Any], base: BaseModelSpec
+) -> tuple[frozenset[tuple[int, str]], frozenset[str]]:
+    """Apply PEFT's module matching to the base model's module names: the (layer, projection)
+    modules and the TOP_MODULES targeted.
 
     A list entry t matches module name n when n == t or n ends with "." + t (so "q_proj",
     "self_attn.q_proj" and "model.layers.3.self_attn.q_proj" all work); "all-linear" means
-    every projection's full name, as PEFT expands it. Entries matching nothing, or an
-    embedding, are refused.
+    every projection's full name, as PEFT expands it (it leaves out the lm_head). Entries
+    matching nothing are refused. With `layers_to_transform`, only exact names select the
+    embedding or the lm_head (they are in no layer), as in PEFT.
     """
     names = {
         f"model.layers.{layer}.{PARENT_MODULE[proj]}.{proj}_proj": (layer, proj)
@@ -179,14 +207,10 @@ def _resolve_modules(config: dict[str, Any], base: BaseModelSpec) -> frozenset[t
         raise InvalidAdapterConfig("target_modules is required")
     excludes = _target_list(config.get("exclude_modules"), "exclude_modules")
     for target in targets:
-        if any(_matches(embedding, target) for embedding in EMBEDDING_MODULES):
-            raise EmbeddingTargetUnsupported(
-                f"target {_brief(target)} is the token embedding or lm_head; only q/k/v/o/gate/up/down "
-                "projections may be adapted"
-            )
-        if not any(_matches(name, target) for name in names):
+        if not any(_matches(name, target) for name in [*names, *TOP_MODULES.values()]):
             raise UnknownTargetModule(
-                f"target {_brief(target)} names no q/k/v/o/gate/up/down projection of the base model"
+                f"target {_brief(target)} names no q/k/v/o/gate/up/down projection, embed_tokens "
+                "or lm_head of the base model"
             )
     layers = _layers_to_transform(config)
     modules = frozenset(
@@ -195,9 +219,28 @@ def _resolve_modules(config: dict[str, Any], base: BaseModelSpec) -> frozenset[t
         if not any(_matches(name, exclude) for exclude in excludes)
         and _is_targeted(name, module[0], targets, layers)
     )
-    if not modules:
-        raise InvalidAdapterConfig("target_modules selects no module of the base model")
-    return modules
+    top = frozenset(
+        short
+        for short, name in TOP_MODULES.items()
+        if not any(_matches(name, exclude) for exclude in excludes)
+        and _is_targeted(name, None, targets, layers)
+    )
+    return modules, top
+
+
+def _modules_to_save(config: dict[str, Any]) -> frozenset[str]:
+    """The TOP_MODULES named in `modules_to_save` (PEFT matches its entries as suffixes)."""
+    entries = _target_list(config.get("modules_to_save"), "modules_to_save")
+    saved = set()
+    for entry in entries:
+        matched = [short for short, name in TOP_MODULES.items() if _matches(name, entry)]
+        if not matched:
+            raise ModulesToSaveUnsupported(
+                f"modules_to_save names {_brief(entry)}; only embed_tokens and lm_head can be "
+                "saved whole"
+            )
+        saved.update(matched)
+    return frozenset(saved)
 
 
 def _target_list(value: Any, field: str) -> list[str]:
@@ -219,11 +262,14 @@ def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
-def _is_targeted(name: str, layer: int, targets: list[str], layers: frozenset[int] | None) -> bool:
-    """PEFT's rule: an exact name always counts; a suffix match only within layers_to_transform."""
+def _is_targeted(
+    name: str, layer: int | None, targets: list[str], layers: frozenset[int] | None
+) -> bool:
+    """PEFT's rule: an exact name always counts; a suffix match only within layers_to_transform
+    (never, when it is set, for a module in no layer: `layer` None)."""
     if name in targets:
         return True
-    in_layers = layers is None or layer in layers
+    in_layers = layers is None or (layer is not None and layer in layers)
     return in_layers and any(name.endswith("." + target) for target in targets)
 
 

@@ -9,7 +9,8 @@ values (finite). Any refusal raises an `AdapterError` subclass.
 PEFT names each weight `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`
 (`base_model.model.layers…` when the adapter was made on the bare `LlamaModel`), and a DoRA
 module's magnitude vector `…q_proj.lora_magnitude_vector`; inside loramux a weight is
-`layers.{i}.{projection}.lora_{A|B}` or `layers.{i}.{projection}.lora_magnitude`.
+`layers.{i}.{projection}.lora_{A|B}` or `layers.{i}.{projection}.lora_magnitude`. The token
+embedding's and the lm_head's tensors are read by adapters.peft_top.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,6 +42,16 @@ from loramux.adapters.errors import (
     UnsupportedDtype,
 )
 from loramux.adapters.peft_config import PARENT_MODULE, LoraSettings, parse_lora_config
+from loramux.adapters.peft_top import (
+    BaseWeights,
+    check_top_shape,
+    finite,
+    fold_top,
+    match_top_keys,
+    top_floats,
+    top_name,
+)
+from loramux.adapters.weights import LoraWeights
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -60,10 +71,6 @@ _HALF = {"A.weight": "A", "B.weight": "B", "magnitude_vector": "M"}
 ModuleKey = tuple[int, str]
 """(layer index, projection name)."""
 
-BaseWeights = Callable[[ModuleKey], torch.Tensor]
-"""The base model's weight of a projection, [out_features, in_features], in any dtype on any
-device: DoRA's scale is computed from it at load."""
-
 
 @dataclass(frozen=True)
 class AdapterLimits:
@@ -81,28 +88,6 @@ class AdapterLimits:
             raise ValueError("max_file_bytes must be positive")
 
 
-@dataclass(frozen=True)
-class LoraWeights:
-    """One adapted projection: delta_W = b @ a, scaling already folded into `b`.
-
-    Both are float32, whatever the file's dtype (float16 and bfloat16 convert exactly, and
-    the fold then rounds once in float32); the engine casts to its own dtype when it copies
-    them into a device slot.
-    """
-
-    a: torch.Tensor
-    """[rank, in_features] float32."""
-    b: torch.Tensor
-    """[out_features, rank] float32, equal to the file's lora_B times the adapter's scaling."""
-    scale: torch.Tensor | None = None
-    """DoRA only: [out_features] float32, the output's per-channel scale (adapters.dora). None
-    for plain LoRA, and for a DoRA adapter loaded without the base weights (validation only)."""
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """A, B and (DoRA) the scale, in the order they are laid out in memory."""
-        return (self.a, self.b) if self.scale is None else (self.a, self.b, self.scale)
-
-
 @dataclass(frozen=True, eq=False)
 class LoraAdapter:
     """A validated LoRA adapter for one base model. Treat it as immutable (tensors included);
@@ -118,6 +103,11 @@ class LoraAdapter:
     modules: Mapping[ModuleKey, LoraWeights]
     use_dora: bool = False
     """DoRA: every module's output is rescaled by its `scale` (set when loaded with base weights)."""
+    top: Mapping[str, LoraWeights] = field(default_factory=dict)
+    """LoRA on "embed_tokens" (a [r, vocab], b [hidden, r]) and "lm_head" (a [r, hidden],
+    b [vocab, r])."""
+    saved: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """modules_to_save: the adapter's own [vocab, hidden] float32 "embed_tokens" or "lm_head"."""
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -128,7 +118,13 @@ class LoraAdapter:
     @property
     def nbytes(self) -> int:
         """Host memory held by the weights."""
-        return sum(t.nbytes for w in self.modules.values() for t in w.tensors())
+        return sum(t.nbytes for t in self.flat_tensors())
+
+    def flat_tensors(self) -> list[torch.Tensor]:
+        """Every weight in memory order: the modules' (A, B, scale), the embedding's and
+        lm_head's pairs, then the saved copies."""
+        pairs = [*self.modules.values(), *(self.top[m] for m in sorted(self.top))]
+        return [t for w in pairs for t in w.tensors()] + [self.saved[m] for m in sorted(self.saved)]
 
 
 Storage = Callable[[int], torch.Tensor]
@@ -156,18 +152,22 @@ def load_peft_adapter(
     for module in settings.modules:
         in_features, out_features = base.projection_shape(module[1])
         sizes[module] = settings.rank * (in_features + out_features) + scaled * out_features
-    flat = storage(sum(sizes.values())) if storage is not None else None
+    layers_floats = sum(sizes.values())
+    flat = storage(layers_floats + top_floats(settings, base)) if storage is not None else None
     modules: dict[ModuleKey, LoraWeights] = {}
     offset = 0
     for module in sorted(settings.modules):
         out = flat[offset : offset + sizes[module]] if flat is not None else None
         weights = _fold(raw, module, settings.scaling, settings.rank, out)
         if settings.use_dora:
-            magnitude = _finite(raw, weight_name(module, "M"))
+            magnitude = finite(raw[weight_name(module, "M")], weight_name(module, "M"))
             if base_weights is not None:
-                weights = _with_dora_scale(module, weights, magnitude, base_weights(module), out)
+                weight = base_weights.projection_weight(*module)
+                weights = _with_dora_scale(module, weights, magnitude, weight, out)
         modules[module] = weights
         offset += sizes[module]
+    top_out = flat[layers_floats:] if flat is not None else None
+    top, saved = fold_top(raw, settings, base_weights, top_out)
     return LoraAdapter(
         digest=digest,
         rank=settings.rank,
@@ -176,6 +176,8 @@ def load_peft_adapter(
         scaling=settings.scaling,
         modules=modules,
         use_dora=settings.use_dora,
+        top=top,
+        saved=saved,
     )
 
 
@@ -247,13 +249,19 @@ def _read_weights(
     """Every LoRA weight by loramux name, as stored, after checking the header and values."""
     try:
         with safe_open(str(path), framework="pt") as file:
+            top_keys, rest = match_top_keys(sorted(file.keys()), settings)
             halves = "ABM" if settings.use_dora else "AB"
-            keys = _match_keys(list(file.keys()), settings.modules, halves)
+            keys = _match_keys(rest, settings.modules, halves)
             for (module, half), key in keys.items():
                 tensor_slice = file.get_slice(key)
                 _check_dtype(weight_name(module, half), tensor_slice.get_dtype())
                 _check_shape(module, half, list(tensor_slice.get_shape()), settings.rank, base)
+            for top_key, key in top_keys.items():
+                tensor_slice = file.get_slice(key)
+                _check_dtype(top_name(top_key), tensor_slice.get_dtype())
+                check_top_shape(top_key, list(tensor_slice.get_shape()), settings.rank, base)
             weights = {weight_name(*weight): file.get_tensor(key) for weight, key in keys.items()}
+            weights |= {top_name(k): file.get_tensor(key) for k, key in top_keys.items()}
     except SafetensorError as error:
         raise InvalidWeightsFile(
             f"{WEIGHTS_FILE} is not a valid safetensors file: {error}"
@@ -330,13 +338,6 @@ def _fold(
         if not bool(torch.isfinite(tensor).all()):
             raise NonFiniteWeights(f"{weight_name(module, half)} holds NaN or infinite values")
     return LoraWeights(a=a, b=b)
-
-
-def _finite(raw: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    tensor = raw[name]
-    if not bool(torch.isfinite(tensor).all()):
-        raise NonFiniteWeights(f"{name} holds NaN or infinite values")
-    return tensor
 
 
 def _with_dora_scale(

@@ -146,7 +146,7 @@ class LLMEngine:
             c.lora_memory_bytes,
             load_workers=c.lora_load_workers,
             copy_groups_per_step=c.lora_copy_groups_per_step,
-            base_weights=lambda module: self.model.projection_weight(*module),
+            base_weights=self.model,
         )
 
     # -- adapters -----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 
 from loramux.engine.config import EngineConfig
 from loramux.engine.cuda_graphs import DecodeGraphs, graph_batches
-from loramux.engine.lora.batch import needs_host_path, order_by_adapter
+from loramux.engine.lora.batch import LoraBatch, needs_eager, order_by_adapter
 from loramux.engine.lora.manager import LoraManager
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LlamaModel
@@ -103,7 +103,7 @@ class ModelRunner:
         chunks is padded to `pad_to` rows, by default to the batch of the smallest captured
         graph that holds it (if any)."""
         one_token = all(c.num_tokens == 1 for c in scheduled)
-        eager = needs_host_path(scheduled, self.lora)  # Python LoRA work: not in a graph
+        eager = needs_eager(scheduled, self.lora)  # Python LoRA work: not in a graph
         if pad_to is None and self.graphs is not None and one_token and not eager:
             pad_to = self.graphs.batch_for(len(scheduled))
         lora = order_by_adapter(scheduled, self.lora, self._lora_buffers, pad_to)
@@ -129,7 +129,12 @@ class ModelRunner:
             hidden = self.graphs.replay(inputs.graph_batch)
         else:
             hidden = self.model(inputs.input_ids, inputs.context)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        sampled = hidden[inputs.logits_indices]
+        logits = self.model.compute_logits(sampled)
+        if isinstance(inputs.context.lora, LoraBatch) and inputs.context.lora.top:
+            with torch.inference_mode():  # the logits are an inference tensor
+                inputs.context.lora.adjust_logits(inputs.logits_indices, sampled, logits)
+        return logits
 
     def _prepare_padding(self, batch: int) -> None:
         """Step buffers holding `batch` padding rows and nothing else, as graphs are captured."""

@@ -9,7 +9,8 @@ no slot (kernels.lora_meta's padded layout), so the kernels' grid is the graph's
 
 Chunks whose adapter is still being copied into its slot come after the slotted ones, grouped by
 adapter, and their LoRA work is the host path's (engine.lora.host_path); such a step never
-replays a graph (the runner checks `needs_host_path`).
+replays a graph (the runner checks `needs_eager`), nor does one with an adapter that changes the
+token embedding. Embedding and lm_head weights are engine.lora.top_modules' work.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from loramux.adapters.layout import GROUPS, LoraStack
 from loramux.adapters.peft_format import LoraAdapter
 from loramux.engine.lora.host_path import HostLoraPath, HostRun
 from loramux.engine.lora.manager import LoraManager
+from loramux.engine.lora.top_modules import TopRun, apply_embedding, apply_logits
 from loramux.engine.scheduler import ScheduledChunk
 from loramux.kernels.lora_expand import bgmv_expand, sgmv_expand
 from loramux.kernels.lora_meta import LoraBatchMeta, LoraMetaBuffers
@@ -39,12 +41,15 @@ class LoraBatch:
         meta: LoraBatchMeta | None,
         per_token: bool,
         host: HostLoraPath | None = None,
+        top: list[TopRun] | None = None,
     ):
         self.stack = stack
         self.meta = meta
         """The slotted tokens; None when every adapted token takes the host path."""
         self.per_token = per_token
         self.host = host
+        self.top = top or []
+        """Runs of tokens whose adapter has embedding or lm_head weights."""
 
     @classmethod
     def build(
@@ -55,16 +60,27 @@ class LoraBatch:
         per_token: bool,
         pad_to: int | None = None,
         host: HostLoraPath | None = None,
+        top: list[TopRun] | None = None,
     ) -> LoraBatch | None:
         """None when no token of the step uses an adapter: the step then costs no LoRA work.
         With `pad_to` (a CUDA graph's batch) there is always a batch, in the padded layout."""
         if pad_to is not None:
             assert host is None, "a graph replay cannot run the host path"
-            return cls(stack, buffers.build(token_slots, pad_to), per_token=True)
+            return cls(stack, buffers.build(token_slots, pad_to), per_token=True, top=top)
         slotted = any(s is not None for s in token_slots)
-        if not slotted and host is None:
+        if not slotted and host is None and not top:
             return None
-        return cls(stack, buffers.build(token_slots) if slotted else None, per_token, host)
+        meta = buffers.build(token_slots) if slotted else None
+        return cls(stack, meta, per_token, host, top)
+
+    def embed(self, input_ids: torch.Tensor, x: torch.Tensor) -> None:
+        apply_embedding([r for r in self.top if r.weights.adapts_embedding], input_ids, x)
+
+    def adjust_logits(
+        self, logits_indices: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor
+    ) -> None:
+        """Apply lm_head weights to the logits of the sampled rows (after the forward pass)."""
+        apply_logits(self.top, logits_indices, hidden, logits)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         if self.host is not None:
@@ -156,15 +172,37 @@ def order_by_adapter(
     token_slots = [slots[id(c)] for c in ordered for _ in range(c.num_tokens)]
     per_token = all(c.num_tokens == 1 for c in ordered)
     host = _host_path(ordered, hosts, manager)
-    batch = LoraBatch.build(manager.stack, buffers, token_slots, per_token, pad_to, host)
+    top = _top_runs(ordered, manager)
+    batch = LoraBatch.build(manager.stack, buffers, token_slots, per_token, pad_to, host, top)
     return LoraStep(ordered, batch)
 
 
-def needs_host_path(chunks: list[ScheduledChunk], manager: LoraManager | None) -> bool:
-    """Some chunk's adapter is still being copied into its slot."""
-    return manager is not None and any(
-        manager.host_adapter(c.seq.adapter_id) is not None for c in chunks
-    )
+def needs_eager(chunks: list[ScheduledChunk], manager: LoraManager | None) -> bool:
+    """The step's forward pass does Python LoRA work a CUDA graph would not capture: some
+    chunk's adapter is still being copied into its slot, or changes the token embedding."""
+    if manager is None:
+        return False
+    for c in chunks:
+        digest = c.seq.adapter_id
+        top = manager.top_weights(digest)
+        if manager.host_adapter(digest) is not None or (top is not None and top.adapts_embedding):
+            return True
+    return False
+
+
+def _top_runs(ordered: list[ScheduledChunk], manager: LoraManager) -> list[TopRun]:
+    """Runs of the ordered chunks' token rows whose adapter has embedding or lm_head weights."""
+    runs: list[TopRun] = []
+    row = 0
+    for c in ordered:
+        weights = manager.top_weights(c.seq.adapter_id)
+        if weights is not None:
+            if runs and runs[-1].weights is weights and runs[-1].end == row:
+                runs[-1] = TopRun(weights, runs[-1].start, row + c.num_tokens)
+            else:
+                runs.append(TopRun(weights, row, row + c.num_tokens))
+        row += c.num_tokens
+    return runs
 
 
 def _host_path(

@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from loramux.adapters.peft_format import LoraAdapter, LoraWeights
+from loramux.adapters.peft_format import LoraAdapter
+from loramux.adapters.weights import LoraWeights
 
 MIN_BUFFER_FLOATS = 1 << 12
 """The smallest buffer handed out (16 KiB): tiny adapters share one size class."""
@@ -82,17 +83,25 @@ class HostBufferPool:
 
 def adapter_floats(adapter: LoraAdapter) -> int:
     """The float32 values of an adapter's weights: the buffer size it needs."""
-    return sum(t.numel() for w in adapter.modules.values() for t in w.tensors())
+    return sum(t.numel() for t in adapter.flat_tensors())
 
 
 def move_into(adapter: LoraAdapter, buffer: torch.Tensor) -> LoraAdapter:
     """The same adapter with its weights copied into `buffer` (at least `adapter_floats` long)."""
-    modules: dict[tuple[int, str], LoraWeights] = {}
     offset = 0
-    for module, weights in adapter.modules.items():
-        views = []
-        for tensor in weights.tensors():
-            views.append(buffer[offset : offset + tensor.numel()].view(tensor.shape).copy_(tensor))
-            offset += tensor.numel()
-        modules[module] = LoraWeights(*views)
-    return replace(adapter, modules=modules)
+
+    def view(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal offset
+        moved = buffer[offset : offset + tensor.numel()].view(tensor.shape).copy_(tensor)
+        offset += tensor.numel()
+        return moved
+
+    def moved(weights: LoraWeights) -> LoraWeights:
+        return LoraWeights(*map(view, weights.tensors()))
+
+    return replace(
+        adapter,
+        modules={module: moved(weights) for module, weights in adapter.modules.items()},
+        top={module: moved(adapter.top[module]) for module in sorted(adapter.top)},
+        saved={module: view(adapter.saved[module]) for module in sorted(adapter.saved)},
+    )

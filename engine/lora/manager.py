@@ -38,13 +38,9 @@ import torch
 
 from loramux.adapters.base_spec import BaseModelSpec
 from loramux.adapters.errors import DoraUnsupported, OverMemoryBudget
-from loramux.adapters.layout import LoraStack
-from loramux.adapters.peft_format import (
-    AdapterLimits,
-    BaseWeights,
-    LoraAdapter,
-    load_peft_adapter,
-)
+from loramux.adapters.layout import LoraStack, TopWeights
+from loramux.adapters.peft_format import AdapterLimits, LoraAdapter, load_peft_adapter
+from loramux.adapters.peft_top import BaseWeights
 from loramux.engine.lora.host_buffers import HostBufferPool, adapter_floats, move_into
 from loramux.engine.lora.memory import RegionAllocator
 from loramux.engine.lora.slot_copy import SlotCopies
@@ -278,6 +274,16 @@ class LoraManager:
         if slot is None or not self.copies.copying(slot):
             return None
         return self.copies.adapter(slot)
+
+    def top_weights(self, digest: str) -> TopWeights | None:
+        """A running sequence's adapter's embedding and lm_head weights, from its slot, or
+        from its host copy while the device copy is under way; None when it has none."""
+        if digest == BASE_ADAPTER:
+            return None
+        slot = self._slot_of[digest]
+        if self.copies.copying(slot):
+            return TopWeights.of(self.copies.adapter(slot))
+        return self.stack.top.entries[slot]
 
     def count_host_path(self, digest: str, tokens: int) -> None:
         self.stats[digest].host_path_tokens += tokens

@@ -80,7 +80,7 @@ class SlotCopies:
             else:
                 while copy.pending and budget > 0:
                     key, start = copy.pending.pop()
-                    self.stack[key].write_slot(slot, copy.adapter, start)
+                    self.stack.write_block(slot, key, copy.adapter, start)
                     budget -= 1
                 finished = not copy.pending
             if finished:

@@ -20,9 +20,12 @@ from loramux.kernels.paged_attention import AttentionMetadata, paged_attention, 
 
 
 class LoraApplier(Protocol):
-    """Adds the LoRA delta of each token's adapter to a projection's output, in place."""
+    """Each token's adapter, applied in place: the LoRA delta to a projection's output, and
+    its embedding weights (if any) to the token embeddings."""
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None: ...
+
+    def embed(self, input_ids: torch.Tensor, x: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -133,6 +136,8 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """input_ids: [T] → final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        if ctx.lora is not None:
+            ctx.lora.embed(input_ids, x)
         for layer in self.layers:
             x = layer(x, ctx)
         return self.norm(x)
@@ -153,6 +158,11 @@ class LlamaModel(nn.Module):
             "down": (mlp.down_proj, 0, None),
         }[proj]
         return linear.weight.detach()[start:end]
+
+    def top_weight(self, module: str) -> torch.Tensor:
+        """The [vocab, hidden] weight of "embed_tokens" or "lm_head"."""
+        linear = self.embed_tokens if module == "embed_tokens" else self.lm_head
+        return linear.weight.detach()
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

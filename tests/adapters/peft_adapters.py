@@ -103,3 +103,18 @@ def save_weights(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(folder / "adapter_model.safetensors")
+
+
+class HfBaseWeights:
+    """A Hugging Face Llama's weights as adapters.peft_top.BaseWeights."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.state = model.state_dict()
+
+    def projection_weight(self, layer: int, proj: str) -> torch.Tensor:
+        parent = "mlp" if proj in ("gate", "up", "down") else "self_attn"
+        return self.state[f"model.layers.{layer}.{parent}.{proj}_proj.weight"]
+
+    def top_weight(self, module: str) -> torch.Tensor:
+        name = "model.embed_tokens.weight" if module == "embed_tokens" else "lm_head.weight"
+        return self.state[name]

@@ -10,9 +10,11 @@ import torch
 from peft import PeftModel
 
 from loramux.adapters.errors import AdapterError
-from loramux.adapters.peft_format import AdapterLimits, BaseWeights, load_peft_adapter
+from loramux.adapters.peft_format import AdapterLimits, load_peft_adapter
+from loramux.adapters.peft_top import BaseWeights
 from loramux.engine.lora.manager import LoraManager
 from tests.adapters.peft_adapters import (
+    HfBaseWeights,
     edit_config,
     edit_weights,
     load_weights,
@@ -30,14 +32,7 @@ def magnitude_key(layer: int, proj: str) -> str:
 
 
 def base_weights(model: torch.nn.Module) -> BaseWeights:
-    state = model.state_dict()
-
-    def weight(module: tuple[int, str]) -> torch.Tensor:
-        layer, proj = module
-        parent = "mlp" if proj in ("gate", "up", "down") else "self_attn"
-        return state[f"model.layers.{layer}.{parent}.{proj}_proj.weight"]
-
-    return weight
+    return HfBaseWeights(model)
 
 
 def make_dora(folder: Path, seed: int = 0, **kwargs: object) -> Path:
@@ -75,7 +70,7 @@ def test_the_scale_is_what_peft_multiplies_each_output_channel_by(tmp_path: Path
         inputs = x[:, : weights.a.shape[1]]
         with torch.no_grad():
             expected = module(inputs)
-        base = inputs @ base_weights(model)((layer, proj)).T
+        base = inputs @ base_weights(model).projection_weight(layer, proj).T
         served = (base + inputs @ weights.a.T @ weights.b.T) * weights.scale
         torch.testing.assert_close(served, expected, rtol=1e-5, atol=1e-5)
         plain = base + inputs @ weights.a.T @ weights.b.T

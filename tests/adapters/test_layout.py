@@ -11,7 +11,7 @@ import torch
 from loramux.adapters.errors import RankOverLimit, ShapeMismatch
 from loramux.adapters.layout import GROUPS, LoraStack, slice_offsets
 from loramux.adapters.peft_format import AdapterLimits, LoraAdapter, load_peft_adapter
-from tests.adapters.peft_adapters import make_peft_adapter, tiny_base, tiny_model
+from tests.adapters.peft_adapters import HfBaseWeights, make_peft_adapter, tiny_base, tiny_model
 
 ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -209,12 +209,7 @@ def test_slots_on_a_cuda_device_match_the_cpu_layout(tmp_path: Path) -> None:
 def test_a_dora_adapter_region_holds_each_scale_after_its_pair(tmp_path: Path) -> None:
     model = tiny_model()
     folder = make_peft_adapter(tmp_path / "d", r=4, use_dora=True, target_modules=["k_proj"])
-    weights = model.state_dict()
-    dora = load_peft_adapter(
-        folder,
-        tiny_base(),
-        base_weights=lambda m: weights[f"model.layers.{m[0]}.self_attn.{m[1]}_proj.weight"],
-    )
+    dora = load_peft_adapter(folder, tiny_base(), base_weights=HfBaseWeights(model))
     # per layer: k's A [4, 64], B [32, 4], then its scale [32]
     assert LoraStack.region_elements(dora) == 2 * (4 * 64 + 32 * 4 + 32)
     stack = pooled(max_slots=2, max_rank=16)

@@ -63,9 +63,10 @@ def test_pickle_beside_safetensors_is_refused_too(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("lora_kwargs", "code"),
     [
-        ({"modules_to_save": ["lm_head"]}, "modules_to_save_unsupported"),
-        ({"target_modules": ["embed_tokens", "q_proj"]}, "embedding_target_unsupported"),
-        ({"target_modules": ["lm_head"]}, "embedding_target_unsupported"),
+        ({"modules_to_save": ["norm"]}, "modules_to_save_unsupported"),
+        ({"modules_to_save": ["q_proj"]}, "modules_to_save_unsupported"),
+        ({"target_modules": ["embed_tokens"], "use_dora": True}, "dora_unsupported"),
+        ({"target_modules": ["lm_head", "q_proj"], "use_dora": True}, "dora_unsupported"),
         ({"r": 128, "lora_alpha": 128}, "rank_over_limit"),
         ({"rank_pattern": {"q_proj": 4}}, "unsupported_option"),
         ({"alpha_pattern": {"v_proj": 32}}, "unsupported_option"),
