@@ -22,6 +22,10 @@ c. M adapters with Zipf(s) popularity; requests arrive as a Poisson process at `
    per adapter, so that every adapter is resident). Goal: median TTFT in the small memory at
    most 2x the all-resident one, reported as all-resident / small memory >= 0.5. The
    engines must keep up with the arrivals for TTFT to mean anything: see `drain_seconds`.
+d. DoRA against plain LoRA: the N requests of (a) on N DoRA adapters (the same configs and
+   pairs as (a)'s adapters, plus magnitude vectors: build_demo_adapters(dora=True)) and on the N
+   plain ones, both sets resident in one engine, repetitions interleaved; goal: DoRA keeps
+   >= 0.9 of plain LoRA's throughput.
 Correctness: the engine's outputs in (a) equal PEFT's one-adapter-at-a-time greedy outputs token
 for token (`generate(eos_token_id=None)` disables EOS; output lengths are asserted).
 Timing: each engine case and each PEFT way runs `repeats` times, interleaved; the fastest
@@ -194,6 +198,29 @@ def measure_batching(
     return dict(timed)
 
 
+def measure_dora(
+    settings: RunSettings, model_dir: Path, plain: Sequence[Path], dora: Sequence[Path], w: Workload
+) -> dict[str, Timed]:
+    """(d): 'plain' and 'dora', the N requests of (a) on N adapters of each kind, every adapter
+    resident (both sets in one engine's memory)."""
+    n = len(plain)
+    engine = LLMEngine(engine_config(settings, model_dir, w, 2 * n, 2 * n, memory_adapters=2 * n))
+    prompts = make_prompts(
+        w.prompt_lens, plain_vocab(engine.tokenizer), random.Random(w.seed), w.num_requests
+    )
+    digests = {"plain": register(engine, plain), "dora": register(engine, dora)}
+    for kind in digests.values():
+        warm_slots(engine, kind)
+    timed: defaultdict[str, Timed] = defaultdict(lambda: Timed(len(prompts) * w.output_len))
+    for rep in range(w.repeats):
+        for kind, kind_digests in digests.items():
+            run = run_engine(
+                engine, spread(prompts, n, f"{kind}-{rep}"), kind_digests, w.output_len
+            )
+            timed[kind].add(run)
+    return dict(timed)
+
+
 # -- (c) --------------------------------------------------------------------------------------
 def zipf_requests(
     w: Workload, vocab: Sequence[int], rng: random.Random, n: int, rate: float, tag: str
@@ -305,7 +332,9 @@ def equal_fraction(reference: Sequence[list[int]], outputs: Sequence[list[int]])
     return sum(a == b for a, b in zip(reference, outputs, strict=True)) / len(reference)
 
 
-def figures(w: Workload, timed: dict[str, Timed], runs: dict[str, StreamRun]) -> list[Figure]:
+def figures(
+    w: Workload, timed: dict[str, Timed], runs: dict[str, StreamRun], dora: dict[str, Timed]
+) -> list[Figure]:
     n, d1 = w.distinct[-1], w.distinct[0]
     ours, one = timed[engine_case(n)], timed["peft-one"]
     b = max(w.peft_batch_sizes, key=lambda b: timed[f"peft-mixed-{b}"].tokens_per_s)
@@ -348,6 +377,14 @@ def figures(w: Workload, timed: dict[str, Timed], runs: dict[str, StreamRun]) ->
             "ratio",
             0.5,
         ),
+        Figure(f"(d) tokens/s, {n} DoRA adapters", dora["dora"].tokens_per_s, "tok/s"),
+        Figure(f"(d) tokens/s, {n} plain LoRA adapters", dora["plain"].tokens_per_s, "tok/s"),
+        Figure(
+            "(d) tokens/s DoRA / plain LoRA",
+            dora["dora"].tokens_per_s / dora["plain"].tokens_per_s,
+            "ratio",
+            0.9,
+        ),
     ]
 
 
@@ -376,6 +413,11 @@ def main(argv: Sequence[str] | None = None) -> Path:
         timed = measure_batching(settings, model_dir, folders, w)
         rate = w.load * w.num_requests / median(timed[engine_case(w.distinct[-1])].seconds)
         runs = measure_many_adapters(settings, model_dir, folders, w, rate)
+        n = w.distinct[-1]
+        dora_folders = build_demo_adapters(
+            model_dir, run.workdir / "dora", n, seed=w.seed, dora=True
+        )
+        dora = measure_dora(settings, model_dir, folders[:n], dora_folders, w)
     workload = dataclasses.asdict(w) | {
         "max_model_len": w.max_model_len,
         "prompt_tokens_from": "uniform over the tokenizer's non-special vocabulary",
@@ -388,7 +430,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
         "few": [w.slots, w.host],
         "resident": [w.num_adapters] * 2,
     }
-    figs, more = figures(w, timed, runs), details(w, timed, runs, rate)
+    figs, more = figures(w, timed, runs, dora), details(w, timed, runs, rate)
+    more["dora"] = {kind: {"seconds": t.seconds, "tokens": t.tokens} for kind, t in dora.items()}
     return report(Result(NAME, settings, run.model, workload, config, figs, more))
 
 

@@ -71,8 +71,10 @@ def figure(result: dict[str, Any], prefix: str) -> dict[str, Any]:
 def test_lora_batching_writes_a_complete_result(batching: Any) -> None:
     path, result = batching
     assert path.name == "lora_batching-smoke.json"
-    assert_complete(result, "lora_batching", goals=4)
+    assert_complete(result, "lora_batching", goals=5)
     assert figure(result, "(a) engine / best PEFT")["goal"] == ">= 5"
+    assert figure(result, "(d) tokens/s DoRA / plain LoRA")["goal"] == ">= 0.9"
+    assert set(result["details"]["dora"]) == {"plain", "dora"}
 
 
 def test_lora_batching_engine_equals_peft_for_every_adapter(batching: Any) -> None:

@@ -19,6 +19,7 @@ from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.outputs import EngineRequest
 from loramux.engine.sampling import SamplingParams
 from tests.adapters.peft_adapters import lora_key, save_weights
+from tests.engine.adapter_batches import run_tokens
 from tests.engine.conftest import make_engine
 from tests.engine.test_multi_lora import peft_greedy
 
@@ -41,16 +42,6 @@ def cold_peft(demo_model_dir: Path, demo_adapter_dirs: list[Path]) -> Any:
 def _prompt(seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 4096) for _ in range(rng.randrange(5, 40))]
-
-
-def _tokens_by_request(engine: LLMEngine, requests: list[EngineRequest]) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    for r in requests:
-        engine.add_request(r)
-    while engine.has_work:
-        for out in engine.step():
-            tokens[out.request_id].extend(out.token_ids)
-    return tokens
 
 
 def test_a_request_starts_before_its_adapter_is_on_the_device_and_equals_peft(
@@ -76,7 +67,7 @@ def test_a_request_starts_before_its_adapter_is_on_the_device_and_equals_peft(
         EngineRequest("base", SamplingParams(max_tokens=MAX_TOKENS), prompt_token_ids=_prompt(99))
     )
 
-    tokens = _tokens_by_request(engine, requests)
+    tokens = run_tokens(engine, requests)
 
     stats = engine.adapter_stats()
     for name, digest in digests.items():

@@ -4,7 +4,6 @@ greedy tokens; so do their requests that start on the host path while the device
 
 from __future__ import annotations
 
-import random
 import shutil
 from pathlib import Path
 from typing import Any
@@ -14,13 +13,19 @@ import torch
 from peft import PeftModel
 
 from loramux.adapters.demo import build_demo_adapters, demo_lora_config
-from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.outputs import EngineRequest
 from loramux.engine.sampling import SamplingParams
 from tests.adapters.peft_adapters import edit_config, edit_weights
+from tests.engine.adapter_batches import (
+    MAX_TOKENS,
+    assert_equal_to_reference,
+    mixed_requests,
+    random_prompt,
+    reference_greedy,
+    run_tokens,
+)
 from tests.engine.conftest import make_engine
 
-MAX_TOKENS = 12
 DORA_INDICES = (0, 6, 10, 16)
 """Demo adapters (rank, targets): 0 (8, all seven), 6 (32, attention), 10 (32, all seven),
 16 (8, attention)."""
@@ -49,72 +54,9 @@ def reference(demo_model_dir: Path, dora_dirs: list[Path], demo_adapter_dirs: li
     return model.eval()
 
 
-def reference_greedy(model: Any, adapter: str | None, prompt: list[int]) -> list[int]:
-    """One request through PEFT with `adapter` active (PEFT's mixed-adapter batches refuse DoRA)."""
-    inputs = {
-        "input_ids": torch.tensor([prompt]),
-        "attention_mask": torch.ones(1, len(prompt), dtype=torch.long),
-        "max_new_tokens": MAX_TOKENS,
-        "do_sample": False,
-    }
-    with torch.inference_mode():
-        if adapter is None:
-            with model.disable_adapter():
-                out = model.generate(**inputs)
-        else:
-            model.set_adapter(adapter)
-            out = model.generate(**inputs)
-    return out[0, len(prompt) :].tolist()
-
-
-def _prompt(seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 4096) for _ in range(rng.randrange(5, 40))]
-
-
-def _requests(engine: LLMEngine, names: dict[str, Path]) -> list[EngineRequest]:
-    digests = {name: engine.register_adapter(folder) for name, folder in names.items()}
-    requests = [
-        EngineRequest(
-            f"{name}/{k}",
-            SamplingParams(max_tokens=MAX_TOKENS),
-            prompt_token_ids=_prompt(10 * i + k),
-            adapter=digest,
-        )
-        for i, (name, digest) in enumerate(digests.items())
-        for k in range(2)
-    ]
-    requests += [
-        EngineRequest(
-            f"base/{k}", SamplingParams(max_tokens=MAX_TOKENS), prompt_token_ids=_prompt(900 + k)
-        )
-        for k in range(2)
-    ]
-    return requests
-
-
-def _run(engine: LLMEngine, requests: list[EngineRequest]) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    for r in requests:
-        engine.add_request(r)
-    while engine.has_work:
-        for out in engine.step():
-            tokens[out.request_id].extend(out.token_ids)
-    return tokens
-
-
 def _adapters(dora_dirs: list[Path], demo_adapter_dirs: list[Path]) -> dict[str, Path]:
     names = {f"dora-{f.name}": f for f in dora_dirs}
     return names | {demo_adapter_dirs[i].name: demo_adapter_dirs[i] for i in PLAIN_INDICES}
-
-
-def _check(tokens: dict[str, list[int]], requests: list[EngineRequest], reference: Any) -> None:
-    for r in requests:
-        name = r.request_id.split("/")[0]
-        expected = reference_greedy(
-            reference, None if name == "base" else name, r.prompt_token_ids or []
-        )
-        assert tokens[r.request_id] == expected, r.request_id
 
 
 def test_the_demo_dora_adapters_are_what_the_test_needs(dora_dirs: list[Path]) -> None:
@@ -127,7 +69,7 @@ def test_dora_mixed_with_lora_and_base_in_one_batch_equals_peft(
     demo_model_dir: Path, dora_dirs: list[Path], demo_adapter_dirs: list[Path], reference: Any
 ) -> None:
     engine = make_engine(demo_model_dir, max_loras=8)
-    requests = _requests(engine, _adapters(dora_dirs, demo_adapter_dirs))
+    requests = mixed_requests(engine, _adapters(dora_dirs, demo_adapter_dirs), seed=0)
     warm = [  # every adapter into its slot first: the batch then runs the kernels' path
         EngineRequest(
             f"warm-{i}", SamplingParams(max_tokens=1), prompt_token_ids=[5, 6], adapter=r.adapter
@@ -135,15 +77,15 @@ def test_dora_mixed_with_lora_and_base_in_one_batch_equals_peft(
         for i, r in enumerate(requests)
         if r.adapter
     ]
-    _run(engine, warm)
+    run_tokens(engine, warm)
     while len(engine.lora.copies):  # type: ignore[union-attr]
         engine.step()
     on_host = {d: s.host_path_tokens for d, s in engine.adapter_stats().items()}
     steps = engine.stats().steps
-    tokens = _run(engine, requests)
+    tokens = run_tokens(engine, requests)
     assert engine.stats().steps - steps <= MAX_TOKENS + 2, "requests were meant to share steps"
     assert {d: s.host_path_tokens for d, s in engine.adapter_stats().items()} == on_host
-    _check(tokens, requests, reference)
+    assert_equal_to_reference(tokens, requests, lambda _: reference)
 
 
 def test_dora_requests_on_the_host_path_equal_peft(
@@ -151,11 +93,11 @@ def test_dora_requests_on_the_host_path_equal_peft(
 ) -> None:
     # Two (layer, group) blocks copied per step: every adapter starts on the host path.
     engine = make_engine(demo_model_dir, max_loras=8, lora_copy_groups_per_step=2)
-    requests = _requests(engine, _adapters(dora_dirs, demo_adapter_dirs))
-    tokens = _run(engine, requests)
+    requests = mixed_requests(engine, _adapters(dora_dirs, demo_adapter_dirs), seed=0)
+    tokens = run_tokens(engine, requests)
     stats = engine.adapter_stats()
     assert all(stats[r.adapter].host_path_tokens > 0 for r in requests if r.adapter)
-    _check(tokens, requests, reference)
+    assert_equal_to_reference(tokens, requests, lambda _: reference)
 
 
 def test_the_scale_changes_what_the_adapters_generate(
@@ -169,6 +111,6 @@ def test_the_scale_changes_what_the_adapters_generate(
         edit_config(plain, use_dora=False)
         edit_weights(plain, lambda ts: {k: v for k, v in ts.items() if "magnitude" not in k})
         reference.load_adapter(plain, adapter_name=f"plain-{folder.name}")
-        prompt = _prompt(7)
+        prompt = random_prompt(7)
         dora = reference_greedy(reference, f"dora-{folder.name}", prompt)
         assert dora != reference_greedy(reference, f"plain-{folder.name}", prompt), folder.name

@@ -19,8 +19,14 @@ from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.outputs import EngineRequest
 from loramux.engine.sampling import SamplingParams
 from tests.adapters.peft_adapters import edit_weights, make_peft_adapter
+from tests.engine.adapter_batches import (
+    assert_equal_to_reference,
+    mixed_requests,
+    random_prompt,
+    reference_greedy,
+    run_tokens,
+)
 from tests.engine.conftest import make_engine
-from tests.engine.test_dora import MAX_TOKENS, _prompt, _run, reference_greedy
 
 KINDS: dict[str, dict[str, Any]] = {
     "embed-lora": {"r": 8, "target_modules": ["embed_tokens", "q_proj", "v_proj"]},
@@ -74,39 +80,8 @@ def reference(
     return models | {"base": models[next(iter(folders))]}
 
 
-def _requests(engine: LLMEngine, folders: dict[str, Path]) -> list[EngineRequest]:
-    digests = {name: engine.register_adapter(folder) for name, folder in folders.items()}
-    requests = [
-        EngineRequest(
-            f"{name}/{k}",
-            SamplingParams(max_tokens=MAX_TOKENS),
-            prompt_token_ids=_prompt(30 * i + k),
-            adapter=digest,
-        )
-        for i, (name, digest) in enumerate(digests.items())
-        for k in range(2)
-    ]
-    requests += [
-        EngineRequest(
-            f"base/{k}", SamplingParams(max_tokens=MAX_TOKENS), prompt_token_ids=_prompt(800 + k)
-        )
-        for k in range(2)
-    ]
-    return requests
-
-
 def _all(top_dirs: dict[str, Path], demo_adapter_dirs: list[Path]) -> dict[str, Path]:
     return top_dirs | {demo_adapter_dirs[i].name: demo_adapter_dirs[i] for i in PLAIN_INDICES}
-
-
-def _check(
-    tokens: dict[str, list[int]], requests: list[EngineRequest], reference: dict[str, Any]
-) -> None:
-    for r in requests:
-        name = r.request_id.split("/")[0]
-        adapter = None if name == "base" else name
-        expected = reference_greedy(reference[name], adapter, r.prompt_token_ids or [])
-        assert tokens[r.request_id] == expected, r.request_id
 
 
 def _idle_and_clean(engine: LLMEngine) -> None:
@@ -119,7 +94,7 @@ def _idle_and_clean(engine: LLMEngine) -> None:
 def test_each_kind_changes_what_peft_generates(
     top_dirs: dict[str, Path], reference: dict[str, Any]
 ) -> None:
-    prompt = _prompt(5)
+    prompt = random_prompt(5)
     base = reference_greedy(reference["base"], None, prompt)
     for name in top_dirs:
         assert reference_greedy(reference[name], name, prompt) != base, name
@@ -132,9 +107,9 @@ def test_top_modules_mixed_with_lora_and_base_in_one_batch_equal_peft(
     reference: dict[str, Any],
 ) -> None:
     engine = make_engine(demo_model_dir, max_loras=8, lora_copy_groups_per_step=1000)
-    requests = _requests(engine, _all(top_dirs, demo_adapter_dirs))
-    tokens = _run(engine, requests)
-    _check(tokens, requests, reference)
+    requests = mixed_requests(engine, _all(top_dirs, demo_adapter_dirs), seed=30)
+    tokens = run_tokens(engine, requests)
+    assert_equal_to_reference(tokens, requests, reference.__getitem__)
     _idle_and_clean(engine)
 
 
@@ -146,8 +121,8 @@ def test_top_modules_on_the_host_path_equal_peft(
 ) -> None:
     # Two blocks per step: every adapter starts on its host copy and moves to its slot.
     engine = make_engine(demo_model_dir, max_loras=8, lora_copy_groups_per_step=2)
-    requests = _requests(engine, _all(top_dirs, demo_adapter_dirs))
-    tokens = _run(engine, requests)
+    requests = mixed_requests(engine, _all(top_dirs, demo_adapter_dirs), seed=30)
+    tokens = run_tokens(engine, requests)
     stats = engine.adapter_stats()
     for r in requests:
         if r.adapter:
@@ -155,7 +130,7 @@ def test_top_modules_on_the_host_path_equal_peft(
             ready = s.device_ready_step  # None: still copying when the requests ended
             assert s.first_token_step is not None and s.host_path_tokens > 0, r.request_id
             assert ready is None or s.first_token_step < ready, r.request_id
-    _check(tokens, requests, reference)
+    assert_equal_to_reference(tokens, requests, reference.__getitem__)
     _idle_and_clean(engine)
 
 
@@ -172,7 +147,7 @@ def test_a_saved_lm_head_is_counted_against_the_adapter_memory(
     assert raised.value.code == "over_memory_budget"
     engine = make_engine(demo_model_dir, max_loras=4)
     digest = engine.register_adapter(top_dirs["head-saved"])
-    _run(
+    run_tokens(
         engine,
         [EngineRequest("r", SamplingParams(max_tokens=2), prompt_token_ids=[5, 6], adapter=digest)],
     )
