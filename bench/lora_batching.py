@@ -209,8 +209,8 @@ def measure_dora(
         w.prompt_lens, plain_vocab(engine.tokenizer), random.Random(w.seed), w.num_requests
     )
     digests = {"plain": register(engine, plain), "dora": register(engine, dora)}
-    for kind in digests.values():
-        warm_slots(engine, kind)
+    for kind_digests in digests.values():
+        warm_slots(engine, kind_digests)
     timed: defaultdict[str, Timed] = defaultdict(lambda: Timed(len(prompts) * w.output_len))
     for rep in range(w.repeats):
         for kind, kind_digests in digests.items():
