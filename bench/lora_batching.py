@@ -3,15 +3,25 @@ adapters grows, and time to first token when many adapters share few device slot
 
 Requests: prompt lengths uniform in a range, prompt tokens uniform over the tokenizer's
 non-special vocabulary, exactly `output_len` new tokens each (EOS ignored), so no side wastes
-work on uneven lengths. Adapters are genuine PEFT demo adapters (ranks 8-64, five target sets).
+work on uneven lengths. Adapters are genuine PEFT demo adapters (five target sets, ranks cycling
+through the workload's `ranks`); the result's `workload.adapter_flops_share` is their LoRA FLOPs
+per token against the base model's (bench.models: linear layers only, attention scores excluded).
+
+Model sizes (`--model-size`): `demo` (default; its figures are regression figures: ranks 8-64 on a
+4.9M-parameter model are up to 30% of its FLOPs, so they measure adapter weights) and
+`realistic` (bench.models: hidden 1024 on CPU, Llama-3-8B's shapes on CUDA) with ranks whose
+LoRA FLOPs are ~0.5-5% of the model's, median ~1.5% on CPU; its results are
+`lora_batching-realistic[-quick].json`. Issue 14's goals are measured on `realistic`.
 
 a. N requests, request i on adapter i: the engine (all submitted at once, step until idle);
    PEFT mixed-adapter batches (`generate(adapter_names=...)`, static batches of B in submission
    order, left-padded); PEFT one adapter at a time (`set_adapter`, then one `generate` of that
-   adapter's requests). Output tokens/s of each; goal: the engine >= 5x the better PEFT way.
+   adapter's requests). Output tokens/s of each; goal: the engine >= 5x the better PEFT way
+   (30x on CUDA at the realistic size).
    Every adapter is loaded on both sides before timing (the engine's in its device slots).
 b. The same N requests spread round-robin over 1, 8, ... N adapters (and on the base model, for
-   context); goal: N adapters keep >= 0.85 of the single adapter's throughput.
+   context); goal: N adapters keep >= 0.85 of the single adapter's throughput (0.9 at the
+   realistic size).
 c. M adapters with Zipf(s) popularity; requests arrive as a Poisson process at `load` times the
    request rate the engine sustained in (b) with N adapters (median repetition), and are added
    before each step once their arrival time has come. Time to first token (TTFT) = arrival
@@ -27,7 +37,7 @@ for token (`generate(eos_token_id=None)` disables EOS; output lengths are assert
 Timing: each engine case and each PEFT way runs `repeats` times, interleaved; the fastest
 counts (on a shared machine, the least disturbed run); all are in `details`.
 
-Run: `python -m bench.lora_batching [--quick] [--threads 1]`.
+Run: `python -m bench.lora_batching [--quick] [--threads 1] [--model-size realistic]`.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, LlamaConfig
 
 from bench.adapter_requests import (
     Request,
@@ -67,9 +77,10 @@ from bench.common import (
     prepared_run,
     report,
 )
+from bench.models import lora_flops_per_token, model_flops_per_token
 from bench.peft_reference import Peft, load_peft
 from loramux.adapters.base_spec import BaseModelSpec
-from loramux.adapters.demo import build_demo_adapters
+from loramux.adapters.demo import DEMO_RANKS, build_demo_adapters, demo_lora_config
 from loramux.adapters.layout import LoraStack
 from loramux.engine.config import EngineConfig
 from loramux.engine.llm_engine import LLMEngine
@@ -97,6 +108,12 @@ class Workload:
     zipf_s: float = 1.1
     load: float = 0.5
     seed: int = 0
+    ranks: tuple[int, ...] = DEMO_RANKS
+    """Adapter i has rank ranks[i % len(ranks)]; the engine's max_lora_rank is the largest."""
+    speedup_goal: float = 5.0
+    """(a): the engine's throughput against the better PEFT way."""
+    spread_goal: float = 0.85
+    """(b): N adapters' throughput against one adapter's."""
 
     @property
     def max_model_len(self) -> int:
@@ -108,6 +125,34 @@ WORKLOADS = {
     "quick": Workload(16, (16, 48), 16, (1, 4, 16), (16,), 1, 64, 8, 16, 48, 24),
     "smoke": Workload(4, (8, 16), 4, (1, 4), (4,), 1, 8, 2, 4, 8, 4),
 }
+REALISTIC_RANKS = (16, 32)
+"""On the CPU realistic model: 0.4-4.7% of its FLOPs per adapter (median 1.5%)."""
+REALISTIC_WORKLOADS = {
+    mode: dataclasses.replace(w, ranks=REALISTIC_RANKS, spread_goal=0.9)
+    for mode, w in WORKLOADS.items()
+}
+REALISTIC_WORKLOADS["quick"] = dataclasses.replace(REALISTIC_WORKLOADS["quick"], num_adapters=128)
+CUDA_REALISTIC_RANKS = (32, 64)
+"""On Llama-3-8B's shapes: 0.2-2.2% of its FLOPs per adapter (median 0.7%). An adapter is then
+~0.2 GB in float32, so (c) registers at most CUDA_MAX_ADAPTERS of them (disk and build time)."""
+CUDA_MAX_ADAPTERS = 100
+
+
+def choose_workload(settings: RunSettings) -> Workload:
+    """The workload of this run's mode at its model size (see the module docstring)."""
+    if settings.model_size != "realistic":
+        return WORKLOADS[settings.mode]
+    w = REALISTIC_WORKLOADS[settings.mode]
+    if not settings.is_cuda:
+        return w
+    count = min(w.num_adapters, CUDA_MAX_ADAPTERS)
+    return dataclasses.replace(
+        w,
+        ranks=CUDA_REALISTIC_RANKS,
+        speedup_goal=30.0,
+        num_adapters=count,
+        host=min(w.host, count),
+    )
 
 
 def engine_config(
@@ -126,6 +171,7 @@ def engine_config(
         max_num_seqs=64,
         max_loras=slots,
         max_cpu_loras=host,
+        max_lora_rank=max(w.ranks),
         prefix_caching=False,
     ).engine_config(model_dir)
     if memory_adapters is None:
@@ -320,7 +366,7 @@ def figures(w: Workload, timed: dict[str, Timed], runs: dict[str, StreamRun]) ->
         Figure(f"(a) tokens/s, {engine_case(n)}", ours.tokens_per_s, "tok/s"),
         Figure(f"(a) tokens/s, PEFT mixed-adapter batches of {b}", mixed.tokens_per_s, "tok/s"),
         Figure("(a) tokens/s, PEFT one adapter at a time", one.tokens_per_s, "tok/s"),
-        Figure("(a) engine / best PEFT", ours.tokens_per_s / best_peft, "x", 5.0),
+        Figure("(a) engine / best PEFT", ours.tokens_per_s / best_peft, "x", w.speedup_goal),
         Figure(
             "(a) greedy outputs equal to PEFT",
             equal_fraction(one.outputs, ours.outputs),
@@ -335,7 +381,7 @@ def figures(w: Workload, timed: dict[str, Timed], runs: dict[str, StreamRun]) ->
             f"(b) tokens/s {n} adapters / {d1}",
             ours.tokens_per_s / timed[engine_case(d1)].tokens_per_s,
             "ratio",
-            0.85,
+            w.spread_goal,
         ),
         *(
             Figure(f"(c) TTFT {stat}, {label}", f(run.ttft) * 1e3, "ms")
@@ -368,11 +414,26 @@ def details(
     return {"cases": cases, "streams": streams}
 
 
+def adapter_flops_share(model_dir: Path, w: Workload, count: int) -> dict[str, float]:
+    """Min, median and max over adapters 0..count-1 of LoRA FLOPs / the model's FLOPs."""
+    config = LlamaConfig.from_pretrained(model_dir)
+    base = model_flops_per_token(config)
+    shares = [
+        lora_flops_per_token(config, demo_lora_config(i, w.ranks)) / base for i in range(count)
+    ]
+    return {"min": min(shares), "median": median(shares), "max": max(shares)}
+
+
 def main(argv: Sequence[str] | None = None) -> Path:
     with prepared_run(__doc__ or NAME, argv) as run:
-        settings, model_dir, w = run.settings, run.model_dir, WORKLOADS[run.settings.mode]
+        settings, model_dir, w = run.settings, run.model_dir, choose_workload(run.settings)
         count = max(w.num_adapters, w.distinct[-1])
-        folders = build_demo_adapters(model_dir, run.workdir / "adapters", count, seed=w.seed)
+        started = time.perf_counter()
+        folders = build_demo_adapters(
+            model_dir, run.workdir / "adapters", count, seed=w.seed, ranks=w.ranks
+        )
+        build_seconds = time.perf_counter() - started
+        share = adapter_flops_share(model_dir, w, count)
         timed = measure_batching(settings, model_dir, folders, w)
         rate = w.load * w.num_requests / median(timed[engine_case(w.distinct[-1])].seconds)
         runs = measure_many_adapters(settings, model_dir, folders, w, rate)
@@ -380,6 +441,9 @@ def main(argv: Sequence[str] | None = None) -> Path:
         "max_model_len": w.max_model_len,
         "prompt_tokens_from": "uniform over the tokenizer's non-special vocabulary",
         "adapters": f"adapters.demo.build_demo_adapters(seed={w.seed}): adapter i is index i",
+        "adapter_flops_share": share,
+        "adapter_flops_share_excludes": "attention scores and the embedding lookup",
+        "adapter_build_seconds": build_seconds,
         "ignore_eos": True,
     }
     config = dataclasses.asdict(engine_config(settings, Path(), w, w.distinct[-1], w.distinct[-1]))
