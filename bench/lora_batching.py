@@ -31,7 +31,8 @@ c. M adapters with Zipf(s) popularity; requests arrive as a Poisson process at `
    runs an untimed burst drawn from the same popularity (the all-resident one also one request
    per adapter, so that every adapter is resident). Goal: median TTFT in the small memory at
    most 2x the all-resident one, reported as all-resident / small memory >= 0.5. The
-   engines must keep up with the arrivals for TTFT to mean anything: see `drain_seconds`.
+   engines must keep up with the arrivals for TTFT to mean anything: see
+   `StreamRun.drain_seconds` (bench.adapter_requests).
 Correctness: the engine's outputs in (a) equal PEFT's one-adapter-at-a-time greedy outputs token
 for token (`generate(eos_token_id=None)` disables EOS; output lengths are asserted).
 Timing: each engine case and each PEFT way runs `repeats` times, interleaved; the fastest
@@ -47,7 +48,7 @@ import gc
 import itertools
 import random
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,11 +60,12 @@ from transformers import AutoTokenizer, LlamaConfig
 from bench.adapter_requests import (
     Request,
     Run,
-    engine_request,
+    StreamRun,
     make_prompts,
     plain_vocab,
     register,
     run_engine,
+    run_stream,
     spread,
     warm_slots,
 )
@@ -72,7 +74,6 @@ from bench.common import (
     Result,
     RunSettings,
     median,
-    now,
     percentile,
     prepared_run,
     report,
@@ -253,73 +254,6 @@ def zipf_requests(
         Request(f"{tag}-{i}", p, a, t)
         for i, (p, a, t) in enumerate(zip(prompts, adapters, arrivals, strict=True))
     ]
-
-
-@dataclass(frozen=True)
-class StreamRun:
-    ttft: list[float]
-    """Seconds from arrival to first token, per request in arrival order."""
-    added_ttft: list[float]
-    """Seconds from `add_request` (the step boundary after the arrival) to first token."""
-    seconds: float
-    busy_seconds: float
-    """Time inside steps that computed tokens."""
-    drain_seconds: float
-    """From the last arrival until idle: far above one request's own time, the engine fell
-    behind the arrivals and TTFT measures its queue."""
-    slot_loads: int
-    host_loads: int
-    """Adapters read from disk during the stream (registration not counted)."""
-
-
-def run_stream(
-    engine: LLMEngine, stream: Sequence[Request], digests: Sequence[str], out_len: int
-) -> StreamRun:
-    """Replay the arrivals in real time on this thread: before each step, add every request
-    whose arrival time has come. Sleeps until the next arrival when idle, and 1 ms after a step
-    that computed nothing (its requests wait for adapters read on the loader thread)."""
-    device = engine.config.device
-    before = adapter_loads(engine)
-    pending = deque(stream)
-    added: dict[str, float] = {}
-    first: dict[str, float] = {}
-    busy = 0.0
-    start = now(device)
-    while pending or engine.has_work:
-        clock = now(device) - start
-        while pending and pending[0].arrival <= clock:
-            r = pending.popleft()
-            engine.add_request(engine_request(r, digests, out_len))
-            added[r.request_id] = clock
-        if not engine.has_work:
-            time.sleep(max(0.0, pending[0].arrival - clock))
-            continue
-        steps = engine.stats().steps
-        outputs = engine.step()
-        done = now(device) - start
-        if engine.stats().steps == steps:
-            time.sleep(1e-3)
-            continue
-        busy += done - clock
-        for out in outputs:
-            first.setdefault(out.request_id, done)
-    seconds = now(device) - start
-    after = adapter_loads(engine)
-    return StreamRun(
-        [first[r.request_id] - r.arrival for r in stream],
-        [first[r.request_id] - added[r.request_id] for r in stream],
-        seconds,
-        busy,
-        seconds - stream[-1].arrival,
-        after[0] - before[0],
-        after[1] - before[1],
-    )
-
-
-def adapter_loads(engine: LLMEngine) -> tuple[int, int]:
-    """(device-slot loads, host-tier loads) summed over every adapter so far."""
-    stats = engine.adapter_stats().values()
-    return sum(s.slot_loads for s in stats), sum(s.loads for s in stats)
 
 
 def measure_many_adapters(
