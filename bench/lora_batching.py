@@ -132,7 +132,11 @@ REALISTIC_WORKLOADS = {
     mode: dataclasses.replace(w, ranks=REALISTIC_RANKS, spread_goal=0.9)
     for mode, w in WORKLOADS.items()
 }
-REALISTIC_WORKLOADS["quick"] = dataclasses.replace(REALISTIC_WORKLOADS["quick"], num_adapters=128)
+REALISTIC_WORKLOADS["quick"] = dataclasses.replace(
+    REALISTIC_WORKLOADS["quick"], num_adapters=128, repeats=2
+)
+"""Quick: 128 adapters in (c), not 500 (the full run's); two repetitions, as one is easily
+disturbed on a shared machine."""
 CUDA_REALISTIC_RANKS = (32, 64)
 """On Llama-3-8B's shapes: 0.2-2.2% of its FLOPs per adapter (median 0.7%). An adapter is then
 ~0.2 GB in float32, so (c) registers at most CUDA_MAX_ADAPTERS of them (disk and build time)."""
