@@ -11,7 +11,8 @@ Model sizes (`--model-size`): `demo` (default; its figures are regression figure
 4.9M-parameter model are up to 30% of its FLOPs, so they measure adapter weights) and
 `realistic` (bench.models: hidden 1024 on CPU, Llama-3-8B's shapes on CUDA) with ranks whose
 LoRA FLOPs are ~0.5-5% of the model's, median ~1.5% on CPU; its results are
-`lora_batching-realistic[-quick].json`. Issue 14's goals are measured on `realistic`.
+`lora_batching-realistic[-quick].json`. Issue 14's goals are measured on `realistic`. Its quick
+run registers 128 adapters in (c) (the full one 500), and on CUDA at most CUDA_MAX_ADAPTERS.
 
 a. N requests, request i on adapter i: the engine (all submitted at once, step until idle);
    PEFT mixed-adapter batches (`generate(adapter_names=...)`, static batches of B in submission
