@@ -2,8 +2,9 @@
 
 They exercise what the engine must handle: ranks 8/16/32/64 (or a cycle of ranks the
 caller chooses, e.g. smaller ones for a wider model), different target sets (all seven
-projections, attention only, MLP only, q/v only, o/down only), plain and rsLoRA scaling. Adapter i is a pure function of (seed, i), whatever the count, so `adapter-003`
-is the same file in every build.
+projections, attention only, MLP only, q/v only, o/down only), plain and rsLoRA scaling.
+Adapter i is a pure function of (seed, ranks, i), whatever the count, so `adapter-003` is the
+same file in every build.
 
 Weights: A ~ N(0, 1/in_features); B random, then rescaled per module so the folded delta
 scaling * B @ A has a Frobenius norm of 0.4-0.8 times the base weight's. That is large

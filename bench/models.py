@@ -166,6 +166,7 @@ def build_random_llama(
     lm_head std LOGIT_STD / sqrt(hidden)) so activations stay O(1) and greedy decoding has
     clear margins between the top two logits (see engine.demo_model). Weights are drawn on
     `device` (fast on a GPU); the tokenizer and generation config are the demo model's.
+    `config.dtype` is set to `dtype`.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     config.dtype = dtype
