@@ -1,9 +1,10 @@
 """Demo adapters: genuine PEFT LoRA adapters for the demo model, made by the peft library.
 
-They exercise what the engine must handle: ranks 8/16/32/64, different target sets
-(all seven projections, attention only, MLP only, q/v only, o/down only), plain and rsLoRA
-scaling. Adapter i is a pure function of (seed, i), whatever the count, so `adapter-003`
-is the same file in every build.
+They exercise what the engine must handle: ranks 8/16/32/64 (or a cycle of ranks the
+caller chooses, e.g. smaller ones for a wider model), different target sets (all seven
+projections, attention only, MLP only, q/v only, o/down only), plain and rsLoRA scaling.
+Adapter i is a pure function of (seed, ranks, i), whatever the count, so `adapter-003` is the
+same file in every build.
 
 Weights: A ~ N(0, 1/in_features); B random, then rescaled per module so the folded delta
 scaling * B @ A has a Frobenius norm of 0.4-0.8 times the base weight's. That is large
@@ -47,10 +48,15 @@ _MAGNITUDE = "lora_magnitude_vector.default.weight"
 
 
 def build_demo_adapters(
-    model_dir: Path, out_dir: Path, count: int, seed: int = 0, dora: bool = False
+    model_dir: Path,
+    out_dir: Path,
+    count: int,
+    seed: int = 0,
+    ranks: tuple[int, ...] = DEMO_RANKS,
+    dora: bool = False,
 ) -> list[Path]:
-    """Write `count` PEFT adapters `out_dir/adapter-000`, … for the model in `model_dir`
-    (DoRA adapters with `dora`).
+    """Write `count` PEFT adapters `out_dir/adapter-000`, … for the model in `model_dir`,
+    their ranks cycling through `ranks` (DoRA adapters with `dora`).
 
     Each folder is what `PeftModel.save_pretrained` writes: adapter_config.json,
     adapter_model.safetensors and a README.md. Returns the folders in order.
@@ -63,7 +69,7 @@ def build_demo_adapters(
     folders = []
     for index in range(count):
         folder = out_dir / f"adapter-{index:03d}"
-        config = demo_lora_config(index)
+        config = demo_lora_config(index, ranks)
         config.use_dora = dora
         peft_model = get_peft_model(model, config, adapter_name="default")
         _randomize(peft_model, _scaling(config), _generator(seed, index))
@@ -74,9 +80,12 @@ def build_demo_adapters(
     return folders
 
 
-def demo_lora_config(index: int) -> LoraConfig:
-    """The config of demo adapter `index`: rank, targets, alpha and rsLoRA cycle independently."""
-    rank = DEMO_RANKS[index % len(DEMO_RANKS)]
+def demo_lora_config(index: int, ranks: tuple[int, ...] = DEMO_RANKS) -> LoraConfig:
+    """The config of demo adapter `index`: rank (from `ranks`), targets, alpha and rsLoRA cycle
+    independently."""
+    if not ranks or min(ranks) < 1:
+        raise ValueError(f"ranks must be positive, not {ranks}")
+    rank = ranks[index % len(ranks)]
     targets = DEMO_TARGET_SETS[index % len(DEMO_TARGET_SETS)]
     return LoraConfig(
         r=rank,

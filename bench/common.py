@@ -9,8 +9,9 @@ A result file is one JSON object:
     workload {...}, settings {...},
     figures [{name, value, unit, goal, met}],   goal: ">= x", "<= x" or null; met: bool or null
     details {...}
-Full runs write `bench/results/<name>.json` (`<name>-<gpu>.json` on CUDA); quick and smoke runs
-add `-quick` / `-smoke` to the stem, so they never overwrite a full result.
+Full runs write `bench/results/<name>.json` (`<name>-<gpu>.json` on CUDA); a run on the
+`realistic` model size adds `-realistic`, quick and smoke runs `-quick` / `-smoke`, so they never
+overwrite a demo-size or full result.
 """
 
 from __future__ import annotations
@@ -133,7 +134,12 @@ def parse_args(description: str, argv: Sequence[str] | None) -> RunSettings:
         default=None,
         help="default: float32 on CPU, bfloat16 on CUDA",
     )
-    parser.add_argument("--model-size", choices=["demo", "1b"], default="demo")
+    parser.add_argument(
+        "--model-size",
+        choices=["demo", "1b", "realistic"],
+        default="demo",
+        help="realistic: hidden 1024 on CPU, Llama-3-8B's shapes on CUDA (bench.models)",
+    )
     parser.add_argument("--model-dir", type=Path, default=None, help="an existing HF folder")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument(
@@ -268,6 +274,8 @@ def result_path(benchmark: str, settings: RunSettings) -> Path:
     stem = benchmark
     if settings.is_cuda:
         stem += "-" + gpu_slug(torch.cuda.get_device_name(torch.device(settings.device)))
+    if settings.model_size == "realistic":  # 1b is its benchmarks' only GPU size: no suffix
+        stem += "-realistic"
     if settings.mode != "full":
         stem += "-" + settings.mode
     return settings.results_dir / f"{stem}.json"

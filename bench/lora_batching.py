@@ -3,15 +3,26 @@ adapters grows, and time to first token when many adapters share few device slot
 
 Requests: prompt lengths uniform in a range, prompt tokens uniform over the tokenizer's
 non-special vocabulary, exactly `output_len` new tokens each (EOS ignored), so no side wastes
-work on uneven lengths. Adapters are genuine PEFT demo adapters (ranks 8-64, five target sets).
+work on uneven lengths. Adapters are genuine PEFT demo adapters (five target sets, ranks cycling
+through the workload's `ranks`); the result's `workload.adapter_flops_share` is their LoRA FLOPs
+per token against the base model's (bench.models: linear layers only, attention scores excluded).
+
+Model sizes (`--model-size`): `demo` (default; its figures are regression figures: ranks 8-64 on a
+4.9M-parameter model are up to 30% of its FLOPs, so they measure adapter weights) and
+`realistic` (bench.models: hidden 1024 on CPU, Llama-3-8B's shapes on CUDA) with ranks whose
+LoRA FLOPs are ~0.5-5% of the model's, median ~1.5% on CPU; its results are
+`lora_batching-realistic[-quick].json`. Issue 14's goals are measured on `realistic`. Its quick
+run registers 128 adapters in (c) (the full one 500), and on CUDA at most CUDA_MAX_ADAPTERS.
 
 a. N requests, request i on adapter i: the engine (all submitted at once, step until idle);
    PEFT mixed-adapter batches (`generate(adapter_names=...)`, static batches of B in submission
    order, left-padded); PEFT one adapter at a time (`set_adapter`, then one `generate` of that
-   adapter's requests). Output tokens/s of each; goal: the engine >= 5x the better PEFT way.
+   adapter's requests). Output tokens/s of each; goal: the engine >= 5x the better PEFT way
+   (30x on CUDA at the realistic size).
    Every adapter is loaded on both sides before timing (the engine's in its device slots).
 b. The same N requests spread round-robin over 1, 8, ... N adapters (and on the base model, for
-   context); goal: N adapters keep >= 0.85 of the single adapter's throughput.
+   context); goal: N adapters keep >= 0.85 of the single adapter's throughput (0.9 at the
+   realistic size).
 c. M adapters with Zipf(s) popularity; requests arrive as a Poisson process at `load` times the
    request rate the engine sustained in (b) with N adapters (median repetition), and are added
    before each step once their arrival time has come. Time to first token (TTFT) = arrival
@@ -21,7 +32,8 @@ c. M adapters with Zipf(s) popularity; requests arrive as a Poisson process at `
    runs an untimed burst drawn from the same popularity (the all-resident one also one request
    per adapter, so that every adapter is resident). Goal: median TTFT in the small memory at
    most 2x the all-resident one, reported as all-resident / small memory >= 0.5. The
-   engines must keep up with the arrivals for TTFT to mean anything: see `drain_seconds`.
+   engines must keep up with the arrivals for TTFT to mean anything: see
+   `StreamRun.drain_seconds` (bench.adapter_requests).
 d. DoRA against plain LoRA: the N requests of (a) on N DoRA adapters (the same configs and
    pairs as (a)'s adapters, plus magnitude vectors: build_demo_adapters(dora=True)) and on the N
    plain ones, both sets resident in one engine, repetitions interleaved; goal: DoRA keeps
@@ -31,7 +43,7 @@ for token (`generate(eos_token_id=None)` disables EOS; output lengths are assert
 Timing: each engine case and each PEFT way runs `repeats` times, interleaved; the fastest
 counts (on a shared machine, the least disturbed run); all are in `details`.
 
-Run: `python -m bench.lora_batching [--quick] [--threads 1]`.
+Run: `python -m bench.lora_batching [--quick] [--threads 1] [--model-size realistic]`.
 """
 
 from __future__ import annotations
@@ -41,23 +53,24 @@ import gc
 import itertools
 import random
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, LlamaConfig
 
 from bench.adapter_requests import (
     Request,
     Run,
-    engine_request,
+    StreamRun,
     make_prompts,
     plain_vocab,
     register,
     run_engine,
+    run_stream,
     spread,
     warm_slots,
 )
@@ -66,14 +79,14 @@ from bench.common import (
     Result,
     RunSettings,
     median,
-    now,
     percentile,
     prepared_run,
     report,
 )
+from bench.models import lora_flops_per_token, model_flops_per_token
 from bench.peft_reference import Peft, load_peft
 from loramux.adapters.base_spec import BaseModelSpec
-from loramux.adapters.demo import build_demo_adapters
+from loramux.adapters.demo import DEMO_RANKS, build_demo_adapters, demo_lora_config
 from loramux.adapters.layout import LoraStack
 from loramux.engine.config import EngineConfig
 from loramux.engine.llm_engine import LLMEngine
@@ -101,6 +114,12 @@ class Workload:
     zipf_s: float = 1.1
     load: float = 0.5
     seed: int = 0
+    ranks: tuple[int, ...] = DEMO_RANKS
+    """Adapter i has rank ranks[i % len(ranks)]; the engine's max_lora_rank is the largest."""
+    speedup_goal: float = 5.0
+    """(a): the engine's throughput against the better PEFT way."""
+    spread_goal: float = 0.85
+    """(b): N adapters' throughput against one adapter's."""
 
     @property
     def max_model_len(self) -> int:
@@ -112,6 +131,38 @@ WORKLOADS = {
     "quick": Workload(16, (16, 48), 16, (1, 4, 16), (16,), 1, 64, 8, 16, 48, 24),
     "smoke": Workload(4, (8, 16), 4, (1, 4), (4,), 1, 8, 2, 4, 8, 4),
 }
+REALISTIC_RANKS = (16, 32)
+"""On the CPU realistic model: 0.4-4.7% of its FLOPs per adapter (median 1.5%)."""
+REALISTIC_WORKLOADS = {
+    mode: dataclasses.replace(w, ranks=REALISTIC_RANKS, spread_goal=0.9)
+    for mode, w in WORKLOADS.items()
+}
+REALISTIC_WORKLOADS["quick"] = dataclasses.replace(
+    REALISTIC_WORKLOADS["quick"], num_adapters=128, repeats=2
+)
+"""Quick: 128 adapters in (c), not 500 (the full run's); two repetitions, as one is easily
+disturbed on a shared machine."""
+CUDA_REALISTIC_RANKS = (32, 64)
+"""On Llama-3-8B's shapes: 0.2-2.2% of its FLOPs per adapter (median 0.7%). An adapter is then
+~0.2 GB in float32, so (c) registers at most CUDA_MAX_ADAPTERS of them (disk and build time)."""
+CUDA_MAX_ADAPTERS = 100
+
+
+def choose_workload(settings: RunSettings) -> Workload:
+    """The workload of this run's mode at its model size (see the module docstring)."""
+    if settings.model_size != "realistic":
+        return WORKLOADS[settings.mode]
+    w = REALISTIC_WORKLOADS[settings.mode]
+    if not settings.is_cuda:
+        return w
+    count = min(w.num_adapters, CUDA_MAX_ADAPTERS)
+    return dataclasses.replace(
+        w,
+        ranks=CUDA_REALISTIC_RANKS,
+        speedup_goal=30.0,
+        num_adapters=count,
+        host=min(w.host, count),
+    )
 
 
 def engine_config(
@@ -130,6 +181,7 @@ def engine_config(
         max_num_seqs=64,
         max_loras=slots,
         max_cpu_loras=host,
+        max_lora_rank=max(w.ranks),
         prefix_caching=False,
     ).engine_config(model_dir)
     if memory_adapters is None:
@@ -236,73 +288,6 @@ def zipf_requests(
     ]
 
 
-@dataclass(frozen=True)
-class StreamRun:
-    ttft: list[float]
-    """Seconds from arrival to first token, per request in arrival order."""
-    added_ttft: list[float]
-    """Seconds from `add_request` (the step boundary after the arrival) to first token."""
-    seconds: float
-    busy_seconds: float
-    """Time inside steps that computed tokens."""
-    drain_seconds: float
-    """From the last arrival until idle: far above one request's own time, the engine fell
-    behind the arrivals and TTFT measures its queue."""
-    slot_loads: int
-    host_loads: int
-    """Adapters read from disk during the stream (registration not counted)."""
-
-
-def run_stream(
-    engine: LLMEngine, stream: Sequence[Request], digests: Sequence[str], out_len: int
-) -> StreamRun:
-    """Replay the arrivals in real time on this thread: before each step, add every request
-    whose arrival time has come. Sleeps until the next arrival when idle, and 1 ms after a step
-    that computed nothing (its requests wait for adapters read on the loader thread)."""
-    device = engine.config.device
-    before = adapter_loads(engine)
-    pending = deque(stream)
-    added: dict[str, float] = {}
-    first: dict[str, float] = {}
-    busy = 0.0
-    start = now(device)
-    while pending or engine.has_work:
-        clock = now(device) - start
-        while pending and pending[0].arrival <= clock:
-            r = pending.popleft()
-            engine.add_request(engine_request(r, digests, out_len))
-            added[r.request_id] = clock
-        if not engine.has_work:
-            time.sleep(max(0.0, pending[0].arrival - clock))
-            continue
-        steps = engine.stats().steps
-        outputs = engine.step()
-        done = now(device) - start
-        if engine.stats().steps == steps:
-            time.sleep(1e-3)
-            continue
-        busy += done - clock
-        for out in outputs:
-            first.setdefault(out.request_id, done)
-    seconds = now(device) - start
-    after = adapter_loads(engine)
-    return StreamRun(
-        [first[r.request_id] - r.arrival for r in stream],
-        [first[r.request_id] - added[r.request_id] for r in stream],
-        seconds,
-        busy,
-        seconds - stream[-1].arrival,
-        after[0] - before[0],
-        after[1] - before[1],
-    )
-
-
-def adapter_loads(engine: LLMEngine) -> tuple[int, int]:
-    """(device-slot loads, host-tier loads) summed over every adapter so far."""
-    stats = engine.adapter_stats().values()
-    return sum(s.slot_loads for s in stats), sum(s.loads for s in stats)
-
-
 def measure_many_adapters(
     settings: RunSettings, model_dir: Path, folders: Sequence[Path], w: Workload, rate: float
 ) -> dict[str, StreamRun]:
@@ -349,7 +334,7 @@ def figures(
         Figure(f"(a) tokens/s, {engine_case(n)}", ours.tokens_per_s, "tok/s"),
         Figure(f"(a) tokens/s, PEFT mixed-adapter batches of {b}", mixed.tokens_per_s, "tok/s"),
         Figure("(a) tokens/s, PEFT one adapter at a time", one.tokens_per_s, "tok/s"),
-        Figure("(a) engine / best PEFT", ours.tokens_per_s / best_peft, "x", 5.0),
+        Figure("(a) engine / best PEFT", ours.tokens_per_s / best_peft, "x", w.speedup_goal),
         Figure(
             "(a) greedy outputs equal to PEFT",
             equal_fraction(one.outputs, ours.outputs),
@@ -364,7 +349,7 @@ def figures(
             f"(b) tokens/s {n} adapters / {d1}",
             ours.tokens_per_s / timed[engine_case(d1)].tokens_per_s,
             "ratio",
-            0.85,
+            w.spread_goal,
         ),
         *(
             Figure(f"(c) TTFT {stat}, {label}", f(run.ttft) * 1e3, "ms")
@@ -405,23 +390,41 @@ def details(
     return {"cases": cases, "streams": streams}
 
 
+def adapter_flops_share(model_dir: Path, w: Workload, count: int) -> dict[str, float]:
+    """Min, median and max over adapters 0..count-1 of LoRA FLOPs / the model's FLOPs."""
+    config = LlamaConfig.from_pretrained(model_dir)
+    base = model_flops_per_token(config)
+    shares = [
+        lora_flops_per_token(config, demo_lora_config(i, w.ranks)) / base for i in range(count)
+    ]
+    return {"min": min(shares), "median": median(shares), "max": max(shares)}
+
+
 def main(argv: Sequence[str] | None = None) -> Path:
     with prepared_run(__doc__ or NAME, argv) as run:
-        settings, model_dir, w = run.settings, run.model_dir, WORKLOADS[run.settings.mode]
+        settings, model_dir, w = run.settings, run.model_dir, choose_workload(run.settings)
         count = max(w.num_adapters, w.distinct[-1])
-        folders = build_demo_adapters(model_dir, run.workdir / "adapters", count, seed=w.seed)
+        started = time.perf_counter()
+        folders = build_demo_adapters(
+            model_dir, run.workdir / "adapters", count, seed=w.seed, ranks=w.ranks
+        )
+        build_seconds = time.perf_counter() - started
+        share = adapter_flops_share(model_dir, w, count)
         timed = measure_batching(settings, model_dir, folders, w)
         rate = w.load * w.num_requests / median(timed[engine_case(w.distinct[-1])].seconds)
         runs = measure_many_adapters(settings, model_dir, folders, w, rate)
         n = w.distinct[-1]
         dora_folders = build_demo_adapters(
-            model_dir, run.workdir / "dora", n, seed=w.seed, dora=True
+            model_dir, run.workdir / "dora", n, seed=w.seed, ranks=w.ranks, dora=True
         )
         dora = measure_dora(settings, model_dir, folders[:n], dora_folders, w)
     workload = dataclasses.asdict(w) | {
         "max_model_len": w.max_model_len,
         "prompt_tokens_from": "uniform over the tokenizer's non-special vocabulary",
         "adapters": f"adapters.demo.build_demo_adapters(seed={w.seed}): adapter i is index i",
+        "adapter_flops_share": share,
+        "adapter_flops_share_excludes": "attention scores and the embedding lookup",
+        "adapter_build_seconds": build_seconds,
         "ignore_eos": True,
     }
     config = dataclasses.asdict(engine_config(settings, Path(), w, w.distinct[-1], w.distinct[-1]))

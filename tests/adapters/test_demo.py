@@ -10,7 +10,12 @@ from peft import PeftModel
 from transformers import LlamaForCausalLM
 
 from loramux.adapters.base_spec import BaseModelSpec
-from loramux.adapters.demo import DEMO_RANKS, DEMO_TARGET_SETS, build_demo_adapters
+from loramux.adapters.demo import (
+    DEMO_RANKS,
+    DEMO_TARGET_SETS,
+    build_demo_adapters,
+    demo_lora_config,
+)
 from loramux.adapters.peft_format import LoraAdapter, load_peft_adapter
 
 COUNT = 40  # what the session fixture `demo_adapter_dirs` builds
@@ -72,3 +77,19 @@ def test_each_adapter_changes_greedy_output_and_stays_sane(
             assert changed > 0.5, f"adapter {index} changes only {changed:.0%} of greedy picks"
             assert not torch.equal(continuation, base_continuation)
             assert logits.isfinite().all() and logits.abs().max() < 10 * base_logits.abs().max()
+
+
+def test_a_rank_cycle_changes_only_the_ranks() -> None:
+    """A wider model's benchmark picks smaller ranks; targets, alpha and rsLoRA cycle as before."""
+    for index in range(20):
+        default, chosen = demo_lora_config(index), demo_lora_config(index, (4, 8, 16))
+        assert chosen.r == (4, 8, 16)[index % 3]
+        assert default.r == DEMO_RANKS[index % len(DEMO_RANKS)]
+        assert chosen.target_modules == default.target_modules
+        assert (chosen.lora_alpha, chosen.use_rslora) == (default.lora_alpha, default.use_rslora)
+
+
+@pytest.mark.parametrize("ranks", [(), (8, 0), (-4,)])
+def test_a_rank_cycle_must_be_positive_ranks(ranks: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match="ranks must be positive"):
+        demo_lora_config(0, ranks)
