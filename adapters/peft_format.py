@@ -45,6 +45,7 @@ from loramux.adapters.peft_config import PARENT_MODULE, LoraSettings, parse_lora
 from loramux.adapters.peft_top import (
     BaseWeights,
     check_top_shape,
+    check_vocabulary,
     finite,
     fold_top,
     match_top_keys,
@@ -249,7 +250,14 @@ def _read_weights(
     """Every LoRA weight by loramux name, as stored, after checking the header and values."""
     try:
         with safe_open(str(path), framework="pt") as file:
-            top_keys, rest = match_top_keys(sorted(file.keys()), settings)
+            names = sorted(file.keys())
+            top_shapes = {
+                k: list(file.get_slice(k).get_shape())
+                for k in names
+                if ".embed_tokens." in k or ".lm_head." in k
+            }
+            check_vocabulary(top_shapes, base)
+            top_keys, rest = match_top_keys(names, settings)
             halves = "ABM" if settings.use_dora else "AB"
             keys = _match_keys(rest, settings.modules, halves)
             for (module, half), key in keys.items():

@@ -78,6 +78,30 @@ def top_name(key: TopKey) -> str:
     return f"{key[0]}.{key[1]}"
 
 
+def check_vocabulary(shapes: dict[str, list[int]], base: BaseModelSpec) -> None:
+    """Refuse an adapter whose embedding or lm_head tensors, whatever PEFT named them (a resized
+    model's adapter also holds `modules_to_save.weight` and `original_module.weight` copies), have
+    another vocabulary size than the base model's."""
+    for key, shape in shapes.items():
+        vocab = _vocabulary_size(key, shape)
+        if vocab is not None and vocab != base.vocab:
+            raise AddedTokensUnsupported(
+                f"{key[:120]} has a vocabulary of {vocab} tokens, the base model {base.vocab}: "
+                "adapters that add tokens are not supported yet"
+            )
+
+
+def _vocabulary_size(key: str, shape: list[int]) -> int | None:
+    """The vocabulary dimension of an embedding or lm_head tensor; None for other tensors."""
+    if len(shape) != 2 or key.endswith(("lora_embedding_B", "lora_A.weight")):
+        return None
+    if ".embed_tokens." in key and key.endswith("lora_embedding_A"):
+        return shape[1]  # [r, vocab]
+    if (".embed_tokens." in key or ".lm_head." in key) and key.endswith("weight"):
+        return shape[0]  # lm_head's lora_B [vocab, r], and every [vocab, hidden] copy
+    return None
+
+
 def match_top_keys(
     keys: Iterable[str], settings: LoraSettings
 ) -> tuple[dict[TopKey, str], list[str]]:
@@ -110,28 +134,17 @@ def match_top_keys(
 
 
 def check_top_shape(key: TopKey, shape: list[int], rank: int, base: BaseModelSpec) -> None:
-    """Each tensor's expected shape; one that differs only in its vocabulary dimension adds or
-    drops tokens."""
+    """Each tensor's shape (its vocabulary size is `check_vocabulary`'s)."""
     vocab, hidden = base.vocab, base.hidden_size
     module, part = key
-    expected: list[int]
-    vocab_axis: int
     if part in ("base", "saved"):
-        expected, vocab_axis = [vocab, hidden], 0
+        expected = [vocab, hidden]
     elif module == "embed_tokens":
-        expected, vocab_axis = ([rank, vocab], 1) if part == "lora_A" else ([hidden, rank], -1)
+        expected = [rank, vocab] if part == "lora_A" else [hidden, rank]
     else:
-        expected, vocab_axis = ([rank, hidden], -1) if part == "lora_A" else ([vocab, rank], 0)
-    if shape == expected:
-        return
-    if vocab_axis >= 0 and len(shape) == 2:
-        other = [n for i, n in enumerate(shape) if i != vocab_axis]
-        if other == [n for i, n in enumerate(expected) if i != vocab_axis]:
-            raise AddedTokensUnsupported(
-                f"{top_name(key)} has a vocabulary of {shape[vocab_axis]} tokens, the base model "
-                f"{vocab}: adapters that add tokens are not supported yet"
-            )
-    raise ShapeMismatch(f"{top_name(key)} has shape {shape}; this base model needs {expected}")
+        expected = [rank, hidden] if part == "lora_A" else [vocab, rank]
+    if shape != expected:
+        raise ShapeMismatch(f"{top_name(key)} has shape {shape}; this base model needs {expected}")
 
 
 def check_base_copy(module: str, stored: torch.Tensor, base_weights: BaseWeights) -> None:

@@ -118,7 +118,34 @@ def adapters(
             IA3Config(target_modules=["v_proj", "down_proj"], feedforward_modules=["down_proj"]),
             root / "ia3",
         ),
+        "added tokens": saved(
+            with_added_tokens(demo_model(demo_model_dir)),
+            LoraConfig(modules_to_save=["embed_tokens"], **lora),
+            root / "tokens",
+        ),
+        "embedding of another model": saved(
+            with_other_embedding(demo_model(demo_model_dir)),
+            LoraConfig(r=8, init_lora_weights=False, target_modules=["embed_tokens"]),
+            root / "other-embedding",
+        ),
+        "dora on lm_head": saved(
+            demo_model(demo_model_dir),
+            LoraConfig(r=8, init_lora_weights=False, target_modules=["lm_head"], use_dora=True),
+            root / "dora-head",
+        ),
     }
+
+
+def with_added_tokens(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    model.resize_token_embeddings(model.config.vocab_size + 8)
+    return model
+
+
+def with_other_embedding(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """The demo model's shapes with another embedding: PEFT saves it beside the pair."""
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(1.5)
+    return model
 
 
 def good_members(adapters: dict[str, Path]) -> dict[str, bytes]:
@@ -184,6 +211,10 @@ ADAPTERS = {
     "rank 512": "rank_over_limit",
     "rank 128": "rank_over_limit",  # within the store's limit, over the engine's: rolled back
     "ia3": "not_lora",
+    "added tokens": "added_tokens_unsupported",
+    # Only the engine holds the base weights to compare with: rolled back like rank 128.
+    "embedding of another model": "base_weights_differ",
+    "dora on lm_head": "dora_unsupported",
 }
 
 
