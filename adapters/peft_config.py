@@ -141,6 +141,9 @@ def parse_lora_config(config: Any, base: BaseModelSpec, max_rank: int) -> LoraSe
         )
     if not (modules or top or saved):
         raise InvalidAdapterConfig("target_modules selects no module of the base model")
+    if (top or saved) and config.get("ensure_weight_tying"):
+        # PEFT would then tie the adapter's embedding and lm_head copies on a tied base model.
+        raise UnsupportedOption("ensure_weight_tying with embed_tokens or lm_head is not supported")
     return LoraSettings(
         rank=rank,
         alpha=float(alpha),

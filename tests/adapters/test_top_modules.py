@@ -157,3 +157,14 @@ def test_with_layers_to_transform_only_exact_names_select_the_top_modules(tmp_pa
     assert not load(folder).top
     edit_config(folder, target_modules=["q_proj", "model.embed_tokens"])
     assert refusal(folder).code == "missing_tensors"
+
+
+def test_ensure_weight_tying_is_refused_with_top_modules(tmp_path: Path) -> None:
+    folder = make_peft_adapter(
+        tmp_path / "a", target_modules=["q_proj"], modules_to_save=["lm_head"]
+    )
+    edit_config(folder, ensure_weight_tying=True)
+    assert refusal(folder).code == "unsupported_option"
+    plain = make_peft_adapter(tmp_path / "p", target_modules=["q_proj"])
+    edit_config(plain, ensure_weight_tying=True)  # nothing to tie: a training-time option
+    assert load(plain).modules
