@@ -19,7 +19,9 @@ a. N requests, request i on adapter i: the engine (all submitted at once, step u
    order, left-padded); PEFT one adapter at a time (`set_adapter`, then one `generate` of that
    adapter's requests). Output tokens/s of each; goal: the engine >= 5x the better PEFT way
    (30x on CUDA at the realistic size).
-   Every adapter is loaded on both sides before timing (the engine's in its device slots).
+   Every adapter is loaded on both sides before timing: the engine's adapter memory holds N
+   adapters of the maximum rank, so all N are resident (`slot_loads` in `details` counts the
+   copies into device memory while timed: 0).
 b. The same N requests spread round-robin over 1, 8, ... N adapters (and on the base model, for
    context); goal: N adapters keep >= 0.85 of the single adapter's throughput (0.9 at the
    realistic size).
@@ -66,6 +68,7 @@ from bench.adapter_requests import (
     Request,
     Run,
     StreamRun,
+    adapter_loads,
     make_prompts,
     plain_vocab,
     register,
@@ -196,15 +199,18 @@ def engine_config(
 # -- (a) and (b) ------------------------------------------------------------------------------
 @dataclass
 class Timed:
-    """One case: the seconds of every repetition and the last repetition's outputs."""
+    """One case: the seconds of every repetition, the last repetition's outputs and, for the
+    engine, the adapters it had to copy into device memory while timed (0: all resident)."""
 
     tokens: int
     seconds: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
+    slot_loads: list[int] = field(default_factory=list)
 
-    def add(self, run: Run) -> None:
+    def add(self, run: Run, slot_loads: int = 0) -> None:
         self.seconds.append(run[0])
         self.outputs = run[1]
+        self.slot_loads.append(slot_loads)
 
     @property
     def tokens_per_s(self) -> float:
@@ -224,7 +230,7 @@ def measure_batching(
     """Every case of (a) and (b), keyed 'engine, base model', 'engine, <d> adapters' for d in
     w.distinct, 'peft-mixed-<B>' for B in w.peft_batch_sizes and 'peft-one'."""
     n = w.distinct[-1]
-    engine = LLMEngine(engine_config(settings, model_dir, w, slots=n, host=n))
+    engine = LLMEngine(engine_config(settings, model_dir, w, slots=n, host=n, memory_adapters=n))
     prompts = make_prompts(
         w.prompt_lens, plain_vocab(engine.tokenizer), random.Random(w.seed), w.num_requests
     )
@@ -242,8 +248,9 @@ def measure_batching(
     timed: defaultdict[str, Timed] = defaultdict(lambda: Timed(len(prompts) * w.output_len))
     for rep in range(w.repeats):
         for d in (None, *w.distinct):
+            loads = adapter_loads(engine)[0]
             run = run_engine(engine, spread(prompts, d, f"{rep}-{d}"), digests, w.output_len)
-            timed[engine_case(d)].add(run)
+            timed[engine_case(d)].add(run, adapter_loads(engine)[0] - loads)
         for b in w.peft_batch_sizes:
             timed[f"peft-mixed-{b}"].add(peft.run_mixed(every, b))
         timed["peft-one"].add(peft.run_per_adapter(every))
@@ -266,10 +273,11 @@ def measure_dora(
     timed: defaultdict[str, Timed] = defaultdict(lambda: Timed(len(prompts) * w.output_len))
     for rep in range(w.repeats):
         for kind, kind_digests in digests.items():
+            loads = adapter_loads(engine)[0]
             run = run_engine(
                 engine, spread(prompts, n, f"{kind}-{rep}"), kind_digests, w.output_len
             )
-            timed[kind].add(run)
+            timed[kind].add(run, adapter_loads(engine)[0] - loads)
     return dict(timed)
 
 
@@ -378,7 +386,10 @@ def details(
 ) -> dict[str, Any]:
     """Every repetition's seconds, PEFT's agreement with the engine, and the streams."""
     ours = timed[engine_case(w.distinct[-1])].outputs
-    cases = {case: {"seconds": t.seconds, "tokens": t.tokens} for case, t in timed.items()}
+    cases = {
+        case: {"seconds": t.seconds, "tokens": t.tokens, "slot_loads": t.slot_loads}
+        for case, t in timed.items()
+    }
     for case in (c for c in cases if c.startswith("peft")):
         cases[case]["outputs_equal_to_engine"] = equal_fraction(timed[case].outputs, ours)
     streams: dict[str, Any] = {"arrival_rate_per_s": rate}
@@ -434,7 +445,10 @@ def main(argv: Sequence[str] | None = None) -> Path:
         "resident": [w.num_adapters] * 2,
     }
     figs, more = figures(w, timed, runs, dora), details(w, timed, runs, rate)
-    more["dora"] = {kind: {"seconds": t.seconds, "tokens": t.tokens} for kind, t in dora.items()}
+    more["dora"] = {
+        kind: {"seconds": t.seconds, "tokens": t.tokens, "slot_loads": t.slot_loads}
+        for kind, t in dora.items()
+    }
     return report(Result(NAME, settings, run.model, workload, config, figs, more))
 
 

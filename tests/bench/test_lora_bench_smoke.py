@@ -75,6 +75,10 @@ def test_lora_batching_writes_a_complete_result(batching: Any) -> None:
     assert figure(result, "(a) engine / best PEFT")["goal"] == ">= 5"
     assert figure(result, "(d) tokens/s DoRA / plain LoRA")["goal"] == ">= 0.9"
     assert set(result["details"]["dora"]) == {"plain", "dora"}
+    engine_cases = [c for c in result["details"]["cases"].values() if "slot_loads" in c]
+    timed_loads = [c["slot_loads"] for c in engine_cases]
+    timed_loads += [c["slot_loads"] for c in result["details"]["dora"].values()]
+    assert timed_loads and all(loads == [0] for loads in timed_loads), "adapters were swapped"
 
 
 def test_lora_batching_engine_equals_peft_for_every_adapter(batching: Any) -> None:
