@@ -103,9 +103,10 @@ class ModelRunner:
         chunks is padded to `pad_to` rows, by default to the batch of the smallest captured
         graph that holds it (if any)."""
         one_token = all(c.num_tokens == 1 for c in scheduled)
-        eager = needs_eager(scheduled, self.lora)  # Python LoRA work: not in a graph
-        if pad_to is None and self.graphs is not None and one_token and not eager:
-            pad_to = self.graphs.batch_for(len(scheduled))
+        graphs = self.graphs if pad_to is None and one_token else None
+        # Python LoRA work (the host path, embedding weights) is not in a graph; checked last.
+        if graphs is not None and not needs_eager(scheduled, self.lora):
+            pad_to = graphs.batch_for(len(scheduled))
         lora = order_by_adapter(scheduled, self.lora, self._lora_buffers, pad_to)
         bs = self.config.block_size
         return self.buffers.fill(lora.chunks, bs, self.kv_caches, lora.batch, previous, pad_to)
