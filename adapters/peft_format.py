@@ -342,10 +342,7 @@ def _fold(
         b = out[stored_a.numel() : stored_a.numel() + stored_b.numel()].view(stored_b.shape)
         torch.mul(stored_b.to(torch.float32), scaling, out=b)
     assert a.shape[0] == rank == b.shape[1], "the header check let a wrong rank through"
-    for half, tensor in (("A", a), ("B", b)):
-        if not bool(torch.isfinite(tensor).all()):
-            raise NonFiniteWeights(f"{weight_name(module, half)} holds NaN or infinite values")
-    return LoraWeights(a=a, b=b)
+    return LoraWeights(a=finite(a, weight_name(module, "A")), b=finite(b, weight_name(module, "B")))
 
 
 def _with_dora_scale(
