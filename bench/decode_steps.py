@@ -9,11 +9,12 @@ then aborted and the engine drained.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -34,6 +35,9 @@ class DecodeTiming:
     """Mean wall time of one decode step over the timed run."""
     mean_context: float
     """KV positions a request attends over in a timed step, on average."""
+    running: int
+    """Requests the fewest-running timed step ran: always `batch` (`time_decode` raises
+    otherwise: some waiting, for adapter memory say, would make it a smaller batch's timing)."""
 
 
 def time_decode(
@@ -43,9 +47,11 @@ def time_decode(
     warmup_steps: int,
     steps: int,
     rng: random.Random,
+    around: contextlib.AbstractContextManager[Any] | None = None,
 ) -> DecodeTiming:
     """Decode steps with len(adapters) running requests, request i on adapters[i] (None: the
-    base model). Needs max_model_len >= prompt_len + steps the prefill takes + warmup + steps."""
+    base model). Needs max_model_len >= prompt_len + steps the prefill takes + warmup + steps.
+    `around` (a profiler, say) is entered for the timed steps alone."""
     params = SamplingParams(max_tokens=engine.max_model_len - prompt_len, ignore_eos=True)
     ids = [f"timed-{rng.getrandbits(48):x}-{i}" for i in range(len(adapters))]
     vocab = engine.model_config.vocab_size
@@ -61,16 +67,24 @@ def time_decode(
         engine.step()
     contexts = [len(seq) for seq in engine.scheduler.running]
     device = engine.config.device
-    begin = now(device)
-    for _ in range(steps):
-        engine.step()
-    seconds = now(device) - begin
+    running = len(ids)
+    with around or contextlib.nullcontext():
+        begin = now(device)
+        for _ in range(steps):
+            engine.step()
+            running = min(running, len(engine.scheduler.running))
+        seconds = now(device) - begin
     for request_id in ids:
         engine.abort(request_id)
     while engine.has_work:
         engine.step()
     mean_context = sum(contexts) / len(contexts) + (steps - 1) / 2
-    return DecodeTiming(len(ids), seconds / steps * 1e3, mean_context)
+    if running < len(ids):
+        raise RuntimeError(
+            f"a timed step ran {running} of {len(ids)} requests (the others waited, for adapter "
+            "memory say): the timing would be of a smaller batch"
+        )
+    return DecodeTiming(len(ids), seconds / steps * 1e3, mean_context, running)
 
 
 def step_bytes(engine: LLMEngine, timing: DecodeTiming) -> int:

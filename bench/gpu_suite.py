@@ -36,18 +36,22 @@ if not torch.cuda.is_available():
 import argparse
 import dataclasses
 import importlib.util
+import json
 import random
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import xml.etree.ElementTree as ET
-import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import carried_wheels
+from bench.carried_wheels import UNPACKED  # first: the modules below import carried packages
 from bench.common import RESULTS_DIR, Figure, Result, RunSettings, available_cores, configure
 from bench.common import report as write_report
 from bench.decode_steps import (
@@ -59,19 +63,22 @@ from bench.decode_steps import (
 from bench.lora_overhead import write_adapter
 from bench.models import describe_model, llama3_8b_config, shapes_only_folder
 from loramux.adapters.base_spec import BaseModelSpec
+from loramux.adapters.layout import LoraStack
 from loramux.engine.config import EngineConfig
 from loramux.engine.demo_model import build_demo_model
 from loramux.engine.llm_engine import LLMEngine
 
 NAME = "gpu_suite"
 ROOT = Path(__file__).resolve().parent.parent
-WHEELS = ROOT / "bench" / "wheels"
-"""Wheels of what the suite needs beyond IMAGE_PACKAGES (pytest), put on the tests' path."""
+WHEELS = carried_wheels.WHEELS
+"""Wheels of what the suite needs beyond IMAGE_PACKAGES (pytest, llguidance, ...)."""
 IMAGE_PACKAGES = ("torch", "triton", "transformers", "peft", "safetensors", "tokenizers", "httpx")
 """What the GPU machine has installed (with their dependencies): everything else the suite and
 its tests import must travel in WHEELS (tests/bench/test_gpu_suite_imports.py checks it)."""
-ROOFLINE_GOAL = 0.5
-"""Batches of 64 and more should reach half the roofline (smaller ones are launch-bound)."""
+TEST_TIMEOUT_S = 180
+"""One gpu test's limit, where pytest-timeout is installed."""
+ROOFLINE_GOAL = 0.7
+"""Batches of 64 and more should reach 0.7 of the roofline (smaller ones are launch-bound)."""
 LORA_GOAL = 1 / 1.1
 """8 adapters add under 10% to a decode step (64 adapters read 64 adapters' weights: no goal)."""
 
@@ -132,16 +139,13 @@ def run_gpu_tests(timeout_s: int) -> TestRun:
     """Run every `gpu` test in a child process; its outcome, read from a JUnit report."""
     files = [str(p.relative_to(ROOT)) for p in gpu_test_files()]
     with tempfile.TemporaryDirectory(prefix="loramux-gpu-tests-") as tmp:
-        paths = [str(ROOT)]
-        source = "installed"
-        if importlib.util.find_spec("pytest") is None:
-            paths.append(str(unpack_wheels(Path(tmp) / "wheels")))
-            source = "bench/wheels"
+        paths = [str(ROOT), *([str(UNPACKED)] if UNPACKED else [])]
+        source = "installed" if importlib.util.find_spec("pytest") else "bench/wheels"
         env = os.environ | {"PYTHONPATH": os.pathsep.join(paths)}
         report = Path(tmp) / "junit.xml"
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
         command += ["-p", "no:tests.redis", "-p", "no:tests.postgres"]
-        command += ["-m", "gpu", f"--junitxml={report}", *files]
+        command += ["-m", "gpu", f"--junitxml={report}", *_parallel_options(), *files]
         started = time.monotonic()
         try:
             proc = subprocess.run(
@@ -160,15 +164,16 @@ def run_gpu_tests(timeout_s: int) -> TestRun:
         return _read_junit(report, files, seconds, source, tail)
 
 
-def unpack_wheels(dest: Path) -> Path:
-    """The carried wheels, unpacked into `dest` (a folder to put on sys.path)."""
-    wheels = sorted(WHEELS.glob("*.whl"))
-    if not wheels:
-        raise RuntimeError(f"pytest is not installed and {WHEELS} holds no wheels")
-    for wheel in wheels:
-        with zipfile.ZipFile(wheel) as archive:
-            archive.extractall(dest)
-    return dest
+def _parallel_options() -> list[str]:
+    """Where the machine has pytest-timeout and pytest-xdist (the GPU image does): a hung test
+    fails alone, and four workers share the kernels' compile time (each test file's tests stay
+    on one worker; the GPU is shared, and none of these tests times anything)."""
+    options = []
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        options.append(f"--timeout={TEST_TIMEOUT_S}")
+    if importlib.util.find_spec("xdist") is not None and torch.cuda.is_available():
+        options += ["-n", "4", "--dist", "loadfile"]
+    return options
 
 
 def _read_junit(report: Path, files: list[str], seconds: float, source: str, tail: str) -> TestRun:
@@ -188,56 +193,108 @@ def _read_junit(report: Path, files: list[str], seconds: float, source: str, tai
 
 # -- the benchmarks -------------------------------------------------------------------------
 def engine_config(settings: RunSettings, folder: Path, w: Workload) -> EngineConfig:
-    """The suite's main engine: overlapped steps, adapter slots for the largest count."""
-    return settings.engine(
+    """The suite's main engine: overlapped steps, adapter slots and adapter memory for the
+    largest count at rank 16 on every projection (the default memory holds 8 such adapters, and
+    64 requests on 64 adapters would then run 8 at a time)."""
+    rank, adapters = 16, max(w.adapter_counts)
+    config = settings.engine(
         max_model_len=w.max_model_len,
         max_num_seqs=max(w.batches),
         max_num_batched_tokens=w.max_num_batched_tokens,
         kv_cache_mb=w.kv_cache_mb,
-        max_loras=max(w.adapter_counts),
-        max_cpu_loras=max(w.adapter_counts),
-        max_lora_rank=16,
+        max_loras=adapters,
+        max_cpu_loras=adapters,
+        max_lora_rank=rank,
         async_scheduling=True,
     ).engine_config(folder, random_weights=settings.model_size == "llama3-8b")
+    element = torch.empty(0, dtype=config.torch_dtype).element_size()
+    full = LoraStack.full_rank_elements(BaseModelSpec.from_model_dir(folder), rank)
+    return dataclasses.replace(config, lora_memory_bytes=adapters * full * element)
 
 
 def measure_main(
-    engine: LLMEngine, w: Workload, adapters: list[Path], bandwidth: float
+    engine: LLMEngine,
+    w: Workload,
+    adapters: list[Path],
+    bandwidth: float,
+    profile_steps: bool = False,
 ) -> dict[str, Any]:
     """Decode steps against the roofline, at the graph batches, then with adapters, on the
-    main engine."""
+    main engine; each part on its own (a part that fails is recorded in "errors")."""
     rng = random.Random(0)
-    time_decode(engine, [None], w.prompt_len, 1, 2, rng)  # compile and warm up
-    roofline = []
-    for batch in w.batches:
-        timing = time_decode(engine, [None] * batch, w.prompt_len, w.warmup_steps, w.steps, rng)
-        bound_ms = step_bytes(engine, timing) / bandwidth * 1e3
-        roofline.append(
-            asdict(timing) | {"bytes": step_bytes(engine, timing), "roofline_ms": bound_ms}
-        )
-    graphs = [
-        asdict(time_decode(engine, [None] * b, w.prompt_len, w.warmup_steps, w.steps, rng))
-        for b in w.graph_batches
-    ]
-    digests = [engine.register_adapter(folder) for folder in adapters]
-    lora: dict[str, float] = {}
-    for count in (0, *w.adapter_counts):
-        spread = [digests[i % count] if count else None for i in range(w.lora_batch)]
-        timing = time_decode(engine, spread, w.prompt_len, w.warmup_steps, w.steps, rng)
-        lora[f"{count}_adapters_ms"] = timing.step_ms
-    return {"roofline": roofline, "graphs": graphs, "lora": lora}
+    out: dict[str, Any] = {}
+    section(out, "warmup", lambda: asdict(time_decode(engine, [None], w.prompt_len, 1, 2, rng)))
+
+    def roofline() -> list[dict[str, Any]]:
+        rows = []
+        for batch in w.batches:
+            t = time_decode(engine, [None] * batch, w.prompt_len, w.warmup_steps, w.steps, rng)
+            nbytes = step_bytes(engine, t)
+            rows.append(asdict(t) | {"bytes": nbytes, "roofline_ms": nbytes / bandwidth * 1e3})
+        return rows
+
+    def lora() -> dict[str, float]:
+        began = time.monotonic()
+        with ThreadPoolExecutor(8) as pool:  # registration is safe from any thread
+            digests = list(pool.map(engine.register_adapter, adapters))
+        seconds = out["lora_wall_seconds"] = {"register": time.monotonic() - began}
+        times: dict[str, float] = {}
+        for count in (0, *w.adapter_counts):
+            began = time.monotonic()
+            spread = [digests[i % count] if count else None for i in range(w.lora_batch)]
+            t = time_decode(engine, spread, w.prompt_len, w.warmup_steps, w.steps, rng)
+            times[f"{count}_adapters_ms"] = t.step_ms
+            seconds[f"{count}_adapters"] = time.monotonic() - began
+        return times
+
+    def profile() -> str:
+        """Where a decode step's device time goes: the kernels of a few steps at the LoRA
+        batch, by total CUDA time (a table; the JSON keeps its first lines)."""
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        prof = torch.profiler.profile(activities=activities)
+        time_decode(engine, [None] * w.lora_batch, w.prompt_len, 1, 5, rng, around=prof)
+        table: str = prof.key_averages().table(sort_by="device_time_total", row_limit=30)
+        print(table, flush=True)
+        return table
+
+    section(out, "roofline", roofline)
+    section(out, "graphs", lambda: measure_batches(engine, w, w.graph_batches, rng))
+    if profile_steps and engine.config.device.startswith("cuda"):
+        section(out, "profile", profile)
+    section(out, "lora", lora)
+    return out
 
 
-def measure_batches(engine: LLMEngine, w: Workload, batches: Sequence[int]) -> list[dict[str, Any]]:
-    rng = random.Random(1)
-    time_decode(engine, [None], w.prompt_len, 1, 2, rng)
+def measure_batches(
+    engine: LLMEngine, w: Workload, batches: Sequence[int], rng: random.Random | None = None
+) -> list[dict[str, Any]]:
+    if rng is None:  # a fresh engine: compile and warm up first
+        rng = random.Random(1)
+        time_decode(engine, [None], w.prompt_len, 1, 2, rng)
     return [
         asdict(time_decode(engine, [None] * b, w.prompt_len, w.warmup_steps, w.steps, rng))
         for b in batches
     ]
 
 
-def run_benchmarks(settings: RunSettings, workdir: Path, w: Workload) -> dict[str, Any]:
+def section(out: dict[str, Any], name: str, measure: Callable[[], Any]) -> None:
+    """out[name] = measure(), timed and printed as it ends; a failure goes to out["errors"]
+    with its traceback, and the suite goes on (one GPU run must tell all it can)."""
+    started = time.monotonic()
+    print(f"[gpu_suite] {name} ...", flush=True)
+    try:
+        out[name] = measure()
+    except Exception as exc:
+        out.setdefault("errors", {})[name] = traceback.format_exc()[-8000:]
+        print(f"[gpu_suite] {name} FAILED: {exc!r}\n{traceback.format_exc()}", flush=True)
+        return
+    took = time.monotonic() - started
+    print(f"[gpu_suite] {name} done in {took:.1f} s: {json.dumps(out[name])}", flush=True)
+
+
+def run_benchmarks(
+    settings: RunSettings, workdir: Path, w: Workload, profile: bool = False
+) -> dict[str, Any]:
     demo = settings.model_dir or build_demo_model(workdir / "demo")
     if settings.model_size == "llama3-8b":
         folder = shapes_only_folder(llama3_8b_config(), demo, workdir / "llama3-8b")
@@ -251,13 +308,28 @@ def run_benchmarks(settings: RunSettings, workdir: Path, w: Workload) -> dict[st
     ]
     bandwidth = copy_bandwidth(w.copy_bytes, settings.device, w.copy_iters)
     config = engine_config(settings, folder, w)
-    main = with_engine(config, lambda e: measure_main(e, w, adapters, bandwidth))
+    out: dict[str, Any] = {}
+    section(
+        out,
+        "main",
+        lambda: with_engine(config, lambda e: measure_main(e, w, adapters, bandwidth, profile)),
+    )
+    main = out.pop("main", {})
     eager_config = dataclasses.replace(config, cuda_graphs=False, max_num_seqs=max(w.graph_batches))
-    eager = with_engine(eager_config, lambda e: measure_batches(e, w, w.graph_batches))
+    section(
+        out,
+        "eager",
+        lambda: with_engine(eager_config, lambda e: measure_batches(e, w, w.graph_batches)),
+    )
     sync_config = dataclasses.replace(
         config, async_scheduling=False, max_num_seqs=max(w.overlap_batches)
     )
-    sync = with_engine(sync_config, lambda e: measure_batches(e, w, w.overlap_batches))
+    section(
+        out,
+        "no_overlap",
+        lambda: with_engine(sync_config, lambda e: measure_batches(e, w, w.overlap_batches)),
+    )
+    errors = {**main.pop("errors", {}), **out.pop("errors", {})}
     settings_out = asdict(config)
     settings_out.pop("model")
     return {
@@ -265,8 +337,8 @@ def run_benchmarks(settings: RunSettings, workdir: Path, w: Workload) -> dict[st
         "engine_settings": settings_out,
         "copy_bandwidth_bytes_per_s": bandwidth,
         **main,
-        "eager": eager,
-        "no_overlap": sync,
+        **out,
+        "errors": errors,
     }
 
 
@@ -281,7 +353,8 @@ def figures(tests: TestRun | None, bench: dict[str, Any] | None, cuda: bool) -> 
     if bench is None:
         return out
     out.append(Figure("copy bandwidth", bench["copy_bandwidth_bytes_per_s"] / 1e9, "GB/s"))
-    for r in bench["roofline"]:
+    out.append(Figure("benchmark parts failed", len(bench["errors"]), "parts", None))
+    for r in bench.get("roofline", []):
         b = r["batch"]
         out.append(Figure(f"decode step, batch {b}", r["step_ms"], "ms"))
         goal = ROOFLINE_GOAL if b >= 64 and cuda else None
@@ -290,28 +363,23 @@ def figures(tests: TestRun | None, bench: dict[str, Any] | None, cuda: bool) -> 
                 f"roofline / decode step, batch {b}", r["roofline_ms"] / r["step_ms"], "ratio", goal
             )
         )
-    lora = bench["lora"]
+    lora = bench.get("lora", {})
     for count in (k for k in lora if not k.startswith("0_")):
         adapters = int(count.split("_")[0])
         goal = LORA_GOAL if adapters <= 8 and cuda else None
         ratio = lora["0_adapters_ms"] / lora[count]
         out.append(Figure(f"decode step base / LoRA, {adapters} adapters", ratio, "ratio", goal))
-    graphs = {r["batch"]: r["step_ms"] for r in bench["graphs"]}
-    for r in bench["eager"]:
-        ratio = r["step_ms"] / graphs[r["batch"]]
-        out.append(
-            Figure(
-                f"eager / CUDA graphs, batch {r['batch']}", ratio, "ratio", 1.0 if cuda else None
-            )
-        )
-    overlapped = {r["batch"]: r["step_ms"] for r in bench["roofline"]}
-    for r in bench["no_overlap"]:
-        ratio = r["step_ms"] / overlapped[r["batch"]]
-        out.append(
-            Figure(
-                f"no overlap / overlap, batch {r['batch']}", ratio, "ratio", 1.0 if cuda else None
-            )
-        )
+    pairs = (
+        ("graphs", "eager", "eager / CUDA graphs"),
+        ("roofline", "no_overlap", "no overlap / overlap"),
+    )
+    for fast, slow, label in pairs:
+        fast_ms = {r["batch"]: r["step_ms"] for r in bench.get(fast, [])}
+        for r in bench.get(slow, []):
+            if r["batch"] in fast_ms:
+                ratio = r["step_ms"] / fast_ms[r["batch"]]
+                goal = 1.0 if cuda else None
+                out.append(Figure(f"{label}, batch {r['batch']}", ratio, "ratio", goal))
     return out
 
 
@@ -324,6 +392,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RunSettings, argparse.Namesp
     parser.add_argument("--threads", type=int, default=None, help="torch threads (all cores)")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-benchmarks", action="store_true")
+    parser.add_argument(
+        "--profile", action="store_true", help="CUDA: profile a few decode steps' kernels"
+    )
     given = tuple(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(given)
     cuda = args.device.startswith("cuda")
@@ -350,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     bench: dict[str, Any] | None = None
     if not args.skip_benchmarks:
         with tempfile.TemporaryDirectory(prefix="loramux-gpu-suite-") as tmp:
-            bench = run_benchmarks(settings, Path(tmp), w)
+            bench = run_benchmarks(settings, Path(tmp), w, args.profile)
     details: dict[str, Any] = {"tests": asdict(tests) if tests else None}
     details |= {k: v for k, v in (bench or {}).items() if k not in ("model", "engine_settings")}
     model = (bench or {}).get("model", {"name": "none (benchmarks skipped)", "parameters": 0})
@@ -366,10 +437,17 @@ def main(argv: Sequence[str] | None = None) -> Path:
     path = write_report(result)
     if tests is not None and tests.failed:
         print("failed gpu tests:\n  " + "\n  ".join(tests.failed))
+    if bench is not None and bench["errors"]:
+        print("failed benchmark parts: " + ", ".join(bench["errors"]))
     return path
+
+
+def failures(result: dict[str, Any]) -> int:
+    """Failed gpu tests and benchmark parts in a written result."""
+    details = result["details"]
+    return len((details["tests"] or {}).get("failed", [])) + len(details.get("errors", {}))
 
 
 if __name__ == "__main__":
     written = main()
-    failed = __import__("json").loads(written.read_text())["details"]["tests"]
-    raise SystemExit(1 if failed and failed["failed"] else 0)
+    raise SystemExit(1 if failures(json.loads(written.read_text())) else 0)
