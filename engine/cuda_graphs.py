@@ -7,7 +7,12 @@ final hidden states of all G rows, from which the runner takes the rows that sam
 forward pass is inside the graph: GEMMs, the per-token LoRA kernels (grid fixed by G, rows
 without an adapter skipped as NO_SLOT; they read each adapter's weights through the offset
 and rank tables of adapters.layout, allocated once with the pool, so loading an adapter only
-rewrites their contents) and paged attention (grid fixed by G; KV lengths read on the device). Graphs share one memory pool, captured largest first so smaller ones reuse it.
+rewrites their contents) and paged attention (grid fixed by G; KV lengths read on the device).
+With LoRA on, each batch is captured twice: with the LoRA kernels, and without them for steps
+where no token has an adapter (an eager step then runs none either; in a graph the kernels
+would still launch their whole grid to find nothing to do: 1.3 ms of a 12.8 ms Llama-3-8B step
+at batch 64 on an H100, docs/gpu-runs.md). Graphs share one memory pool, captured largest
+first so smaller ones reuse it.
 
 Memory: the pool holds about one forward pass of the largest batch; `ModelRunner` measures
 that before sizing the KV pool and counts it in the KV budget.
@@ -44,35 +49,39 @@ class _Graph:
 
 
 class DecodeGraphs:
-    """The captured graphs, by batch size."""
+    """The captured graphs, by (batch size, with LoRA kernels)."""
 
-    def __init__(self, graphs: dict[int, _Graph]):
+    def __init__(self, graphs: dict[tuple[int, bool], _Graph]):
         self._graphs = graphs
-        self.batches = tuple(sorted(graphs))
+        self.batches = tuple(sorted({batch for batch, _ in graphs}))
+        self.replays = {False: 0, True: 0}
+        """Replays so far without and with the LoRA kernels."""
 
     @classmethod
     def capture(
         cls,
         batches: Sequence[int],
-        prepare_padding: Callable[[int], None],
+        variants: Sequence[bool],
+        prepare_padding: Callable[[int, bool], None],
         forward: Callable[[int], torch.Tensor],
     ) -> DecodeGraphs:
-        """Capture `forward(G)` (the model over the step buffers' first G rows) for each G,
-        after `prepare_padding(G)` filled those rows with padding and one eager run compiled
-        its kernels and made its constants."""
-        graphs: dict[int, _Graph] = {}
+        """Capture `forward(G)` (the model over the step buffers' first G rows) for each G and
+        each variant (with LoRA or not), after `prepare_padding(G, variant)` filled those rows
+        with padding and one eager run compiled its kernels and made its constants."""
+        graphs: dict[tuple[int, bool], _Graph] = {}
         pool = None
         for batch in sorted(batches, reverse=True):
-            prepare_padding(batch)
-            forward(batch)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = forward(batch)
-            pool = graph.pool()
-            graphs[batch] = _Graph(graph, hidden)
+            for with_lora in variants:
+                prepare_padding(batch, with_lora)
+                forward(batch)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = forward(batch)
+                pool = graph.pool()
+                graphs[batch, with_lora] = _Graph(graph, hidden)
         torch.cuda.synchronize()
-        log.info("captured decode graphs for batches %s", sorted(graphs))
+        log.info("captured decode graphs for batches %s, variants %s", sorted(batches), variants)
         return cls(graphs)
 
     def batch_for(self, num_seqs: int) -> int | None:
@@ -80,9 +89,10 @@ class DecodeGraphs:
         largest."""
         return next((b for b in self.batches if b >= num_seqs), None)
 
-    def replay(self, batch: int) -> torch.Tensor:
+    def replay(self, batch: int, with_lora: bool) -> torch.Tensor:
         """Run the graph over the step buffers' current contents: hidden states [G, hidden],
         valid until the next replay of any graph."""
-        g = self._graphs[batch]
+        g = self._graphs[batch, with_lora]
         g.graph.replay()
+        self.replays[with_lora] += 1
         return g.hidden

@@ -17,6 +17,7 @@ from loramux.engine.lora.manager import LoraManager
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LlamaModel
 from loramux.engine.scheduler import ScheduledChunk
+from loramux.engine.sequence import BASE_ADAPTER
 from loramux.engine.step_inputs import LaunchedStep, StepBuffers, StepInputs
 from loramux.kernels.lora_meta import LoraMetaBuffers
 
@@ -74,8 +75,9 @@ class ModelRunner:
             device=self.device,
         )
         if num_blocks and self.graph_batches:
+            variants = (True, False) if self.lora is not None else (False,)
             self.graphs = DecodeGraphs.capture(
-                self.graph_batches, self._prepare_padding, self._forward_padded
+                self.graph_batches, variants, self._prepare_padding, self._forward_padded
             )
 
     def graph_memory(self) -> int:
@@ -87,7 +89,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._prepare_padding(batch)
+        self._prepare_padding(batch, self.lora is not None)
         self._forward_padded(batch)
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - before
@@ -108,8 +110,11 @@ class ModelRunner:
         if graphs is not None and not needs_eager(scheduled, self.lora):
             pad_to = graphs.batch_for(len(scheduled))
         lora = order_by_adapter(scheduled, self.lora, self._lora_buffers, pad_to)
+        # A padded step always has a LoRA batch (a graph's kernels read its tables); without an
+        # adapter in the step, it runs (or replays) the model without LoRA kernels instead.
+        batch = lora.batch if any(c.seq.adapter_id != BASE_ADAPTER for c in scheduled) else None
         bs = self.config.block_size
-        return self.buffers.fill(lora.chunks, bs, self.kv_caches, lora.batch, previous, pad_to)
+        return self.buffers.fill(lora.chunks, bs, self.kv_caches, batch, previous, pad_to)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy the KV of each (source, destination) block, in every layer, on the device's
@@ -127,7 +132,7 @@ class ModelRunner:
         """float32 logits [num sampling chunks, vocab]: the captured graph of the step's batch
         replayed, or the model run eagerly (padding rows too, if any)."""
         if self.graphs is not None and inputs.graph_batch in self.graphs.batches:
-            hidden = self.graphs.replay(inputs.graph_batch)
+            hidden = self.graphs.replay(inputs.graph_batch, inputs.context.lora is not None)
         else:
             hidden = self.model(inputs.input_ids, inputs.context)
         sampled = hidden[inputs.logits_indices]
@@ -137,11 +142,14 @@ class ModelRunner:
                 inputs.context.lora.adjust_logits(inputs.logits_indices, sampled, logits)
         return logits
 
-    def _prepare_padding(self, batch: int) -> None:
-        """Step buffers holding `batch` padding rows and nothing else, as graphs are captured."""
-        lora = order_by_adapter([], self.lora, self._lora_buffers, batch)
+    def _prepare_padding(self, batch: int, with_lora: bool) -> None:
+        """Step buffers holding `batch` padding rows and nothing else, as graphs are captured
+        (with the LoRA kernels or without)."""
+        lora = order_by_adapter([], self.lora, self._lora_buffers, batch).batch
         bs = self.config.block_size
-        self._padded = self.buffers.fill([], bs, self.kv_caches, lora.batch, None, batch)
+        self._padded = self.buffers.fill(
+            [], bs, self.kv_caches, lora if with_lora else None, None, batch
+        )
 
     def _forward_padded(self, batch: int) -> torch.Tensor:
         """The model over the step buffers' first `batch` rows: what a graph captures."""

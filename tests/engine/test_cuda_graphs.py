@@ -24,7 +24,8 @@ def test_the_ladder_covers_every_batch_up_to_the_largest_with_little_padding() -
 
 
 def _requests(adapters: list[str]) -> list[EngineRequest]:
-    """Eleven requests on three adapters and the base model, greedy and seeded, ending at
+    """Eleven requests on three adapters and the base model (all on the base model without
+    adapters), greedy and seeded, ending at
     different steps so the decode batch shrinks through many graph sizes."""
     out = []
     for i in range(11):
@@ -34,7 +35,7 @@ def _requests(adapters: list[str]) -> list[EngineRequest]:
             seed=i,
             ignore_eos=True,
         )
-        adapter = adapters[i % len(adapters)] if i % 4 else None
+        adapter = adapters[i % len(adapters)] if i % 4 and adapters else None
         prompt = [(31 * i + 7 * k) % 3000 + 5 for k in range(6 + i)]
         out.append(EngineRequest(f"r{i}", params, prompt_token_ids=prompt, adapter=adapter))
     return out
@@ -65,6 +66,26 @@ def test_padding_rows_change_nothing_for_the_real_rows(
     assert torch.equal(padded.argmax(dim=-1), eager.argmax(dim=-1))
 
 
+def test_a_padded_step_without_adapters_runs_no_lora_kernels(demo_model_dir: Path) -> None:
+    """Base-model decodes padded for a graph carry no LoRA batch: the graph without the LoRA
+    kernels replays them, and they compute what the eager step does."""
+    engine = make_engine(demo_model_dir, max_loras=4, async_scheduling=False)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    for i in range(3):
+        prompt = [(11 * i + 5 * k) % 3000 + 5 for k in range(7 + i)]
+        engine.add_request(EngineRequest(f"b{i}", params, prompt_token_ids=prompt))
+    engine.step()
+    batch = engine.scheduler.schedule()
+    assert len(batch.chunks) == 3 and all(c.num_tokens == 1 for c in batch.chunks)
+    eager_inputs = engine.runner.prepare(batch.chunks)
+    assert eager_inputs.context.lora is None
+    eager = engine.runner.run(eager_inputs)
+    padded_inputs = engine.runner.prepare(batch.chunks, pad_to=4)
+    assert padded_inputs.graph_batch == 4 and padded_inputs.context.lora is None
+    padded = engine.runner.run(padded_inputs)
+    torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 def test_graph_decoding_equals_eager_decoding_with_mixed_adapters(
     demo_model_dir: Path, demo_adapter_dirs: list[Path]
@@ -79,6 +100,23 @@ def test_graph_decoding_equals_eager_decoding_with_mixed_adapters(
             {rid: [t for o in outs for t in o.token_ids] for rid, outs in outputs.items()}
         )
         assert engine.stats().kv_blocks_used == 0
+        if engine.runner.graphs is not None:
+            assert engine.runner.graphs.replays[True] > 0
+    assert results[0] == results[1]
+
+
+@pytest.mark.gpu
+def test_base_model_decodes_replay_the_graphs_without_lora_kernels(demo_model_dir: Path) -> None:
+    results = []
+    for graphs in (True, False):
+        engine = make_engine(demo_model_dir, device="cuda", max_loras=4, cuda_graphs=graphs)
+        outputs = run_to_completion(engine, _requests([]))
+        results.append(
+            {rid: [t for o in outs for t in o.token_ids] for rid, outs in outputs.items()}
+        )
+        if engine.runner.graphs is not None:
+            replays = engine.runner.graphs.replays
+            assert replays[False] > 0 and replays[True] == 0
     assert results[0] == results[1]
 
 
