@@ -5,10 +5,10 @@ finishes inside 10 minutes on one H100.
     PYTHONPATH=. python3 -m bench.gpu_suite --quick    # CPU smoke: demo model, tiny sizes
 
 Needs python3 with torch 2.11+, triton, transformers, peft, safetensors and tokenizers; no
-network. The tests run under pytest: the installed one, or else the wheels carried in
-bench/wheels (pytest 9.2 with pluggy, iniconfig, pygments and packaging, pure Python), unpacked
-into a temporary folder. The test files are those holding a `gpu` mark, run with `-m gpu` and
-without the Redis and PostgreSQL fixtures' plugins (neither package need be installed).
+network. What else it imports travels as wheels in bench/wheels, unpacked where missing
+(bench.carried_wheels). The tests (bench.gpu_tests) are the files holding a `gpu` mark, run
+with `-m gpu` by the installed pytest or the carried one, without the Redis and PostgreSQL
+fixtures' plugins (neither package need be installed).
 
 Benchmarks, on a Llama-3-8B-shaped model with seeded random bf16 weights (nothing downloaded;
 the demo model in --quick):
@@ -35,15 +35,12 @@ if not torch.cuda.is_available():
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import random
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
-import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -51,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 from bench import carried_wheels
-from bench.carried_wheels import UNPACKED  # first: the modules below import carried packages
 from bench.common import RESULTS_DIR, Figure, Result, RunSettings, available_cores, configure
 from bench.common import report as write_report
 from bench.decode_steps import (
@@ -60,6 +56,7 @@ from bench.decode_steps import (
     time_decode,
     with_engine,
 )
+from bench.gpu_tests import TestRun, run_gpu_tests
 from bench.lora_overhead import write_adapter
 from bench.models import describe_model, llama3_8b_config, shapes_only_folder
 from loramux.adapters.base_spec import BaseModelSpec
@@ -69,14 +66,8 @@ from loramux.engine.demo_model import build_demo_model
 from loramux.engine.llm_engine import LLMEngine
 
 NAME = "gpu_suite"
-ROOT = Path(__file__).resolve().parent.parent
 WHEELS = carried_wheels.WHEELS
 """Wheels of what the suite needs beyond IMAGE_PACKAGES (pytest, llguidance, ...)."""
-IMAGE_PACKAGES = ("torch", "triton", "transformers", "peft", "safetensors", "tokenizers", "httpx")
-"""What the GPU machine has installed (with their dependencies): everything else the suite and
-its tests import must travel in WHEELS (tests/bench/test_gpu_suite_imports.py checks it)."""
-TEST_TIMEOUT_S = 180
-"""One gpu test's limit, where pytest-timeout is installed."""
 ROOFLINE_GOAL = 0.7
 """Batches of 64 and more should reach 0.7 of the roofline (smaller ones are launch-bound)."""
 LORA_GOAL = 1 / 1.1
@@ -111,84 +102,6 @@ WORKLOADS = {
         (1, 2, 4), 16, 1, 3, 64, 64, 64, 4, (2, 4), (1, 2), (1, 4), 1 << 24, 3, 360,
     ),
 }  # fmt: skip
-
-
-# -- the tests ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TestRun:
-    files: list[str]
-    collected: int
-    passed: int
-    skipped: int
-    failed: list[str]
-    """Ids of tests that failed or errored."""
-    seconds: float
-    pytest: str
-    """Where pytest came from: "installed" or "bench/wheels"."""
-    output_tail: str
-
-
-def gpu_test_files() -> list[Path]:
-    """Test files holding a `gpu` mark."""
-    return sorted(
-        p for p in (ROOT / "tests").rglob("test_*.py") if "pytest.mark.gpu" in p.read_text()
-    )
-
-
-def run_gpu_tests(timeout_s: int) -> TestRun:
-    """Run every `gpu` test in a child process; its outcome, read from a JUnit report."""
-    files = [str(p.relative_to(ROOT)) for p in gpu_test_files()]
-    with tempfile.TemporaryDirectory(prefix="loramux-gpu-tests-") as tmp:
-        paths = [str(ROOT), *([str(UNPACKED)] if UNPACKED else [])]
-        source = "installed" if importlib.util.find_spec("pytest") else "bench/wheels"
-        env = os.environ | {"PYTHONPATH": os.pathsep.join(paths)}
-        report = Path(tmp) / "junit.xml"
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-        command += ["-p", "no:tests.redis", "-p", "no:tests.postgres"]
-        command += ["-m", "gpu", f"--junitxml={report}", *_parallel_options(), *files]
-        started = time.monotonic()
-        try:
-            proc = subprocess.run(
-                command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
-            )
-        except subprocess.TimeoutExpired as exc:
-            out = (exc.stdout or b"") + (exc.stderr or b"")
-            tail = out.decode(errors="replace") if isinstance(out, bytes) else out
-            return TestRun(
-                files, 0, 0, 0, [f"timed out after {timeout_s} s"], timeout_s, source, tail[-4000:]
-            )
-        seconds = time.monotonic() - started
-        tail = (proc.stdout + proc.stderr)[-4000:]
-        if not report.is_file():
-            raise RuntimeError(f"pytest wrote no report (exit {proc.returncode}):\n{tail}")
-        return _read_junit(report, files, seconds, source, tail)
-
-
-def _parallel_options() -> list[str]:
-    """Where the machine has pytest-timeout and pytest-xdist (the GPU image does): a hung test
-    fails alone, and four workers share the kernels' compile time (each test file's tests stay
-    on one worker; the GPU is shared, and none of these tests times anything)."""
-    options = []
-    if importlib.util.find_spec("pytest_timeout") is not None:
-        options.append(f"--timeout={TEST_TIMEOUT_S}")
-    if importlib.util.find_spec("xdist") is not None and torch.cuda.is_available():
-        options += ["-n", "4", "--dist", "loadfile"]
-    return options
-
-
-def _read_junit(report: Path, files: list[str], seconds: float, source: str, tail: str) -> TestRun:
-    cases = ET.parse(report).getroot().iter("testcase")
-    failed: list[str] = []
-    skipped = collected = 0
-    for case in cases:
-        collected += 1
-        name = f"{case.get('classname')}::{case.get('name')}"
-        if case.find("failure") is not None or case.find("error") is not None:
-            failed.append(name)
-        elif case.find("skipped") is not None:
-            skipped += 1
-    passed = collected - skipped - len(failed)
-    return TestRun(files, collected, passed, skipped, failed, seconds, source, tail)
 
 
 # -- the benchmarks -------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from importlib.metadata import packages_distributions, requires
 
 from packaging.requirements import Requirement
 
-from bench import gpu_suite
+from bench import gpu_suite, gpu_tests
 
 IMPORTS_OF_THE_SUITE = """
 import ast, importlib, json, sys
@@ -62,8 +62,8 @@ def _with_dependencies(packages: tuple[str, ...]) -> set[str]:
 def _modules_the_suite_imports() -> set[str]:
     """Top-level names imported by the repository's modules that the suite and its gpu tests
     load, first-party ones included (a fresh interpreter, as the suite's children are)."""
-    root = gpu_suite.ROOT
-    tests = [p.relative_to(root).with_suffix("") for p in gpu_suite.gpu_test_files()]
+    root = gpu_tests.ROOT
+    tests = [p.relative_to(root).with_suffix("") for p in gpu_tests.gpu_test_files()]
     conftests = {
         t.parent / "conftest" for t in tests if (root / t.parent / "conftest.py").is_file()
     }
@@ -81,9 +81,9 @@ def _modules_the_suite_imports() -> set[str]:
 
 
 def test_everything_the_gpu_suite_imports_is_on_the_image_or_carried_as_a_wheel() -> None:
-    installed = _with_dependencies(gpu_suite.IMAGE_PACKAGES)
+    installed = _with_dependencies(gpu_tests.IMAGE_PACKAGES)
     carried = {_normalized(w.name.split("-")[0]) for w in gpu_suite.WHEELS.glob("*.whl")}
-    first_party = {p.name for p in gpu_suite.ROOT.iterdir() if (p / "__init__.py").is_file()}
+    first_party = {p.name for p in gpu_tests.ROOT.iterdir() if (p / "__init__.py").is_file()}
     distributions = packages_distributions()
     missing = {
         module: distributions.get(module, ["(not installed here)"])
