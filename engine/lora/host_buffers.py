@@ -4,8 +4,10 @@ Every adapter in the host tier lives in one buffer (its A and B matrices, and Do
 are views into it).
 On CUDA the buffers are pinned, so device copies from them run asynchronously; pinning is slow
 (a page-locking system call), which is why buffers are recycled when an adapter leaves the host
-tier instead of allocated per load. A buffer is taken at the smallest free size that fits,
-rounded up to a power of two so that adapters of neighbouring sizes share buffers.
+tier instead of allocated per load. A buffer is taken at the smallest free size that fits, and
+allocated at a size class (eight per doubling, `size_class`) so that adapters of neighbouring
+sizes share buffers while at most an eighth of a buffer is waste (powers of two wasted up to half:
+a 168 MB rank-16 adapter of a Llama-3-8B took 256 MB of pinned memory).
 
 `capacity` bounds the buffers in use: `take` past it is an internal error, since the manager
 sizes the pool for its host tier plus the loads in flight. Free buffers beyond what the pool
@@ -51,7 +53,7 @@ class HostBufferPool:
 
     def take(self, num_floats: int) -> torch.Tensor:
         """A float32 buffer of at least `num_floats` (its contents are stale: overwrite them)."""
-        size = max(MIN_BUFFER_FLOATS, 1 << max(num_floats - 1, 0).bit_length())
+        size = size_class(num_floats)
         with self._lock:
             assert len(self._in_use) < self.capacity, "more host buffers taken than the pool holds"
             fitting = [i for i, b in enumerate(self._free) if b.numel() >= size]
@@ -79,6 +81,14 @@ class HostBufferPool:
             return HostBufferCounts(
                 len(self._in_use), len(self._free), self._allocated, self.capacity
             )
+
+
+def size_class(num_floats: int) -> int:
+    """The buffer size `num_floats` is allocated at: at least MIN_BUFFER_FLOATS, else the next
+    multiple of a sixteenth of the power of two at or above it (eight classes per doubling)."""
+    n = max(MIN_BUFFER_FLOATS, num_floats)
+    step = (1 << (n - 1).bit_length()) // 16
+    return -(-n // step) * step
 
 
 def adapter_floats(adapter: LoraAdapter) -> int:

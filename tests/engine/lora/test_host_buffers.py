@@ -15,6 +15,7 @@ from loramux.engine.lora.host_buffers import (
     HostBufferPool,
     adapter_floats,
     move_into,
+    size_class,
 )
 
 
@@ -26,6 +27,19 @@ def test_a_returned_buffer_is_reused_for_the_next_adapter_that_fits() -> None:
     assert again is first
     counts = pool.counts()
     assert (counts.in_use, counts.free, counts.allocated) == (1, 0, 1)
+
+
+def test_a_buffer_wastes_at_most_an_eighth_and_sizes_fall_in_few_classes() -> None:
+    for n in [1, 100, MIN_BUFFER_FLOATS, MIN_BUFFER_FLOATS + 1, 9_000, 10**6, 42_074_112]:
+        size = size_class(n)
+        assert size >= n and size >= MIN_BUFFER_FLOATS
+        assert size - max(n, MIN_BUFFER_FLOATS) <= max(n, MIN_BUFFER_FLOATS) / 8
+    assert size_class(MIN_BUFFER_FLOATS) == MIN_BUFFER_FLOATS
+    assert size_class(1 << 20) == 1 << 20
+    # A rank-16 adapter of Llama-3-8B's shape: 46.1M floats, not 2**26 (67.1M).
+    assert size_class(42_074_112) == 11 << 22
+    classes = {size_class(n) for n in range((1 << 16) + 1, (1 << 17) + 1)}
+    assert len(classes) == 8
 
 
 def test_the_smallest_free_buffer_that_fits_is_taken() -> None:
