@@ -60,10 +60,10 @@ from bench.gpu_tests import TestRun, run_gpu_tests
 from bench.lora_overhead import write_adapter
 from bench.models import describe_model, llama3_8b_config, shapes_only_folder
 from loramux.adapters.base_spec import BaseModelSpec
-from loramux.adapters.layout import LoraStack
 from loramux.engine.config import EngineConfig
 from loramux.engine.demo_model import build_demo_model
 from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.lora.memory import full_rank_bytes
 
 NAME = "gpu_suite"
 WHEELS = carried_wheels.WHEELS
@@ -120,9 +120,9 @@ def engine_config(settings: RunSettings, folder: Path, w: Workload) -> EngineCon
         max_lora_rank=rank,
         async_scheduling=True,
     ).engine_config(folder, random_weights=settings.model_size == "llama3-8b")
-    element = torch.empty(0, dtype=config.torch_dtype).element_size()
-    full = LoraStack.full_rank_elements(BaseModelSpec.from_model_dir(folder), rank)
-    return dataclasses.replace(config, lora_memory_bytes=adapters * full * element)
+    base = BaseModelSpec.from_model_dir(folder)
+    memory = full_rank_bytes(base, adapters, rank, config.torch_dtype)
+    return dataclasses.replace(config, lora_memory_bytes=memory)
 
 
 def measure_main(

@@ -61,7 +61,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import AutoTokenizer, LlamaConfig
 
 from bench.adapter_requests import (
@@ -90,9 +89,9 @@ from bench.models import lora_flops_per_token, model_flops_per_token
 from bench.peft_reference import Peft, load_peft
 from loramux.adapters.base_spec import BaseModelSpec
 from loramux.adapters.demo import DEMO_RANKS, build_demo_adapters, demo_lora_config
-from loramux.adapters.layout import LoraStack
 from loramux.engine.config import EngineConfig
 from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.lora.memory import full_rank_bytes
 
 NAME = "lora_batching"
 
@@ -189,11 +188,9 @@ def engine_config(
     ).engine_config(model_dir)
     if memory_adapters is None:
         return config
-    element = torch.empty(0, dtype=config.torch_dtype).element_size()
-    full = LoraStack.full_rank_elements(
-        BaseModelSpec.from_model_dir(model_dir), config.max_lora_rank
-    )
-    return dataclasses.replace(config, lora_memory_bytes=memory_adapters * full * element)
+    base = BaseModelSpec.from_model_dir(model_dir)
+    memory = full_rank_bytes(base, memory_adapters, config.max_lora_rank, config.torch_dtype)
+    return dataclasses.replace(config, lora_memory_bytes=memory)
 
 
 # -- (a) and (b) ------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from loramux.engine.errors import (
     RequestFailedError,
 )
 from loramux.engine.llm_engine import LLMEngine
-from loramux.engine.lora.manager import AdapterStats
+from loramux.engine.lora.stats import AdapterStats
 from loramux.engine.outputs import EngineRequest, EngineStats, RequestOutput
 from loramux.engine.sequence import FinishReason
 

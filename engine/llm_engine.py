@@ -33,7 +33,8 @@ from loramux.adapters.peft_format import AdapterLimits
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.config import EngineConfig
 from loramux.engine.errors import InvalidRequestError, UnknownAdapterError, number_text
-from loramux.engine.lora.manager import AdapterStats, LoraManager
+from loramux.engine.lora.manager import LoraManager
+from loramux.engine.lora.stats import AdapterStats
 from loramux.engine.metrics import EngineMetrics
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LlamaModel

@@ -29,7 +29,8 @@ from loramux.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from loramux.engine.llm_engine import LLMEngine
-    from loramux.engine.lora.manager import AdapterStats, LoraManager
+    from loramux.engine.lora.manager import LoraManager
+from loramux.engine.lora.stats import AdapterStats
 
 # No `_created` series beside every counter and histogram (prometheus_client's default, for
 # this whole process): they double the series count and no dashboard or alert reads them.

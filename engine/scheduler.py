@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from loramux.engine.block_manager import Allocation, BlockManager
-from loramux.engine.lora.manager import Readiness
+from loramux.engine.lora.stats import Readiness
 from loramux.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 

@@ -23,7 +23,6 @@ the engine's step thread. `_lock` guards the registry and the host tier.
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import threading
@@ -42,53 +41,16 @@ from loramux.adapters.layout import LoraStack, TopWeights
 from loramux.adapters.peft_format import AdapterLimits, LoraAdapter, load_peft_adapter
 from loramux.adapters.peft_top import BaseWeights
 from loramux.engine.lora.host_buffers import HostBufferPool, adapter_floats, move_into
-from loramux.engine.lora.memory import RegionAllocator
+from loramux.engine.lora.memory import RegionAllocator, pool_elements
 from loramux.engine.lora.slot_copy import SlotCopies
+from loramux.engine.lora.stats import AdapterStats, Readiness
 from loramux.engine.sequence import BASE_ADAPTER, Sequence
 
 log = logging.getLogger(__name__)
 
-DEFAULT_FULL_RANK_ADAPTERS = 8
-"""Without a memory budget, the pool holds this many adapters of the maximum rank on every
-projection (at most `max_loras`): residency then follows the adapters' real sizes."""
-
 LARGE_SHARE = 0.25
 """An adapter whose region is over this share of the pool may defer to smaller ones rather
 than evict resident adapters (Scheduler.max_large_adapter_defer_steps bounds the wait)."""
-
-
-class Readiness(enum.Enum):
-    READY = "ready"
-    """The adapter is resident, or can be made resident now."""
-    LOADING = "loading"
-    """Its weights are still on their way from disk: skip the request for now, it will be back."""
-    NO_SLOT = "no_slot"
-    """Its region does not fit even after evicting every unpinned adapter (or every slot is
-    pinned): the adapters running sequences pin must finish first."""
-
-
-@dataclass
-class AdapterStats:
-    requests: int = 0
-    tokens: int = 0
-    loads: int = 0
-    """Times its weights were read from disk into the host tier."""
-    slot_loads: int = 0
-    evictions: int = 0
-    """Times it lost its device memory to another adapter."""
-    device_bytes: int = 0
-    """Device memory its region holds now; 0 when not resident."""
-    load_seconds: float = 0.0
-    resident_since: float | None = None
-    """time.monotonic() when it last entered a device slot; None when not in one."""
-    hinted_loads: int = 0
-    """Loads started by a gateway's hint rather than by the waiting queue."""
-    host_path_tokens: int = 0
-    """Tokens whose LoRA work came from the host copy while the device copy was under way."""
-    first_token_step: int | None = None
-    """The engine step at which its first sampled token was counted (LoraManager.steps)."""
-    device_ready_step: int | None = None
-    """The engine step at which its latest device copy completed."""
 
 
 def default_load_workers() -> int:
@@ -126,13 +88,7 @@ class LoraManager:
         """The base model's projection weights, which DoRA's scales are computed from (None:
         DoRA adapters are refused)."""
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
-        element = torch.empty(0, dtype=dtype).element_size()
-        elements = (
-            memory_bytes // element
-            if memory_bytes is not None
-            else min(max_loras, DEFAULT_FULL_RANK_ADAPTERS)
-            * LoraStack.full_rank_elements(base, limits.max_rank)
-        )
+        elements = pool_elements(base, max_loras, limits.max_rank, memory_bytes, dtype)
         self.stack = LoraStack.allocate(base, max_loras, limits.max_rank, elements, dtype, device)
         self.regions = RegionAllocator(elements)
         workers = load_workers or default_load_workers()

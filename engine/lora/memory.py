@@ -1,13 +1,43 @@
-"""Regions of the adapter pool: first-fit allocation over free ranges, neighbours coalesced on
-free. Sizes and starts are pool elements (adapters.layout). Which regions to free when a new
-one does not fit is the manager's choice (least recently used unpinned adapters first); this
-module only answers where a region goes, and whether one would fit once given ranges are free.
+"""The adapter pool's size, and its regions: first-fit allocation over free ranges, neighbours
+coalesced on free. Sizes and starts are pool elements (adapters.layout). Which regions to free
+when a new one does not fit is the manager's choice (least recently used unpinned adapters
+first); this module only answers where a region goes, and whether one would fit once given
+ranges are free.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
+
+import torch
+
+from loramux.adapters.base_spec import BaseModelSpec
+from loramux.adapters.layout import LoraStack
+
+DEFAULT_FULL_RANK_ADAPTERS = 8
+"""Without a memory budget, the pool holds this many adapters of the maximum rank on every
+projection (at most `max_loras`): residency then follows the adapters' real sizes. So at most
+this many such adapters run in one step, whatever `max_loras` is: size the memory with
+`full_rank_bytes` to run more."""
+
+
+def full_rank_bytes(base: BaseModelSpec, adapters: int, rank: int, dtype: torch.dtype) -> int:
+    """Device memory for `adapters` adapters of `rank` on every projection of `base`."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    return adapters * LoraStack.full_rank_elements(base, rank) * element
+
+
+def pool_elements(
+    base: BaseModelSpec, max_loras: int, max_rank: int, memory_bytes: int | None, dtype: torch.dtype
+) -> int:
+    """The pool's size in elements: `memory_bytes`, or by default room for
+    min(max_loras, DEFAULT_FULL_RANK_ADAPTERS) adapters of `max_rank`."""
+    if memory_bytes is None:
+        memory_bytes = full_rank_bytes(
+            base, min(max_loras, DEFAULT_FULL_RANK_ADAPTERS), max_rank, dtype
+        )
+    return memory_bytes // torch.empty(0, dtype=dtype).element_size()
 
 
 class RegionAllocator:

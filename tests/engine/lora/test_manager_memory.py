@@ -12,7 +12,8 @@ import torch
 from loramux.adapters.errors import OverMemoryBudget
 from loramux.adapters.layout import LoraStack
 from loramux.adapters.peft_format import AdapterLimits
-from loramux.engine.lora.manager import LoraManager, Readiness
+from loramux.engine.lora.manager import LoraManager
+from loramux.engine.lora.stats import Readiness
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.sequence import Sequence
 from tests.adapters.peft_adapters import make_peft_adapter, tiny_base
