@@ -17,6 +17,7 @@ from torch import nn
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.rope import RotaryEmbedding
 from loramux.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv_cache
+from loramux.kernels.rms_norm import rms_norm
 
 
 class LoraApplier(Protocol):
@@ -42,16 +43,24 @@ class StepContext:
 
 
 class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm, optionally adding the residual first (kernels.rms_norm: one
+    Triton kernel on CUDA)."""
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return rms_norm(x, self.weight, self.eps)[0]
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual)."""
+        normed, total = rms_norm(x, self.weight, self.eps, residual)
+        assert total is not None
+        return normed, total
 
 
 class Attention(nn.Module):
@@ -115,9 +124,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, layer)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x), ctx)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's MLP output and the residual stream before it (not yet added: the next
+        norm adds it, in one kernel with the normalization). `residual` None: x is the first
+        layer's input."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, ctx)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h, ctx), residual
 
 
 class LlamaModel(nn.Module):
@@ -138,9 +157,10 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if ctx.lora is not None:
             ctx.lora.embed(input_ids, x)
+        residual = None
         for layer in self.layers:
-            x = layer(x, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, ctx)
+        return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
 
     def projection_weight(self, layer: int, proj: str) -> torch.Tensor:
         """The [out, in] weight of one projection (q, k, v, o, gate, up or down) of `layer`: a
