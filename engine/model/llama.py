@@ -16,8 +16,9 @@ from torch import nn
 
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.rope import RotaryEmbedding
-from loramux.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv_cache
+from loramux.kernels.paged_attention import AttentionMetadata, paged_attention
 from loramux.kernels.rms_norm import rms_norm
+from loramux.kernels.rope_cache import rope_and_cache
 
 
 class LoraApplier(Protocol):
@@ -85,9 +86,11 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(ctx.positions, q, k)
         k_cache, v_cache = ctx.kv_caches[self.layer]
-        write_kv_cache(k_cache, v_cache, k, v, ctx.slot_mapping)
+        rope = self.rope
+        q = rope_and_cache(
+            q, k, v, ctx.positions, rope.cos, rope.sin, k_cache, v_cache, ctx.slot_mapping
+        )
         attn = paged_attention(q, k_cache, v_cache, ctx.attention, self.scale)
         attn = attn.reshape(-1, self.q_size)
         out = self.o_proj(attn)

@@ -39,7 +39,8 @@ def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict[str, float]) -> torch.
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin tables for positions [0, max_len); `forward` rotates q and k in place of copies."""
+    """cos/sin tables for positions [0, max_len), in the model's dtype (kernels.rope_cache
+    rotates a step's q and k with them)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -52,16 +53,3 @@ class RotaryEmbedding(torch.nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] → rotated q, k."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
