@@ -19,13 +19,15 @@ from loramux.kernels.paged_attention_ref import write_kv_cache
 
 
 @triton.jit
-def _rotate(x1, x2, c1, s1, c2, s2, DTYPE: tl.constexpr):
-    """Both halves of x * cos + rotate_half(x) * sin, rounded to DTYPE where torch rounds."""
+def _rotate(x1, x2, c1, s1, c2, s2, like_ptr):
+    """Both halves of x * cos + rotate_half(x) * sin, rounded to `like_ptr`'s element type where
+    torch rounds."""
+    dtype = like_ptr.dtype.element_ty
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
-    low = (x1 * c1).to(DTYPE).to(tl.float32) + ((-x2) * s1).to(DTYPE).to(tl.float32)
-    high = (x2 * c2).to(DTYPE).to(tl.float32) + (x1 * s2).to(DTYPE).to(tl.float32)
-    return low.to(DTYPE), high.to(DTYPE)
+    low = (x1 * c1).to(dtype).to(tl.float32) + ((-x2) * s1).to(dtype).to(tl.float32)
+    high = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
+    return low.to(dtype), high.to(dtype)
 
 
 @triton.jit
@@ -41,7 +43,6 @@ def _rope_cache_kernel(
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
-    dtype = q_out_ptr.dtype.element_ty
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HALF
     row = pos * stride_table + d
@@ -56,7 +57,7 @@ def _rope_cache_kernel(
     low, high = _rotate(
         tl.load(q_in, mask=q_ok, other=0.0),
         tl.load(q_in + HALF, mask=q_ok, other=0.0),
-        c1[None, :], s1[None, :], c2[None, :], s2[None, :], dtype,
+        c1[None, :], s1[None, :], c2[None, :], s2[None, :], q_out_ptr,
     )  # fmt: skip
     q_out = q_out_ptr + t * stride_ot + hq[:, None] * stride_oh + d[None, :]
     tl.store(q_out, low, mask=q_ok)
@@ -68,7 +69,7 @@ def _rope_cache_kernel(
     low, high = _rotate(
         tl.load(k_in, mask=kv_ok, other=0.0),
         tl.load(k_in + HALF, mask=kv_ok, other=0.0),
-        c1[None, :], s1[None, :], c2[None, :], s2[None, :], dtype,
+        c1[None, :], s1[None, :], c2[None, :], s2[None, :], q_out_ptr,
     )  # fmt: skip
     cache = slot * stride_slot + hk[:, None] * stride_head + d[None, :]
     k_dtype = k_cache_ptr.dtype.element_ty
