@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
+from loramux.engine.demo_model import EOS_TOKEN_IDS
 from loramux.engine.ray_deployment import EngineDeploymentOptions
 from loramux.gateway.db import UsageEvent
 from loramux.gateway.settings import Settings
@@ -154,8 +155,12 @@ class StreamEnd:
 
 
 async def stream_chat(url: str, tenant: TenantKey, model: str, first: asyncio.Event) -> StreamEnd:
+    """A 300-token stream: the end-of-sequence tokens are biased out, so no stream ends early
+    (on a busy machine one that ended between the replicas' stats and the kill was no longer
+    there to be cut)."""
     headers = {"authorization": f"Bearer {tenant.key}", "cache-control": "no-store"}
     body = chat_body(model, max_tokens=300, stream=True)
+    body["logit_bias"] = {str(token): -100 for token in EOS_TOKEN_IDS}
     finished, error = False, None
     async with (
         httpx.AsyncClient(base_url=url, timeout=120) as c,
