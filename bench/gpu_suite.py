@@ -18,9 +18,11 @@ the demo model in --quick):
 2. LoRA: the decode step at batch 64 with the requests spread over 8 and over 64 adapters
    (rank 16, all seven projections) against all on the base model;
 3. decode steps replayed as CUDA graphs against eager ones, at batch 1 to 32;
-4. asynchronous scheduling (overlap) against none, at batch 1/8/64.
-Three engines are built in turn (the main one, one without graphs, one without overlap), each
-freed before the next.
+4. asynchronous scheduling (overlap) against none, at batch 1/8/64;
+5. the fused kernels (residual add + RMSNorm, rotary embedding + KV cache write) against their
+   torch forms (EngineConfig.fused_kernels), at batch 1/8/64.
+Four engines are built in turn (the main one, one without graphs, one without overlap, one
+without the fused kernels), each freed before the next.
 Writes bench/results/gpu_suite-<gpu>.json (gpu_suite-quick.json for --quick).
 """
 
@@ -242,6 +244,14 @@ def run_benchmarks(
         "no_overlap",
         lambda: with_engine(sync_config, lambda e: measure_batches(e, w, w.overlap_batches)),
     )
+    torch_config = dataclasses.replace(
+        config, fused_kernels=False, max_num_seqs=max(w.overlap_batches)
+    )
+    section(
+        out,
+        "unfused",
+        lambda: with_engine(torch_config, lambda e: measure_batches(e, w, w.overlap_batches)),
+    )
     errors = {**main.pop("errors", {}), **out.pop("errors", {})}
     settings_out = asdict(config)
     settings_out.pop("model")
@@ -285,6 +295,7 @@ def figures(tests: TestRun | None, bench: dict[str, Any] | None, cuda: bool) -> 
     pairs = (
         ("graphs", "eager", "eager / CUDA graphs"),
         ("roofline", "no_overlap", "no overlap / overlap"),
+        ("roofline", "unfused", "torch ops / fused kernels"),
     )
     for fast, slow, label in pairs:
         fast_ms = {r["batch"]: r["step_ms"] for r in bench.get(fast, [])}

@@ -66,6 +66,10 @@ class EngineConfig:
     cuda_graphs: bool = True
     """On CUDA, decode steps replay captured CUDA graphs (a ladder of batch sizes up to
     max_num_seqs; their memory counts in `kv_cache_bytes`). LORAMUX_CUDA_GRAPHS=0 turns it off."""
+    fused_kernels: bool = True
+    """On CUDA, the residual add with RMSNorm and rotary embedding with the KV cache write run as
+    fused Triton kernels (kernels.rms_norm, kernels.rope_cache); False runs their torch forms,
+    as the CPU always does. LORAMUX_FUSED_KERNELS=0 turns them off."""
     async_scheduling: bool | None = None
     """Schedule and prepare step N + 1 while the device computes step N. None: where the
     device runs asynchronously (CUDA); True: anywhere (on the CPU the same code runs without

@@ -81,6 +81,7 @@ class LLMEngine:
             config.device,
             self.max_model_len,
             config.random_weights,
+            config.fused_kernels,
         )
         self.model_config = self.model.config
         self.lora = self._lora_manager()

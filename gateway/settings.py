@@ -107,6 +107,11 @@ class EngineSettings:
         default_factory=lambda: _env("CUDA_GRAPHS", _engine_default("cuda_graphs"), bool)
     )
     """LORAMUX_CUDA_GRAPHS: on CUDA, decode steps replay captured CUDA graphs; 0 turns it off."""
+    fused_kernels: bool = field(
+        default_factory=lambda: _env("FUSED_KERNELS", _engine_default("fused_kernels"), bool)
+    )
+    """LORAMUX_FUSED_KERNELS: on CUDA, the residual add with RMSNorm and rotary embedding with the
+    KV cache write run as fused Triton kernels; 0 runs their torch forms."""
     async_scheduling: bool | None = field(
         default_factory=lambda: _env("ASYNC_SCHEDULING", _engine_default("async_scheduling"), bool)
     )
@@ -133,6 +138,7 @@ class EngineSettings:
             lora_load_workers=self.lora_load_workers,
             lora_copy_groups_per_step=self.lora_copy_groups_per_step,
             cuda_graphs=self.cuda_graphs,
+            fused_kernels=self.fused_kernels,
             async_scheduling=self.async_scheduling,
         )
 

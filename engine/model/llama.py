@@ -17,8 +17,8 @@ from torch import nn
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.rope import RotaryEmbedding
 from loramux.kernels.paged_attention import AttentionMetadata, paged_attention
-from loramux.kernels.rms_norm import rms_norm
-from loramux.kernels.rope_cache import rope_and_cache
+from loramux.kernels.rms_norm import rms_norm, rms_norm_torch
+from loramux.kernels.rope_cache import rope_and_cache, rope_and_cache_torch
 
 
 class LoraApplier(Protocol):
@@ -45,27 +45,28 @@ class StepContext:
 
 class RMSNorm(nn.Module):
     """transformers' LlamaRMSNorm, optionally adding the residual first (kernels.rms_norm: one
-    Triton kernel on CUDA)."""
+    Triton kernel on CUDA when `fused`)."""
 
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, fused: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.kernel = rms_norm if fused else rms_norm_torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)[0]
+        return self.kernel(x, self.weight, self.eps)[0]
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual)."""
-        normed, total = rms_norm(x, self.weight, self.eps, residual)
+        normed, total = self.kernel(x, self.weight, self.eps, residual)
         assert total is not None
         return normed, total
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rope: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, layer: int, rope: RotaryEmbedding, fused: bool = True):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
@@ -77,6 +78,7 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, config.o_bias)
         self.rope = rope
+        self.rope_and_cache = rope_and_cache if fused else rope_and_cache_torch
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -88,7 +90,7 @@ class Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = ctx.kv_caches[self.layer]
         rope = self.rope
-        q = rope_and_cache(
+        q = self.rope_and_cache(
             q, k, v, ctx.positions, rope.cos, rope.sin, k_cache, v_cache, ctx.slot_mapping
         )
         attn = paged_attention(q, k_cache, v_cache, ctx.attention, self.scale)
@@ -120,11 +122,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rope: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, layer: int, rope: RotaryEmbedding, fused: bool = True):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer, rope)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, fused)
+        self.self_attn = Attention(config, layer, rope, fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, fused)
         self.mlp = MLP(config, layer)
 
     def forward(
@@ -143,15 +146,15 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, fused_kernels: bool = True):
         super().__init__()
         self.config = config
         self.rope = rope
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.rope) for i in range(config.num_layers)
+            DecoderLayer(config, i, self.rope, fused_kernels) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_kernels)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @torch.inference_mode()

@@ -61,14 +61,20 @@ def _fuse(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.
 
 
 def load_model(
-    folder: Path, dtype: torch.dtype, device: str, max_len: int, random_weights: bool = False
+    folder: Path,
+    dtype: torch.dtype,
+    device: str,
+    max_len: int,
+    random_weights: bool = False,
+    fused_kernels: bool = True,
 ) -> LlamaModel:
     """Build the model from `folder`'s config and weights (seeded random ones instead with
-    `random_weights`). Raises UnsupportedModelError."""
+    `random_weights`; the torch forms of the fused kernels without `fused_kernels`). Raises
+    UnsupportedModelError."""
     config = ModelConfig.from_folder(folder)
     rope = RotaryEmbedding(config, max_len, dtype)
     with torch.device("meta"):
-        model = LlamaModel(config, rope)
+        model = LlamaModel(config, rope, fused_kernels)
     if random_weights:
         tensors = _random_weights(model, dtype, torch.device(device))
     else:

@@ -53,6 +53,7 @@ def test_decode_steps_are_set_against_the_bytes_they_read(suite: Any) -> None:
     )
     assert set(details["lora"]) == {f"{n}_adapters_ms" for n in (0, *workload["adapter_counts"])}
     assert [r["batch"] for r in details["no_overlap"]] == workload["overlap_batches"]
+    assert [r["batch"] for r in details["unfused"]] == workload["overlap_batches"]
     assert [r["batch"] for r in details["graphs"]] == workload["graph_batches"]
     assert [r["batch"] for r in details["eager"]] == workload["graph_batches"]
 

@@ -12,8 +12,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from loramux.engine.errors import UnsupportedModelError
 from loramux.engine.model.config import ModelConfig
+from loramux.engine.model.llama import Attention, RMSNorm
+from loramux.engine.model.loader import load_model
 from loramux.engine.outputs import EngineRequest
 from loramux.engine.sampling import SamplingParams
+from loramux.kernels.rms_norm import rms_norm, rms_norm_torch
+from loramux.kernels.rope_cache import rope_and_cache, rope_and_cache_torch
 from tests.engine.conftest import hf_greedy, make_engine, run_to_completion
 
 _SMALL = {
@@ -121,3 +125,19 @@ def test_random_weights_need_only_the_config_and_tokenizer(
         for e in engines
     ]
     assert outs[0][-1].finish_reason == "length" and outs[0] == outs[1]
+
+
+def test_the_fused_kernels_can_be_turned_off(demo_model_dir: Path) -> None:
+    """LORAMUX_FUSED_KERNELS=0 (EngineConfig.fused_kernels): every norm and attention layer runs
+    the torch forms, which the CPU always runs, so the outputs are the same here."""
+    fused = load_model(demo_model_dir, torch.float32, "cpu", 64)
+    plain = load_model(demo_model_dir, torch.float32, "cpu", 64, fused_kernels=False)
+    norms = [m for m in plain.modules() if isinstance(m, RMSNorm)]
+    attention = [m for m in plain.modules() if isinstance(m, Attention)]
+    assert len(norms) == 2 * plain.config.num_layers + 1 and len(attention) > 0
+    assert all(m.kernel is rms_norm_torch for m in norms)
+    assert all(m.rope_and_cache is rope_and_cache_torch for m in attention)
+    assert all(m.kernel is rms_norm for m in fused.modules() if isinstance(m, RMSNorm))
+    assert all(
+        m.rope_and_cache is rope_and_cache for m in fused.modules() if isinstance(m, Attention)
+    )

@@ -17,7 +17,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for name in (
         "DTYPE", "DEVICE", "KV_CACHE_MB", "MAX_NUM_SEQS", "MAX_BATCHED_TOKENS", "MAX_MODEL_LEN",
         "MAX_LORAS", "MAX_CPU_LORAS", "MAX_LORA_RANK", "PREFIX_CACHING", "CUDA_GRAPHS",
-        "ASYNC_SCHEDULING", "LORA_LOAD_WORKERS", "LORA_COPY_GROUPS_PER_STEP",
+        "FUSED_KERNELS", "ASYNC_SCHEDULING", "LORA_LOAD_WORKERS", "LORA_COPY_GROUPS_PER_STEP",
     ):  # fmt: skip
         monkeypatch.delenv(f"LORAMUX_{name}", raising=False)
     return monkeypatch
@@ -40,6 +40,7 @@ def test_loramux_variables_reach_the_engine_config(clean_env: pytest.MonkeyPatch
         "MAX_LORA_RANK": "16",
         "PREFIX_CACHING": "0",
         "CUDA_GRAPHS": "0",
+        "FUSED_KERNELS": "0",
         "ASYNC_SCHEDULING": "1",
         "LORA_LOAD_WORKERS": "2",
         "LORA_COPY_GROUPS_PER_STEP": "3",
@@ -62,6 +63,7 @@ def test_loramux_variables_reach_the_engine_config(clean_env: pytest.MonkeyPatch
         lora_copy_groups_per_step=3,
         enable_prefix_caching=False,
         cuda_graphs=False,
+        fused_kernels=False,
         async_scheduling=True,
     )
 
