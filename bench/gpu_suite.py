@@ -46,6 +46,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -230,28 +231,17 @@ def run_benchmarks(
         lambda: with_engine(config, lambda e: measure_main(e, w, adapters, bandwidth, profile)),
     )
     main = out.pop("main", {})
-    eager_config = dataclasses.replace(config, cuda_graphs=False, max_num_seqs=max(w.graph_batches))
-    section(
-        out,
-        "eager",
-        lambda: with_engine(eager_config, lambda e: measure_batches(e, w, w.graph_batches)),
+    # Engines that each turn one thing off, timed at the batches of the part they compare with.
+    replace = dataclasses.replace
+    graphs, overlap = w.graph_batches, w.overlap_batches
+    variants = (
+        ("eager", replace(config, cuda_graphs=False, max_num_seqs=max(graphs)), graphs),
+        ("no_overlap", replace(config, async_scheduling=False, max_num_seqs=max(overlap)), overlap),
+        ("unfused", replace(config, fused_kernels=False, max_num_seqs=max(overlap)), overlap),
     )
-    sync_config = dataclasses.replace(
-        config, async_scheduling=False, max_num_seqs=max(w.overlap_batches)
-    )
-    section(
-        out,
-        "no_overlap",
-        lambda: with_engine(sync_config, lambda e: measure_batches(e, w, w.overlap_batches)),
-    )
-    torch_config = dataclasses.replace(
-        config, fused_kernels=False, max_num_seqs=max(w.overlap_batches)
-    )
-    section(
-        out,
-        "unfused",
-        lambda: with_engine(torch_config, lambda e: measure_batches(e, w, w.overlap_batches)),
-    )
+    for part, variant, batches in variants:
+        timed = partial(measure_batches, w=w, batches=batches)
+        section(out, part, partial(with_engine, variant, timed))
     errors = {**main.pop("errors", {}), **out.pop("errors", {})}
     settings_out = asdict(config)
     settings_out.pop("model")
