@@ -109,12 +109,13 @@ class ModelRunner:
         # Python LoRA work (the host path, embedding weights) is not in a graph; checked last.
         if graphs is not None and not needs_eager(scheduled, self.lora):
             pad_to = graphs.batch_for(len(scheduled))
-        lora = order_by_adapter(scheduled, self.lora, self._lora_buffers, pad_to)
-        # A padded step always has a LoRA batch (a graph's kernels read its tables); without an
-        # adapter in the step, it runs (or replays) the model without LoRA kernels instead.
-        batch = lora.batch if any(c.seq.adapter_id != BASE_ADAPTER for c in scheduled) else None
         bs = self.config.block_size
-        return self.buffers.fill(lora.chunks, bs, self.kv_caches, batch, previous, pad_to)
+        # A step without an adapter runs (or replays) the model without LoRA kernels, and builds
+        # no LoRA batch (a padded one would have one: a graph's kernels read its tables).
+        if all(c.seq.adapter_id == BASE_ADAPTER for c in scheduled):
+            return self.buffers.fill(scheduled, bs, self.kv_caches, None, previous, pad_to)
+        lora = order_by_adapter(scheduled, self.lora, self._lora_buffers, pad_to)
+        return self.buffers.fill(lora.chunks, bs, self.kv_caches, lora.batch, previous, pad_to)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy the KV of each (source, destination) block, in every layer, on the device's
