@@ -18,7 +18,10 @@ how many authenticated `GET /v1/models` the gateway answers per second.
    (after `data: [DONE]` for the gateway). Added = gateway - direct, per percentile.
    Engine steps per second: the engine's `steps` counter over each arm's wall time; the gateway
    arm's over the direct arm's says whether the gateway keeps the engine as busy as a direct
-   client does.
+   client does. Beside it, completion tokens per second (both arms generate the same tokens):
+   on a CPU a step's time grows with its batch, and an arm whose engine shares its cores with
+   a busy gateway runs fewer, larger steps, so the step rate can fall while the token rate
+   holds.
 2. CPU per request, which other processes' load barely moves: the gateway event-loop thread's
    (gateway arm minus its idle cost during the direct arm), and the load generator's per arm.
    Its floor: sequential no-op round trips (`GET /health` on one keep-alive connection).
@@ -155,6 +158,10 @@ class Arm:
     def steps_per_second(self) -> float:
         return self.engine_steps / self.seconds
 
+    @property
+    def tokens_per_second(self) -> float:
+        return sum(s.completion_tokens for s in self.samples) / self.seconds
+
 
 async def _loop_cpu() -> float:
     return time.thread_time()
@@ -235,6 +242,13 @@ def arm_figures(gateway: Arm, direct: Arm, streams: int) -> list[Figure]:
             gateway.steps_per_second / direct.steps_per_second,
             "ratio",
             goal_min=GOAL_STEP_RATE_RATIO,
+        ),
+        # The same tokens in both arms: on a CPU a step's time grows with its batch, so an
+        # arm can run fewer, larger steps at the same token rate; this says which it was.
+        Figure(
+            f"completion tokens per second, gateway / direct, {at}",
+            gateway.tokens_per_second / direct.tokens_per_second,
+            "ratio",
         ),
     ]
     n = len(gateway.samples)

@@ -203,13 +203,26 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, failed)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand each output to its stream; a failed request's last one is raised there."""
+        """Hand each output to its stream; a failed request's last one is raised there. A step's
+        outputs cross to each event loop in one call (one wake-up of the loop, not one per
+        request), so its consumers all run in the same turn of the loop."""
         with self._lock:
             targets = [(self._streams.get(o.request_id), o) for o in outputs]
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = {}
         for stream, out in targets:
             if stream is None:
                 continue
-            item: RequestOutput | BaseException = out
+            item: _Item = out
             if out.finish_reason is FinishReason.ERROR:
                 item = RequestFailedError(out.error or "the engine could not finish this request")
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+_Item = RequestOutput | BaseException
+
+
+def _put_all(items: list[tuple[_Stream, _Item]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)

@@ -309,11 +309,12 @@ def as_gateway_error(exc: Exception) -> GatewayError:
     return err
 
 
-def refuse_empty_segments(connection: ASGIConnection[Any, Any, Any, Any], _: object) -> None:
+async def refuse_empty_segments(connection: ASGIConnection[Any, Any, Any, Any], _: object) -> None:
     """The app's guard: no route has an empty segment. The router skips empty segments, so
     `/admin/tenants//quotas` would reach `/admin/tenants/{tenant}` with the tenant `quotas`;
     this refuses it before any handler runs. Paths that match no route at all get the same 404
-    from `exception_handler`."""
+    from `exception_handler`. Async, as every guard must be: Litestar runs a sync guard on a
+    worker thread, a thread hop on every request."""
     if path := _with_empty_segment(connection.scope):
         raise _empty_segment(path)
 

@@ -1,10 +1,14 @@
 """The engine end of the channel: one ROUTER socket serving an AsyncEngine to any number of
 gateways (see engine.service.wire for the messages).
 
-Each Generate runs as a task that forwards the engine's deltas to the gateway that asked. The
-engine tells gateways apart by their ZeroMQ routing id, and the socket refuses to queue for a
-routing id that is gone (ROUTER_MANDATORY): when a gateway disconnects or dies, the next delta
-for one of its requests fails to send, and that request is aborted, which frees its KV blocks
+Each Generate runs as a task that forwards the engine's deltas to the gateway that asked. A
+step's deltas reach the event loop together (engine.async_engine), so the tasks post them to an
+outbox in the same turn of the loop, and one flush after them sends each gateway one Batch
+frame: one send per gateway per step, not one per request.
+
+The engine tells gateways apart by their ZeroMQ routing id, and the socket refuses to queue for a
+routing id that is gone (ROUTER_MANDATORY): when a gateway disconnects or dies, the next batch for
+it fails to send, and each of its requests is aborted at its next delta, which frees its KV blocks
 and adapter pin. A gateway that reconnects gets a new routing id, so its old streams end too.
 """
 
@@ -15,6 +19,7 @@ import hmac
 import logging
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +35,7 @@ from loramux.engine.errors import InvalidRequestError
 from loramux.engine.outputs import EngineRequest, RequestOutput
 from loramux.engine.service.wire import (
     Abort,
+    Batch,
     Call,
     Delta,
     Failed,
@@ -73,6 +79,12 @@ class EngineServer:
         self._socket.setsockopt(zmq.MAXMSGSIZE, self.max_message_mb << 20)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDHWM, 0)  # deltas are small; never drop or block on them
+        self._outbox: dict[bytes, list[Delta | Failed]] = {}
+        self._flush_due = False
+        self._streams_of: Counter[bytes] = Counter()
+        """Streams under way per gateway (routing id)."""
+        self._unreachable: set[bytes] = set()
+        """Gateways with streams under way that a batch failed to reach."""
 
     def bind(self, address: str) -> str:
         """Listen on `address` (`ipc://…` or `tcp://host:port`, port 0 or `*` for any); the
@@ -127,7 +139,7 @@ class EngineServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, identity: bytes, message: ToGateway | None) -> bool:
+    async def _send(self, identity: bytes, message: ToGateway | Batch | None) -> bool:
         """False when the gateway is gone."""
         assert message is not None
         try:
@@ -147,6 +159,7 @@ class EngineServer:
             cache_salt=message.cache_salt,
         )
         outputs: AsyncIterator[RequestOutput] = self.engine.generate(request)
+        self._streams_of[identity] += 1
         try:
             async for out in outputs:
                 delta = Delta(
@@ -158,7 +171,7 @@ class EngineServer:
                     out.logprobs,
                     out.timings,
                 )
-                if not await self._send(identity, delta):
+                if not self._post(identity, delta):
                     log.info("gateway of %s left; aborting it", out.request_id)
                     return
         except Exception as exc:
@@ -166,9 +179,31 @@ class EngineServer:
             if known is None:
                 log.exception("request %s failed", message.request_id)
                 known = Failed(message.request_id, False, "engine", "internal_error", repr(exc))
-            await self._send(identity, known)
+            self._post(identity, known)
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]  # aborts an unfinished one
+            self._streams_of[identity] -= 1
+            if not self._streams_of[identity]:
+                del self._streams_of[identity]
+                self._unreachable.discard(identity)
+
+    def _post(self, identity: bytes, message: Delta | Failed) -> bool:
+        """Queue a stream's message for the gateway's next batch; False when a batch already
+        failed to reach that gateway (it is gone)."""
+        if identity in self._unreachable:
+            return False
+        self._outbox.setdefault(identity, []).append(message)
+        if not self._flush_due:
+            self._flush_due = True
+            self._spawn(self._flush())  # runs after the tasks woken in this turn have posted
+        return True
+
+    async def _flush(self) -> None:
+        self._flush_due = False
+        outbox, self._outbox = self._outbox, {}
+        for identity, messages in outbox.items():
+            if not await self._send(identity, Batch(messages)) and identity in self._streams_of:
+                self._unreachable.add(identity)
 
     async def _answer(self, identity: bytes, call: Call) -> None:
         try:

@@ -11,6 +11,10 @@ without one) and the engine checks it, in constant time, before it reads anythin
     Abort(request_id)                             (the stream's last Delta says `abort`)
     Prefetch(digest)                              nothing: a hint to start loading an adapter
 
+Streams' Deltas and Failed messages travel in Batches: all that one turn of the engine's event
+loop has for one gateway (a step's deltas for every request of that gateway) in one frame, in
+the order they were made. `decode_to_gateway` unpacks them.
+
 A request with n > 1 choices streams each choice's Deltas (`index`); its stream ends with the
 Delta that carries `usage`.
     Call(ref, op, digest, config, weights)        Reply(ref, value)
@@ -107,15 +111,21 @@ class Failed(msgspec.Struct, tag="failed", array_like=True):
     message: str
 
 
+class Batch(msgspec.Struct, tag="batch", array_like=True):
+    """Stream messages for one gateway, in order, in one frame."""
+
+    messages: list[Delta | Failed]
+
+
 ToEngine = Generate | Abort | Prefetch | Call
 ToGateway = Delta | Reply | Failed
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)
-_to_gateway = msgspec.msgpack.Decoder(ToGateway)
+_to_gateway = msgspec.msgpack.Decoder(ToGateway | Batch)
 
 
-def encode(message: ToEngine | ToGateway) -> bytes:
+def encode(message: ToEngine | ToGateway | Batch) -> bytes:
     return _encoder.encode(message)
 
 
@@ -129,8 +139,10 @@ def decode_to_engine(frame: bytes) -> ToEngine:
         raise InvalidRequestError(f"malformed message: {exc}") from None
 
 
-def decode_to_gateway(frame: bytes) -> ToGateway:
-    return _to_gateway.decode(frame)
+def decode_to_gateway(frame: bytes) -> list[ToGateway]:
+    """The messages in `frame`: one, or a Batch's in order."""
+    message = _to_gateway.decode(frame)
+    return [*message.messages] if isinstance(message, Batch) else [message]
 
 
 # Subclasses before their bases: the first isinstance match names an error.

@@ -30,6 +30,7 @@ from loramux.engine.service.wire import (
     Prefetch,
     Reply,
     ToEngine,
+    ToGateway,
     decode_to_gateway,
     encode,
     error_from,
@@ -127,19 +128,23 @@ class Channel:
         while True:
             frame = await self.socket.recv()
             try:
-                message = decode_to_gateway(frame)
+                messages = decode_to_gateway(frame)
             except msgspec.DecodeError as exc:
                 log.error("engine %s sent a malformed message: %s", self.endpoint.url, exc)
                 continue
-            if isinstance(message, Reply):
-                self._answer(message.ref, message.value)
-            elif isinstance(message, Failed) and message.call:
-                self._answer(message.ref, error_from(message))
-            else:
-                stream = self.streams.get(message.ref)
-                if stream is not None:
-                    item = error_from(message) if isinstance(message, Failed) else message
-                    stream.put_nowait(item)
+            for message in messages:  # a batch: every stream's deltas of an engine step
+                self._dispatch(message)
+
+    def _dispatch(self, message: ToGateway) -> None:
+        if isinstance(message, Reply):
+            self._answer(message.ref, message.value)
+        elif isinstance(message, Failed) and message.call:
+            self._answer(message.ref, error_from(message))
+        else:
+            stream = self.streams.get(message.ref)
+            if stream is not None:
+                item = error_from(message) if isinstance(message, Failed) else message
+                stream.put_nowait(item)
 
     def _answer(self, ref: str, value: Any) -> None:
         answer = self._calls.get(ref)

@@ -9,6 +9,7 @@ from loramux.cache.types import CacheHit, CachePolicy, CacheRequest
 from loramux.engine.outputs import EngineRequest
 from loramux.gateway.auth.api_keys import Principal
 from loramux.gateway.catalog import ResolvedModel
+from loramux.gateway.openai.generation import Generation
 from loramux.gateway.openai.responses import Answer, ResponseMeta
 from loramux.gateway.openai.tool_use import ToolUse
 from loramux.gateway.quotas import Admission
@@ -76,6 +77,8 @@ class Prepared:
     cache: CacheLookup
     tools: ToolUse
     started: float = field(default_factory=time.perf_counter)
+    run: Generation | None = None
+    """The engine request, once started (`CompletionService.start`)."""
     answers: list[Answer] = field(default_factory=list)
     """Each choice whole, once the run has ended."""
 

@@ -5,6 +5,7 @@ the caller as `principal`; bodies are checked and decoded by `CompletionRequestB
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from functools import partial
 from typing import Annotated, Any
@@ -16,12 +17,14 @@ from litestar.handlers import BaseRouteHandler
 from litestar.openapi.spec import Example, OpenAPIMediaType, Operation, Reference, Schema
 from litestar.params import Body, FromPath
 from litestar.response import Stream
+from litestar.types import ASGIApp, Receive, Scope, Send
 
 from loramux.gateway import tracing
 from loramux.gateway.api_docs import errors
 from loramux.gateway.auth.api_keys import Principal
 from loramux.gateway.openai.body import CompletionRequestBody
 from loramux.gateway.openai.finish import Metering
+from loramux.gateway.openai.generation import Generation
 from loramux.gateway.openai.logprobs import TokenPieces
 from loramux.gateway.openai.models import ModelDirectory
 from loramux.gateway.openai.prepared import ServingLimits
@@ -43,6 +46,8 @@ Completions = NamedDependency[CompletionService]
 Models = NamedDependency[ModelDirectory]
 PRINCIPAL = "principal"
 """Where the guard leaves the caller, in the connection's state."""
+RUN = "run"
+"""Where a completion leaves its engine run (a Generation), in the connection's state."""
 
 COMPLETION_ERRORS = errors(400, 401, 403, 404, 413, 415, 429, 503, 504)
 
@@ -77,12 +82,34 @@ async def _respond(
         principal, body, request_id, request.headers.get("cache-control")
     )
     request.state[METERED] = True
+    if (run := service.start(prepared)) is not None:
+        request.state[RUN] = run
+        # One turn of the loop: the run's task sends the request to the engine now, so that
+        # its prefill overlaps the start of the response.
+        await asyncio.sleep(0)
     headers = prepared.headers()
     if prepared.stream:
         headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
         return Stream(service.stream(prepared), media_type="text/event-stream", headers=headers)
     whole = await service.complete(prepared, partial(_client_gone, request))
     return Response(whole, media_type="application/json", headers=headers)
+
+
+def end_runs_with_their_response(app: ASGIApp) -> ASGIApp:
+    """The router's middleware: a run starts before its response (`CompletionService.start`),
+    and whatever becomes of the response (sent to its end, an error, or a client gone before
+    its stream was read at all), the run ends with it: aborted if still going. A response that
+    was sent to its end waited for its run to end, and aborting an ended run does nothing."""
+
+    async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await app(scope, receive, send)
+        finally:
+            run: Generation | None = scope.get("state", {}).get(RUN)
+            if run is not None:
+                run.abort()
+
+    return middleware
 
 
 async def _client_gone(request: Request[Any, Any, Any]) -> None:
@@ -183,7 +210,7 @@ def openai_router(gw: GatewayState) -> Router:
             ),
             "models": Provide(lambda: model_directory, sync_to_thread=False, use_cache=True),
         },
-        middleware=[record_unmetered(gw.usage, PRINCIPAL)],
+        middleware=[record_unmetered(gw.usage, PRINCIPAL), end_runs_with_their_response],
     )
 
 

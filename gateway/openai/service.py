@@ -226,15 +226,27 @@ class CompletionService:
         return ResponseMeta(kind, response_id, int(time.time()), model.name, fingerprint)
 
     # -- answering: one sequence of parts, streamed or gathered ------------------------------------
+    def start(self, p: Prepared) -> Generation | None:
+        """Hand the request to the engine now, before the response starts (its prefill then
+        overlaps the response's start); None for a cache hit. Whoever starts a run aborts it if
+        its response ends early (`Generation.abort` does nothing once it ended)."""
+        if p.cache.hit is not None:
+            return None
+        if p.run is None:
+            detokenizer = partial(self.prompts.detokenizer, p.stop)
+            finish = partial(self._finish, p)
+            p.run = Generation(self.engine, p.request, detokenizer, p.started, finish)
+        return p.run
+
     async def outputs(self, p: Prepared) -> AsyncGenerator[Part | Ending]:
         """The response's parts as they come, then how it ended: from the engine, or replayed
         from the cache. Closing it early aborts the run (which still ends and is billed)."""
-        if p.cache.hit is not None:
+        run = self.start(p)
+        if run is None:
+            assert p.cache.hit is not None
             async for out in self._replay(p, p.cache.hit):
                 yield out
             return
-        detokenizer = partial(self.prompts.detokenizer, p.stop)
-        run = Generation(self.engine, p.request, detokenizer, p.started, partial(self._finish, p))
         readers = [p.tools.reader(i) for i in range(p.request.params.n)]
         try:
             async for delta in run.deltas():

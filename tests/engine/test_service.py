@@ -59,13 +59,18 @@ class Gateway:
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(url)
+        self.unread: list[ToGateway] = []
+        """The rest of a batch frame already received."""
 
     def send(self, message: ToEngine | bytes) -> None:
         self.socket.send(message if isinstance(message, bytes) else encode(message))
 
     def receive(self, timeout_s: float = 60) -> ToGateway:
-        assert self.socket.poll(int(timeout_s * 1000)), "the engine did not answer"
-        return decode_to_gateway(self.socket.recv())
+        """The next message, batches unpacked."""
+        if not self.unread:
+            assert self.socket.poll(int(timeout_s * 1000)), "the engine did not answer"
+            self.unread = decode_to_gateway(self.socket.recv())
+        return self.unread.pop(0)
 
     def call(self, op: Any, token: str = TOKEN, **fields: Any) -> ToGateway:
         self.send(Call(token, f"call-{op}", op, **fields))
@@ -133,6 +138,28 @@ def test_generate_streams_token_id_deltas_ending_with_usage(gateway: Gateway) ->
     assert isinstance(last, Delta) and last.finish_reason == "length" and last.usage is not None
     assert last.usage.completion_tokens == 12 == sum(len(d.token_ids) for d in deltas)  # type: ignore[union-attr]
     assert last.usage.prompt_tokens == len(PROMPT)
+
+
+def test_a_step_s_deltas_for_one_gateway_cross_in_one_frame(gateway: Gateway) -> None:
+    """Eight streams from one gateway: each frame the engine sends is a batch, most hold
+    deltas of several streams (one send per step, not per request), and each stream's deltas
+    still arrive whole and in order."""
+    ids = [f"batch-{i}" for i in range(8)]
+    for request_id in ids:
+        gateway.send(_generate(request_id, params=SamplingParams(max_tokens=16, ignore_eos=True)))
+    frames: list[list[ToGateway]] = []
+    ended: set[str] = set()
+    while ended != set(ids):
+        assert gateway.socket.poll(60_000), "the engine did not answer"
+        frames.append(decode_to_gateway(gateway.socket.recv()))
+        ended |= {m.ref for m in frames[-1] if isinstance(m, Delta) and m.usage is not None}
+    assert max(len({m.ref for m in frame}) for frame in frames) == 8  # a step's, together
+    assert len(frames) < 8 * 16 / 4
+    for request_id in ids:
+        mine = [m for frame in frames for m in frame if m.ref == request_id]
+        assert all(isinstance(m, Delta) for m in mine)
+        assert [m.usage is not None for m in mine] == [False] * (len(mine) - 1) + [True]  # type: ignore[union-attr]
+        assert sum(len(m.token_ids) for m in mine) == 16  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(

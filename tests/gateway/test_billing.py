@@ -5,6 +5,8 @@ engine generated, and a client that leaves stops the engine's work at once."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -15,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from litestar.exceptions import LitestarException
 from sqlalchemy import select
 
 from loramux.engine.outputs import EngineStats
@@ -152,6 +155,69 @@ def test_a_stream_closed_midway_is_billed_for_every_token_generated(
     assert event.status == 499
     assert 19 <= event.completion_tokens == generated < MAX_TOKENS
     assert event.prompt_tokens > 0
+    assert ledger_spent(gateway, tenant) == billed([event])
+
+
+class ConnectionBroke(OSError):
+    """What a server's `send` raises once the client's connection is gone."""
+
+
+def test_a_stream_whose_response_never_starts_is_aborted_and_billed(
+    gateway: RunningServer, admin: httpx.Client
+) -> None:
+    """The engine gets a request before its response starts (gateway.openai.routes). Here the
+    connection breaks at the response's first message, so its stream is never read: the run is
+    aborted all the same, and billed for what the engine generated, as for any client that
+    left."""
+    tenant = budgeted(admin)
+    before = idle(gateway)
+    body = json.dumps(chat(stream=True)).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"host", b"loramux"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            *((k.encode(), v.encode()) for k, v in headers(tenant).items()),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 80),
+        "state": {},
+    }
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(3600)  # the connection is still there as far as reading goes
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.start" and message["status"] == 200:
+            raise ConnectionBroke("the client's connection is gone")
+
+    async def request() -> None:
+        # Litestar re-raises it, wrapped once the response has started.
+        with contextlib.suppress(ConnectionBroke, LitestarException):
+            await gateway.server.config.loaded_app(scope, receive, send)
+
+    gateway.run(request())
+    assert [m["type"] for m in sent] == ["http.response.start"]  # not a byte of the stream
+    after = idle(gateway)
+    [event] = usage_events(gateway, tenant, 1)
+    generated = after.generated_tokens - before.generated_tokens
+    assert event.status == 499
+    assert event.completion_tokens == generated < MAX_TOKENS  # aborted, not run to its end
     assert ledger_spent(gateway, tenant) == billed([event])
 
 
