@@ -5,13 +5,23 @@ from __future__ import annotations
 import asyncio
 import cProfile
 import pstats
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 
-async def _call(action: Callable[[], object]) -> None:
-    action()
+def _on_loop(loop: asyncio.AbstractEventLoop, action: Callable[[], object]) -> None:
+    """Call `action` on `loop`'s thread from a plain callback, and wait for it. (Not from a
+    task: the profiler would then charge the task's creation with the whole window.)"""
+    done = threading.Event()
+
+    def call() -> None:
+        action()
+        done.set()
+
+    loop.call_soon_threadsafe(call)
+    done.wait()
 
 
 def profile_gateway(
@@ -23,9 +33,9 @@ def profile_gateway(
     includes waiting to take it back from the gateway's other threads; cProfile inflates
     pure-Python functions, so compare them with each other."""
     profiler = cProfile.Profile()
-    asyncio.run_coroutine_threadsafe(_call(profiler.enable), loop).result()
+    _on_loop(loop, profiler.enable)
     n = run_window()
-    asyncio.run_coroutine_threadsafe(_call(profiler.disable), loop).result()
+    _on_loop(loop, profiler.disable)
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
     busy = {k: v for k, v in stats.items() if "select.epoll" not in k[2]}
     rows = sorted(busy.items(), key=lambda item: item[1][2], reverse=True)

@@ -8,11 +8,39 @@ become a stop string. The deltas therefore concatenate to exactly the final text
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+from transformers import TokenizersBackend
 
 
 class Tokenizer(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass(frozen=True)
+class RustDecoder:
+    """A transformers tokenizer's Rust tokenizer, decoding as the transformers tokenizer does
+    (`rust_decoder` checks that it would add nothing) without transformers' per-call layers,
+    which cost several times the decode itself: detokenizing decodes twice per token."""
+
+    backend: Any
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return str(self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+
+def rust_decoder(tokenizer: Any) -> Tokenizer:
+    """`tokenizer` as a RustDecoder when its `decode` is the Rust tokenizer's decode plus nothing
+    (transformers' own `decode` and `_decode`, no clean-up of spaces), else `tokenizer` itself."""
+    kind = type(tokenizer)
+    if (
+        isinstance(tokenizer, TokenizersBackend)
+        and kind.decode is TokenizersBackend.decode
+        and kind._decode is TokenizersBackend._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    ):
+        return RustDecoder(tokenizer.backend_tokenizer)
+    return tokenizer
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from loramux.engine.chat_prompt import chat_template
-from loramux.engine.detokenizer import IncrementalDetokenizer
+from loramux.engine.detokenizer import IncrementalDetokenizer, rust_decoder
 from loramux.engine.outputs import EngineRequest
 from loramux.engine.prompt import prompt_token_ids
 
@@ -33,6 +33,7 @@ class PromptTokens:
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="loramux-tokenize")
         self._loop_tokenizer = self._tokenizer()
+        self._loop_decoder = rust_decoder(self._loop_tokenizer)
         self.chat_template = chat_template(self._loop_tokenizer)
         """The model's chat template ("" without one): `gateway.openai.tools.tool_call_format`
         reads from it how the model writes tool calls."""
@@ -47,7 +48,7 @@ class PromptTokens:
 
     def detokenizer(self, stop: tuple[str, ...]) -> IncrementalDetokenizer:
         """A detokenizer for one generation; use it on the event loop's thread only."""
-        return IncrementalDetokenizer(self._loop_tokenizer, stop=stop)
+        return IncrementalDetokenizer(self._loop_decoder, stop=stop)
 
     @property
     def loop_tokenizer(self) -> Any:
