@@ -199,10 +199,17 @@ class EngineServer:
         return True
 
     async def _flush(self) -> None:
+        """Send each gateway its batch. A gateway that a batch cannot reach is gone: its streams
+        end (and their requests are aborted) at their next delta."""
         self._flush_due = False
         outbox, self._outbox = self._outbox, {}
         for identity, messages in outbox.items():
-            if not await self._send(identity, Batch(messages)) and identity in self._streams_of:
+            try:
+                sent = await self._send(identity, Batch(messages))
+            except zmq.ZMQError as exc:
+                log.error("could not send a gateway %d stream messages: %s", len(messages), exc)
+                sent = False
+            if not sent and identity in self._streams_of:
                 self._unreachable.add(identity)
 
     async def _answer(self, identity: bytes, call: Call) -> None:
