@@ -5,8 +5,9 @@ at element ``b_offsets[slot, l]`` of the flat adapter pool (adapters.layout). A 
 (``scale_offsets[slot, l] >= 0``) is then multiplied by its per-column scale in the epilogue:
 ``y[i, cols(l)] = (y[i, cols(l)] + delta) * pool[scale_offsets[slot, l]:][:width(l)]``.
 
-SGMV (segments) tiles each segment's tokens and runs tl.dot; BGMV (per token) runs one
-matrix-vector product per token. Both grid over the group's L slices in one launch, loop over
+SGMV (segments) tiles each segment's tokens and runs tl.dot; BGMV (per token, any order, a
+CUDA graph's fixed grid) takes blocks of listed tokens and reads each distinct slot's B once per
+block. Both grid over the group's L slices in one launch, loop over
 the rank only up to the slot's rank, and skip slices of rank 0. Every element of y is owned by
 one program, so y is updated with a plain read-add-write (deterministic, no atomics).
 """
@@ -50,16 +51,13 @@ def sgmv_expand_tiles(num_tokens: int, num_segs: int, max_width: int, rank: int)
 
 
 def bgmv_expand_tiles(num_tokens: int, max_width: int, rank: int) -> ExpandTiles:
-    """Tiles for ``bgmv_expand``, block_m tokens per program: on a GPU one token, 64 output
-    columns and up to 64 ranks per step; interpreted, up to 16 tokens and the whole rank with
-    about a million elements per step."""
+    """Tiles for ``bgmv_expand``: 16 listed tokens per program (tl.dot's minimum), each distinct
+    slot among them read once; on a GPU 64 output columns and up to 64 ranks per step,
+    interpreted the whole rank and about a million elements per step."""
+    block_k = pow2_clamp(rank, 16, 128 if INTERPRET else 64)
     if not INTERPRET:
-        return ExpandTiles(1, 64, pow2_clamp(rank, 16, 64))
-    block_m = pow2_clamp(num_tokens, 1, 16)
-    block_k = pow2_clamp(rank, 16, 128)
-    return ExpandTiles(
-        block_m, pow2_clamp(max_width, 16, (1 << 20) // (block_m * block_k)), block_k
-    )
+        return ExpandTiles(16, 64, block_k)
+    return ExpandTiles(16, pow2_clamp(max_width, 16, (1 << 20) // (16 * block_k)), block_k)
 
 
 @functools.lru_cache(maxsize=64)
@@ -259,51 +257,63 @@ def _bgmv_expand_kernel(
     stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):  # fmt: skip
-    """Program (token block, slice l, column tile): a [BLOCK_M, BLOCK_N] tile of y's slice l
-    where every token gathers its own slot's B, as multiply-and-sum in fp32 (no tl.dot), over
-    ranks up to the block's largest (the slot's own rank when BLOCK_M is 1)."""
+    """Program (block of BLOCK_M listed tokens, slice l, column tile): a [BLOCK_M, BLOCK_N] tile
+    of y's slice l. The block's distinct slots are taken one at a time: each slot's B tile is
+    read once and multiplied with the rows of the block's tokens on that slot (the others
+    masked to zero), so tokens that share an adapter share its reads; the engine lists a step's
+    tokens in slot order, so a block holds few slots. Products and sums in fp32 (t is not
+    rounded), over the slot's own rank."""
     slice_id = tl.program_id(1)
     pid_n = tl.program_id(2)
     col_begin = tl.load(offsets_ptr + slice_id)
     width = tl.load(offsets_ptr + slice_id + 1) - col_begin
+    if pid_n * BLOCK_N >= width:
+        return
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < num_active
-    slots = tl.load(token_slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
+    slots = tl.load(token_slots_ptr + offs_m, mask=m_mask, other=-1)
     active = slots >= 0  # NO_SLOT (-1): a token without an adapter
-    rank = tl.load(ranks_ptr + slots * stride_rs + slice_id * stride_rl, mask=active, other=0)
-    max_rank = tl.max(rank, 0)
-    if (pid_n * BLOCK_N >= width) | (max_rank == 0):
+    rank = tl.load(
+        ranks_ptr + slots.to(tl.int64) * stride_rs + slice_id * stride_rl, mask=active, other=0
+    )
+    todo = rank > 0
+    if tl.sum(todo.to(tl.int32), 0) == 0:
         return
     rows = tl.load(token_indices_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = col_begin + offs_n
     n_mask = offs_n < width
-    offs_k = tl.arange(0, BLOCK_K)
-    t_ptrs = t_ptr + slice_id * stride_tl + rows[:, None] * stride_tm + offs_k[None, :] * stride_tk
-    b_start = tl.load(
-        b_offsets_ptr + slots * stride_rs + slice_id * stride_rl, mask=rank > 0, other=0
-    )
-    b_cols = pool_ptr + b_start[:, None] + offs_n[None, :] * rank[:, None]
-    b_ptrs = b_cols[:, :, None] + offs_k[None, None, :]
+    t_rows = t_ptr + slice_id * stride_tl + rows[:, None] * stride_tm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, max_rank, BLOCK_K):
-        mk_mask = offs_k[None, :] < rank[:, None]
-        tt = tl.load(t_ptrs, mask=mk_mask, other=0.0)
-        bt = tl.load(b_ptrs, mask=mk_mask[:, None, :] & n_mask[None, :, None], other=0.0)
-        acc += tl.sum(bt.to(tl.float32) * tt[:, None, :], axis=2)
-        offs_k += BLOCK_K
-        t_ptrs += BLOCK_K * stride_tk
-        b_ptrs += BLOCK_K
+    scale = tl.full((BLOCK_M, BLOCK_N), 1.0, dtype=tl.float32)
+    left = tl.sum(todo.to(tl.int32), 0)
+    while left > 0:
+        slot = tl.min(tl.where(todo, slots, 2147483647), 0)  # the block's next slot
+        mine = todo & (slots == slot)
+        slot_rank = tl.max(tl.where(mine, rank, 0), 0)
+        entry = slot.to(tl.int64) * stride_rs + slice_id * stride_rl
+        b_start = tl.load(b_offsets_ptr + entry)
+        offs_k = tl.arange(0, BLOCK_K)
+        t_ptrs = t_rows + offs_k[None, :] * stride_tk
+        b_ptrs = pool_ptr + b_start + offs_n[None, :] * slot_rank + offs_k[:, None]
+        for _ in range(0, slot_rank, BLOCK_K):
+            k_mask = offs_k < slot_rank
+            tt = tl.load(t_ptrs, mask=mine[:, None] & k_mask[None, :], other=0.0)
+            bt = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc = tl.dot(tt, bt.to(tl.float32), acc, input_precision="ieee")
+            offs_k += BLOCK_K
+            t_ptrs += BLOCK_K * stride_tk
+            b_ptrs += BLOCK_K
+        if HAS_SCALE:  # DoRA: the slot's per-column scale, 1 for a plain LoRA slice (offset -1)
+            scale_start = tl.load(scale_offsets_ptr + entry)
+            scale_mask = n_mask & (scale_start + 0 * offs_n >= 0)  # (broadcast: a vector mask)
+            slot_scale = tl.load(pool_ptr + scale_start + offs_n, mask=scale_mask, other=1.0)
+            scale = tl.where(mine[:, None], slot_scale.to(tl.float32)[None, :], scale)
+        todo = todo & (slots != slot)
+        left = tl.sum(todo.to(tl.int32), 0)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
     y_mask = (rank > 0)[:, None] & n_mask[None, :]
     out = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32) + acc
-    if HAS_SCALE:  # DoRA: each token's slot's per-column scale, 1 for plain LoRA (offset -1)
-        scale_start = tl.load(
-            scale_offsets_ptr + slots * stride_rs + slice_id * stride_rl, mask=rank > 0, other=-1
-        )
-        scale_mask = y_mask & (scale_start >= 0)[:, None]
-        scale = tl.load(
-            pool_ptr + scale_start[:, None] + offs_n[None, :], mask=scale_mask, other=1.0
-        )
-        out = out * scale.to(tl.float32)
+    if HAS_SCALE:
+        out = out * scale
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)

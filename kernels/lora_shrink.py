@@ -4,7 +4,8 @@ A(slot, l) is the [r, H] row-major matrix at element ``a_offsets[slot, l]`` of t
 pool (adapters.layout), so each adapter's weights take only its own rank's memory.
 
 SGMV (segments, prefill and mixed batches) tiles each segment's tokens and runs tl.dot; BGMV
-(per token, decode) runs one matrix-vector product per token. Both grid over the group's L
+(per token in any order, decode and a CUDA graph's fixed grid) takes blocks of listed tokens and
+reads each distinct slot's A once per block. Both grid over the group's L
 slices in one launch, tile the rank dimension and skip rank tiles at or beyond the slot's rank,
 and split the hidden dimension (with atomic adds into the caller-zeroed ``t``) when too few
 programs would otherwise run.
@@ -64,17 +65,16 @@ def sgmv_shrink_tiles(
 
 
 def bgmv_shrink_tiles(num_tokens: int, hidden: int, rank: int, slices: int) -> ShrinkTiles:
-    """Tiles for ``bgmv_shrink``, block_m tokens per program: on a GPU one token, 16 ranks x
-    256 hidden per step, so a rank-8 slot reads one 16-row tile; interpreted, up to 32 tokens,
-    the whole rank and up to 512 hidden per step."""
+    """Tiles for ``bgmv_shrink``: 16 listed tokens per program (tl.dot's minimum), each distinct
+    slot among them read once; on a GPU 16 ranks x 256 hidden per step, so a rank-8 slot reads
+    one 16-row tile; interpreted, the whole rank and up to 512 hidden per step."""
     if not INTERPRET:
-        programs = num_tokens * triton.cdiv(rank, 16) * slices
-        return ShrinkTiles(1, 16, 256, _split_k(programs, triton.cdiv(hidden, 256)))
-    block_m = pow2_clamp(num_tokens, 1, 32)
+        programs = triton.cdiv(num_tokens, 16) * triton.cdiv(rank, 16) * slices
+        return ShrinkTiles(16, 16, 256, _split_k(programs, triton.cdiv(hidden, 256)))
     block_n = pow2_clamp(rank, 16, 128)
-    block_k = pow2_clamp(hidden, 16, min(512, (1 << 20) // (block_m * block_n)))
-    programs = triton.cdiv(num_tokens, block_m) * triton.cdiv(rank, block_n) * slices
-    return ShrinkTiles(block_m, block_n, block_k, _split_k(programs, triton.cdiv(hidden, block_k)))
+    block_k = pow2_clamp(hidden, 16, min(512, (1 << 20) // (16 * block_n)))
+    programs = triton.cdiv(num_tokens, 16) * triton.cdiv(rank, block_n) * slices
+    return ShrinkTiles(16, block_n, block_k, _split_k(programs, triton.cdiv(hidden, block_k)))
 
 
 def _check(
@@ -241,38 +241,48 @@ def _bgmv_shrink_kernel(
     stride_tl, stride_tm, stride_tr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
-    """Program (token block, slice l, rank tile x hidden split): a [BLOCK_M, BLOCK_N] tile of
-    t[l] where every token gathers its own slot's A, as multiply-and-sum in fp32 (no tl.dot).
-    The rank tile is skipped when it starts at or beyond every token's rank."""
+    """Program (block of BLOCK_M listed tokens, slice l, rank tile x hidden split): a
+    [BLOCK_M, BLOCK_N] tile of t[l]. For each hidden step the block's x rows are read once,
+    then each distinct slot of the block reads its A tile once and multiplies it with the rows
+    of its tokens (the others masked to zero), so tokens that share an adapter share its reads.
+    Products and sums in fp32. The rank tile is skipped when it starts at or beyond every
+    token's rank."""
     slice_id = tl.program_id(1)
     pid_n = tl.program_id(2) // SPLIT_K
     pid_k = tl.program_id(2) % SPLIT_K
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < num_active
-    slots = tl.load(token_slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
+    slots = tl.load(token_slots_ptr + offs_m, mask=m_mask, other=-1)
     active = slots >= 0  # NO_SLOT (-1): a token without an adapter
-    rank = tl.load(ranks_ptr + slots * stride_rs + slice_id * stride_rl, mask=active, other=0)
+    rank = tl.load(
+        ranks_ptr + slots.to(tl.int64) * stride_rs + slice_id * stride_rl, mask=active, other=0
+    )
     if pid_n * BLOCK_N >= tl.max(rank, 0):
         return
+    todo = rank > pid_n * BLOCK_N  # tokens whose rank reaches this tile
     rows = tl.load(token_indices_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mn_mask = offs_n[None, :] < rank[:, None]
     offs_k = pid_k * k_iters * BLOCK_K + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    a_start = tl.load(
-        a_offsets_ptr + slots * stride_rs + slice_id * stride_rl, mask=active, other=0
-    )
-    a_rows = pool_ptr + a_start[:, None] + offs_n[None, :] * hidden
-    a_ptrs = a_rows[:, :, None] + offs_k[None, None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(k_iters):
         k_mask = offs_k < hidden
-        xt = tl.load(x_ptrs, mask=active[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        at = tl.load(a_ptrs, mask=mn_mask[:, :, None] & k_mask[None, None, :], other=0.0)
-        acc += tl.sum(at.to(tl.float32) * xt[:, None, :], axis=2)
+        xt = tl.load(x_ptrs, mask=todo[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        left = todo
+        while tl.sum(left.to(tl.int32), 0) > 0:
+            slot = tl.min(tl.where(left, slots, 2147483647), 0)  # the block's next slot
+            mine = left & (slots == slot)
+            slot_rank = tl.max(tl.where(mine, rank, 0), 0)
+            entry = slot.to(tl.int64) * stride_rs + slice_id * stride_rl
+            a_start = tl.load(a_offsets_ptr + entry)
+            a_ptrs = pool_ptr + a_start + offs_n[None, :] * hidden + offs_k[:, None]  # A^T tile
+            at = tl.load(a_ptrs, mask=k_mask[:, None] & (offs_n < slot_rank)[None, :], other=0.0)
+            x_mine = tl.where(mine[:, None], xt, 0.0)
+            acc = tl.dot(x_mine, at.to(tl.float32), acc, input_precision="ieee")
+            left = left & (slots != slot)
         offs_k += BLOCK_K
         x_ptrs += BLOCK_K * stride_xk
-        a_ptrs += BLOCK_K
     t_ptrs = t_ptr + slice_id * stride_tl + rows[:, None] * stride_tm + offs_n[None, :] * stride_tr
     if SPLIT_K == 1:
         tl.store(t_ptrs, acc, mask=mn_mask)
