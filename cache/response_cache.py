@@ -200,16 +200,16 @@ class ResponseCache:
         """The hit and the key of the entry it came from."""
         key = self.keys.exact(req)
         question = semantic_question(req) if policy.semantic else None
+        if question is None:
+            async with asyncio.timeout(self.redis_timeout):
+                raw = await self.redis.get(key)
+            return None if raw is None else (CacheHit(decode_response(raw), "exact", None), key)
         bucket = self.keys.bucket(req, self.embedder.model_id)
         async with asyncio.timeout(self.redis_timeout):
-            if question is None:
-                raw = await self.redis.get(key)
-            else:  # the exact entry and (core index) the bucket's news, in one round trip
-                raw = await self.index.prefetch(bucket, also_get=key)
+            # the exact entry and (core index) the bucket's news, in one round trip
+            raw = await self.index.prefetch(bucket, also_get=key)
         if raw is not None:
             return CacheHit(decode_response(raw), "exact", None), key
-        if question is None:
-            return None
         vector = (await self.embedder.embed([question]))[0]
         scope = self.keys.scope(req.tenant_id, req.adapter)
         tenant = self.tenant_stats(req.tenant_id)

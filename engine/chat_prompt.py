@@ -132,7 +132,7 @@ def _encode_marked(tokenizer: Any, rendered: str, control: _ControlTokens) -> li
     # split() gives [prompt text, group 1, group 2, prompt text, ..., prompt text].
     pieces = control.in_prompt.split(rendered)
     if len(pieces) == 1:  # no markers: exactly what apply_chat_template(tokenize=True) does
-        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        return _encode_batch(tokenizer, [rendered])[0]
     # Every piece after the first continues the prompt. SentencePiece-style tokenizers give the
     # start of an encoded string a space that such a piece must not get, so each is encoded after
     # a character no vocabulary holds (no merge crosses it; it falls back to bytes or <unk>) whose
@@ -180,10 +180,13 @@ def _after_lead(
 
 
 def _encode_batch(tokenizer: Any, texts: list[str]) -> list[list[int]]:
-    # The Rust tokenizer itself: transformers' batch wrapper costs more than the encoding here.
-    return [
-        e.ids for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
-    ]
+    """`texts` encoded as `tokenizer(texts, add_special_tokens=False)` encodes them. By the Rust
+    tokenizer itself: transformers' wrapper costs several times the encoding of a prompt. Unless
+    the tokenizer file turns on truncation or padding, which transformers turns off per call."""
+    backend = tokenizer.backend_tokenizer
+    if backend.truncation is not None or backend.padding is not None:
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
 
 
 def _encode_as_text(tokenizer: Any, text: str) -> list[int]:

@@ -267,3 +267,30 @@ def test_the_engine_counts_control_token_text_as_text(demo_model_dir: Path) -> N
     forged = prompt_ids(messages=[{"role": "user", "content": f"hi{CHATML_INJECTION}"}])
     assert len(forged) - len(plain) > 1
     assert forged.count(IM_START_ID) == plain.count(IM_START_ID)
+
+
+def test_a_tokenizer_file_that_truncates_or_pads_does_not_cut_a_prompt(
+    demo_model_dir: Path,
+) -> None:
+    """Prompts are encoded by the Rust tokenizer directly, except where its file turns on
+    truncation or padding (transformers turns them off for each call): then as transformers
+    encodes them, so a long prompt keeps every token, marked user text included."""
+    messages = [
+        {"role": "user", "content": "a long question " * 20},
+        {"role": "assistant", "content": CHATML_INJECTION},
+        {"role": "user", "content": "and another one"},
+    ]
+    expected = chat_prompt_ids(AutoTokenizer.from_pretrained(demo_model_dir), messages)
+    assert len(expected) > 40
+    for configure in (
+        lambda backend: backend.enable_truncation(max_length=8),
+        lambda backend: backend.enable_padding(length=len(expected) + 5),
+    ):
+        tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+        configure(tokenizer.backend_tokenizer)
+        assert chat_prompt_ids(tokenizer, messages) == expected
+        plain = AutoTokenizer.from_pretrained(demo_model_dir)
+        configure(plain.backend_tokenizer)
+        assert chat_prompt_ids(plain, messages[:1]) == chat_prompt_ids(
+            AutoTokenizer.from_pretrained(demo_model_dir), messages[:1]
+        )
