@@ -34,6 +34,7 @@ from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.errors import InvalidRequestError
 from loramux.engine.outputs import EngineRequest, RequestOutput
 from loramux.engine.service.wire import (
+    WIRE_VERSION,
     Abort,
     Batch,
     Call,
@@ -231,6 +232,7 @@ class EngineServer:
                 "model_name": self.model_name,
                 "max_model_len": llm.max_model_len,
                 "vocab_size": llm.model_config.vocab_size,
+                "wire": WIRE_VERSION,
             }
         if call.op == "stats":
             return asdict(engine.stats())

@@ -45,6 +45,10 @@ from loramux.engine.outputs import RequestTimings, TokenLogprob, Usage
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.structured import StructuredOutputError
 
+WIRE_VERSION = 2
+"""This protocol's version, in the engine's `info` reply: a gateway refuses an engine that
+speaks another (2: stream messages travel in Batches)."""
+
 
 class UnauthorizedError(EngineError):
     """The message lacks the engine's token (or carries a wrong one)."""

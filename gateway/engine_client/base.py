@@ -17,6 +17,12 @@ class EngineTimeoutError(EngineError):
     aborted there, and is not tried on another engine, so that no client waits past it."""
 
 
+class EngineVersionError(EngineError):
+    """The engine speaks another version of the engine channel (engine.service.wire's
+    WIRE_VERSION): a gateway and an engine from different loramux releases. The gateway does
+    not start against it, rather than fail on its first stream."""
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     model_name: str

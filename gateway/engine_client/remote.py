@@ -32,8 +32,8 @@ from loramux.engine.errors import (
 from loramux.engine.outputs import EngineRequest, EngineStats, RequestOutput
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.sequence import FinishReason
-from loramux.engine.service.wire import Delta, Generate
-from loramux.gateway.engine_client.base import EngineInfo, EngineTimeoutError
+from loramux.engine.service.wire import WIRE_VERSION, Delta, Generate
+from loramux.gateway.engine_client.base import EngineInfo, EngineTimeoutError, EngineVersionError
 from loramux.gateway.engine_client.channel import Channel, StreamItem
 from loramux.gateway.engine_client.routing import Endpoint, adapter_key, affinity_key, route
 from loramux.gateway.settings import ENGINE_FIRST_OUTPUT_SECONDS
@@ -96,6 +96,11 @@ class RemoteEngineClient:
     async def info(self) -> EngineInfo:
         async def call(endpoint: Endpoint) -> EngineInfo:
             body = await self._channel(endpoint).call("info", CALL_SECONDS)
+            if body.get("wire") != WIRE_VERSION:
+                raise EngineVersionError(
+                    f"engine {endpoint.url} speaks engine channel version {body.get('wire', 1)}, "
+                    f"this gateway version {WIRE_VERSION}: run the same loramux on both"
+                )
             return EngineInfo(body["model_name"], body["max_model_len"], body["vocab_size"])
 
         return await self._on_engine("info", None, call)

@@ -24,6 +24,7 @@ from loramux.engine.sampling import SamplingParams
 from loramux.engine.service import serve_engine_in_thread
 from loramux.engine.service.runner import RunningEngineService
 from loramux.engine.service.wire import (
+    WIRE_VERSION,
     Abort,
     Call,
     Delta,
@@ -212,7 +213,12 @@ def test_an_abort_without_the_token_changes_nothing(gateway: Gateway) -> None:
 def test_info_stats_and_metrics(gateway: Gateway, service: RunningEngineService) -> None:
     info = gateway.call("info")
     assert isinstance(info, Reply)
-    assert info.value == {"model_name": "demo", "max_model_len": 512, "vocab_size": 4096}
+    assert info.value == {
+        "model_name": "demo",
+        "max_model_len": 512,
+        "vocab_size": 4096,
+        "wire": WIRE_VERSION,
+    }
     stats = _wait_idle(gateway)
     assert stats["kv_blocks_total"] == stats["kv_blocks_free"] + stats["kv_blocks_used"] > 0
     metrics = httpx.get(f"{service.health_url}/metrics").text

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
+import zmq.asyncio
 
 from loramux.engine.errors import (
     InvalidRequestError,
@@ -22,7 +24,14 @@ from loramux.engine.outputs import EngineRequest, RequestOutput
 from loramux.engine.prompt import prompt_token_ids
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.service.runner import RunningEngineService
-from loramux.engine.service.wire import UnauthorizedError
+from loramux.engine.service.wire import (
+    Call,
+    Reply,
+    UnauthorizedError,
+    decode_to_engine,
+    encode,
+)
+from loramux.gateway.engine_client.base import EngineVersionError
 from loramux.gateway.engine_client.remote import RemoteEngineClient
 from loramux.gateway.engine_client.routing import Endpoint, route
 from tests.engine.conftest import make_engine, run_to_completion
@@ -129,6 +138,33 @@ async def test_info_ready_and_stats(client: RemoteEngineClient) -> None:
     assert await client.ready()
     [stats] = await client.stats()
     assert stats.kv_blocks_total > 0
+
+
+async def test_an_engine_of_another_channel_version_is_refused_by_name() -> None:
+    """An engine from an older release answers `info` without the channel version (or with
+    another): the gateway refuses it with an error that says so, before any stream could fail
+    on frames it cannot read."""
+    context = zmq.asyncio.Context()
+    old_engine = context.socket(zmq.ROUTER)
+    port = old_engine.bind_to_random_port("tcp://127.0.0.1")
+
+    async def answer_info() -> None:
+        identity, frame = await old_engine.recv_multipart()
+        call = decode_to_engine(frame)
+        assert isinstance(call, Call) and call.op == "info"
+        body = {"model_name": "demo", "max_model_len": 512, "vocab_size": 4096}
+        await old_engine.send_multipart([identity, encode(Reply(call.ref, body))])
+
+    client = RemoteEngineClient([f"tcp://127.0.0.1:{port}"])
+    answering = asyncio.create_task(answer_info())
+    try:
+        with pytest.raises(EngineVersionError, match="version 1, this gateway version 2"):
+            await client.info()
+        await answering
+    finally:
+        await client.close()
+        old_engine.close(linger=0)
+        context.term()
 
 
 async def test_a_wrong_token_is_refused(services: list[RunningEngineService]) -> None:
