@@ -223,7 +223,9 @@ def bgmv_expand(
                 y[i, c0:c1] += B(slot, l) @ t[l, i, :r]
                 if scale_offsets is not None and scale_offsets[slot, l] >= 0:   # DoRA
                     y[i, c0:c1] *= pool[scale_offsets[slot, l]:][:c1 - c0]
-    accumulated in fp32 and rounded once into y's dtype. Rows not listed are untouched.
+    accumulated in fp32 and rounded once into y's dtype (on a GPU, as ``sgmv_expand``: the
+    product's inputs are t rounded to y's dtype and B, as tf32 when fp32). Rows not listed are
+    untouched.
     """
     offsets, max_width = _slice_layout(t, pool, b_offsets, slice_offsets, ranks, y, scale_offsets)
     num_active = token_indices.shape[0]
@@ -243,7 +245,7 @@ def bgmv_expand(
         ranks.stride(0), ranks.stride(1),
         y.stride(0), y.stride(1),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        HAS_SCALE=scale_offsets is not None,
+        HAS_SCALE=scale_offsets is not None, DOT_F32=INTERPRET,
     )  # fmt: skip
 
 
@@ -256,13 +258,14 @@ def _bgmv_expand_kernel(
     stride_rs, stride_rl,
     stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):  # fmt: skip
     """Program (block of BLOCK_M listed tokens, slice l, column tile): a [BLOCK_M, BLOCK_N] tile
     of y's slice l. The block's distinct slots are taken one at a time: each slot's B tile is
     read once and multiplied with the rows of the block's tokens on that slot (the others
     masked to zero), so tokens that share an adapter share its reads; the engine lists a step's
-    tokens in slot order, so a block holds few slots. Products and sums in fp32 (t is not
-    rounded), over the slot's own rank."""
+    tokens in slot order, so a block holds few slots. As in the segmented kernel: t rounded to
+    B's dtype for tl.dot (tf32 when fp32), fp32 sums, over the slot's own rank."""
     slice_id = tl.program_id(1)
     pid_n = tl.program_id(2)
     col_begin = tl.load(offsets_ptr + slice_id)
@@ -300,7 +303,11 @@ def _bgmv_expand_kernel(
             k_mask = offs_k < slot_rank
             tt = tl.load(t_ptrs, mask=mine[:, None] & k_mask[None, :], other=0.0)
             bt = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc = tl.dot(tt, bt.to(tl.float32), acc, input_precision="ieee")
+            if DOT_F32:
+                bt = bt.to(tl.float32)
+            else:
+                tt = tt.to(bt.dtype)
+            acc = tl.dot(tt, bt, acc)
             offs_k += BLOCK_K
             t_ptrs += BLOCK_K * stride_tk
             b_ptrs += BLOCK_K

@@ -229,6 +229,7 @@ def bgmv_shrink(
         ranks.stride(0), ranks.stride(1),
         t.stride(0), t.stride(1), t.stride(2),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k,
+        DOT_F32=INTERPRET,
     )  # fmt: skip
 
 
@@ -240,13 +241,14 @@ def _bgmv_shrink_kernel(
     stride_rs, stride_rl,
     stride_tl, stride_tm, stride_tr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):  # fmt: skip
     """Program (block of BLOCK_M listed tokens, slice l, rank tile x hidden split): a
     [BLOCK_M, BLOCK_N] tile of t[l]. For each hidden step the block's x rows are read once,
     then each distinct slot of the block reads its A tile once and multiplies it with the rows
-    of its tokens (the others masked to zero), so tokens that share an adapter share its reads.
-    Products and sums in fp32. The rank tile is skipped when it starts at or beyond every
-    token's rank."""
+    of its tokens by tl.dot (the others masked to zero), so tokens that share an adapter share
+    its reads. As in the segmented kernel: fp32 sums, tf32 products when fp32. The rank tile is
+    skipped when it starts at or beyond every token's rank."""
     slice_id = tl.program_id(1)
     pid_n = tl.program_id(2) // SPLIT_K
     pid_k = tl.program_id(2) % SPLIT_K
@@ -268,7 +270,9 @@ def _bgmv_shrink_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(k_iters):
         k_mask = offs_k < hidden
-        xt = tl.load(x_ptrs, mask=todo[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        xt = tl.load(x_ptrs, mask=todo[:, None] & k_mask[None, :], other=0.0)
+        if DOT_F32:
+            xt = xt.to(tl.float32)
         left = todo
         while tl.sum(left.to(tl.int32), 0) > 0:
             slot = tl.min(tl.where(left, slots, 2147483647), 0)  # the block's next slot
@@ -278,8 +282,9 @@ def _bgmv_shrink_kernel(
             a_start = tl.load(a_offsets_ptr + entry)
             a_ptrs = pool_ptr + a_start + offs_n[None, :] * hidden + offs_k[:, None]  # A^T tile
             at = tl.load(a_ptrs, mask=k_mask[:, None] & (offs_n < slot_rank)[None, :], other=0.0)
-            x_mine = tl.where(mine[:, None], xt, 0.0)
-            acc = tl.dot(x_mine, at.to(tl.float32), acc, input_precision="ieee")
+            if DOT_F32:
+                at = at.to(tl.float32)
+            acc = tl.dot(tl.where(mine[:, None], xt, 0.0).to(at.dtype), at, acc)
             left = left & (slots != slot)
         offs_k += BLOCK_K
         x_ptrs += BLOCK_K * stride_xk

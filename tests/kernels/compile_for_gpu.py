@@ -53,7 +53,10 @@ def compile_kernel(
     kernel: Any, dtype: str, constexprs: dict[str, Any], num_warps: int = 4, num_stages: int = 2
 ) -> None:
     """Compile `kernel` (a triton.jit function) with data pointers of `dtype`; the other
-    arguments' types follow their names."""
+    arguments' types follow their names. Every `tl.constexpr` parameter must be given (one left
+    out would be compiled as a runtime integer, not as the engine launches it)."""
+    missing = {p.name for p in kernel.params if p.is_constexpr} - set(constexprs)
+    assert not missing, f"{kernel.__name__}: no value for constexpr {sorted(missing)}"
     signature: dict[str, str] = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -120,7 +123,7 @@ def variants() -> list[tuple[str, Callable[[], None]]]:
                     lora_expand._bgmv_expand_kernel,
                     dtype,
                     {"BLOCK_M": e.block_m, "BLOCK_N": e.block_n, "BLOCK_K": e.block_k,
-                     "HAS_SCALE": scale},
+                     "HAS_SCALE": scale, "DOT_F32": False},
                 )  # fmt: skip
                 e = lora_expand.sgmv_expand_tiles(512, 8, 14336, rank)
                 add(
@@ -136,7 +139,7 @@ def variants() -> list[tuple[str, Callable[[], None]]]:
                 lora_shrink._bgmv_shrink_kernel,
                 dtype,
                 {"BLOCK_M": s.block_m, "BLOCK_N": s.block_n, "BLOCK_K": s.block_k,
-                 "SPLIT_K": s.split_k},
+                 "SPLIT_K": s.split_k, "DOT_F32": False},
             )  # fmt: skip
             s = lora_shrink.sgmv_shrink_tiles(512, 8, 4096, rank, 2)
             add(
