@@ -173,22 +173,11 @@ def _sgmv_expand_kernel(
     cols = col_begin + offs_n
     m_mask = offs_m < seg_len
     n_mask = offs_n < width
-    offs_k = tl.arange(0, BLOCK_K)
-    t_ptrs = t_ptr + slice_id * stride_tl + rows[:, None] * stride_tm + offs_k[None, :] * stride_tk
-    b_ptrs = pool_ptr + b_start + offs_n[None, :] * rank + offs_k[:, None]
+    t_rows = t_ptr + slice_id * stride_tl + rows[:, None] * stride_tm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, rank, BLOCK_K):
-        k_mask = offs_k < rank
-        tt = tl.load(t_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        bt = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if DOT_F32:
-            bt = bt.to(tl.float32)
-        else:
-            tt = tt.to(bt.dtype)
-        acc = tl.dot(tt, bt, acc)
-        offs_k += BLOCK_K
-        t_ptrs += BLOCK_K * stride_tk
-        b_ptrs += BLOCK_K
+    acc = _add_delta(
+        acc, t_rows, stride_tk, pool_ptr + b_start, offs_n, m_mask, n_mask, rank, BLOCK_K, DOT_F32
+    )
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
     y_mask = m_mask[:, None] & n_mask[None, :]
     out = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32) + acc
@@ -198,6 +187,32 @@ def _sgmv_expand_kernel(
         scale = tl.load(pool_ptr + scale_start + offs_n, mask=scale_mask, other=1.0)
         out = out * scale.to(tl.float32)[None, :]
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def _add_delta(
+    acc, t_rows, stride_tk, b_ptr, offs_n, row_mask, n_mask, rank,
+    BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """``acc + t[rows, :rank] @ B.T`` for one slot's B (``b_ptr``: [width, rank] row-major) over
+    the columns ``offs_n``; rows outside ``row_mask`` add nothing. t is rounded to B's dtype for
+    tl.dot (tf32 when fp32), interpreted in fp32 (``DOT_F32``)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    t_ptrs = t_rows + offs_k[None, :] * stride_tk
+    b_ptrs = b_ptr + offs_n[None, :] * rank + offs_k[:, None]
+    for _ in range(0, rank, BLOCK_K):
+        k_mask = offs_k < rank
+        tt = tl.load(t_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        bt = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_F32:
+            bt = bt.to(tl.float32)
+        else:
+            tt = tt.to(bt.dtype)
+        acc = tl.dot(tt, bt, acc)
+        offs_k += BLOCK_K
+        t_ptrs += BLOCK_K * stride_tk
+        b_ptrs += BLOCK_K
+    return acc
 
 
 def bgmv_expand(
@@ -296,21 +311,10 @@ def _bgmv_expand_kernel(
         slot_rank = tl.max(tl.where(mine, rank, 0), 0)
         entry = slot.to(tl.int64) * stride_rs + slice_id * stride_rl
         b_start = tl.load(b_offsets_ptr + entry)
-        offs_k = tl.arange(0, BLOCK_K)
-        t_ptrs = t_rows + offs_k[None, :] * stride_tk
-        b_ptrs = pool_ptr + b_start + offs_n[None, :] * slot_rank + offs_k[:, None]
-        for _ in range(0, slot_rank, BLOCK_K):
-            k_mask = offs_k < slot_rank
-            tt = tl.load(t_ptrs, mask=mine[:, None] & k_mask[None, :], other=0.0)
-            bt = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if DOT_F32:
-                bt = bt.to(tl.float32)
-            else:
-                tt = tt.to(bt.dtype)
-            acc = tl.dot(tt, bt, acc)
-            offs_k += BLOCK_K
-            t_ptrs += BLOCK_K * stride_tk
-            b_ptrs += BLOCK_K
+        acc = _add_delta(
+            acc, t_rows, stride_tk, pool_ptr + b_start, offs_n, mine, n_mask, slot_rank,
+            BLOCK_K, DOT_F32,
+        )  # fmt: skip
         if HAS_SCALE:  # DoRA: the slot's per-column scale, 1 for a plain LoRA slice (offset -1)
             scale_start = tl.load(scale_offsets_ptr + entry)
             scale_mask = n_mask & (scale_start + 0 * offs_n >= 0)  # (broadcast: a vector mask)
