@@ -106,16 +106,22 @@ def cache_request(
     request: EngineRequest,
     response_format: dict[str, Any] | None = None,
     tools: dict[str, Any] | None = None,
+    derived_max_tokens: tuple[int, int] | None = None,
 ) -> CacheRequest:
     """The cache's identity of an engine request, after the model is resolved. `tools` holds
     the request's tools, tool_choice and parallel_tool_calls (as JSON values).
+
+    `derived_max_tokens` is given when the request set no max_tokens: the server's default and
+    the context length, from which the prompt's length derives it. The identity then holds
+    those two instead of the derived number, so it is known before the prompt is tokenized (the
+    prompt, which decides the rest, is part of it), and the entry can be read meanwhile.
 
     Greedy requests leave out top_p, top_k, min_p and seed: greedy decoding ignores them, so
     requests that differ only there get the same answer and share an entry.
     """
     p = request.params
     params: dict[str, Any] = {
-        "max_tokens": p.max_tokens,
+        "max_tokens": p.max_tokens if derived_max_tokens is None else _derived(*derived_max_tokens),
         "temperature": float(p.temperature),
         "stop": p.stop,
         "stop_token_ids": p.stop_token_ids,
@@ -148,6 +154,10 @@ def cache_request(
         prompt=prompt,
         params=tuple(sorted(params.items())),
     )
+
+
+def _derived(default: int, context: int) -> str:
+    return f"the room left in {context}, at most {default}"
 
 
 def _tool_turns(messages: list[dict[str, Any]]) -> str | None:

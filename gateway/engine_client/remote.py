@@ -160,9 +160,10 @@ class RemoteEngineClient:
         aborted on the engine, when none comes within the first-output deadline. Later deltas
         have no deadline: a stream that started is as long as the client wants it."""
         try:
-            return await asyncio.wait_for(
-                _next(channel.streams[request_id]), self._first_output_seconds
-            )
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for wraps the wait in a task
+            # of its own, one more task and loop turn on every request's way to its first token
+            async with asyncio.timeout(self._first_output_seconds):
+                return await _next(channel.streams[request_id])
         except TimeoutError:
             channel.abort(request_id)
             raise EngineTimeoutError(

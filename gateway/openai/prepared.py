@@ -27,6 +27,16 @@ class ServingLimits:
 
 
 @dataclass(frozen=True)
+class Draft:
+    """A request before its prompt is tokenized: the prompt as text or messages, and sampling
+    parameters whose max_tokens is 1 when the request gave none (`max_tokens_given`); it is
+    derived from the prompt's length once tokenized."""
+
+    text_request: EngineRequest
+    max_tokens_given: bool
+
+
+@dataclass(frozen=True)
 class Tokenized:
     """A request with its prompt as text or messages (`text_request`: what the cache keys on),
     and that prompt's token ids."""

@@ -42,7 +42,13 @@ from loramux.gateway.openai.finish import Metering
 from loramux.gateway.openai.generation import Generation
 from loramux.gateway.openai.logprobs import TokenPieces
 from loramux.gateway.openai.models import system_fingerprint
-from loramux.gateway.openai.prepared import CacheLookup, Prepared, ServingLimits, Tokenized
+from loramux.gateway.openai.prepared import (
+    CacheLookup,
+    Draft,
+    Prepared,
+    ServingLimits,
+    Tokenized,
+)
 from loramux.gateway.openai.prompt import engine_prompt
 from loramux.gateway.openai.responses import (
     Ending,
@@ -97,22 +103,30 @@ class CompletionService:
         self, principal: Principal, req: Body, request_id: str, cache_control: str | None = None
     ) -> Prepared:
         """Validate, resolve, tokenize, admit and look up the cache; raises before anything is
-        sent."""
+        sent. The cache entry is read while the prompt is tokenized (the lookup needs no token
+        ids), and only looked at once the request is admitted."""
         refuse_unsupported(req)
         model = await self._resolve(principal, req.model)
         meta = self._meta(req, request_id, model)
         tools = self._tool_use(req, meta.id)
-        tokenized = await self._tokenize(req, request_id, model, principal, tools)
-        params = tokenized.text_request.params
-        operation = tracing.OPERATIONS[meta.kind]
-        tracing.describe_request(operation, model.name, params, req.stream, principal.tenant_id)
-        admission = await self._admit(
-            principal, len(tokenized.prompt_ids), params.n * params.max_tokens
-        )
+        draft = self._draft(req, request_id, model, principal, tools)
+        cache = self._cache_plan(principal, req, draft, cache_control)
+        reading = self.cache.read_ahead(*cache)
         try:
-            lookup = await self._look_up(
-                principal, req, tokenized.text_request, cache_control, completion_route(meta.kind)
+            tokenized = await self._tokenize(draft)
+            params = tokenized.text_request.params
+            operation = tracing.OPERATIONS[meta.kind]
+            tracing.describe_request(operation, model.name, params, req.stream, principal.tenant_id)
+            admission = await self._admit(
+                principal, len(tokenized.prompt_ids), params.n * params.max_tokens
             )
+        except BaseException:
+            if reading is not None:
+                reading.cancel()
+            raise
+        try:
+            route = completion_route(meta.kind)
+            hit = await self._cache_hit(*cache, route, request_id, reading)
         except BaseException:
             await admission.settle(0)
             raise
@@ -126,7 +140,7 @@ class CompletionService:
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             admission=admission,
-            cache=lookup,
+            cache=CacheLookup(*cache, hit),
             tools=tools,
         )
 
@@ -145,16 +159,15 @@ class CompletionService:
         plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_format)
         return ToolUse(plan, response_id)
 
-    async def _tokenize(
+    def _draft(
         self,
         req: Body,
         request_id: str,
         model: ResolvedModel,
         principal: Principal,
         tools: ToolUse,
-    ) -> Tokenized:
-        """The request's prompt as token ids and its sampling parameters; without a max_tokens,
-        the room left in the context (at most the server's default)."""
+    ) -> Draft:
+        """The request with its prompt as text or messages, and its sampling parameters."""
         requested = req.max_completion_tokens if isinstance(req, ChatCompletionRequest) else None
         requested = requested if requested is not None else req.max_tokens
         forced = tools.plan.forced_schema
@@ -164,9 +177,16 @@ class CompletionService:
         text_request = EngineRequest(
             request_id, params, adapter=model.digest, cache_salt=salt, **prompt
         )
+        return Draft(text_request, requested is not None)
+
+    async def _tokenize(self, draft: Draft) -> Tokenized:
+        """The prompt as token ids; without a max_tokens, the request gets the room left in the
+        context (at most the server's default)."""
+        text_request = draft.text_request
         prompt_ids = await self.prompts.prompt_ids(text_request)
-        if requested is None:
+        if not draft.max_tokens_given:
             room = self.limits.max_model_len - len(prompt_ids)
+            params = text_request.params
             params = replace(params, max_tokens=max(1, min(room, self.limits.default_max_tokens)))
             text_request = replace(text_request, params=params)
         return Tokenized(text_request, prompt_ids)
@@ -180,40 +200,42 @@ class CompletionService:
             self.metering.metrics.admission.quota_refusals.labels(reason).inc()
             raise
 
-    async def _look_up(
-        self,
-        principal: Principal,
-        req: Body,
-        text_request: EngineRequest,
-        cache_control: str | None,
-        route: str,
-    ) -> CacheLookup:
-        params = text_request.params
+    def _cache_plan(
+        self, principal: Principal, req: Body, draft: Draft, cache_control: str | None
+    ) -> tuple[CacheRequest, CachePolicy]:
+        """The request's identity in the response cache, and what the cache may do with it."""
+        params = draft.text_request.params
         body_cache = {"semantic": req.cache.semantic, "ttl": req.cache.ttl} if req.cache else None
         policy = cache_policy(
             principal.tenant_settings, cache_control, body_cache, is_deterministic(params)
         )
         if params.n > 1:
             policy = replace(policy, lookup=False, store=False)
+        limits = self.limits
         key = cache_request(
             principal.tenant_id,
-            self.limits.base_model,
-            text_request,
+            limits.base_model,
+            draft.text_request,
             msgspec.to_builtins(req.response_format),
             _tools(req),
+            None if draft.max_tokens_given else (limits.default_max_tokens, limits.max_model_len),
         )
-        hit = await self._cache_hit(key, policy, route, text_request.request_id)
-        return CacheLookup(key, policy, hit)
+        return key, policy
 
     async def _cache_hit(
-        self, key: CacheRequest, policy: CachePolicy, route: str, request_id: str
+        self,
+        key: CacheRequest,
+        policy: CachePolicy,
+        route: str,
+        request_id: str,
+        reading: Awaitable[Any] | None,
     ) -> CacheHit | None:
         if not policy.lookup:
             return None
         families = self.metering.metrics.admission
         families.cache_lookups.labels(route).inc()
         with tracing.step("response_cache.lookup"):
-            hit = await self.cache.lookup(key, policy, request_id)
+            hit = await self.cache.lookup(key, policy, request_id, reading)
         if hit is not None:
             families.cache_hits.labels(route, hit.kind).inc()
         return hit

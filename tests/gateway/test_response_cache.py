@@ -289,3 +289,23 @@ def test_a_streamed_hit_is_sent_at_once_or_paced_as_the_tenant_says(
     # paced: a piece per completion token, as it was generated; instant: the whole text at once
     assert len(generated) > 1
     assert (len(replayed) > 1) if paced else (len(replayed) == 1)
+
+
+def test_a_request_without_max_tokens_hits_and_a_refused_one_counts_no_lookup(
+    admin: httpx.Client, api: httpx.Client
+) -> None:
+    """The entry is read while the prompt is tokenized; a request refused meanwhile (its prompt
+    is over the context) is answered 400, and the read it started counts nowhere."""
+    tenant = new_tenant(admin, "derived")
+    question = unique(QUESTION)
+    first = ask(api, tenant, question, max_tokens=None)
+    second = ask(api, tenant, question, max_tokens=None)
+    assert (first.headers["x-cache"], second.headers["x-cache"]) == ("miss", "exact")
+    assert text_of(second) == text_of(first)
+    assert ask(api, tenant, question, max_tokens=3).headers["x-cache"] == "miss"
+    auth = {"authorization": f"Bearer {tenant.key}"}
+    body = {"model": "demo-model", "messages": [{"role": "user", "content": "word " * 2000}]}
+    refused = api.post("/v1/chat/completions", json=body | {"temperature": 0}, headers=auth)
+    assert refused.status_code == 400, refused.text
+    stats = json_of(admin.get(f"/admin/tenants/{tenant.tenant_id}/cache/stats"))
+    assert (stats["lookups"], stats["exact_hits"], stats["misses"]) == (3, 1, 2)
