@@ -117,16 +117,13 @@ class CompletionService:
             params = tokenized.text_request.params
             operation = tracing.OPERATIONS[meta.kind]
             tracing.describe_request(operation, model.name, params, req.stream, principal.tenant_id)
-            admission = await self._admit(
-                principal, len(tokenized.prompt_ids), params.n * params.max_tokens
-            )
+            admission = await self._admit(principal, tokenized)
         except BaseException:
             if reading is not None:
                 reading.cancel()
             raise
         try:
-            route = completion_route(meta.kind)
-            hit = await self._cache_hit(*cache, route, request_id, reading)
+            hit = await self._cache_hit(*cache, completion_route(meta.kind), request_id, reading)
         except BaseException:
             await admission.settle(0)
             raise
@@ -191,7 +188,10 @@ class CompletionService:
             text_request = replace(text_request, params=params)
         return Tokenized(text_request, prompt_ids)
 
-    async def _admit(self, principal: Principal, prompt_tokens: int, max_tokens: int) -> Admission:
+    async def _admit(self, principal: Principal, tokenized: Tokenized) -> Admission:
+        """Reserve the prompt and n × max_tokens (RateLimited, InsufficientQuota)."""
+        params = tokenized.text_request.params
+        prompt_tokens, max_tokens = len(tokenized.prompt_ids), params.n * params.max_tokens
         try:
             with tracing.step("admission"):
                 return await self.quotas.admit(principal, prompt_tokens, max_tokens)
