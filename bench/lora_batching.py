@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, LlamaConfig
+from transformers import AutoTokenizer
 
 from bench.adapter_requests import (
     Request,
@@ -85,10 +85,10 @@ from bench.common import (
     prepared_run,
     report,
 )
-from bench.models import lora_flops_per_token, model_flops_per_token
+from bench.models import demo_adapters_flops_share
 from bench.peft_reference import Peft, load_peft
 from loramux.adapters.base_spec import BaseModelSpec
-from loramux.adapters.demo import DEMO_RANKS, build_demo_adapters, demo_lora_config
+from loramux.adapters.demo import DEMO_RANKS, build_demo_adapters
 from loramux.engine.config import EngineConfig
 from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.lora.memory import full_rank_bytes
@@ -398,16 +398,6 @@ def details(
     return {"cases": cases, "streams": streams}
 
 
-def adapter_flops_share(model_dir: Path, w: Workload, count: int) -> dict[str, float]:
-    """Min, median and max over adapters 0..count-1 of LoRA FLOPs / the model's FLOPs."""
-    config = LlamaConfig.from_pretrained(model_dir)
-    base = model_flops_per_token(config)
-    shares = [
-        lora_flops_per_token(config, demo_lora_config(i, w.ranks)) / base for i in range(count)
-    ]
-    return {"min": min(shares), "median": median(shares), "max": max(shares)}
-
-
 def main(argv: Sequence[str] | None = None) -> Path:
     with prepared_run(__doc__ or NAME, argv) as run:
         settings, model_dir, w = run.settings, run.model_dir, choose_workload(run.settings)
@@ -417,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
             model_dir, run.workdir / "adapters", count, seed=w.seed, ranks=w.ranks
         )
         build_seconds = time.perf_counter() - started
-        share = adapter_flops_share(model_dir, w, count)
+        share = demo_adapters_flops_share(model_dir, w.ranks, count)
         timed = measure_batching(settings, model_dir, folders, w)
         rate = w.load * w.num_requests / median(timed[engine_case(w.distinct[-1])].seconds)
         runs = measure_many_adapters(settings, model_dir, folders, w, rate)

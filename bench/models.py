@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ from peft import LoraConfig
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from loramux.adapters.demo import demo_lora_config
 from loramux.engine.demo_model import (
     END_OF_TEXT_ID,
     EOS_TOKEN_IDS,
@@ -205,6 +207,17 @@ def lora_flops_per_token(config: LlamaConfig, lora: LoraConfig) -> int:
     assert isinstance(targets, list | set), "targets are projection names"
     per_layer = sum(2 * lora.r * sum(shapes[t]) for t in targets)
     return config.num_hidden_layers * per_layer
+
+
+def demo_adapters_flops_share(
+    model_dir: Path, ranks: tuple[int, ...], count: int
+) -> dict[str, float]:
+    """Min, median and max over demo adapters 0..count-1 (`adapters.demo`, ranks cycling
+    through `ranks`) of LoRA FLOPs / the model's FLOPs."""
+    config = LlamaConfig.from_pretrained(model_dir)
+    base = model_flops_per_token(config)
+    shares = [lora_flops_per_token(config, demo_lora_config(i, ranks)) / base for i in range(count)]
+    return {"min": min(shares), "median": statistics.median(shares), "max": max(shares)}
 
 
 def _projection_shapes(config: LlamaConfig) -> dict[str, tuple[int, int]]:
