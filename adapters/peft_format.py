@@ -127,6 +127,21 @@ class LoraAdapter:
         pairs = [*self.modules.values(), *(self.top[m] for m in sorted(self.top))]
         return [t for w in pairs for t in w.tensors()] + [self.saved[m] for m in sorted(self.saved)]
 
+    def refuse_unrepresentable(self, dtype: torch.dtype) -> None:
+        """NonFiniteWeights when a weight, finite in float32, would not be in `dtype` (the
+        engine's): float16 holds at most 65504. Served, it would not hurt this adapter's
+        requests alone: a batch's per-token kernels multiply one adapter's matrices with a
+        block of tokens, other adapters' rows zeroed, and 0 x inf is NaN in those rows."""
+        if torch.finfo(dtype).max >= torch.finfo(torch.float32).max:
+            return
+        for tensor in self.flat_tensors():
+            if not bool(torch.isfinite(tensor.to(dtype)).all()):
+                limit = torch.finfo(dtype).max
+                raise NonFiniteWeights(
+                    f"the adapter holds weights beyond {limit:g}, which the engine's {dtype} "
+                    "cannot hold (after folding in the scaling and, for DoRA, the scales)"
+                )
+
 
 Storage = Callable[[int], torch.Tensor]
 """Where converted weights go: given a number of floats, a flat float32 tensor at least that

@@ -195,8 +195,9 @@ def _add_delta(
     BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
 ):  # fmt: skip
     """``acc + t[rows, :rank] @ B.T`` for one slot's B (``b_ptr``: [width, rank] row-major) over
-    the columns ``offs_n``; rows outside ``row_mask`` add nothing. t is rounded to B's dtype for
-    tl.dot (tf32 when fp32), interpreted in fp32 (``DOT_F32``)."""
+    the columns ``offs_n``; rows outside ``row_mask`` add nothing (0 x B: the pool holds finite
+    weights only). t is rounded to B's dtype for tl.dot (tf32 when fp32), interpreted in fp32
+    (``DOT_F32``)."""
     offs_k = tl.arange(0, BLOCK_K)
     t_ptrs = t_rows + offs_k[None, :] * stride_tk
     b_ptrs = b_ptr + offs_n[None, :] * rank + offs_k[:, None]

@@ -284,6 +284,8 @@ def _bgmv_shrink_kernel(
             at = tl.load(a_ptrs, mask=k_mask[:, None] & (offs_n < slot_rank)[None, :], other=0.0)
             if DOT_F32:
                 at = at.to(tl.float32)
+            # Other slots' rows are zeros here, so they add 0 x A: nothing, as the pool holds
+            # finite weights only (registration refuses any that the dtype turns infinite).
             acc = tl.dot(tl.where(mine[:, None], xt, 0.0).to(at.dtype), at, acc)
             left = left & (slots != slot)
         offs_k += BLOCK_K

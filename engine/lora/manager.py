@@ -126,6 +126,7 @@ class LoraManager:
         adapter = load_peft_adapter(folder, self.base, self.limits, base_weights=self.base_weights)
         if adapter.use_dora and self.base_weights is None:
             raise DoraUnsupported("this engine has no base weights to compute DoRA's scales from")
+        adapter.refuse_unrepresentable(self.stack.pool.dtype)
         needed = LoraStack.region_elements(adapter)
         if needed > self.regions.size:
             element = self.stack.pool.element_size()

@@ -4,17 +4,21 @@ not been there, and the engine keeps serving every later request."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from loramux.adapters.errors import NonFiniteWeights
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.errors import RequestFailedError
 from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.outputs import EngineRequest, RequestOutput
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.sequence import FinishReason
+from tests.adapters.peft_adapters import edit_weights
 from tests.engine.conftest import make_engine, run_to_completion
 
 MAX_TOKENS = 10
@@ -152,3 +156,27 @@ def test_a_step_the_device_cannot_compute_fails_only_the_requests_in_it(
     assert _by_role(served) == expected
     assert engine.stats().kv_blocks_used == 0
     assert engine.lora is not None and all(slot.pins == 0 for slot in engine.lora.slots)
+
+
+def test_an_adapter_beyond_what_the_engines_dtype_holds_is_refused_when_registered(
+    demo_model_dir: Path, demo_adapter_dirs: list[Path], tmp_path: Path
+) -> None:
+    """Finite in float32, its lora_B would be infinite in a float16 engine's adapter memory,
+    where a decode step's per-token kernels multiply it with a block of tokens whose rows of
+    other adapters are zeroed: 0 x inf = NaN would reach other tenants' requests. A float16
+    engine refuses it; a float32 one, which holds it, serves it."""
+    folder = tmp_path / "beyond-float16"
+    shutil.copytree(demo_adapter_dirs[0], folder)
+    edit_weights(folder, lambda ws: {n: w * 1e5 if "lora_B" in n else w for n, w in ws.items()})
+    half = make_engine(demo_model_dir, dtype="float16")
+    with pytest.raises(NonFiniteWeights, match="65504") as refused:
+        half.register_adapter(folder)
+    assert refused.value.code == "non_finite_weights"
+    assert half.adapter_stats() == {}
+    assert half.register_adapter(demo_adapter_dirs[0])  # a float16-sized adapter still registers
+    full = make_engine(demo_model_dir)
+    digest = full.register_adapter(folder)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    request = EngineRequest("big", params, prompt_token_ids=list(range(40, 60)), adapter=digest)
+    outputs = run_to_completion(full, [request])["big"]
+    assert outputs[-1].finished and outputs[-1].error is None
