@@ -277,6 +277,10 @@ def figures(tests: TestRun | None, bench: dict[str, Any] | None, cuda: bool) -> 
             )
         )
     lora = bench.get("lora", {})
+    for count, ms in lora.items():  # absolute too: the ratio's base changed with no-LoRA graphs
+        out.append(
+            Figure(f"decode step at the LoRA batch, {count.split('_')[0]} adapters", ms, "ms")
+        )
     for count in (k for k in lora if not k.startswith("0_")):
         adapters = int(count.split("_")[0])
         goal = LORA_GOAL if adapters <= 8 and cuda else None
