@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import msgspec
 from litestar import Request, Response
 from litestar.connection import ASGIConnection
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import HTTPException, InternalServerException, ValidationException
 from sqlalchemy import exc as sql
 
 from loramux.adapters.errors import AdapterError, FileTooLarge
@@ -212,6 +212,8 @@ def to_gateway_error(exc: Exception) -> GatewayError | None:
             return BadRequest(f"the body is not valid UTF-8: {exc}", code="invalid_request")
         case ValidationException():
             return _invalid(exc)
+        case InternalServerException() if exc.detail == _LEFT_MID_BODY:
+            return ClientClosedRequest("the client closed the connection before the whole body")
         case HTTPException():
             return _for_status(exc.status_code)(
                 exc.detail, code=_FRAMEWORK_CODES.get(exc.status_code)
@@ -260,6 +262,10 @@ _FIELD_PATH = re.compile(r" - at `\$\.([A-Za-z_]\w*)")
 _UNKNOWN_FIELD = re.compile(r"unknown field `([A-Za-z_]\w*)`")
 """The top-level field a msgspec validation error names (`... - at `$.rpm``), or the unknown
 field it refuses."""
+_LEFT_MID_BODY = "client disconnected prematurely"
+"""What Litestar raises (as a 500) when the client disconnects while the body is read
+(`litestar.connection.Request.stream`): the client left, nothing failed here."""
+
 _FRAMEWORK_CODES = {400: "invalid_request", 404: "not_found"}
 """The codes of the errors Litestar raises itself: a body it cannot parse (400), no route (404)."""
 

@@ -96,10 +96,14 @@ def usage_events(gateway: RunningServer, tenant: TenantKey, count: int) -> list[
     return events
 
 
+def _ledger(tenant: TenantKey) -> bytes:
+    month = budget_period("month", datetime.now(UTC))
+    return f"{scope_prefix(tenant.tenant_id, None)}:budget:{month.name}".encode()
+
+
 def ledger_spent(gateway: RunningServer, tenant: TenantKey) -> int:
     """Tokens the tenant's budget ledger has charged, once no reservation is left open."""
-    month = budget_period("month", datetime.now(UTC))
-    ledger = f"{scope_prefix(tenant.tenant_id, None)}:budget:{month.name}"
+    ledger = _ledger(tenant)
 
     def check() -> dict[bytes, bytes] | None:
         fields = gateway.run(gateway.state.redis.hgetall(ledger))
@@ -221,8 +225,11 @@ def test_a_stream_whose_response_never_starts_is_aborted_and_billed(
     assert ledger_spent(gateway, tenant) == billed([event])
 
 
-def _open_request(gateway: RunningServer, tenant: TenantKey) -> socket.socket:
-    """A non-streamed request sent on a raw socket whose answer is never read."""
+def _open_request(
+    gateway: RunningServer, tenant: TenantKey, body_bytes: int | None = None
+) -> socket.socket:
+    """A non-streamed request sent on a raw socket whose answer is never read; only its body's
+    first `body_bytes` when given."""
     body = json.dumps(chat(stream=False)).encode()
     head = (
         "POST /v1/chat/completions HTTP/1.1\r\nhost: loramux\r\n"
@@ -231,8 +238,23 @@ def _open_request(gateway: RunningServer, tenant: TenantKey) -> socket.socket:
     )
     host, port = gateway.url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
-    sock.sendall(head.encode() + body)
+    sock.sendall(head.encode() + body[:body_bytes])
     return sock
+
+
+def test_a_client_that_leaves_before_its_whole_body_is_a_499_billed_nothing(
+    gateway: RunningServer, admin: httpx.Client
+) -> None:
+    """Not a server error: a client must not be able to raise the gateway's 5xx count (alerts,
+    error budgets, the tenant's dashboard) by hanging up mid-body."""
+    tenant = budgeted(admin)
+    before = idle(gateway)
+    for body_bytes in (0, 10):
+        _open_request(gateway, tenant, body_bytes).close()
+    events = usage_events(gateway, tenant, 2)
+    assert [(e.status, e.prompt_tokens, e.completion_tokens) for e in events] == [(499, 0, 0)] * 2
+    assert idle(gateway).generated_tokens == before.generated_tokens
+    assert _ledger(tenant) not in gateway.run(gateway.state.redis.keys("*:budget:*"))
 
 
 def test_non_streamed_requests_whose_clients_leave_are_aborted_and_billed(
