@@ -44,6 +44,45 @@ def rust_decoder(tokenizer: Any) -> Tokenizer:
 
 
 @dataclass
+class StopMatcher:
+    """One stop string, matched as the text grows (Knuth-Morris-Pratt): each character of text is
+    looked at once, so a long stop string costs time in proportion to the text, not to the
+    text times the stop string's length squared."""
+
+    stop: str
+    fail: list[int]
+    """fail[i]: the longest proper prefix of stop[: i + 1] that is also its suffix."""
+    matched: int = 0
+    """The longest prefix of `stop` (shorter than it) that the text read so far ends with."""
+
+    @classmethod
+    def of(cls, stop: str) -> StopMatcher:
+        fail, k = [0] * len(stop), 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            fail[i] = k
+        return cls(stop, fail)
+
+    def read(self, text: str, start: int) -> int | None:
+        """Read text[start:]; where the stop string's first occurrence ending there starts, or
+        None (then `matched` says how much of it the text ends with)."""
+        stop, fail, m = self.stop, self.fail, self.matched
+        for i in range(start, len(text)):
+            c = text[i]
+            while m and stop[m] != c:
+                m = fail[m - 1]
+            if stop[m] == c:
+                m += 1
+                if m == len(stop):
+                    return i + 1 - m
+        self.matched = m
+        return None
+
+
+@dataclass
 class IncrementalDetokenizer:
     tokenizer: Tokenizer
     stop: tuple[str, ...] = ()
@@ -57,6 +96,10 @@ class IncrementalDetokenizer:
     emitted: int = 0
     """Characters of `text` already handed out."""
     stopped: bool = False
+    matchers: list[StopMatcher] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.matchers = [StopMatcher.of(s) for s in self.stop]
 
     def add(self, token_id: int) -> str:
         """Add one generated token; return the newly stable text."""
@@ -68,33 +111,22 @@ class IncrementalDetokenizer:
             window[: self.read_offset - self.prefix_offset], skip_special_tokens=True
         )
         full = self.tokenizer.decode(window, skip_special_tokens=True)
+        read = len(self.text)
         if len(full) > len(context) and not full.endswith("\ufffd"):
             self.text += full[len(context) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        stable_end = len(self.text)
-        for s in self.stop:
-            at = self.text.find(s, max(0, self.emitted - len(s) + 1))
-            if at != -1 and at < stable_end:
-                self.stopped = True
-                self.text = self.text[:at]
-                stable_end = at
-        if not self.stopped:
-            stable_end = min(stable_end, self._stop_prefix_start())
-        return self._emit(stable_end)
+        # Stop strings the new text completes (begun in it or before): the text ends before the
+        # one that starts first, whatever their order in `stop`.
+        starts = [at for m in self.matchers if (at := m.read(self.text, read)) is not None]
+        if starts:
+            self.stopped = True
+            self.text = self.text[: min(starts)]
+            return self._emit(len(self.text))
+        return self._emit(len(self.text) - max((m.matched for m in self.matchers), default=0))
 
     def flush(self) -> str:
         """At the end of generation, release whatever was held back."""
         return self._emit(len(self.text))
-
-    def _stop_prefix_start(self) -> int:
-        """Where a suffix of `text` that begins some stop string starts (len(text) if none)."""
-        start = len(self.text)
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:k]):
-                    start = min(start, len(self.text) - k)
-                    break
-        return start
 
     def _emit(self, end: int) -> str:
         if end <= self.emitted:

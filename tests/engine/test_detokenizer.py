@@ -71,3 +71,79 @@ def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_decode(
     tokenizer.save_pretrained(tmp_path)
     cleaning = AutoTokenizer.from_pretrained(tmp_path, clean_up_tokenization_spaces=True)
     assert rust_decoder(cleaning) is cleaning
+
+
+class _Rescanning(IncrementalDetokenizer):
+    """The stop matching as it was before StopMatcher, as the reference: each token, search the
+    text not yet handed out for every stop string, and hold back the longest suffix of the text
+    that begins one (every prefix tried, longest first). Quadratic in a stop string's length.
+    (It then cut at each match in `stop`'s order, so of two stop strings that one token
+    completes the earlier listed could win; both now cut where the first of them starts.)"""
+
+    def add(self, token_id: int) -> str:
+        self.token_ids.append(token_id)
+        if self.stopped:
+            return ""
+        window = self.token_ids[self.prefix_offset :]
+        context = self.tokenizer.decode(
+            window[: self.read_offset - self.prefix_offset], skip_special_tokens=True
+        )
+        full = self.tokenizer.decode(window, skip_special_tokens=True)
+        if len(full) > len(context) and not full.endswith("\ufffd"):
+            self.text += full[len(context) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        found = [self.text.find(s, max(0, self.emitted - len(s) + 1)) for s in self.stop]
+        if starts := [at for at in found if at != -1]:
+            self.stopped, self.text = True, self.text[: min(starts)]
+        end = len(self.text)
+        for s in () if self.stopped else self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:k]):
+                    end = min(end, len(self.text) - k)
+                    break
+        return self._emit(end)
+
+
+def test_stop_matching_equals_rescanning_the_text(tokenizer: Any) -> None:
+    """Random text over a small alphabet (so stop strings begin and match often, across token
+    boundaries and several at once): the same deltas, held back and cut at the same places."""
+    rng = random.Random(11)
+    alphabet = "ab a\nba"
+    stopped = 0
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60)))
+        stops = tuple(
+            text[i : i + rng.randint(1, 8)]
+            if rng.random() < 0.5
+            else "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 8)))
+            for i in (rng.randrange(len(text)) for _ in range(rng.randint(1, 4)))
+        )
+        ids = tokenizer.encode(text)
+        mine = IncrementalDetokenizer(tokenizer, stop=stops)
+        reference = _Rescanning(tokenizer, stop=stops)
+        deltas = [(mine.add(t), reference.add(t)) for t in ids]
+        assert [d[0] for d in deltas] == [d[1] for d in deltas], (text, stops)
+        assert (mine.flush(), mine.stopped, mine.text) == (
+            reference.flush(),
+            reference.stopped,
+            reference.text,
+        )
+        stopped += mine.stopped
+    assert 100 < stopped < 300  # both outcomes, often
+
+
+def test_a_long_stop_string_is_matched_across_many_tokens(tokenizer: Any) -> None:
+    long_stop = "the end " * 500
+    deltas, detok = _stream(tokenizer, "x " + long_stop + "after", stop=(long_stop,))
+    assert "".join(deltas) == "x " and detok.stopped
+    deltas, detok = _stream(tokenizer, "x " + long_stop[:-1], stop=(long_stop,))
+    assert "".join(deltas[:-1]) == "x " and deltas[-1] == long_stop[:-1]  # held back to the end
+    assert "".join(deltas) == "x " + long_stop[:-1] and not detok.stopped
+
+
+def test_of_stop_strings_one_token_completes_the_text_ends_before_the_first_to_start(
+    tokenizer: Any,
+) -> None:
+    for stop in (("a", "\na"), ("\na", "a")):  # whatever their order
+        deltas, detok = _stream(tokenizer, "x \nab", stop=stop)
+        assert "".join(deltas) == "x " and detok.stopped
