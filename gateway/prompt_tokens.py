@@ -3,13 +3,16 @@ so the engine never handles text.
 
 Prompts are chat-templated and tokenized once per request, on a small pool of threads (one
 tokenizer per thread: a Rust tokenizer must not be used from two threads at once), never on the
-event loop. Generated ids are detokenized incrementally on the event loop, where each new token
+event loop. A prompt of more than MAX_CHARS_PER_TOKEN characters per token of the context is
+refused before it is tokenized: it could not fit, and tokenizing costs time in proportion to
+its length (a megabyte, about a third of a second of a tokenizer thread). Generated ids are detokenized incrementally on the event loop, where each new token
 costs one short decode, with stop strings matched there too (engine.detokenizer).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,10 +22,14 @@ from transformers import AutoTokenizer
 
 from loramux.engine.chat_prompt import chat_template
 from loramux.engine.detokenizer import IncrementalDetokenizer, rust_decoder
+from loramux.engine.errors import PromptTooLongError
 from loramux.engine.outputs import EngineRequest
 from loramux.engine.prompt import prompt_token_ids
 
 TOKENIZER_THREADS = 2
+MAX_CHARS_PER_TOKEN = 32
+"""Text averages about 4 characters a token, and a token covers at most a few dozen; a prompt
+with more characters than this times the context length is refused untokenized."""
 
 
 class PromptTokens:
@@ -42,7 +49,14 @@ class PromptTokens:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def prompt_ids(self, request: EngineRequest) -> list[int]:
-        """The request's prompt as token ids (engine.prompt.prompt_token_ids), off the loop."""
+        """The request's prompt as token ids (engine.prompt.prompt_token_ids), off the loop.
+        PromptTooLongError, untokenized, for more characters than the context could hold."""
+        chars, limit = prompt_chars(request), self.max_model_len * MAX_CHARS_PER_TOKEN
+        if chars > limit:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {chars} characters, more than the {limit} read for a context that long"
+            )
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self._prompt_ids, request)
 
@@ -63,3 +77,17 @@ class PromptTokens:
 
     def _tokenizer(self) -> Any:
         return AutoTokenizer.from_pretrained(str(self.model_dir))
+
+
+def prompt_chars(request: EngineRequest) -> int:
+    """Characters of the request's prompt text: the prompt, or the messages' contents with their
+    tool calls and the tools as JSON (0 for token ids)."""
+    if request.prompt is not None:
+        return len(request.prompt)
+    chars = len(json.dumps(request.tools, ensure_ascii=False)) if request.tools else 0
+    for m in request.messages or ():
+        content = m.get("content")
+        chars += len(content) if isinstance(content, str) else 0
+        if m.get("tool_calls"):
+            chars += len(json.dumps(m["tool_calls"], ensure_ascii=False))
+    return chars

@@ -75,7 +75,10 @@ CASES = {
     ),
     "five stops": (_with(stop=["a", "b", "c", "d", "e"]), 400),
     "stream not bool": (_with(stream="yes"), 400),
-    "prompt over the context": (_with(messages=[{"role": "user", "content": "word " * 2000}]), 400),
+    "messages over the context": (
+        _with(messages=[{"role": "user", "content": "word " * 2000}]),
+        400,
+    ),
     "body too large": (_with(messages=[{"role": "user", "content": "x" * (2 << 20)}]), 413),
     "invalid utf-8 in a string": (_with(model="demo")[:-1] + b', "user": "\xff\xfe"}', 400),
     "invalid utf-8 outside strings": (b"\xef\xbb\xbf" + _with() + b"\xff", 400),
@@ -105,6 +108,35 @@ def test_bad_chat_request(gateway: RunningServer, tenant: TenantKey, case: str) 
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert r.headers["x-request-id"]
+
+
+@pytest.mark.parametrize(
+    ("path", "prompt", "says"),
+    [
+        ("/v1/chat/completions", "word " * 2000, "2011 prompt tokens"),
+        ("/v1/chat/completions", "x" * (512 * 32 + 1), "16385 characters"),  # never tokenized
+        ("/v1/completions", "word " * 2000, "2001 prompt tokens"),
+        ("/v1/completions", "x" * (512 * 32 + 1), "16385 characters"),
+    ],
+    ids=["chat, tokens", "chat, characters", "text, tokens", "text, characters"],
+)
+def test_a_prompt_over_the_context_is_refused_by_name(
+    gateway: RunningServer, tenant: TenantKey, path: str, prompt: str, says: str
+) -> None:
+    """The context holds 512 tokens: past 32 characters a token the prompt is refused before
+    it is tokenized (tokenizing costs time in proportion to its length)."""
+    body: dict[str, Any] = {"model": "demo-model", "max_tokens": 2}
+    if path == "/v1/completions":
+        body["prompt"] = prompt
+    else:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    r = httpx.post(
+        f"{gateway.url}{path}", json=body, headers={"authorization": f"Bearer {tenant.key}"}
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+    assert says in error["message"]
 
 
 @pytest.mark.parametrize(
