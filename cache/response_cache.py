@@ -174,7 +174,9 @@ class ResponseCache:
         the request's other work (tokenizing its prompt) overlaps the Redis round trip. None
         where that lookup would not read it alone: no lookup, or a semantic one (which reads it
         with the bucket's news). It only reads: nothing counts until the lookup, and a read
-        that no lookup awaits (the request was refused meanwhile) is dropped unseen."""
+        that no lookup awaits (the request was refused meanwhile) is dropped unseen. A purge or
+        a wrong-answer report that ends between the read and the lookup does not reach this
+        request, which arrived before it ended (as a purge never reached a hit already read)."""
         if not policy.lookup or _question(req, policy) is not None:
             return None
         reading = asyncio.ensure_future(self._read_exact(req))
