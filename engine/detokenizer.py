@@ -106,23 +106,32 @@ class IncrementalDetokenizer:
         self.token_ids.append(token_id)
         if self.stopped:
             return ""
+        read = len(self.text)
+        self._decode()
+        return self._emit(self._stable_end(read))
+
+    def _decode(self) -> None:
+        """Append the text the tokens so far add (none while a character is incomplete)."""
         window = self.token_ids[self.prefix_offset :]
         context = self.tokenizer.decode(
             window[: self.read_offset - self.prefix_offset], skip_special_tokens=True
         )
         full = self.tokenizer.decode(window, skip_special_tokens=True)
-        read = len(self.text)
         if len(full) > len(context) and not full.endswith("\ufffd"):
             self.text += full[len(context) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        # Stop strings the new text completes (begun in it or before): the text ends before the
-        # one that starts first, whatever their order in `stop`.
+
+    def _stable_end(self, read: int) -> int:
+        """Where the text that may be handed out ends, the new text starting at `read`. Of the
+        stop strings the new text completes (begun in it or before), the text ends before the
+        one that starts first, whatever their order in `stop`; else what could begin one is
+        held back."""
         starts = [at for m in self.matchers if (at := m.read(self.text, read)) is not None]
         if starts:
             self.stopped = True
             self.text = self.text[: min(starts)]
-            return self._emit(len(self.text))
-        return self._emit(len(self.text) - max((m.matched for m in self.matchers), default=0))
+            return len(self.text)
+        return len(self.text) - max((m.matched for m in self.matchers), default=0)
 
     def flush(self) -> str:
         """At the end of generation, release whatever was held back."""

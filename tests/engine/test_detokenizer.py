@@ -80,18 +80,7 @@ class _Rescanning(IncrementalDetokenizer):
     (It then cut at each match in `stop`'s order, so of two stop strings that one token
     completes the earlier listed could win; both now cut where the first of them starts.)"""
 
-    def add(self, token_id: int) -> str:
-        self.token_ids.append(token_id)
-        if self.stopped:
-            return ""
-        window = self.token_ids[self.prefix_offset :]
-        context = self.tokenizer.decode(
-            window[: self.read_offset - self.prefix_offset], skip_special_tokens=True
-        )
-        full = self.tokenizer.decode(window, skip_special_tokens=True)
-        if len(full) > len(context) and not full.endswith("\ufffd"):
-            self.text += full[len(context) :]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+    def _stable_end(self, read: int) -> int:
         found = [self.text.find(s, max(0, self.emitted - len(s) + 1)) for s in self.stop]
         if starts := [at for at in found if at != -1]:
             self.stopped, self.text = True, self.text[: min(starts)]
@@ -101,7 +90,7 @@ class _Rescanning(IncrementalDetokenizer):
                 if self.text.endswith(s[:k]):
                     end = min(end, len(self.text) - k)
                     break
-        return self._emit(end)
+        return end
 
 
 def test_stop_matching_equals_rescanning_the_text(tokenizer: Any) -> None:
