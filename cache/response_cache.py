@@ -25,9 +25,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
 
 import redis.asyncio
 from redis.exceptions import ResponseError
@@ -169,36 +167,17 @@ class ResponseCache:
             counts.update({f"refused_{reason}": n for reason, n in s.refusals.items()})
         return dict(counts)
 
-    def read_ahead(self, req: CacheRequest, policy: CachePolicy) -> asyncio.Task[Any] | None:
-        """Start reading `req`'s exact entry for the `lookup` to come (its `exact`), so that
-        the request's other work (tokenizing its prompt) overlaps the Redis round trip. None
-        where that lookup would not read it alone: no lookup, or a semantic one (which reads it
-        with the bucket's news). It only reads: nothing counts until the lookup, and a read
-        that no lookup awaits (the request was refused meanwhile) is dropped unseen. A purge or
-        a wrong-answer report that ends between the read and the lookup does not reach this
-        request, which arrived before it ended (as a purge never reached a hit already read)."""
-        if not policy.lookup or _question(req, policy) is not None:
-            return None
-        reading = asyncio.ensure_future(self._read_exact(req))
-        reading.add_done_callback(_dropped)
-        return reading
-
     async def lookup(
-        self,
-        req: CacheRequest,
-        policy: CachePolicy,
-        request_id: str | None = None,
-        exact: Awaitable[Any] | None = None,
+        self, req: CacheRequest, policy: CachePolicy, request_id: str | None = None
     ) -> CacheHit | None:
         """The cached answer to `req`, exact first, then semantic; None on a miss or failure.
-        A hit is recorded under `request_id`, when given (see `report_wrong_hit`). `exact` is
-        the read `read_ahead` started, if any."""
+        A hit is recorded under `request_id`, when given (see `report_wrong_hit`)."""
         if not policy.lookup:
             return None
         tenant = self.tenant_stats(req.tenant_id)
         tenant.lookups += 1
         try:
-            found = await self._lookup(req, policy, exact)
+            found = await self._lookup(req, policy)
             if found is not None and request_id is not None:
                 await self._remember_request(req.tenant_id, request_id, found[1], policy.ttl)
         except Exception as exc:
@@ -217,18 +196,13 @@ class ResponseCache:
             tenant.semantic_hits += 1
         return hit
 
-    async def _read_exact(self, req: CacheRequest) -> Any:
-        async with asyncio.timeout(self.redis_timeout):
-            return await self.redis.get(self.keys.exact(req))
-
-    async def _lookup(
-        self, req: CacheRequest, policy: CachePolicy, exact: Awaitable[Any] | None
-    ) -> tuple[CacheHit, str] | None:
+    async def _lookup(self, req: CacheRequest, policy: CachePolicy) -> tuple[CacheHit, str] | None:
         """The hit and the key of the entry it came from."""
         key = self.keys.exact(req)
-        question = _question(req, policy)
+        question = semantic_question(req) if policy.semantic else None
         if question is None:
-            raw = await (exact if exact is not None else self._read_exact(req))
+            async with asyncio.timeout(self.redis_timeout):
+                raw = await self.redis.get(key)
             return None if raw is None else (CacheHit(decode_response(raw), "exact", None), key)
         bucket = self.keys.bucket(req, self.embedder.model_id)
         async with asyncio.timeout(self.redis_timeout):
@@ -381,14 +355,3 @@ class ResponseCache:
 
 def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
-
-
-def _question(req: CacheRequest, policy: CachePolicy) -> str | None:
-    """What a lookup embeds to search semantically; None for an exact-only lookup."""
-    return semantic_question(req) if policy.semantic else None
-
-
-def _dropped(reading: asyncio.Task[Any]) -> None:
-    """Retrieve the outcome of a read ahead, so that one nobody awaited logs nothing."""
-    if not reading.cancelled():
-        reading.exception()

@@ -106,24 +106,32 @@ def cache_request(
     request: EngineRequest,
     response_format: dict[str, Any] | None = None,
     tools: dict[str, Any] | None = None,
-    derived_max_tokens: tuple[int, int] | None = None,
 ) -> CacheRequest:
     """The cache's identity of an engine request, after the model is resolved. `tools` holds
     the request's tools, tool_choice and parallel_tool_calls (as JSON values).
-
-    `derived_max_tokens`, for a request without max_tokens, is what the prompt's length derives
-    it from (the server's default, the context length): held instead of the number, the
-    identity is known before the prompt is tokenized, and the entry read meanwhile.
 
     Greedy requests leave out top_p, top_k, min_p and seed: greedy decoding ignores them, so
     requests that differ only there get the same answer and share an entry.
     """
     p = request.params
-    max_tokens = p.max_tokens if derived_max_tokens is None else _derived(*derived_max_tokens)
-    params = _sampling(p, max_tokens) | {
+    params: dict[str, Any] = {
+        "max_tokens": p.max_tokens,
+        "temperature": float(p.temperature),
+        "stop": p.stop,
+        "stop_token_ids": p.stop_token_ids,
+        "ignore_eos": p.ignore_eos,
         "response_format": _canonical(response_format),
+        "n": p.n,
+        "presence_penalty": float(p.presence_penalty),
+        "frequency_penalty": float(p.frequency_penalty),
+        "repetition_penalty": float(p.repetition_penalty),
+        "logit_bias": p.logit_bias,
+        "logprobs": p.logprobs,
+        "top_logprobs": p.top_logprobs,
         "tools": _canonical(tools),
     }
+    if not p.greedy:
+        params |= {"top_p": float(p.top_p), "top_k": p.top_k, "min_p": p.min_p, "seed": p.seed}
     messages = None
     if request.messages is not None:
         messages = tuple((str(m["role"]), str(m["content"])) for m in request.messages)
@@ -140,31 +148,6 @@ def cache_request(
         prompt=prompt,
         params=tuple(sorted(params.items())),
     )
-
-
-def _sampling(p: SamplingParams, max_tokens: int | str) -> dict[str, Any]:
-    """The sampling parameters that can change an answer."""
-    params: dict[str, Any] = {
-        "max_tokens": max_tokens,
-        "temperature": float(p.temperature),
-        "stop": p.stop,
-        "stop_token_ids": p.stop_token_ids,
-        "ignore_eos": p.ignore_eos,
-        "n": p.n,
-        "presence_penalty": float(p.presence_penalty),
-        "frequency_penalty": float(p.frequency_penalty),
-        "repetition_penalty": float(p.repetition_penalty),
-        "logit_bias": p.logit_bias,
-        "logprobs": p.logprobs,
-        "top_logprobs": p.top_logprobs,
-    }
-    if not p.greedy:
-        params |= {"top_p": float(p.top_p), "top_k": p.top_k, "min_p": p.min_p, "seed": p.seed}
-    return params
-
-
-def _derived(default: int, context: int) -> str:
-    return f"the room left in {context}, at most {default}"
 
 
 def _tool_turns(messages: list[dict[str, Any]]) -> str | None:

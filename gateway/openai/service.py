@@ -103,27 +103,19 @@ class CompletionService:
         self, principal: Principal, req: Body, request_id: str, cache_control: str | None = None
     ) -> Prepared:
         """Validate, resolve, tokenize, admit and look up the cache; raises before anything is
-        sent. The cache entry is read while the prompt is tokenized (the lookup needs no token
-        ids), and only looked at once the request is admitted."""
+        sent."""
         refuse_unsupported(req)
         model = await self._resolve(principal, req.model)
         meta = self._meta(req, request_id, model)
         tools = self._tool_use(req, meta.id)
-        draft = self._draft(req, request_id, model, principal, tools)
-        cache = self._cache_plan(principal, req, draft, cache_control)
-        reading = self.cache.read_ahead(*cache)
+        tokenized = await self._tokenize(self._draft(req, request_id, model, principal, tools))
+        params = tokenized.text_request.params
+        operation = tracing.OPERATIONS[meta.kind]
+        tracing.describe_request(operation, model.name, params, req.stream, principal.tenant_id)
+        admission = await self._admit(principal, tokenized)
         try:
-            tokenized = await self._tokenize(draft)
-            params = tokenized.text_request.params
-            operation = tracing.OPERATIONS[meta.kind]
-            tracing.describe_request(operation, model.name, params, req.stream, principal.tenant_id)
-            admission = await self._admit(principal, tokenized)
-        except BaseException:
-            if reading is not None:
-                reading.cancel()
-            raise
-        try:
-            hit = await self._cache_hit(*cache, completion_route(meta.kind), request_id, reading)
+            cache = self._cache_plan(principal, req, tokenized.text_request, cache_control)
+            hit = await self._cache_hit(*cache, completion_route(meta.kind), request_id)
         except BaseException:
             await admission.settle(0)
             raise
@@ -201,24 +193,26 @@ class CompletionService:
             raise
 
     def _cache_plan(
-        self, principal: Principal, req: Body, draft: Draft, cache_control: str | None
+        self,
+        principal: Principal,
+        req: Body,
+        text_request: EngineRequest,
+        cache_control: str | None,
     ) -> tuple[CacheRequest, CachePolicy]:
         """The request's identity in the response cache, and what the cache may do with it."""
-        params = draft.text_request.params
+        params = text_request.params
         body_cache = {"semantic": req.cache.semantic, "ttl": req.cache.ttl} if req.cache else None
         policy = cache_policy(
             principal.tenant_settings, cache_control, body_cache, is_deterministic(params)
         )
         if params.n > 1:
             policy = replace(policy, lookup=False, store=False)
-        limits = self.limits
         key = cache_request(
             principal.tenant_id,
-            limits.base_model,
-            draft.text_request,
+            self.limits.base_model,
+            text_request,
             msgspec.to_builtins(req.response_format),
             _tools(req),
-            None if draft.max_tokens_given else (limits.default_max_tokens, limits.max_model_len),
         )
         return key, policy
 
@@ -228,14 +222,13 @@ class CompletionService:
         policy: CachePolicy,
         route: str,
         request_id: str,
-        reading: Awaitable[Any] | None,
     ) -> CacheHit | None:
         if not policy.lookup:
             return None
         families = self.metering.metrics.admission
         families.cache_lookups.labels(route).inc()
         with tracing.step("response_cache.lookup"):
-            hit = await self.cache.lookup(key, policy, request_id, reading)
+            hit = await self.cache.lookup(key, policy, request_id)
         if hit is not None:
             families.cache_hits.labels(route, hit.kind).inc()
         return hit

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import pytest
 
 from loramux.cache.types import CacheRequest
-from tests.cache.conftest import EXACT, SEMANTIC, MakeCache, answer, chat, until_missing
+from tests.cache.conftest import EXACT, MakeCache, answer, chat, until_missing
 
 BASE = chat("What is the capital of France?", seed=None, stop=["\n"])
 
@@ -119,34 +118,3 @@ async def test_purge_patterns_cannot_reach_other_tenants(make_cache: MakeCache) 
     assert await cache.purge("*") == 0
     assert await cache.purge("tenant-*") == 0
     assert await cache.lookup(BASE, EXACT) is not None
-
-
-async def test_a_read_ahead_is_what_its_lookup_finds_and_counts_once(
-    make_cache: MakeCache,
-) -> None:
-    cache = make_cache()
-    await cache.store(BASE, EXACT, answer("Paris."))
-    reading = cache.read_ahead(BASE, EXACT)
-    assert reading is not None
-    await asyncio.wait({reading})
-    await cache.purge(BASE.tenant_id)  # after the read: the lookup finds what was read
-    hit = await cache.lookup(BASE, EXACT, exact=reading)
-    assert hit is not None and hit.response == answer("Paris.")
-    assert (cache.stats.exact_hits, cache.tenant_stats(BASE.tenant_id).lookups) == (1, 1)
-    missed = cache.read_ahead(_variants()["tenant"], EXACT)
-    assert await cache.lookup(_variants()["tenant"], EXACT, exact=missed) is None
-
-
-async def test_a_read_ahead_that_no_lookup_awaits_counts_nothing(make_cache: MakeCache) -> None:
-    cache = make_cache()
-    await cache.store(BASE, EXACT, answer("Paris."))
-    reading = cache.read_ahead(BASE, EXACT)
-    assert reading is not None
-    reading.cancel()  # the request was refused meanwhile
-    assert cache.stats.exact_hits == 0 and cache.tenant_stats(BASE.tenant_id).lookups == 0
-
-
-def test_only_an_exact_only_lookup_is_read_ahead(make_cache: MakeCache) -> None:
-    cache = make_cache()
-    assert cache.read_ahead(BASE, dataclasses.replace(EXACT, lookup=False)) is None
-    assert cache.read_ahead(BASE, SEMANTIC) is None  # read with its bucket's news instead

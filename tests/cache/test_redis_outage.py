@@ -3,15 +3,11 @@ failures, never raises, and caches again once Redis is back (empty, as after a c
 
 from __future__ import annotations
 
-import asyncio
-import gc
-
-import pytest
 from redis.asyncio import Redis
 
 from loramux.cache.embedder import Embedder
 from loramux.cache.response_cache import ResponseCache
-from tests.cache.conftest import EXACT, SEMANTIC, answer, chat
+from tests.cache.conftest import SEMANTIC, answer, chat
 from tests.redis import RedisServer
 
 
@@ -55,26 +51,4 @@ async def test_a_cache_started_while_redis_is_down_works_once_it_is_up(
         await cache.store(chat("What is the capital of France?"), SEMANTIC, answer("Paris."))
         assert await cache.lookup(chat("What is the capital of France?"), SEMANTIC) is not None
     finally:
-        await client.aclose()
-
-
-async def test_a_read_ahead_while_redis_is_down_is_a_miss_and_one_logged_error(
-    own_redis: RedisServer, embedder: Embedder, caplog: pytest.LogCaptureFixture
-) -> None:
-    client = Redis.from_url(own_redis.url)
-    cache = ResponseCache(client, embedder, redis_timeout=0.5)
-    question = chat("What is the capital of France?")
-    own_redis.stop()
-    try:
-        reading = cache.read_ahead(question, EXACT)
-        dropped = cache.read_ahead(question, EXACT)  # its request was refused: nobody awaits it
-        assert reading is not None and dropped is not None
-        assert await cache.lookup(question, EXACT, exact=reading) is None
-        await asyncio.wait({dropped})
-        del dropped
-        gc.collect()
-        assert cache.errors == 1
-        assert "never retrieved" not in caplog.text
-    finally:
-        own_redis.start()
         await client.aclose()

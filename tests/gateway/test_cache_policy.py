@@ -95,15 +95,3 @@ def test_the_cache_request_carries_tenant_adapter_messages_and_params() -> None:
     assert params["response_format"] == '{"type":"json_object"}'
     text = cache_request("t", "m", EngineRequest("r2", SamplingParams(), prompt_token_ids=[1, 2]))
     assert (text.kind, text.prompt, text.adapter) == ("text", (1, 2), "base")
-
-
-def test_without_a_max_tokens_the_identity_holds_what_derives_it_not_the_derived_number() -> None:
-    """Known before tokenizing: the server's default and context length stand in for the
-    number the prompt's length derives from them (the prompt is in the identity too)."""
-    derived = cache_request("t", "m", _request(max_tokens=1), derived_max_tokens=(256, 4096))
-    assert derived == cache_request("t", "m", _request(max_tokens=1), None, None, (256, 4096))
-    assert dict(derived.params)["max_tokens"] == "the room left in 4096, at most 256"
-    for other in ((256, 2048), (128, 4096)):
-        assert derived != cache_request("t", "m", _request(max_tokens=1), derived_max_tokens=other)
-    for given in (1, 256):
-        assert derived != cache_request("t", "m", _request(max_tokens=given))

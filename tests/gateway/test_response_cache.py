@@ -294,8 +294,8 @@ def test_a_streamed_hit_is_sent_at_once_or_paced_as_the_tenant_says(
 def test_a_request_without_max_tokens_hits_and_a_refused_one_counts_no_lookup(
     admin: httpx.Client, api: httpx.Client
 ) -> None:
-    """The entry is read while the prompt is tokenized; a request refused meanwhile (its prompt
-    is over the context) is answered 400, and the read it started counts nowhere."""
+    """Keyed by the max_tokens the prompt's length derives; a request refused before the
+    lookup (its prompt is over the context) counts no lookup."""
     tenant = new_tenant(admin, "derived")
     question = unique(QUESTION)
     first = ask(api, tenant, question, max_tokens=None)
