@@ -113,6 +113,10 @@ class CompletionService:
         operation = tracing.OPERATIONS[meta.kind]
         tracing.describe_request(operation, model.name, params, req.stream, principal.tenant_id)
         admission = await self._admit(principal, tokenized)
+        if model.digest is not None:
+            # Admitted, and resolved for this caller's tenant: the hint names no other tenant's
+            # adapter, and a refused request loads nothing (no churn of others' adapters).
+            self.engine.prefetch_adapter(model.digest)
         try:
             cache = self._cache_plan(principal, req, tokenized.text_request, cache_control)
             hit = await self._cache_hit(*cache, completion_route(meta.kind), request_id)
@@ -138,8 +142,6 @@ class CompletionService:
         model = await self.catalog.resolve(principal, name)
         if model.digest is not None:
             await self.engine.ensure_adapter(model.digest, self.adapters.root / model.digest)
-            # Resolved for this caller's tenant: the hint can name no other tenant's adapter.
-            self.engine.prefetch_adapter(model.digest)
         return model
 
     def _tool_use(self, req: Body, response_id: str) -> ToolUse:

@@ -1,5 +1,6 @@
-"""The gateway hints the engine to load a request's adapter as soon as it resolves the model for
-the caller's tenant, before tokenization and admission: a cold adapter starts loading early."""
+"""The gateway hints the engine to load a request's adapter once the request is admitted, before
+its cache lookup and its way to the engine: a cold adapter starts loading early, and a refused
+request loads nothing."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.gateway.tenants import new_tenant, upload_adapter
 PROMPT = [{"role": "user", "content": "Say something about adapters"}]
 
 
-def test_resolving_an_evicted_adapter_starts_its_load_by_a_hint(
+def test_an_admitted_request_for_an_evicted_adapter_starts_its_load_by_a_hint(
     demo_model_dir: Path,
     demo_adapter_dirs: list[Path],
     tmp_path: Path,
@@ -46,3 +47,41 @@ def test_resolving_an_evicted_adapter_starts_its_load_by_a_hint(
         assert sorted(s.requests for s in stats.values()) == [1, 2]
         for s in stats.values():  # each request's read from disk was started by its hint
             assert s.hinted_loads == s.requests
+
+
+def test_a_request_refused_by_its_rate_limit_starts_no_load(
+    demo_model_dir: Path,
+    demo_adapter_dirs: list[Path],
+    tmp_path: Path,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over its limits, a tenant cannot make the engine read its adapters from disk, evicting
+    other tenants' adapters from host memory."""
+    monkeypatch.setenv("LORAMUX_MAX_LORAS", "1")
+    monkeypatch.setenv("LORAMUX_MAX_CPU_LORAS", "1")
+    with gateway_server(demo_model_dir, tmp_path / "data", redis_url) as server:
+        token = server.state.admin.mint("test-admin", ttl_seconds=600)
+        headers = {"authorization": f"Bearer {token}"}
+        with httpx.Client(base_url=server.url, headers=headers, timeout=60) as admin:
+            tenant = new_tenant(admin, "refused")
+            digests = {
+                name: upload_adapter(admin, tenant.tenant_id, name, folder)["digest"]
+                for name, folder in (("cold", demo_adapter_dirs[0]), ("warm", demo_adapter_dirs[1]))
+            }
+            r = admin.put(f"/admin/keys/{tenant.key_id}/quotas", json={"rpm": 1})
+            assert r.status_code == 200, r.text
+        client = openai.OpenAI(
+            base_url=f"{server.url}/v1", api_key=tenant.key, max_retries=0, timeout=60
+        )
+        client.chat.completions.create(model="warm", messages=PROMPT, max_tokens=2)  # type: ignore[arg-type]
+        for _ in range(3):
+            with pytest.raises(openai.RateLimitError):
+                client.chat.completions.create(model="cold", messages=PROMPT, max_tokens=2)  # type: ignore[arg-type]
+
+        engine = server.state.engine
+        assert isinstance(engine, LocalEngineClient)
+        stats = engine.engine.adapter_stats()
+        cold = stats.get(digests["cold"])
+        assert cold is None or (cold.hinted_loads, cold.requests) == (0, 0)
+        assert stats[digests["warm"]].requests == 1
