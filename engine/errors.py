@@ -15,6 +15,11 @@ class InvalidRequestError(EngineError, ValueError):
 class PromptTooLongError(InvalidRequestError):
     """Prompt plus requested completion does not fit in the model's context."""
 
+    def __init__(self, message: str, prompt_tokens: int | None = None):
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        """The prompt's length in tokens, when it was tokenized."""
+
 
 class UnknownAdapterError(InvalidRequestError):
     """The request names an adapter the engine does not serve (never registered, or retired)."""

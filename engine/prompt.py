@@ -37,6 +37,7 @@ def prompt_token_ids(
         raise PromptTooLongError(
             f"this model's maximum context length is {max_model_len} tokens; the request has "
             f"{len(ids)} prompt tokens and asks for {number_text(request.params.max_tokens)} "
-            "completion tokens"
+            "completion tokens",
+            len(ids),
         )
     return ids

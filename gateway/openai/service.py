@@ -30,6 +30,7 @@ import msgspec
 from loramux.adapters.store import AdapterStore
 from loramux.cache.response_cache import ResponseCache
 from loramux.cache.types import CacheHit, CachePolicy, CacheRequest
+from loramux.engine.errors import PromptTooLongError
 from loramux.engine.outputs import EngineRequest
 from loramux.gateway import tracing
 from loramux.gateway.auth.api_keys import Principal
@@ -174,7 +175,16 @@ class CompletionService:
         """The prompt as token ids; without a max_tokens, the request gets the room left in the
         context (at most the server's default)."""
         text_request = draft.text_request
-        prompt_ids = await self.prompts.prompt_ids(text_request)
+        try:
+            prompt_ids = await self.prompts.prompt_ids(text_request)
+        except PromptTooLongError as exc:
+            if draft.max_tokens_given or exc.prompt_tokens is None:
+                raise
+            raise PromptTooLongError(  # it asked for no number of completion tokens
+                f"this model's maximum context length is {self.limits.max_model_len} tokens; the "
+                f"prompt has {exc.prompt_tokens} tokens, which leave no room for a completion",
+                exc.prompt_tokens,
+            ) from None
         if not draft.max_tokens_given:
             room = self.limits.max_model_len - len(prompt_ids)
             params = text_request.params

@@ -113,19 +113,23 @@ def test_bad_chat_request(gateway: RunningServer, tenant: TenantKey, case: str) 
 @pytest.mark.parametrize(
     ("path", "prompt", "says"),
     [
-        ("/v1/chat/completions", "word " * 2000, "2011 prompt tokens"),
+        ("/v1/chat/completions", "word " * 2000, "2011 prompt tokens and asks for 2 completion"),
         ("/v1/chat/completions", "x" * (512 * 32 + 1), "16385 characters"),  # never tokenized
-        ("/v1/completions", "word " * 2000, "2001 prompt tokens"),
+        ("/v1/completions", "word " * 2000, "2001 prompt tokens and asks for 2 completion"),
         ("/v1/completions", "x" * (512 * 32 + 1), "16385 characters"),
+        ("/v1/chat/completions", "word " * 501, "512 tokens, which leave no room"),  # no max_tokens
     ],
-    ids=["chat, tokens", "chat, characters", "text, tokens", "text, characters"],
+    ids=["chat, tokens", "chat, characters", "text, tokens", "text, characters", "no room"],
 )
 def test_a_prompt_over_the_context_is_refused_by_name(
     gateway: RunningServer, tenant: TenantKey, path: str, prompt: str, says: str
 ) -> None:
     """The context holds 512 tokens: past 32 characters a token the prompt is refused before
-    it is tokenized (tokenizing costs time in proportion to its length)."""
-    body: dict[str, Any] = {"model": "demo-model", "max_tokens": 2}
+    it is tokenized (tokenizing costs time in proportion to its length). A request without
+    max_tokens is not told it asked for some."""
+    body: dict[str, Any] = {"model": "demo-model"}
+    if "no room" not in says:
+        body["max_tokens"] = 2
     if path == "/v1/completions":
         body["prompt"] = prompt
     else:
