@@ -16,6 +16,7 @@ embedding's and the lm_head's tensors are read by adapters.peft_top.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -128,15 +129,15 @@ class LoraAdapter:
         return [t for w in pairs for t in w.tensors()] + [self.saved[m] for m in sorted(self.saved)]
 
     def refuse_unrepresentable(self, dtype: torch.dtype) -> None:
-        """NonFiniteWeights when a weight, finite in float32, would not be in `dtype` (the
-        engine's): float16 holds at most 65504. Served, it would not hurt this adapter's
+        """NonFiniteWeights when a weight, finite in float32, is beyond what `dtype` (the
+        engine's) holds: float16 holds at most 65504. Served, it would not hurt this adapter's
         requests alone: a batch's per-token kernels multiply one adapter's matrices with a
         block of tokens, other adapters' rows zeroed, and 0 x inf is NaN in those rows."""
-        if torch.finfo(dtype).max >= torch.finfo(torch.float32).max:
+        limit = torch.finfo(dtype).max
+        if limit >= torch.finfo(torch.float32).max:
             return
-        for tensor in self.flat_tensors():
-            if not bool(torch.isfinite(tensor.to(dtype)).all()):
-                limit = torch.finfo(dtype).max
+        for tensor in self.flat_tensors():  # the largest magnitude, without a copy
+            if tensor.numel() and float(torch.linalg.vector_norm(tensor, ord=math.inf)) > limit:
                 raise NonFiniteWeights(
                     f"the adapter holds weights beyond {limit:g}, which the engine's {dtype} "
                     "cannot hold (after folding in the scaling and, for DoRA, the scales)"
