@@ -106,7 +106,7 @@ class CompletionService:
         """Validate, resolve, tokenize, admit and look up the cache; raises before anything is
         sent."""
         refuse_unsupported(req)
-        model = await self._resolve(principal, req.model)
+        model = await self.catalog.resolve(principal, req.model)
         meta = self._meta(req, request_id, model)
         tools = self._tool_use(req, meta.id)
         tokenized = await self._tokenize(self._draft(req, request_id, model, principal, tools))
@@ -114,13 +114,11 @@ class CompletionService:
         operation = tracing.OPERATIONS[meta.kind]
         tracing.describe_request(operation, model.name, params, req.stream, principal.tenant_id)
         admission = await self._admit(principal, tokenized)
-        if model.digest is not None:
-            # Admitted, and resolved for this caller's tenant: the hint names no other tenant's
-            # adapter, and a refused request loads nothing (no churn of others' adapters).
-            self.engine.prefetch_adapter(model.digest)
         try:
             cache = self._cache_plan(principal, req, tokenized.text_request, cache_control)
             hit = await self._cache_hit(*cache, completion_route(meta.kind), request_id)
+            if hit is None:
+                await self._engage(model)
         except BaseException:
             await admission.settle(0)
             raise
@@ -138,12 +136,14 @@ class CompletionService:
             tools=tools,
         )
 
-    async def _resolve(self, principal: Principal, name: str) -> ResolvedModel:
-        """The model `name` means for this caller, its adapter loaded on the engine."""
-        model = await self.catalog.resolve(principal, name)
+    async def _engage(self, model: ResolvedModel) -> None:
+        """The adapter of an admitted request on its way to the engine: registered there if the
+        engine lacks it, and its load started. A refused request, or a cache hit, touches no
+        adapter, so it cannot evict other tenants' adapters from the engine's memory. Resolved
+        for this caller's tenant, the hint names no other tenant's adapter."""
         if model.digest is not None:
             await self.engine.ensure_adapter(model.digest, self.adapters.root / model.digest)
-        return model
+            self.engine.prefetch_adapter(model.digest)
 
     def _tool_use(self, req: Body, response_id: str) -> ToolUse:
         if not isinstance(req, ChatCompletionRequest):

@@ -4,6 +4,8 @@ deleted; a new version retires the old digest unless another adapter still serve
 from __future__ import annotations
 
 import io
+import random
+import shutil
 import tarfile
 import uuid
 import zipfile
@@ -13,6 +15,7 @@ import httpx
 import pytest
 
 from loramux.gateway.server import RunningServer
+from tests.adapters.peft_adapters import edit_weights
 from tests.gateway.conftest import json_of
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -76,11 +79,26 @@ def tenant(admin: httpx.Client) -> dict:
     return json_of(admin.post("/admin/tenants", json={"name": unique("adapters")}))
 
 
+def own_copy(folder: Path, tmp_path: Path) -> Path:
+    """`folder`'s adapter with weights of its own (lora_A scaled by a random factor): a digest no
+    other test's adapter shares, so that retiring it is this test's business alone."""
+    copy = tmp_path / f"own-{uuid.uuid4().hex[:8]}"
+    shutil.copytree(folder, copy)
+    factor = 1 + random.random()
+    edit_weights(copy, lambda ws: {n: w * factor if "lora_A" in n else w for n, w in ws.items()})
+    return copy
+
+
 def test_upload_list_new_version_delete(
-    gateway: RunningServer, admin: httpx.Client, demo_adapter_dirs: list[Path], tenant: dict
+    gateway: RunningServer,
+    admin: httpx.Client,
+    demo_adapter_dirs: list[Path],
+    tenant: dict,
+    tmp_path: Path,
 ) -> None:
+    adapters = [own_copy(folder, tmp_path) for folder in demo_adapter_dirs[:2]]
     name = unique("support")
-    first = created(upload(admin, name, tenant["id"], demo_adapter_dirs[0]))
+    first = created(upload(admin, name, tenant["id"], adapters[0]))
     assert (first["owner"], first["name"], first["version"]) == (tenant["id"], name, 1)
     assert (first["rank"], len(first["targets"])) == (8, 7)
     assert first["size_bytes"] > 0 and len(first["digest"]) == 64
@@ -91,7 +109,7 @@ def test_upload_list_new_version_delete(
     assert listed == [first]
     assert first in json_of(admin.get("/admin/adapters", params={"name": name}))["items"]
 
-    second = created(upload(admin, name, tenant["id"], demo_adapter_dirs[1]))
+    second = created(upload(admin, name, tenant["id"], adapters[1]))
     assert second["version"] == 2 and second["digest"] != first["digest"]
     assert servable(gateway, second["digest"]) and not servable(gateway, first["digest"])
     detail = json_of(admin.get(f"/admin/adapters/{tenant['id']}/{name}"))
@@ -107,7 +125,7 @@ def test_upload_list_new_version_delete(
     assert admin.delete(f"/admin/adapters/{tenant['id']}/{name}").status_code == 404
     assert json_of(admin.get("/admin/adapters", params={"owner": tenant["id"]}))["items"] == []
 
-    again = created(upload(admin, name, tenant["id"], demo_adapter_dirs[0]))
+    again = created(upload(admin, name, tenant["id"], adapters[0]))
     assert again["version"] == 3 and again["digest"] == first["digest"]
     assert servable(gateway, again["digest"])
 

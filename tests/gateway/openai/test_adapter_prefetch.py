@@ -1,6 +1,6 @@
-"""The gateway hints the engine to load a request's adapter once the request is admitted, before
-its cache lookup and its way to the engine: a cold adapter starts loading early, and a refused
-request loads nothing."""
+"""Once a request is admitted and misses the response cache, the gateway registers its adapter
+on the engine if the engine lacks it and hints the engine to load it: a cold adapter starts
+loading before the request arrives, and a refused request touches no adapter."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_an_admitted_request_for_an_evicted_adapter_starts_its_load_by_a_hint(
             assert s.hinted_loads == s.requests
 
 
-def test_a_request_refused_by_its_rate_limit_starts_no_load(
+def test_a_refused_request_touches_no_adapter_even_one_the_engine_lacks(
     demo_model_dir: Path,
     demo_adapter_dirs: list[Path],
     tmp_path: Path,
@@ -57,9 +57,11 @@ def test_a_request_refused_by_its_rate_limit_starts_no_load(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Over its limits, a tenant cannot make the engine read its adapters from disk, evicting
-    other tenants' adapters from host memory."""
+    other tenants' adapters from host memory: neither by a hint, nor, after a restart (the
+    engine then has no adapter registered), by the registration a first request makes."""
     monkeypatch.setenv("LORAMUX_MAX_LORAS", "1")
     monkeypatch.setenv("LORAMUX_MAX_CPU_LORAS", "1")
+    adapters = {"warm": demo_adapter_dirs[1], "cold": demo_adapter_dirs[0]}
     with gateway_server(demo_model_dir, tmp_path / "data", redis_url) as server:
         token = server.state.admin.mint("test-admin", ttl_seconds=600)
         headers = {"authorization": f"Bearer {token}"}
@@ -67,21 +69,22 @@ def test_a_request_refused_by_its_rate_limit_starts_no_load(
             tenant = new_tenant(admin, "refused")
             digests = {
                 name: upload_adapter(admin, tenant.tenant_id, name, folder)["digest"]
-                for name, folder in (("cold", demo_adapter_dirs[0]), ("warm", demo_adapter_dirs[1]))
+                for name, folder in adapters.items()
             }
             r = admin.put(f"/admin/keys/{tenant.key_id}/quotas", json={"rpm": 1})
             assert r.status_code == 200, r.text
-        client = openai.OpenAI(
-            base_url=f"{server.url}/v1", api_key=tenant.key, max_retries=0, timeout=60
-        )
-        client.chat.completions.create(model="warm", messages=PROMPT, max_tokens=2)  # type: ignore[arg-type]
-        for _ in range(3):
-            with pytest.raises(openai.RateLimitError):
-                client.chat.completions.create(model="cold", messages=PROMPT, max_tokens=2)  # type: ignore[arg-type]
-
-        engine = server.state.engine
-        assert isinstance(engine, LocalEngineClient)
-        stats = engine.engine.adapter_stats()
-        cold = stats.get(digests["cold"])
-        assert cold is None or (cold.hinted_loads, cold.requests) == (0, 0)
-        assert stats[digests["warm"]].requests == 1
+    for restarted in (False, True):
+        with gateway_server(demo_model_dir, tmp_path / "data", redis_url) as server:
+            client = openai.OpenAI(
+                base_url=f"{server.url}/v1", api_key=tenant.key, max_retries=0, timeout=60
+            )
+            if not restarted:
+                client.chat.completions.create(model="warm", messages=PROMPT, max_tokens=2)  # type: ignore[arg-type]
+            for _ in range(2):
+                with pytest.raises(openai.RateLimitError):
+                    client.chat.completions.create(model="cold", messages=PROMPT, max_tokens=2)  # type: ignore[arg-type]
+            engine = server.state.engine
+            assert isinstance(engine, LocalEngineClient)
+            stats = engine.engine.adapter_stats()
+            cold = stats.get(digests["cold"])
+            assert cold is None or (cold.loads, cold.hinted_loads, cold.requests) == (0, 0, 0)
