@@ -3,9 +3,9 @@ so the engine never handles text.
 
 Prompts are chat-templated and tokenized once per request, on a small pool of threads (one
 tokenizer per thread: a Rust tokenizer must not be used from two threads at once), never on the
-event loop. A prompt of more than MAX_CHARS_PER_TOKEN characters per token of the context is
-refused before it is tokenized: it could not fit, and tokenizing costs time in proportion to
-its length (a megabyte, about a third of a second of a tokenizer thread). Generated ids are detokenized incrementally on the event loop, where each new token
+event loop. A prompt longer than the context could hold, were every token the vocabulary's
+longest, is refused before it is tokenized: tokenizing costs time in proportion to the text (a
+megabyte, about a third of a second of a tokenizer thread), and it could not fit. Generated ids are detokenized incrementally on the event loop, where each new token
 costs one short decode, with stop strings matched there too (engine.detokenizer).
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,6 @@ from loramux.engine.outputs import EngineRequest
 from loramux.engine.prompt import prompt_token_ids
 
 TOKENIZER_THREADS = 2
-MAX_CHARS_PER_TOKEN = 32
-"""Text averages about 4 characters a token, and a token covers at most a few dozen; a prompt
-with more characters than this times the context length is refused untokenized."""
 
 
 class PromptTokens:
@@ -44,21 +42,31 @@ class PromptTokens:
         self.chat_template = chat_template(self._loop_tokenizer)
         """The model's chat template ("" without one): `gateway.openai.tools.tool_call_format`
         reads from it how the model writes tool calls."""
+        backend = getattr(self._loop_tokenizer, "backend_tokenizer", None)
+        self.max_prompt_chars = max_model_len * token_chars(backend) if backend else None
+        """Characters a prompt that fits can have at most (None: not known, not checked)."""
+        self._normalizes = backend is not None and backend.normalizer is not None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def prompt_ids(self, request: EngineRequest) -> list[int]:
         """The request's prompt as token ids (engine.prompt.prompt_token_ids), off the loop.
-        PromptTooLongError, untokenized, for more characters than the context could hold."""
-        chars, limit = prompt_chars(request), self.max_model_len * MAX_CHARS_PER_TOKEN
-        if chars > limit:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
-                f"has {chars} characters, more than the {limit} read for a context that long"
-            )
+        PromptTooLongError, untokenized, for more characters than the context could hold (when
+        the tokenizer normalizes text first, which can shorten it, counted once normalized)."""
+        limit = self.max_prompt_chars
+        oversized = limit is not None and prompt_chars(request, len) > limit
+        if oversized and not self._normalizes:
+            self._refuse(prompt_chars(request, len))
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._prompt_ids, request)
+        return await loop.run_in_executor(self._pool, self._prompt_ids, request, oversized)
+
+    def _refuse(self, chars: int) -> None:
+        raise PromptTooLongError(
+            f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+            f"has {chars} characters, more than that many tokens of this tokenizer can hold "
+            f"({self.max_prompt_chars})"
+        )
 
     def detokenizer(self, stop: tuple[str, ...]) -> IncrementalDetokenizer:
         """A detokenizer for one generation; use it on the event loop's thread only."""
@@ -69,25 +77,39 @@ class PromptTokens:
         """The tokenizer of the event loop's thread (for detokenizing there)."""
         return self._loop_tokenizer
 
-    def _prompt_ids(self, request: EngineRequest) -> list[int]:
+    def _prompt_ids(self, request: EngineRequest, oversized: bool) -> list[int]:
         tokenizer = getattr(self._local, "tokenizer", None)
         if tokenizer is None:
             tokenizer = self._local.tokenizer = self._tokenizer()
+        if oversized:  # over the limit as sent; the tokenizer reads it normalized
+            normalize = tokenizer.backend_tokenizer.normalizer.normalize_str
+            chars = prompt_chars(request, lambda text: len(normalize(text)))
+            if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+                self._refuse(chars)
         return prompt_token_ids(tokenizer, request, self.vocab_size, self.max_model_len)
 
     def _tokenizer(self) -> Any:
         return AutoTokenizer.from_pretrained(str(self.model_dir))
 
 
-def prompt_chars(request: EngineRequest) -> int:
-    """Characters of the request's prompt text: the prompt, or the messages' contents with their
-    tool calls and the tools as JSON (0 for token ids)."""
+def token_chars(backend: Any) -> int:
+    """At most how many characters of a prompt one token covers: the most any token of the
+    vocabulary decodes to alone, plus one (decoded alone, a SentencePiece token drops the
+    space it begins with)."""
+    ids = [[i] for i in range(backend.get_vocab_size(with_added_tokens=True))]
+    texts = backend.decode_batch(ids, skip_special_tokens=False)
+    return max(map(len, texts), default=0) + 1
+
+
+def prompt_chars(request: EngineRequest, measure: Callable[[str], int]) -> int:
+    """Characters of the request's prompt text by `measure`: the prompt, or the messages'
+    contents with their tool calls and the tools as JSON (0 for token ids)."""
     if request.prompt is not None:
-        return len(request.prompt)
-    chars = len(json.dumps(request.tools, ensure_ascii=False)) if request.tools else 0
+        return measure(request.prompt)
+    chars = measure(json.dumps(request.tools, ensure_ascii=False)) if request.tools else 0
     for m in request.messages or ():
         content = m.get("content")
-        chars += len(content) if isinstance(content, str) else 0
+        chars += measure(content) if isinstance(content, str) else 0
         if m.get("tool_calls"):
-            chars += len(json.dumps(m["tool_calls"], ensure_ascii=False))
+            chars += measure(json.dumps(m["tool_calls"], ensure_ascii=False))
     return chars

@@ -114,33 +114,46 @@ def test_bad_chat_request(gateway: RunningServer, tenant: TenantKey, case: str) 
     ("path", "prompt", "says"),
     [
         ("/v1/chat/completions", "word " * 2000, "2011 prompt tokens and asks for 2 completion"),
-        ("/v1/chat/completions", "x" * (512 * 32 + 1), "16385 characters"),  # never tokenized
         ("/v1/completions", "word " * 2000, "2001 prompt tokens and asks for 2 completion"),
-        ("/v1/completions", "x" * (512 * 32 + 1), "16385 characters"),
         ("/v1/chat/completions", "word " * 501, "512 tokens, which leave no room"),  # no max_tokens
+        ("/v1/chat/completions", "x" * 33_281, "33281 characters"),  # never tokenized
+        ("/v1/completions", "x" * 33_281, "33281 characters"),
     ],
-    ids=["chat, tokens", "chat, characters", "text, tokens", "text, characters", "no room"],
+    ids=["chat", "text", "no max_tokens", "chat, characters", "text, characters"],
 )
 def test_a_prompt_over_the_context_is_refused_by_name(
     gateway: RunningServer, tenant: TenantKey, path: str, prompt: str, says: str
 ) -> None:
-    """The context holds 512 tokens: past 32 characters a token the prompt is refused before
-    it is tokenized (tokenizing costs time in proportion to its length). A request without
-    max_tokens is not told it asked for some."""
-    body: dict[str, Any] = {"model": "demo-model"}
-    if "no room" not in says:
-        body["max_tokens"] = 2
-    if path == "/v1/completions":
-        body["prompt"] = prompt
-    else:
-        body["messages"] = [{"role": "user", "content": prompt}]
-    r = httpx.post(
-        f"{gateway.url}{path}", json=body, headers={"authorization": f"Bearer {tenant.key}"}
-    )
+    """The context holds 512 tokens. A request without max_tokens is not told it asked for
+    some. Past 512 of the demo vocabulary's longest token (64 characters, plus one) the prompt
+    is refused before it is tokenized: tokenizing costs time in proportion to its length."""
+    assert gateway.state.prompts.max_prompt_chars == 512 * 65
+    r = _complete(gateway, tenant, path, prompt, None if "no room" in says else 2)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
     assert says in error["message"]
+
+
+def test_a_prompt_of_the_longest_tokens_that_fits_is_served(
+    gateway: RunningServer, tenant: TenantKey
+) -> None:
+    """64 characters a token: "#" * 64 is one token of the demo vocabulary."""
+    r = _complete(gateway, tenant, "/v1/completions", "#" * (64 * 257), 1)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 257
+
+
+def _complete(
+    gateway: RunningServer, tenant: TenantKey, path: str, prompt: str, max_tokens: int | None
+) -> httpx.Response:
+    body: dict[str, Any] = {"model": "demo-model", "max_tokens": max_tokens}
+    if path == "/v1/completions":
+        body["prompt"] = prompt
+    else:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    headers = {"authorization": f"Bearer {tenant.key}"}
+    return httpx.post(f"{gateway.url}{path}", json=body, headers=headers)
 
 
 @pytest.mark.parametrize(
