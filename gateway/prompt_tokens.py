@@ -5,8 +5,9 @@ Prompts are chat-templated and tokenized once per request, on a small pool of th
 tokenizer per thread: a Rust tokenizer must not be used from two threads at once), never on the
 event loop. A prompt longer than the context could hold, were every token the vocabulary's
 longest, is refused before it is tokenized: tokenizing costs time in proportion to the text (a
-megabyte, about a third of a second of a tokenizer thread), and it could not fit. Generated ids are detokenized incrementally on the event loop, where each new token
-costs one short decode, with stop strings matched there too (engine.detokenizer).
+megabyte, about a third of a second of a tokenizer thread), and it could not fit. Generated ids
+are detokenized incrementally on the event loop, where each new token costs one short decode,
+with stop strings matched there too (engine.detokenizer).
 """
 
 from __future__ import annotations

@@ -103,8 +103,8 @@ class CompletionService:
     async def prepare(
         self, principal: Principal, req: Body, request_id: str, cache_control: str | None = None
     ) -> Prepared:
-        """Validate, resolve, tokenize, admit and look up the cache; raises before anything is
-        sent."""
+        """Validate, resolve, tokenize, admit and look up the cache, then (on a miss) see the
+        adapter onto the engine; raises before anything is sent."""
         refuse_unsupported(req)
         model = await self.catalog.resolve(principal, req.model)
         meta = self._meta(req, request_id, model)
@@ -229,11 +229,7 @@ class CompletionService:
         return key, policy
 
     async def _cache_hit(
-        self,
-        key: CacheRequest,
-        policy: CachePolicy,
-        route: str,
-        request_id: str,
+        self, key: CacheRequest, policy: CachePolicy, route: str, request_id: str
     ) -> CacheHit | None:
         if not policy.lookup:
             return None
