@@ -11,10 +11,36 @@ import openai
 import pytest
 
 from loramux.gateway.engine_client.local import LocalEngineClient
+from loramux.gateway.server import RunningServer
 from tests.gateway.servers import gateway_server
-from tests.gateway.tenants import new_tenant, upload_adapter
+from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 
 PROMPT = [{"role": "user", "content": "Say something about adapters"}]
+
+
+@pytest.fixture(autouse=True)
+def one_adapter_in_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAMUX_MAX_LORAS", "1")  # and so one adapter in host memory
+    monkeypatch.setenv("LORAMUX_MAX_CPU_LORAS", "1")
+
+
+def _tenant_with(
+    server: RunningServer, adapters: dict[str, Path], **quotas: int
+) -> tuple[TenantKey, dict[str, str]]:
+    """A new tenant owning `adapters` (uploaded by name), its key under `quotas`; with the
+    adapters' digests."""
+    token = server.state.admin.mint("test-admin", ttl_seconds=600)
+    headers = {"authorization": f"Bearer {token}"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as admin:
+        tenant = new_tenant(admin, "prefetch")
+        digests = {
+            name: upload_adapter(admin, tenant.tenant_id, name, folder)["digest"]
+            for name, folder in adapters.items()
+        }
+        if quotas:
+            r = admin.put(f"/admin/keys/{tenant.key_id}/quotas", json=quotas)
+            assert r.status_code == 200, r.text
+    return tenant, digests
 
 
 def test_an_admitted_request_for_an_evicted_adapter_starts_its_load_by_a_hint(
@@ -22,17 +48,10 @@ def test_an_admitted_request_for_an_evicted_adapter_starts_its_load_by_a_hint(
     demo_adapter_dirs: list[Path],
     tmp_path: Path,
     redis_url: str,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("LORAMUX_MAX_LORAS", "1")  # and so one adapter in host memory
-    monkeypatch.setenv("LORAMUX_MAX_CPU_LORAS", "1")
     with gateway_server(demo_model_dir, tmp_path / "data", redis_url) as server:
-        token = server.state.admin.mint("test-admin", ttl_seconds=600)
-        headers = {"authorization": f"Bearer {token}"}
-        with httpx.Client(base_url=server.url, headers=headers, timeout=60) as admin:
-            tenant = new_tenant(admin, "prefetch")
-            for name, folder in (("cold", demo_adapter_dirs[0]), ("warm", demo_adapter_dirs[1])):
-                upload_adapter(admin, tenant.tenant_id, name, folder)
+        adapters = {"cold": demo_adapter_dirs[0], "warm": demo_adapter_dirs[1]}
+        tenant, _ = _tenant_with(server, adapters)
         client = openai.OpenAI(
             base_url=f"{server.url}/v1", api_key=tenant.key, max_retries=0, timeout=60
         )
@@ -54,25 +73,13 @@ def test_a_refused_request_touches_no_adapter_even_one_the_engine_lacks(
     demo_adapter_dirs: list[Path],
     tmp_path: Path,
     redis_url: str,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Over its limits, a tenant cannot make the engine read its adapters from disk, evicting
     other tenants' adapters from host memory: neither by a hint, nor, after a restart (the
     engine then has no adapter registered), by the registration a first request makes."""
-    monkeypatch.setenv("LORAMUX_MAX_LORAS", "1")
-    monkeypatch.setenv("LORAMUX_MAX_CPU_LORAS", "1")
     adapters = {"warm": demo_adapter_dirs[1], "cold": demo_adapter_dirs[0]}
     with gateway_server(demo_model_dir, tmp_path / "data", redis_url) as server:
-        token = server.state.admin.mint("test-admin", ttl_seconds=600)
-        headers = {"authorization": f"Bearer {token}"}
-        with httpx.Client(base_url=server.url, headers=headers, timeout=60) as admin:
-            tenant = new_tenant(admin, "refused")
-            digests = {
-                name: upload_adapter(admin, tenant.tenant_id, name, folder)["digest"]
-                for name, folder in adapters.items()
-            }
-            r = admin.put(f"/admin/keys/{tenant.key_id}/quotas", json={"rpm": 1})
-            assert r.status_code == 200, r.text
+        tenant, digests = _tenant_with(server, adapters, rpm=1)
     for restarted in (False, True):
         with gateway_server(demo_model_dir, tmp_path / "data", redis_url) as server:
             client = openai.OpenAI(
