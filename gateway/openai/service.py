@@ -37,7 +37,12 @@ from loramux.gateway.auth.api_keys import Principal
 from loramux.gateway.cache_policy import cache_policy, cache_request, is_deterministic
 from loramux.gateway.catalog import ModelCatalog, ResolvedModel
 from loramux.gateway.engine_client.base import EngineClient
-from loramux.gateway.errors import ClientClosedRequest, InsufficientQuota, RateLimited
+from loramux.gateway.errors import (
+    BadRequest,
+    ClientClosedRequest,
+    InsufficientQuota,
+    RateLimited,
+)
 from loramux.gateway.metrics import completion_route
 from loramux.gateway.openai.finish import Metering
 from loramux.gateway.openai.generation import Generation
@@ -178,19 +183,25 @@ class CompletionService:
         try:
             prompt_ids = await self.prompts.prompt_ids(text_request)
         except PromptTooLongError as exc:
-            if draft.max_tokens_given or exc.prompt_tokens is None:
-                raise
-            raise PromptTooLongError(  # it asked for no number of completion tokens
-                f"this model's maximum context length is {self.limits.max_model_len} tokens; the "
-                f"prompt has {exc.prompt_tokens} tokens, which leave no room for a completion",
-                exc.prompt_tokens,
-            ) from None
+            raise self._too_long(draft, exc) from None
         if not draft.max_tokens_given:
             room = self.limits.max_model_len - len(prompt_ids)
             params = text_request.params
             params = replace(params, max_tokens=max(1, min(room, self.limits.default_max_tokens)))
             text_request = replace(text_request, params=params)
         return Tokenized(text_request, prompt_ids)
+
+    def _too_long(self, draft: Draft, exc: PromptTooLongError) -> BadRequest:
+        """The 400 for a prompt that does not fit, naming the field that holds it; a request
+        without max_tokens is not told it asked for some."""
+        message = str(exc)
+        if not draft.max_tokens_given and exc.prompt_tokens is not None:
+            message = (
+                f"this model's maximum context length is {self.limits.max_model_len} tokens; the "
+                f"prompt has {exc.prompt_tokens} tokens, which leave no room for a completion"
+            )
+        param = "prompt" if draft.text_request.messages is None else "messages"
+        return BadRequest(message, param=param, code="context_length_exceeded")
 
     async def _admit(self, principal: Principal, tokenized: Tokenized) -> Admission:
         """Reserve the prompt and n × max_tokens (RateLimited, InsufficientQuota)."""

@@ -131,7 +131,8 @@ def test_a_prompt_over_the_context_is_refused_by_name(
     r = _complete(gateway, tenant, path, prompt, None if "no room" in says else 2)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+    field = "prompt" if path == "/v1/completions" else "messages"
+    assert (error["code"], error["param"]) == ("context_length_exceeded", field)
     assert says in error["message"]
 
 
