@@ -8,6 +8,8 @@ from one thread at a time (Alembic's migration context is process-global).
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -15,7 +17,7 @@ from typing import TypeVar
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import pool
+from sqlalchemy import make_url, pool
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -37,9 +39,32 @@ def upgrade(url: str) -> None:
     """Migrate to the newest revision. Idempotent: at head already, nothing changes, so this is
     safe on every start; on PostgreSQL concurrent callers take turns (advisory lock).
 
-    A SQLite file is created owner-only first (`prepare_sqlite_file`)."""
+    A SQLite file is created owner-only first (`prepare_sqlite_file`), and switched to WAL
+    once migrated (`use_wal`)."""
     prepare_sqlite_file(url)
     command.upgrade(alembic_config(url), "head")
+    use_wal(url)
+
+
+def use_wal(url: str, attempts: int = 50) -> None:
+    """Switch a SQLite database to write-ahead logging, which it keeps. Done here, once, so
+    that the gateway's connections (which ask for it too) find it done: two connections
+    switching a new database at once can fail with "database is locked" at once, without
+    waiting, as SQLite avoids a deadlock; the one that lost tries again here."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return
+    for attempt in range(attempts):
+        connection = sqlite3.connect(str(parsed.database), timeout=5)
+        try:
+            connection.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or attempt == attempts - 1:
+                raise
+        finally:
+            connection.close()
+        time.sleep(0.01 * (attempt + 1))
 
 
 def downgrade(url: str, revision: str) -> None:

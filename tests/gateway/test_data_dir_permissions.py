@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sqlite3
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from sqlalchemy import text
 
 from loramux.gateway.cli import ensure_model, main
 from loramux.gateway.db import Tenant
@@ -80,3 +83,29 @@ def test_first_start_creates_the_data_dir_owner_only(tmp_path: Path, demo_model_
     data = tmp_path / "data"
     assert ensure_model(Settings(data_dir=data, model=demo_model_dir)) == demo_model_dir
     assert mode(data) == 0o700
+
+
+def test_a_migrated_sqlite_database_is_in_wal_mode_before_any_gateway_connects(
+    tmp_path: Path,
+) -> None:
+    """Gateways starting side by side then find WAL set: two connections switching a new
+    database to it at once can fail at once with "database is locked" (no busy wait)."""
+    db = tmp_path / "loramux.db"
+    upgrade(f"sqlite:///{db}")
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+    async def connect_at_once() -> None:
+        engines = [create_engine(f"sqlite:///{db}") for _ in range(4)]
+        try:
+            await asyncio.gather(*(_first_connection(e) for e in engines))
+        finally:
+            await asyncio.gather(*(e.dispose() for e in engines))
+
+    for _ in range(10):
+        asyncio.run(connect_at_once())
+
+
+async def _first_connection(engine: Any) -> None:
+    async with engine.connect() as conn:
+        await conn.execute(text("SELECT 1"))
