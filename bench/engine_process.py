@@ -17,7 +17,7 @@ from pathlib import Path
 
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.config import EngineConfig
-from loramux.engine.service.runner import Listen, serve_engine
+from loramux.engine.service.runner import Listen, serve_engine, use_cpu_threads
 
 START_SECONDS = 300.0
 
@@ -31,6 +31,7 @@ class RunningEngine:
 
 def engine_main(config: EngineConfig, model_name: str, adapter_dir: Path, conn: Connection) -> None:
     """The engine process: serve until the parent sends anything (or goes away)."""
+    use_cpu_threads(config)
     asyncio.run(_serve(config, model_name, adapter_dir, conn))
 
 

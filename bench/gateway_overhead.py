@@ -1,7 +1,8 @@
 """What the gateway adds to a streaming request, whether the engine keeps its pace behind it, and
 how many authenticated `GET /v1/models` the gateway answers per second.
 
-1. Overhead. One engine process (the engine service, bench.engine_process) serves both arms; a
+1. Overhead. One engine process (the engine service, bench.engine_process), on the torch threads
+   `loramux serve --workers 1` gives its engine (the cores the gateway leaves), serves both arms; a
    real gateway (bench.gateway_rig) connects to it over the ZeroMQ channel, as `loramux serve` with
    LORAMUX_ENGINE_URLS runs it (uvicorn on loopback, SQLite, a private redis-server), with a
    tenant and key made through the admin API. Both arms are sent by a load generator in its own

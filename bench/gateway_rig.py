@@ -20,6 +20,7 @@ from bench.engine_process import RunningEngine, engine_process
 from bench.load_generator import LoadGenerator
 from loramux.engine.config import EngineConfig
 from loramux.gateway.db.migrate import upgrade
+from loramux.gateway.engine_child import engine_threads
 from loramux.gateway.engine_client.remote import RemoteEngineClient
 from loramux.gateway.redis_server import private_redis
 from loramux.gateway.server import RunningServer, serve_in_thread
@@ -47,9 +48,12 @@ class Rig:
 
 
 def engine_config(settings: RunSettings, model_dir: Path) -> EngineConfig:
-    return settings.engine(max_model_len=512, max_num_seqs=64, prefix_caching=False).engine_config(
-        model_dir
+    """The engine's config, with the threads `loramux serve --workers 1` gives its engine: the
+    cores the one gateway leaves."""
+    engine = settings.engine(
+        max_model_len=512, max_num_seqs=64, prefix_caching=False, engine_threads=engine_threads(1)
     )
+    return engine.engine_config(model_dir)
 
 
 def tenant_key(server: RunningServer) -> str:

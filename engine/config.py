@@ -74,6 +74,10 @@ class EngineConfig:
     """Schedule and prepare step N + 1 while the device computes step N. None: where the
     device runs asynchronously (CUDA); True: anywhere (on the CPU the same code runs without
     any overlap, which tests use); False: never."""
+    cpu_threads: int | None = None
+    """torch's intra-op threads in a process that is the engine's own (`loramux engine`): on a
+    CPU device, the cores the model runs on. None: torch's default, every core. `loramux serve`
+    gives its engine the cores its gateway workers leave (gateway.engine_child)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -92,6 +96,8 @@ class EngineConfig:
             raise ValueError("lora_load_workers must be at least 1")
         if self.lora_copy_groups_per_step < 1:
             raise ValueError("lora_copy_groups_per_step must be at least 1")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError("cpu_threads must be at least 1")
         if not 1 <= self.max_lora_rank <= 256:
             raise ValueError(f"max_lora_rank must be within 1..256, not {self.max_lora_rank}")
 

@@ -20,6 +20,7 @@ from collections import Counter as Tally
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import torch
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -132,6 +133,10 @@ class EngineStateCollector(Collector):
         usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
         yield _gauge("kv_cache_usage_perc", "KV-cache use; 1 means full", usage)
         yield _gauge("kv_cache_blocks", "KV-cache blocks in the pool", stats.kv_blocks_total)
+        threads = torch.get_num_threads()
+        yield _gauge(
+            "engine_cpu_threads", "torch's intra-op threads in the engine's process", threads
+        )
         for name, doc, value in (
             ("prompt_tokens", "Prompt tokens computed (prefill)", stats.prompt_tokens_computed),
             ("generation_tokens", "Tokens generated", stats.generated_tokens),

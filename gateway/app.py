@@ -20,7 +20,7 @@ from loramux.gateway.dashboard import dashboard_router
 from loramux.gateway.errors import exception_handler, refuse_empty_segments
 from loramux.gateway.health import health_router
 from loramux.gateway.metrics import Metrics, route_label
-from loramux.gateway.metrics.routes import CHAT, COMPLETIONS
+from loramux.gateway.metrics.routes import ARRIVED, CHAT, COMPLETIONS
 from loramux.gateway.openai import openai_router
 from loramux.gateway.state import GatewayState
 
@@ -42,13 +42,15 @@ def request_id_middleware(app: ASGIApp, metrics: Metrics) -> ASGIApp:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
+        started = time.perf_counter()
         request_id = f"req_{secrets.token_hex(12)}"
         incoming = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
         echoed = incoming if CLIENT_REQUEST_ID.fullmatch(incoming) else request_id
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        state[ARRIVED] = started
 
         route = route_label(scope["path"])
-        started = time.perf_counter()
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

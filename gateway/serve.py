@@ -76,7 +76,7 @@ async def _serve(
         spec, redis_url = redis_child(settings.data_dir)
         starting.append(children.spawn(spec))
     if not settings.server.engine_urls:  # from here on, settings name the engine child
-        engine = engine_child(settings)
+        engine = engine_child(settings, bind.workers)
         starting.append(children.spawn(engine.spec))
         server = replace(settings.server, engine_urls=(engine.url,), engine_token=engine.token)
         settings = replace(settings, server=server)

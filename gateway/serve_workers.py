@@ -49,9 +49,14 @@ def metrics_folder(data_dir: Path) -> Path:
     return folder
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's share, not the host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def default_workers() -> int:
     """One worker per two cores (the engine core and Redis need the rest), 1 to MAX_WORKERS."""
-    return max(1, min(MAX_WORKERS, (os.cpu_count() or 1) // 2))
+    return max(1, min(MAX_WORKERS, available_cores() // 2))
 
 
 def worker_child(

@@ -117,6 +117,12 @@ class EngineSettings:
     )
     """LORAMUX_ASYNC_SCHEDULING: prepare step N + 1 while the device computes step N; unset: on
     CUDA only, 1: everywhere, 0: never."""
+    engine_threads: int | None = field(
+        default_factory=lambda: _env("ENGINE_THREADS", _engine_default("cpu_threads"), int)
+    )
+    """LORAMUX_ENGINE_THREADS: torch's threads in the engine's process (on a CPU, the cores the
+    model runs on); unset: every core for `loramux engine`, and the cores its gateway workers
+    leave for the engine `loramux serve` starts."""
 
     def engine_config(self, model: Path, *, random_weights: bool = False) -> EngineConfig:
         """The engine's config for the model folder `model` (`random_weights`: seeded random
@@ -140,6 +146,7 @@ class EngineSettings:
             cuda_graphs=self.cuda_graphs,
             fused_kernels=self.fused_kernels,
             async_scheduling=self.async_scheduling,
+            cpu_threads=self.engine_threads,
         )
 
 

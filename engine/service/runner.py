@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import uvicorn
 
 from loramux.engine.async_engine import AsyncEngine
@@ -96,13 +97,22 @@ def run_engine_service(
     token: str | None = None,
     log_level: str = "info",
 ) -> None:
-    """Build the engine from `config` and serve it until interrupted (blocks)."""
+    """Build the engine from `config` and serve it until interrupted (blocks). The process is the
+    engine's own: its torch gets `config.cpu_threads` threads."""
+    use_cpu_threads(config)
     engine = AsyncEngine.from_config(config)
     asyncio.run(
         serve_engine(
             engine, model_name, listen, adapter_dir=adapter_dir, token=token, log_level=log_level
         )
     )
+
+
+def use_cpu_threads(config: EngineConfig) -> None:
+    """Give this process's torch `config.cpu_threads` intra-op threads (None leaves its default,
+    every core). Process-wide: only for a process that is the engine's own."""
+    if config.cpu_threads is not None:
+        torch.set_num_threads(config.cpu_threads)
 
 
 @dataclass

@@ -6,6 +6,10 @@ from typing import Literal
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+ARRIVED = "arrived"
+"""Where the request's arrival (time.perf_counter(), when the gateway's first middleware saw
+it) is kept in its scope's state: every time a request is billed or measured with counts from
+there, as its client's clock does."""
 ROUTES = (CHAT, COMPLETIONS, "/v1/models", "/health", "/ready", "/metrics", "/dashboard")
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 
 from loramux.cache.types import CacheHit, CachePolicy, CacheRequest
@@ -86,7 +85,8 @@ class Prepared:
     admission: Admission
     cache: CacheLookup
     tools: ToolUse
-    started: float = field(default_factory=time.perf_counter)
+    started: float
+    """When the request reached the gateway (time.perf_counter)."""
     run: Generation | None = None
     """The engine request, once started (`CompletionService.start`)."""
     answers: list[Answer] = field(default_factory=list)

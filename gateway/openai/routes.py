@@ -24,6 +24,7 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 from loramux.gateway import tracing
 from loramux.gateway.api_docs import errors
 from loramux.gateway.auth.api_keys import Principal
+from loramux.gateway.metrics.routes import ARRIVED
 from loramux.gateway.openai.body import CompletionRequestBody
 from loramux.gateway.openai.finish import Metering
 from loramux.gateway.openai.generation import Generation
@@ -83,9 +84,10 @@ async def _respond(
     request: Request[Any, Any, Any],
     body: ChatCompletionRequest | CompletionRequest,
 ) -> Response[Any]:
-    request_id = request.scope["state"]["request_id"]
+    state = request.scope["state"]
+    cache_control = request.headers.get("cache-control")
     prepared = await service.prepare(
-        caller(request), body, request_id, request.headers.get("cache-control")
+        caller(request), body, state["request_id"], state[ARRIVED], cache_control
     )
     request.state[METERED] = True
     if (run := service.start(prepared)) is not None:

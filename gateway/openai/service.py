@@ -106,10 +106,17 @@ class CompletionService:
 
     # -- preparing: everything that can refuse the request ---------------------------------------
     async def prepare(
-        self, principal: Principal, req: Body, request_id: str, cache_control: str | None = None
+        self,
+        principal: Principal,
+        req: Body,
+        request_id: str,
+        arrived: float,
+        cache_control: str | None = None,
     ) -> Prepared:
         """Validate, resolve, tokenize, admit and look up the cache, then (on a miss) see the
-        adapter onto the engine; raises before anything is sent."""
+        adapter onto the engine; raises before anything is sent. `arrived` (time.perf_counter)
+        is when the request reached the gateway: its latency and time to first token count
+        from there."""
         refuse_unsupported(req)
         model = await self.catalog.resolve(principal, req.model)
         meta = self._meta(req, request_id, model)
@@ -139,6 +146,7 @@ class CompletionService:
             admission=admission,
             cache=CacheLookup(*cache, hit),
             tools=tools,
+            started=arrived,
         )
 
     async def _engage(self, model: ResolvedModel) -> None:

@@ -18,6 +18,7 @@ from litestar.types import ASGIApp, Middleware, Receive, Scope, Send
 
 from loramux.gateway.auth.api_keys import Principal
 from loramux.gateway.errors import ANSWERED_WITH, GatewayError
+from loramux.gateway.metrics.routes import ARRIVED
 from loramux.gateway.usage.recorder import UsageRecord, UsageRecorder
 
 METERED = "usage_metered"
@@ -31,7 +32,7 @@ def record_unmetered(recorder: UsageRecorder, principal_key: str) -> Middleware:
 
     def wrap(app: ASGIApp) -> ASGIApp:
         async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
-            started = time.perf_counter()
+            started = scope.get("state", {}).get(ARRIVED, time.perf_counter())
             try:
                 await app(scope, receive, send)
             finally:

@@ -30,6 +30,7 @@ from tests.gateway.tenants import TenantKey, new_tenant
 
 MAX_TOKENS = 400
 DEADLINE_SECONDS = 30
+UPLOAD_SECONDS = 0.3
 
 
 def chat(stream: bool) -> dict[str, Any]:
@@ -135,6 +136,34 @@ def test_a_finished_request_is_billed_for_its_usage(
         usage["completion_tokens"],
     )
     assert ledger_spent(gateway, tenant) == usage["total_tokens"]
+
+
+def test_latency_and_time_to_first_token_count_from_the_requests_arrival(
+    gateway: RunningServer, admin: httpx.Client
+) -> None:
+    """As its client sees them: the body's upload, authentication, tokenizing, admission and
+    the cache lookup included, not only the engine's part."""
+    tenant = new_tenant(admin, "arrival")
+    body = json.dumps(chat(stream=True) | {"max_tokens": 4}).encode()
+
+    def slow_body() -> Iterator[bytes]:
+        time.sleep(UPLOAD_SECONDS)  # the headers are sent: the request has arrived
+        yield body
+
+    started = time.perf_counter()
+    with httpx.stream(
+        "POST",
+        f"{gateway.url}/v1/chat/completions",
+        content=slow_body(),
+        headers=headers(tenant) | {"content-type": "application/json"},
+        timeout=60,
+    ) as r:
+        assert r.status_code == 200
+        assert list(r.iter_lines())[-2:] == ["data: [DONE]", ""]
+    elapsed_ms = (time.perf_counter() - started) * 1000
+    [event] = usage_events(gateway, tenant, 1)
+    assert event.ttft_ms is not None
+    assert UPLOAD_SECONDS * 1000 <= event.ttft_ms <= event.latency_ms <= elapsed_ms
 
 
 def test_a_stream_closed_midway_is_billed_for_every_token_generated(

@@ -32,6 +32,7 @@ SMALL_ENGINE = {
     "LORAMUX_KV_CACHE_MB": "1",
     "LORAMUX_MAX_BATCHED_TOKENS": "64",
     "LORAMUX_MAX_NUM_SEQS": "16",
+    "LORAMUX_ENGINE_THREADS": "1",
 }
 
 
@@ -86,6 +87,8 @@ def test_greedy_through_the_engine_process_equals_transformers_and_peft_under_pr
     with engine_process(demo_model_dir, tmp_path / "engine", TOKEN, SMALL_ENGINE) as engine:
         by_digest = {digests[f.name]: f for f in folders}
         outputs, stats = asyncio.run(_through_the_channel(engine.url, by_digest, requests))
+        threads = engine.metrics()["loramux_engine_cpu_threads"]
+    assert threads == 1, "the engine's process runs torch on the threads it was given"
     assert stats.preemptions > 0, "the KV pool was meant to be small enough to force preemption"
     assert stats.kv_blocks_used == 0 and stats.running == stats.waiting == 0
 

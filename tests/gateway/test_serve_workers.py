@@ -4,6 +4,7 @@ every process serve started."""
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -65,7 +66,20 @@ def test_two_workers_share_one_engine_and_redis_and_sigterm_stops_them_all(
             assert r.json()["choices"][0]["message"]["content"] is not None
             assert second.get("/health").json()["pid"] != _worker_pid(running, 0)
         with _worker(running, 0) as first:  # the other worker's /metrics counts it too
-            assert _completions_counted(first.get("/metrics").text) == 1
+            metrics = first.get("/metrics").text
+        assert _completions_counted(metrics) == 1
+        # The engine runs torch on the cores the two workers leave (at least one), not on all.
+        # (Its series are in a worker's /metrics when the engine answered that scrape's probe.)
+        threads: list[float] = []
+
+        def engine_scraped() -> bool:
+            with _worker(running, 0) as first:
+                text = first.get("/metrics").text
+            threads.append(_sample(text, "loramux_engine_cpu_threads"))
+            return threads[-1] > 0
+
+        wait_for(engine_scraped, 30, "the engine's series reach a worker's /metrics")
+        assert threads[-1] == max(1, len(os.sched_getaffinity(0)) - 2)
 
         children = running.children()
         running.proc.send_signal(signal.SIGTERM)
@@ -75,11 +89,16 @@ def test_two_workers_share_one_engine_and_redis_and_sigterm_stops_them_all(
 
 
 def _completions_counted(metrics: str) -> float:
+    return _sample(metrics, "loramux_request_success_total")
+
+
+def _sample(metrics: str, name: str) -> float:
+    """The sum of the samples named `name`."""
     return sum(
         s.value
         for family in text_string_to_metric_families(metrics)
         for s in family.samples
-        if s.name == "loramux_request_success_total"
+        if s.name == name
     )
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from loramux.engine.config import EngineConfig
-from loramux.gateway.settings import EngineSettings, ServerSettings
+from loramux.gateway.engine_child import engine_child
+from loramux.gateway.settings import EngineSettings, ServerSettings, Settings
 
 MODEL = Path("model")
 
@@ -18,6 +20,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
         "DTYPE", "DEVICE", "KV_CACHE_MB", "MAX_NUM_SEQS", "MAX_BATCHED_TOKENS", "MAX_MODEL_LEN",
         "MAX_LORAS", "MAX_CPU_LORAS", "MAX_LORA_RANK", "PREFIX_CACHING", "CUDA_GRAPHS",
         "FUSED_KERNELS", "ASYNC_SCHEDULING", "LORA_LOAD_WORKERS", "LORA_COPY_GROUPS_PER_STEP",
+        "ENGINE_THREADS",
     ):  # fmt: skip
         monkeypatch.delenv(f"LORAMUX_{name}", raising=False)
     return monkeypatch
@@ -44,6 +47,7 @@ def test_loramux_variables_reach_the_engine_config(clean_env: pytest.MonkeyPatch
         "ASYNC_SCHEDULING": "1",
         "LORA_LOAD_WORKERS": "2",
         "LORA_COPY_GROUPS_PER_STEP": "3",
+        "ENGINE_THREADS": "1",
     }.items():
         clean_env.setenv(f"LORAMUX_{name}", value)
     config = EngineSettings().engine_config(MODEL, random_weights=True)
@@ -65,6 +69,7 @@ def test_loramux_variables_reach_the_engine_config(clean_env: pytest.MonkeyPatch
         cuda_graphs=False,
         fused_kernels=False,
         async_scheduling=True,
+        cpu_threads=1,
     )
 
 
@@ -75,6 +80,32 @@ def test_an_adapter_memory_that_is_not_positive_is_refused(
     clean_env.setenv("LORAMUX_LORA_MEMORY_MB", value)
     with pytest.raises(ValueError, match="lora_memory_bytes"):
         EngineSettings().engine_config(MODEL)
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_engine_threads_that_are_not_positive_are_refused(
+    clean_env: pytest.MonkeyPatch, value: str
+) -> None:
+    clean_env.setenv("LORAMUX_ENGINE_THREADS", value)
+    with pytest.raises(ValueError, match="cpu_threads"):
+        EngineSettings().engine_config(MODEL)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 64])
+def test_serves_engine_runs_on_the_cores_its_gateway_workers_leave(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path, workers: int
+) -> None:
+    child = engine_child(Settings(data_dir=tmp_path), workers)
+    cores = len(os.sched_getaffinity(0))
+    assert child.spec.env["LORAMUX_ENGINE_THREADS"] == str(max(1, cores - workers))
+
+
+def test_engine_threads_an_operator_sets_reach_serves_engine(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    clean_env.setenv("LORAMUX_ENGINE_THREADS", "5")
+    child = engine_child(Settings(data_dir=tmp_path), 1)
+    assert child.spec.env["LORAMUX_ENGINE_THREADS"] == "5"
 
 
 def test_fields_given_in_code_win_over_the_environment(clean_env: pytest.MonkeyPatch) -> None:
