@@ -15,7 +15,10 @@ how many authenticated `GET /v1/models` the gateway answers per second.
    which arm goes first, to cancel drift. The prefix cache is off so the second arm does not find
    the first arm's prompts cached: both compute the same tokens. The same comparison then runs
    with one request in flight: what the gateway's path adds to a request by itself. Time to first
-   token ends at the first delta with text (with token ids, direct); latency when the stream ends
+   token ends at the first delta with text in both arms (direct, the first whose token ids add
+   text when detokenized as the gateway does: about one demo-model reply in seven starts with a
+   token that adds none, and counting that token would charge the next step to the gateway);
+   latency when the stream ends
    (after `data: [DONE]` for the gateway). Added = gateway - direct, per percentile.
    Engine steps per second: the engine's `steps` counter over each arm's wall time; the gateway
    arm's over the direct arm's says whether the gateway keeps the engine as busy as a direct
@@ -178,7 +181,8 @@ def run_arm(rig: Rig, gateway: bool, prompts: list[str], workload: Workload, arm
         )
     else:
         requests = [engine_request(rig, p, workload) for p in prompts]
-        job = DirectJob(rig.engine.url, None, requests, concurrency)
+        model_dir = rig.server.state.prompts.model_dir
+        job = DirectJob(rig.engine.url, None, requests, concurrency, model_dir)
     steps, loop_cpu = rig.engine_steps(), rig.on_loop(_loop_cpu())
     cpu, wall = time.process_time(), time.perf_counter()
     samples, client_cpu = rig.generator.run(job)

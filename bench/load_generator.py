@@ -11,42 +11,57 @@ Each job answers its result and the CPU seconds the generator spent on it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
+
 from bench.streams import LoadJob, Sample, StreamJob, closed_loop, run_http_job
+from loramux.engine.detokenizer import IncrementalDetokenizer, rust_decoder
 from loramux.engine.outputs import EngineRequest
 from loramux.gateway.engine_client.remote import RemoteEngineClient
 
 
 @dataclass(frozen=True)
 class DirectJob:
-    """Token-id requests sent straight to the engine at `url`, `concurrency` at a time."""
+    """Token-id requests sent straight to the engine at `url`, `concurrency` at a time; the
+    generator detokenizes their outputs with the tokenizer in `model_dir`."""
 
     url: str
     token: str | None
     requests: list[EngineRequest]
     concurrency: int
+    model_dir: Path
 
 
 Job = StreamJob | LoadJob | DirectJob
 
 
-async def direct_one(client: RemoteEngineClient, request: EngineRequest) -> Sample:
-    """One request through the engine's channel; the first token is the first output with token
-    ids (or the final one)."""
+async def direct_one(client: RemoteEngineClient, request: EngineRequest, decoder: Any) -> Sample:
+    """One request through the engine's channel. Its first token is where its text starts, as
+    the gateway arm's is (bench.streams): the first output whose token ids, detokenized as the
+    gateway detokenizes them, add text (or the final output). A token that adds none (a piece
+    of a character, say) is not yet text a client could show."""
     start = time.perf_counter()
     first: float | None = None
     tokens = 0
+    detokenizer = IncrementalDetokenizer(decoder)
     async for out in client.generate(request):
-        if first is None and (out.token_ids or out.finished):
+        if first is None and ("".join(detokenizer.add(t) for t in out.token_ids) or out.finished):
             first = time.perf_counter()
         tokens = out.usage.completion_tokens if out.usage is not None else tokens
     end = time.perf_counter()
     return Sample((first or end) - start, end - start, tokens)
+
+
+@functools.cache
+def _decoder(model_dir: Path) -> Any:
+    return rust_decoder(AutoTokenizer.from_pretrained(str(model_dir)))
 
 
 async def run_direct_job(job: DirectJob) -> list[Sample]:
@@ -54,8 +69,9 @@ async def run_direct_job(job: DirectJob) -> list[Sample]:
     await client.start()
     try:
         requests = job.requests
+        decoder = _decoder(job.model_dir)
         return await closed_loop(
-            lambda _, i: direct_one(client, requests[i]), len(requests), job.concurrency
+            lambda _, i: direct_one(client, requests[i], decoder), len(requests), job.concurrency
         )
     finally:
         await client.close()
