@@ -276,22 +276,28 @@ class ResponseCache:
         if not policy.store:
             return
         try:
-            if request_id is not None:
-                await self._remember_request(
-                    req.tenant_id, request_id, self.keys.exact(req), policy.ttl
-                )
-            await self._store(req, policy, response)
+            await self._store(req, policy, response, request_id)
         except Exception as exc:
             self._failed("store", exc)
             return
         self.stats.stores += 1
 
     async def _store(
-        self, req: CacheRequest, policy: CachePolicy, response: CachedResponse
+        self,
+        req: CacheRequest,
+        policy: CachePolicy,
+        response: CachedResponse,
+        request_id: str | None,
     ) -> None:
+        """The entry and the request's record of it in one round trip (a response waits for
+        it), then the semantic index's entry."""
         key = self.keys.exact(req)
         async with asyncio.timeout(self.redis_timeout):
-            await self.redis.set(key, encode_response(response), ex=policy.ttl)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                if request_id is not None:
+                    pipe.set(self.keys.request(req.tenant_id, request_id), key, ex=policy.ttl)
+                pipe.set(key, encode_response(response), ex=policy.ttl)
+                await pipe.execute()
         question = semantic_question(req)
         if not policy.semantic or question is None:
             return
