@@ -35,6 +35,7 @@ import torch
 import transformers
 
 from bench.models import prepare_model
+from loramux.gateway.serve_workers import available_cores
 from loramux.gateway.settings import EngineSettings
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -166,10 +167,6 @@ def configure(settings: RunSettings) -> None:
     keep transformers' progress bars off the benchmark's output."""
     torch.set_num_threads(settings.threads)
     transformers.utils.logging.disable_progress_bar()
-
-
-def available_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 # -- the machine ------------------------------------------------------------------------------
