@@ -3,7 +3,8 @@ so the engine never handles text.
 
 Prompts are chat-templated and tokenized once per request, on a small pool of threads (one
 tokenizer per thread: a Rust tokenizer must not be used from two threads at once), never on the
-event loop. A prompt longer than the context could hold, were every token the vocabulary's
+event loop. The threads serve tenants in turn (gateway.fair_pool): one tenant's burst of prompts
+waits behind itself, not in front of every other tenant's. A prompt longer than the context could hold, were every token the vocabulary's
 longest, is refused before it is tokenized: tokenizing costs time in proportion to the text (a
 megabyte, about a third of a second of a tokenizer thread), and it could not fit. Generated ids
 are detokenized incrementally on the event loop, where each new token costs one short decode,
@@ -12,11 +13,9 @@ with stop strings matched there too (engine.detokenizer).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from loramux.engine.detokenizer import IncrementalDetokenizer, rust_decoder
 from loramux.engine.errors import PromptTooLongError
 from loramux.engine.outputs import EngineRequest
 from loramux.engine.prompt import prompt_token_ids
+from loramux.gateway.fair_pool import FairPool
 
 TOKENIZER_THREADS = 2
 
@@ -37,7 +37,7 @@ class PromptTokens:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self._local = threading.local()
-        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="loramux-tokenize")
+        self._pool = FairPool(TOKENIZER_THREADS, "loramux-tokenize")
         self._loop_tokenizer = self._tokenizer()
         self._loop_decoder = rust_decoder(self._loop_tokenizer)
         self.chat_template = chat_template(self._loop_tokenizer)
@@ -49,18 +49,22 @@ class PromptTokens:
         self._normalizes = backend is not None and backend.normalizer is not None
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
 
-    async def prompt_ids(self, request: EngineRequest) -> list[int]:
-        """The request's prompt as token ids (engine.prompt.prompt_token_ids), off the loop.
-        PromptTooLongError, untokenized, for more characters than the context could hold (when
-        the tokenizer normalizes text first, which can shorten it, counted once normalized)."""
+    async def prompt_ids(self, request: EngineRequest, owner: str = "") -> list[int]:
+        """The request's prompt as token ids (engine.prompt.prompt_token_ids), off the loop, in
+        `owner`'s turn (a tenant's id). PromptTooLongError, untokenized, for more characters
+        than the context could hold (when the tokenizer normalizes text first, which can
+        shorten it, counted once normalized)."""
         limit = self.max_prompt_chars
         oversized = limit is not None and prompt_chars(request, len) > limit
         if oversized and not self._normalizes:
             self._refuse(prompt_chars(request, len))
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._prompt_ids, request, oversized)
+        return await self._pool.run(owner, self._prompt_ids, request, oversized)
+
+    def waiting(self) -> int:
+        """Prompts waiting for a tokenizer thread."""
+        return self._pool.waiting()
 
     def _refuse(self, chars: int) -> None:
         raise PromptTooLongError(

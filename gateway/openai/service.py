@@ -121,7 +121,8 @@ class CompletionService:
         model = await self.catalog.resolve(principal, req.model)
         meta = self._meta(req, request_id, model)
         tools = self._tool_use(req, meta.id)
-        tokenized = await self._tokenize(self._draft(req, request_id, model, principal, tools))
+        draft = self._draft(req, request_id, model, principal, tools)
+        tokenized = await self._tokenize(draft, principal.tenant_id)
         params = tokenized.text_request.params
         operation = tracing.OPERATIONS[meta.kind]
         tracing.describe_request(operation, model.name, params, req.stream, principal.tenant_id)
@@ -184,12 +185,12 @@ class CompletionService:
         )
         return Draft(text_request, requested is not None)
 
-    async def _tokenize(self, draft: Draft) -> Tokenized:
-        """The prompt as token ids; without a max_tokens, the request gets the room left in the
-        context (at most the server's default)."""
+    async def _tokenize(self, draft: Draft, tenant_id: str) -> Tokenized:
+        """The prompt as token ids, tokenized in the tenant's turn; without a max_tokens, the
+        request gets the room left in the context (at most the server's default)."""
         text_request = draft.text_request
         try:
-            prompt_ids = await self.prompts.prompt_ids(text_request)
+            prompt_ids = await self.prompts.prompt_ids(text_request, tenant_id)
         except PromptTooLongError as exc:
             raise self._too_long(draft, exc) from None
         if not draft.max_tokens_given:

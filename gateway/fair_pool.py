@@ -1,0 +1,117 @@
+"""Threads that serve their callers in turn: each owner's jobs (a tenant's prompts to tokenize)
+wait in a queue of their own, and a free thread takes the next job of the next owner with work
+waiting, round robin. An owner that sends many prompts at once, or huge ones, delays its own
+requests; every other owner's next job waits for at most one job of each owner ahead of it.
+With one queue for all, a short prompt waited behind every prompt sent before it, whoever sent
+them, and a tenant refused for its rate limit (admission comes after tokenizing) still filled it.
+
+A job whose caller stopped waiting before it started (its client left) is dropped unrun.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Job(Generic[T]):
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[T]
+    fn: Callable[..., T]
+    args: tuple[Any, ...]
+
+    def run(self) -> None:
+        """Run, then settle the future on its loop (unless its caller stopped waiting)."""
+        try:
+            outcome: tuple[Any, BaseException | None] = (self.fn(*self.args), None)
+        except BaseException as exc:
+            outcome = (None, exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            self.loop.call_soon_threadsafe(_settle, self.future, *outcome)
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class FairPool:
+    def __init__(self, threads: int, name: str):
+        self._ready = threading.Condition()
+        self._queues: dict[str, deque[_Job[Any]]] = {}
+        self._turns: deque[str] = deque()
+        """Owners with jobs waiting, in the order their next jobs run."""
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def run(self, owner: str, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """`fn(*args)` on one of the threads, in `owner`'s turn; the future is the running
+        loop's. Cancelling it before the job starts drops the job."""
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        with self._ready:
+            if self._closed:
+                raise RuntimeError("the pool is closed")
+            queue = self._queues.get(owner)
+            if queue is None:
+                queue = self._queues[owner] = deque()
+                self._turns.append(owner)
+            queue.append(_Job(asyncio.get_running_loop(), future, fn, args))
+            self._ready.notify()
+        return future
+
+    def waiting(self) -> int:
+        """Jobs not yet started."""
+        with self._ready:
+            return sum(len(q) for q in self._queues.values())
+
+    def close(self) -> None:
+        """Stop the threads once their running jobs end; jobs not started are dropped (their
+        callers' futures are cancelled)."""
+        with self._ready:
+            self._closed = True
+            dropped = [job for queue in self._queues.values() for job in queue]
+            self._queues.clear()
+            self._turns.clear()
+            self._ready.notify_all()
+        for job in dropped:
+            with contextlib.suppress(RuntimeError):
+                job.loop.call_soon_threadsafe(job.future.cancel)
+
+    def _next(self) -> _Job[Any] | None:
+        """The next job to run, in turn; None once the pool is closed."""
+        with self._ready:
+            while True:
+                while not self._turns and not self._closed:
+                    self._ready.wait()
+                if self._closed:
+                    return None
+                owner = self._turns.popleft()
+                queue = self._queues[owner]
+                job = queue.popleft()
+                if queue:
+                    self._turns.append(owner)  # its next job, after every other owner's
+                else:
+                    del self._queues[owner]
+                if not job.future.cancelled():  # the caller still waits
+                    return job
+
+    def _work(self) -> None:
+        while (job := self._next()) is not None:
+            job.run()

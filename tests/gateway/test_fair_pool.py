@@ -1,0 +1,89 @@
+"""The tokenizer threads serve tenants in turn (gateway.fair_pool): one owner's backlog does not
+hold up another owner's next job, a job whose caller left is never run, and errors reach the
+caller. Real threads; the one thread is held busy with an event so that jobs queue up."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+import pytest
+
+from loramux.gateway.fair_pool import FairPool
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[FairPool]:
+    pool = FairPool(1, "test-fair")
+    yield pool
+    pool.close()
+
+
+async def _hold(pool: FairPool) -> tuple[threading.Event, asyncio.Future[None]]:
+    """The pool's thread busy until the event is set."""
+    started, release = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        started.set()
+        release.wait(30)
+
+    held = pool.run("holder", busy)
+    assert await asyncio.to_thread(started.wait, 30)
+    return release, held
+
+
+async def test_a_second_owners_job_runs_after_one_job_of_an_owner_with_a_backlog(
+    pool: FairPool,
+) -> None:
+    release, held = await _hold(pool)
+    ran: list[str] = []
+    jobs = [pool.run("a", ran.append, f"a{i}") for i in range(5)]
+    jobs.append(pool.run("b", ran.append, "b0"))
+    assert pool.waiting() == 6
+    release.set()
+    await asyncio.gather(held, *jobs)
+    assert ran == ["a0", "b0", "a1", "a2", "a3", "a4"]  # one queue: b0 last
+
+
+async def test_owners_take_turns_job_by_job(pool: FairPool) -> None:
+    release, held = await _hold(pool)
+    ran: list[str] = []
+    jobs = [pool.run(owner, ran.append, f"{owner}{i}") for owner in "abc" for i in range(2)]
+    release.set()
+    await asyncio.gather(held, *jobs)
+    assert ran == ["a0", "b0", "c0", "a1", "b1", "c1"]
+
+
+async def test_a_job_whose_caller_stopped_waiting_is_not_run(pool: FairPool) -> None:
+    release, held = await _hold(pool)
+    ran: list[str] = []
+    left = pool.run("a", ran.append, "left")
+    left.cancel()
+    kept = pool.run("a", ran.append, "kept")
+    release.set()
+    await asyncio.gather(held, kept)
+    assert ran == ["kept"]
+    assert pool.waiting() == 0
+
+
+async def test_an_error_reaches_its_caller_and_the_thread_goes_on(pool: FairPool) -> None:
+    def fail() -> None:
+        raise ValueError("refused")
+
+    with pytest.raises(ValueError, match="refused"):
+        await pool.run("a", fail)
+    assert await pool.run("a", lambda: 7) == 7
+
+
+async def test_closing_cancels_the_jobs_not_started_and_refuses_new_ones() -> None:
+    pool = FairPool(1, "test-fair-close")
+    release, held = await _hold(pool)
+    waiting = pool.run("a", lambda: None)
+    pool.close()
+    release.set()
+    await held  # the running job ends
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.run("a", lambda: None)

@@ -1,0 +1,59 @@
+"""One tenant flooding the gateway's tokenizer threads does not hold up another tenant's prompt:
+the threads take tenants in turn (gateway.fair_pool). The flood's prompts are each just under
+the characters the context could hold and far over its tokens, so each is tokenized
+(milliseconds of a tokenizer thread) before it is refused: the costliest request a tenant can
+send without reaching the engine, and one its rate limit does not stop (admission comes after
+tokenizing)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+from loramux.engine.errors import PromptTooLongError
+from loramux.engine.outputs import EngineRequest
+from loramux.engine.sampling import SamplingParams
+from loramux.gateway.prompt_tokens import PromptTokens
+
+FLOOD = 20
+
+
+def _chat(content: str) -> EngineRequest:
+    messages = [{"role": "user", "content": content}]
+    return EngineRequest("r", SamplingParams(max_tokens=8), messages=messages)
+
+
+def _flood_prompt(limit: int, seed: int) -> str:
+    rng = random.Random(seed)
+    words = ["otter", "harbour", "bridge", "stone", "quiet", "river", "north", "count"]
+    return " ".join(rng.choice(words) for _ in range(limit // 4))[: limit - 64]
+
+
+async def test_a_tenants_flood_of_prompts_waits_behind_itself_not_before_other_tenants(
+    demo_model_dir: Path,
+) -> None:
+    prompts = PromptTokens(demo_model_dir, vocab_size=4096, max_model_len=512)
+    try:
+        limit = prompts.max_prompt_chars
+        assert limit is not None
+        finished: list[str] = []
+
+        def track(name: str, job: asyncio.Future[list[int]]) -> asyncio.Future[list[int]]:
+            job.add_done_callback(lambda _: finished.append(name))
+            return job
+
+        flood = [
+            track(f"flood{i}", asyncio.ensure_future(prompts.prompt_ids(_chat(p), "flooder")))
+            for i, p in enumerate(_flood_prompt(limit, seed) for seed in range(FLOOD))
+        ]
+        await asyncio.sleep(0)  # the flood is queued
+        quiet = track("quiet", asyncio.ensure_future(prompts.prompt_ids(_chat("hi"), "quiet")))
+        outcomes = await asyncio.gather(*flood, return_exceptions=True)
+        assert await quiet
+        assert all(isinstance(o, PromptTooLongError) for o in outcomes), outcomes
+        # In one queue for all, the quiet prompt was tokenized last; in turns, right after the
+        # flood's prompt that was next when it came (each thread was busy with one).
+        assert finished.index("quiet") <= 3, finished
+    finally:
+        prompts.close()
