@@ -5,7 +5,9 @@ requests; every other owner's next job waits for at most one job of each owner a
 With one queue for all, a short prompt waited behind every prompt sent before it, whoever sent
 them, and a tenant refused for its rate limit (admission comes after tokenizing) still filled it.
 
-A job whose caller stopped waiting before it started (its client left) is dropped unrun.
+A job whose caller stopped waiting before it started (its client left) is dropped unrun, and
+an owner already at its bound of jobs waiting is refused another (`Backlogged`): the memory and
+the thread time one owner can claim ahead of time are bounded.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ class _Job(Generic[T]):
             self.loop.call_soon_threadsafe(_settle, self.future, *outcome)
 
 
+class Backlogged(Exception):
+    """The owner already has as many jobs waiting as the pool allows one owner."""
+
+
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
     if future.done():
         return
@@ -48,7 +54,10 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
 
 
 class FairPool:
-    def __init__(self, threads: int, name: str):
+    def __init__(self, threads: int, name: str, max_waiting: int | None = None):
+        """`threads` threads named `name-<i>`; each owner may have `max_waiting` jobs waiting
+        (not yet started) at most, None: no bound."""
+        self.max_waiting = max_waiting
         self._ready = threading.Condition()
         self._queues: dict[str, deque[_Job[Any]]] = {}
         self._turns: deque[str] = deque()
@@ -63,12 +72,16 @@ class FairPool:
 
     def run(self, owner: str, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """`fn(*args)` on one of the threads, in `owner`'s turn; the future is the running
-        loop's. Cancelling it before the job starts drops the job."""
+        loop's. Cancelling it before the job starts drops the job. Backlogged when `owner`
+        already has `max_waiting` jobs waiting."""
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         with self._ready:
             if self._closed:
                 raise RuntimeError("the pool is closed")
             queue = self._queues.get(owner)
+            bound = self.max_waiting
+            if queue is not None and bound is not None and len(queue) >= bound:
+                raise Backlogged(f"{len(queue)} jobs of this owner are waiting")
             if queue is None:
                 queue = self._queues[owner] = deque()
                 self._turns.append(owner)

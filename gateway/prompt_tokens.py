@@ -26,18 +26,29 @@ from loramux.engine.detokenizer import IncrementalDetokenizer, rust_decoder
 from loramux.engine.errors import PromptTooLongError
 from loramux.engine.outputs import EngineRequest
 from loramux.engine.prompt import prompt_token_ids
-from loramux.gateway.fair_pool import FairPool
+from loramux.gateway.errors import RateLimited
+from loramux.gateway.fair_pool import Backlogged, FairPool
 
 TOKENIZER_THREADS = 2
+MAX_WAITING_PER_TENANT = 256
+"""Prompts of one tenant waiting for a tokenizer thread at most; another is refused (429) until
+one starts: a bound on the memory and tokenizer time one tenant's burst can claim ahead of the
+others (a prompt under the character limit takes up to ~10 ms of a thread; 256 of them, 2.5 s)."""
 
 
 class PromptTokens:
-    def __init__(self, model_dir: Path, vocab_size: int, max_model_len: int):
+    def __init__(
+        self,
+        model_dir: Path,
+        vocab_size: int,
+        max_model_len: int,
+        max_waiting_per_tenant: int = MAX_WAITING_PER_TENANT,
+    ):
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self._local = threading.local()
-        self._pool = FairPool(TOKENIZER_THREADS, "loramux-tokenize")
+        self._pool = FairPool(TOKENIZER_THREADS, "loramux-tokenize", max_waiting_per_tenant)
         self._loop_tokenizer = self._tokenizer()
         self._loop_decoder = rust_decoder(self._loop_tokenizer)
         self.chat_template = chat_template(self._loop_tokenizer)
@@ -55,12 +66,23 @@ class PromptTokens:
         """The request's prompt as token ids (engine.prompt.prompt_token_ids), off the loop, in
         `owner`'s turn (a tenant's id). PromptTooLongError, untokenized, for more characters
         than the context could hold (when the tokenizer normalizes text first, which can
-        shorten it, counted once normalized)."""
+        shorten it, counted once normalized); RateLimited (429) when the owner already has
+        `max_waiting_per_tenant` prompts waiting."""
         limit = self.max_prompt_chars
         oversized = limit is not None and prompt_chars(request, len) > limit
         if oversized and not self._normalizes:
             self._refuse(prompt_chars(request, len))
-        return await self._pool.run(owner, self._prompt_ids, request, oversized)
+        try:
+            job = self._pool.run(owner, self._prompt_ids, request, oversized)
+        except Backlogged:
+            raise RateLimited(
+                f"{self._pool.max_waiting} prompts of this tenant are already waiting to be "
+                "tokenized; retry shortly",
+                limit_type="requests",
+                refusal="backlog",
+                headers={"retry-after": "1"},
+            ) from None
+        return await job
 
     def waiting(self) -> int:
         """Prompts waiting for a tokenizer thread."""

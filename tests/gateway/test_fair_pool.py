@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from loramux.gateway.fair_pool import FairPool
+from loramux.gateway.fair_pool import Backlogged, FairPool
 
 
 @pytest.fixture
@@ -87,3 +87,18 @@ async def test_closing_cancels_the_jobs_not_started_and_refuses_new_ones() -> No
         await waiting
     with pytest.raises(RuntimeError, match="closed"):
         pool.run("a", lambda: None)
+
+
+async def test_an_owner_at_its_bound_of_waiting_jobs_is_refused_another_others_are_not() -> None:
+    pool = FairPool(1, "test-fair-bound", max_waiting=2)
+    try:
+        release, held = await _hold(pool)
+        waiting = [pool.run("a", lambda: "a") for _ in range(2)]
+        with pytest.raises(Backlogged):
+            pool.run("a", lambda: "a")
+        other = pool.run("b", lambda: "b")
+        release.set()
+        assert await asyncio.gather(held, *waiting, other) == [None, "a", "a", "b"]
+        assert await pool.run("a", lambda: "a") == "a"  # room again once they started
+    finally:
+        pool.close()

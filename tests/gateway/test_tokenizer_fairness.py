@@ -14,7 +14,8 @@ from pathlib import Path
 from loramux.engine.errors import PromptTooLongError
 from loramux.engine.outputs import EngineRequest
 from loramux.engine.sampling import SamplingParams
-from loramux.gateway.prompt_tokens import PromptTokens
+from loramux.gateway.errors import RateLimited
+from loramux.gateway.prompt_tokens import TOKENIZER_THREADS, PromptTokens
 
 FLOOD = 20
 
@@ -55,5 +56,28 @@ async def test_a_tenants_flood_of_prompts_waits_behind_itself_not_before_other_t
         # In one queue for all, the quiet prompt was tokenized last; in turns, right after the
         # flood's prompt that was next when it came (each thread was busy with one).
         assert finished.index("quiet") <= 3, finished
+    finally:
+        prompts.close()
+
+
+async def test_a_tenant_with_its_bound_of_prompts_waiting_is_refused_another_until_one_starts(
+    demo_model_dir: Path,
+) -> None:
+    """429 `rate_limit_exceeded` at once, untokenized; another tenant's prompt is served."""
+    bound = 2
+    prompts = PromptTokens(demo_model_dir, 4096, 512, max_waiting_per_tenant=bound)
+    try:
+        limit = prompts.max_prompt_chars
+        assert limit is not None
+        # Enqueued in one turn of the loop: however many the threads took meanwhile, the last
+        # finds `bound` waiting.
+        flood = [prompts.prompt_ids(_chat(_flood_prompt(limit, i)), "flooder") for i in range(5)]
+        outcomes = await asyncio.gather(*flood, return_exceptions=True)
+        refused = outcomes[TOKENIZER_THREADS + bound :]
+        assert refused and all(isinstance(o, RateLimited) for o in refused), outcomes
+        assert refused[0].status == 429 and refused[0].refusal == "backlog"
+        assert refused[0].headers == {"retry-after": "1"}
+        assert await prompts.prompt_ids(_chat("hi"), "quiet")
+        assert await prompts.prompt_ids(_chat("hi"), "flooder")  # room again
     finally:
         prompts.close()
