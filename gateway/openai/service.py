@@ -23,9 +23,6 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
-
-import msgspec
 
 from loramux.adapters.store import AdapterStore
 from loramux.cache.response_cache import ResponseCache
@@ -34,7 +31,6 @@ from loramux.engine.errors import PromptTooLongError
 from loramux.engine.outputs import EngineRequest
 from loramux.gateway import tracing
 from loramux.gateway.auth.api_keys import Principal
-from loramux.gateway.cache_policy import cache_policy, cache_request, is_deterministic
 from loramux.gateway.catalog import ModelCatalog, ResolvedModel
 from loramux.gateway.engine_client.base import EngineClient
 from loramux.gateway.errors import (
@@ -44,6 +40,7 @@ from loramux.gateway.errors import (
     RateLimited,
 )
 from loramux.gateway.metrics import completion_route
+from loramux.gateway.openai.cache_plan import cache_plan
 from loramux.gateway.openai.finish import Metering
 from loramux.gateway.openai.generation import Generation
 from loramux.gateway.openai.logprobs import TokenPieces
@@ -122,13 +119,16 @@ class CompletionService:
         meta = self._meta(req, request_id, model)
         tools = self._tool_use(req, meta.id)
         draft = self._draft(req, request_id, model, principal, tools)
+        await self._refuse_early(principal)
         tokenized = await self._tokenize(draft, principal.tenant_id)
         params = tokenized.text_request.params
         operation = tracing.OPERATIONS[meta.kind]
         tracing.describe_request(operation, model.name, params, req.stream, principal.tenant_id)
         admission = await self._admit(principal, tokenized)
         try:
-            cache = self._cache_plan(principal, req, tokenized.text_request, cache_control)
+            cache = cache_plan(
+                self.limits.base_model, principal, req, tokenized.text_request, cache_control
+            )
             hit = await self._cache_hit(*cache, completion_route(meta.kind), request_id)
             if hit is None:
                 await self._engage(model)
@@ -212,6 +212,15 @@ class CompletionService:
         param = "prompt" if draft.text_request.messages is None else "messages"
         return BadRequest(message, param=param, code="context_length_exceeded")
 
+    async def _refuse_early(self, principal: Principal) -> None:
+        """The 429 a request gets before its prompt is tokenized, when its principal's limits
+        already refuse any request (gateway.quotas.early)."""
+        try:
+            await self.quotas.refuse_early(principal)
+        except RateLimited as refused:
+            self.metering.metrics.admission.quota_refusals.labels(refused.refusal).inc()
+            raise
+
     async def _admit(self, principal: Principal, tokenized: Tokenized) -> Admission:
         """Reserve the prompt and n × max_tokens (RateLimited, InsufficientQuota)."""
         params = tokenized.text_request.params
@@ -223,30 +232,6 @@ class CompletionService:
             reason = refused.refusal if isinstance(refused, RateLimited) else "budget"
             self.metering.metrics.admission.quota_refusals.labels(reason).inc()
             raise
-
-    def _cache_plan(
-        self,
-        principal: Principal,
-        req: Body,
-        text_request: EngineRequest,
-        cache_control: str | None,
-    ) -> tuple[CacheRequest, CachePolicy]:
-        """The request's identity in the response cache, and what the cache may do with it."""
-        params = text_request.params
-        body_cache = {"semantic": req.cache.semantic, "ttl": req.cache.ttl} if req.cache else None
-        policy = cache_policy(
-            principal.tenant_settings, cache_control, body_cache, is_deterministic(params)
-        )
-        if params.n > 1:
-            policy = replace(policy, lookup=False, store=False)
-        key = cache_request(
-            principal.tenant_id,
-            self.limits.base_model,
-            text_request,
-            msgspec.to_builtins(req.response_format),
-            _tools(req),
-        )
-        return key, policy
 
     async def _cache_hit(
         self, key: CacheRequest, policy: CachePolicy, route: str, request_id: str
@@ -379,14 +364,3 @@ async def _ending(outputs: AsyncIterator[Part | Ending]) -> Ending:
             ending = out
     assert ending is not None, "outputs end with an Ending"
     return ending
-
-
-def _tools(req: Body) -> dict[str, Any] | None:
-    """What of the request's tool use changes the output, as JSON values."""
-    if not isinstance(req, ChatCompletionRequest) or req.tools is None:
-        return None
-    return {
-        "tools": msgspec.to_builtins(req.tools),
-        "tool_choice": msgspec.to_builtins(req.tool_choice),
-        "parallel_tool_calls": req.parallel_tool_calls,
-    }

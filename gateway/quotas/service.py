@@ -47,6 +47,7 @@ from loramux.gateway.errors import ServiceUnavailable
 from loramux.gateway.quotas.admission import Admission, Reservation
 from loramux.gateway.quotas.buckets import WINDOW_MS, Bucket, plan
 from loramux.gateway.quotas.config import QuotaConfig
+from loramux.gateway.quotas.early import KnownRefusals
 from loramux.gateway.quotas.headers import rate_limit_headers, refusal
 from loramux.gateway.quotas.leases import LeaseKeeper
 from loramux.gateway.quotas.ledger import spent_in_period
@@ -92,6 +93,20 @@ class QuotaService:
         self._seeds: SingleFlight[str, int] = SingleFlight()
         self._settling: set[asyncio.Task[None]] = set()
         self._down_logged = -DOWN_LOG_INTERVAL
+        self.known = KnownRefusals(clock or time.monotonic)
+        """Principals whose requests are refused for now whatever they ask."""
+
+    async def refuse_early(self, principal: Principal) -> None:
+        """Raise the 429 any request of `principal` gets now, when this gateway already knows it
+        (gateway.quotas.early): before the request's prompt is tokenized. Costs no Redis call;
+        does nothing when the limits cannot be read (admission then says why)."""
+        try:
+            limits = await self.config.limits(principal.tenant_id, principal.key_id)
+        except Exception:
+            return
+        known = self.known.refusal(principal.tenant_id, principal.key_id, limits)
+        if known is not None:
+            raise known
 
     async def admit(self, principal: Principal, prompt_tokens: int, max_tokens: int) -> Admission:
         """Reserve `prompt_tokens + max_tokens` in every limit of the principal, or refuse:
@@ -114,6 +129,7 @@ class QuotaService:
         if reply is None:
             return Admission.unlimited(now)
         if reply.status == REFUSED:
+            self.known.learn(principal.tenant_id, principal.key_id, limits, reply.readings)
             raise refusal(reply.readings, tokens, principal.key_id)
         reservation = Reservation(member, tokens, tuple(buckets))
         slots = tuple(b.keys[0] for b in buckets if b.kind == "C")

@@ -1,0 +1,87 @@
+"""Refusals known before a request is tokenized.
+
+A requests-per-minute limit that refused one of a principal's requests refuses every request of
+that principal until its window frees a slot, `wait_ms` later: a refused request reserves
+nothing, and admissions leave the window only with time, whichever gateway admitted them. For
+that long this gateway refuses the principal's requests at once, before their prompts are
+tokenized, with the 429 the admission script would give (its `x-ratelimit-*-requests` headers,
+`retry-after` counted down). Admission comes after tokenizing (it reserves the prompt's
+tokens), so without this a principal over its rate limit still had every prompt of a flood
+tokenized, the costliest work a request can cause before it is refused.
+
+Only under the limits it was learnt with: once the principal's limits change (an admin raised
+them; quota rows are cached for LORAMUX_QUOTA_CONFIG_CACHE_SECONDS), what was known is dropped.
+A limit of 0 refuses until the limits change. Token limits are not remembered: a smaller request
+may fit where a larger one did not.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from loramux.gateway.errors import GatewayError
+from loramux.gateway.quotas.config import PrincipalLimits
+from loramux.gateway.quotas.headers import refusal
+from loramux.gateway.quotas.readings import NEVER, Reading
+
+MAX_KNOWN = 10_000
+"""Principals remembered at most; past it, those whose refusal has run out are forgotten, then
+the oldest."""
+
+
+@dataclass(frozen=True)
+class _Full:
+    limits: PrincipalLimits
+    readings: tuple[Reading, ...]
+    """The refused requests-per-minute readings, as the admission script read them."""
+    learnt: float
+    until: float
+
+
+class KnownRefusals:
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._full: dict[tuple[str, str], _Full] = {}
+
+    def learn(
+        self, tenant_id: str, key_id: str, limits: PrincipalLimits, readings: Sequence[Reading]
+    ) -> None:
+        """The admission script refused a request of this principal with `readings`."""
+        refused = tuple(r for r in readings if r.kind == "requests" and not r.fits)
+        if not refused:
+            return
+        waits = [r.wait_ms for r in refused]
+        now = self._clock()
+        until = math.inf if NEVER in waits else now + max(waits) / 1000
+        if len(self._full) >= MAX_KNOWN:
+            self._forget(now)
+        self._full[(tenant_id, key_id)] = _Full(limits, refused, now, until)
+
+    def refusal(self, tenant_id: str, key_id: str, limits: PrincipalLimits) -> GatewayError | None:
+        """The 429 a request of this principal gets now whatever it asks, if known."""
+        full = self._full.get((tenant_id, key_id))
+        if full is None:
+            return None
+        now = self._clock()
+        if now >= full.until or full.limits != limits:
+            del self._full[(tenant_id, key_id)]
+            return None
+        elapsed = int((now - full.learnt) * 1000)
+        readings = [
+            replace(
+                r,
+                reset_ms=max(0, r.reset_ms - elapsed),
+                wait_ms=r.wait_ms if r.wait_ms == NEVER else max(1, r.wait_ms - elapsed),
+            )
+            for r in full.readings
+        ]
+        return refusal(readings, 0, key_id)
+
+    def _forget(self, now: float) -> None:
+        for principal in [p for p, full in self._full.items() if now >= full.until]:
+            del self._full[principal]
+        while len(self._full) >= MAX_KNOWN:
+            del self._full[next(iter(self._full))]
