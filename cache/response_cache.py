@@ -290,10 +290,11 @@ class ResponseCache:
         request_id: str | None,
     ) -> None:
         """The entry and the request's record of it in one round trip (a response waits for
-        it), then the semantic index's entry."""
+        it), both or neither (a transaction: Redis refusing the entry, out of memory, must not
+        keep a record that points at nothing), then the semantic index's entry."""
         key = self.keys.exact(req)
         async with asyncio.timeout(self.redis_timeout):
-            async with self.redis.pipeline(transaction=False) as pipe:
+            async with self.redis.pipeline(transaction=True) as pipe:
                 if request_id is not None:
                     pipe.set(self.keys.request(req.tenant_id, request_id), key, ex=policy.ttl)
                 pipe.set(key, encode_response(response), ex=policy.ttl)

@@ -14,6 +14,9 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "float16", "bfloat16")
+MAX_CPU_THREADS = 4096
+"""More threads than any machine has cores: a larger count is a mistake (torch cannot even take
+one past 2**31 - 1)."""
 
 
 @dataclass(frozen=True)
@@ -96,8 +99,10 @@ class EngineConfig:
             raise ValueError("lora_load_workers must be at least 1")
         if self.lora_copy_groups_per_step < 1:
             raise ValueError("lora_copy_groups_per_step must be at least 1")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ValueError("cpu_threads must be at least 1")
+        if self.cpu_threads is not None and not 1 <= self.cpu_threads <= MAX_CPU_THREADS:
+            raise ValueError(
+                f"cpu_threads must be within 1..{MAX_CPU_THREADS}, not {self.cpu_threads}"
+            )
         if not 1 <= self.max_lora_rank <= 256:
             raise ValueError(f"max_lora_rank must be within 1..256, not {self.max_lora_rank}")
 

@@ -39,8 +39,8 @@ class EngineChild:
 
 
 def engine_child(settings: Settings, workers: int) -> EngineChild:
-    """The engine's child spec; it gets the cores `workers` gateway processes leave unless
-    LORAMUX_ENGINE_THREADS says otherwise."""
+    """The engine's child spec; it gets the cores `workers` gateway processes leave unless the
+    settings (LORAMUX_ENGINE_THREADS) say otherwise."""
     url = f"ipc://{_socket_path(settings.data_dir)}"
     health = f"http://127.0.0.1:{_free_loopback_port()}"
     token = secrets.token_urlsafe(32)
@@ -55,8 +55,7 @@ def engine_child(settings: Settings, workers: int) -> EngineChild:
     argv += ("--health-port", health.rsplit(":", 1)[1], "--log-level", "warning")
     env = {k: v for k, v in os.environ.items() if k != "LORAMUX_ENGINE_URLS"}
     env |= {"LORAMUX_ENGINE_TOKEN": token, "LORAMUX_DATA_DIR": str(settings.data_dir)}
-    if settings.engine.engine_threads is None:
-        env["LORAMUX_ENGINE_THREADS"] = str(engine_threads(workers))
+    env["LORAMUX_ENGINE_THREADS"] = str(settings.engine.engine_threads or engine_threads(workers))
 
     async def ready() -> bool:
         async with httpx.AsyncClient(timeout=2.0) as client:  # /health needs no token

@@ -5,9 +5,9 @@ requests; every other owner's next job waits for at most one job of each owner a
 With one queue for all, a short prompt waited behind every prompt sent before it, whoever sent
 them, and a tenant refused for its rate limit (admission comes after tokenizing) still filled it.
 
-A job whose caller stopped waiting before it started (its client left) is dropped unrun, and
-an owner already at its bound of jobs waiting is refused another (`Backlogged`): the memory and
-the thread time one owner can claim ahead of time are bounded.
+A job whose caller stopped waiting before it started (its task was cancelled) is dropped unrun,
+and an owner already at its bound of jobs waiting is refused another (`Backlogged`): the memory
+and the thread time one owner can claim ahead of time are bounded.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ class _Job(Generic[T]):
         """Run, then settle the future on its loop (unless its caller stopped waiting)."""
         try:
             outcome: tuple[Any, BaseException | None] = (self.fn(*self.args), None)
+        except StopIteration as exc:  # a future cannot hold one: its caller would wait forever
+            outcome = (None, RuntimeError(f"the job raised StopIteration: {exc!r}"))
         except BaseException as exc:
             outcome = (None, exc)
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
@@ -51,6 +53,11 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def _live(queue: deque[_Job[Any]]) -> int:
+    """Jobs of `queue` whose callers still wait (a cancelled one leaves when its turn comes)."""
+    return sum(not job.future.cancelled() for job in queue)
 
 
 class FairPool:
@@ -79,9 +86,8 @@ class FairPool:
             if self._closed:
                 raise RuntimeError("the pool is closed")
             queue = self._queues.get(owner)
-            bound = self.max_waiting
-            if queue is not None and bound is not None and len(queue) >= bound:
-                raise Backlogged(f"{len(queue)} jobs of this owner are waiting")
+            if queue is not None and self._full(queue):
+                raise Backlogged(f"{self.max_waiting} jobs of this owner are waiting")
             if queue is None:
                 queue = self._queues[owner] = deque()
                 self._turns.append(owner)
@@ -89,10 +95,15 @@ class FairPool:
             self._ready.notify()
         return future
 
+    def _full(self, queue: deque[_Job[Any]]) -> bool:
+        """`queue` holds `max_waiting` jobs whose callers still wait."""
+        bound = self.max_waiting
+        return bound is not None and len(queue) >= bound and _live(queue) >= bound
+
     def waiting(self) -> int:
-        """Jobs not yet started."""
+        """Jobs not yet started whose callers still wait."""
         with self._ready:
-            return sum(len(q) for q in self._queues.values())
+            return sum(_live(q) for q in self._queues.values())
 
     def close(self) -> None:
         """Stop the threads once their running jobs end; jobs not started are dropped (their

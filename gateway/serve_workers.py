@@ -50,7 +50,9 @@ def metrics_folder(data_dir: Path) -> Path:
 
 
 def available_cores() -> int:
-    """The cores this process may run on (its CPU affinity: a container's share, not the host's)."""
+    """The cores this process may run on: its CPU affinity (a cpuset, as `docker run --cpuset-cpus`
+    sets; a CPU quota such as `--cpus` is not seen, so set LORAMUX_ENGINE_THREADS and --workers
+    there)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 

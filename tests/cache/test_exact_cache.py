@@ -5,9 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from redis.asyncio import Redis
 
-from loramux.cache.types import CacheRequest
+from loramux.cache.embedder import Embedder
+from loramux.cache.response_cache import ResponseCache
+from loramux.cache.types import CachedResponse, CacheRequest
 from tests.cache.conftest import EXACT, MakeCache, answer, chat, until_missing
+from tests.redis import RedisServer
 
 BASE = chat("What is the capital of France?", seed=None, stop=["\n"])
 
@@ -118,3 +122,28 @@ async def test_purge_patterns_cannot_reach_other_tenants(make_cache: MakeCache) 
     assert await cache.purge("*") == 0
     assert await cache.purge("tenant-*") == 0
     assert await cache.lookup(BASE, EXACT) is not None
+
+
+async def test_a_store_redis_refuses_leaves_no_request_record(
+    own_redis: RedisServer, embedder: Embedder
+) -> None:
+    """Out of memory (noeviction), Redis refuses the entry: the request's record, written in the
+    same round trip, goes with it, so a wrong-hit report on that request finds nothing."""
+    client = Redis.from_url(own_redis.url)
+    cache = ResponseCache(client, embedder, redis_timeout=5.0)
+    await cache.start()
+    try:
+        used = (await client.info("memory"))["used_memory"]
+        await client.config_set("maxmemory-policy", "noeviction")
+        await client.config_set("maxmemory", used + (1 << 20))
+        req = chat("Summarise the manual.")
+        big = CachedResponse(
+            text="x" * (4 << 20), finish_reason="length", prompt_tokens=4, completion_tokens=9
+        )
+        await cache.store(req, EXACT, big, request_id="req_big")
+        assert cache.errors == 1, "the entry was refused"
+        assert await client.get(cache.keys.exact(req)) is None
+        assert await client.get(cache.keys.request(req.tenant_id, "req_big")) is None
+        assert not await cache.report_wrong_hit(req.tenant_id, "req_big")
+    finally:
+        await client.aclose()

@@ -102,3 +102,29 @@ async def test_an_owner_at_its_bound_of_waiting_jobs_is_refused_another_others_a
         assert await pool.run("a", lambda: "a") == "a"  # room again once they started
     finally:
         pool.close()
+
+
+async def test_jobs_whose_callers_left_count_neither_as_waiting_nor_against_the_bound() -> None:
+    pool = FairPool(1, "test-fair-left", max_waiting=2)
+    try:
+        release, held = await _hold(pool)
+        for _ in range(2):
+            pool.run("a", lambda: "left").cancel()
+        assert pool.waiting() == 0
+        kept = [pool.run("a", lambda: "kept") for _ in range(2)]
+        assert pool.waiting() == 2
+        release.set()
+        assert await asyncio.gather(*kept) == ["kept", "kept"]
+        await held
+    finally:
+        pool.close()
+
+
+async def test_a_job_raising_stop_iteration_fails_its_caller_instead_of_hanging(
+    pool: FairPool,
+) -> None:
+    def stop() -> None:
+        raise StopIteration
+
+    with pytest.raises(RuntimeError, match="StopIteration"):
+        await asyncio.wait_for(pool.run("a", stop), 30)

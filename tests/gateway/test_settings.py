@@ -82,8 +82,8 @@ def test_an_adapter_memory_that_is_not_positive_is_refused(
         EngineSettings().engine_config(MODEL)
 
 
-@pytest.mark.parametrize("value", ["0", "-2"])
-def test_engine_threads_that_are_not_positive_are_refused(
+@pytest.mark.parametrize("value", ["0", "-2", "4097", str(2**31), str(10**20)])
+def test_engine_threads_out_of_range_are_refused_before_the_engine_starts(
     clean_env: pytest.MonkeyPatch, value: str
 ) -> None:
     clean_env.setenv("LORAMUX_ENGINE_THREADS", value)
@@ -98,6 +98,13 @@ def test_serves_engine_runs_on_the_cores_its_gateway_workers_leave(
     child = engine_child(Settings(data_dir=tmp_path), workers)
     cores = len(os.sched_getaffinity(0))
     assert child.spec.env["LORAMUX_ENGINE_THREADS"] == str(max(1, cores - workers))
+
+
+def test_engine_threads_given_in_code_reach_serves_engine(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    settings = Settings(data_dir=tmp_path, engine=EngineSettings(engine_threads=1))
+    assert engine_child(settings, 1).spec.env["LORAMUX_ENGINE_THREADS"] == "1"
 
 
 def test_engine_threads_an_operator_sets_reach_serves_engine(
