@@ -13,6 +13,7 @@ with stop strings matched there too (engine.detokenizer).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from loramux.engine.detokenizer import IncrementalDetokenizer, rust_decoder
 from loramux.engine.errors import PromptTooLongError
 from loramux.engine.outputs import EngineRequest
 from loramux.engine.prompt import prompt_token_ids
-from loramux.gateway.errors import RateLimited
+from loramux.gateway.errors import ClientClosedRequest, RateLimited
 from loramux.gateway.fair_pool import Backlogged, FairPool
 
 TOKENIZER_THREADS = 2
@@ -62,12 +63,15 @@ class PromptTokens:
     def close(self) -> None:
         self._pool.close()
 
-    async def prompt_ids(self, request: EngineRequest, owner: str = "") -> list[int]:
+    async def prompt_ids(
+        self, request: EngineRequest, owner: str = "", gone: asyncio.Future[None] | None = None
+    ) -> list[int]:
         """The request's prompt as token ids (engine.prompt.prompt_token_ids), off the loop, in
         `owner`'s turn (a tenant's id). PromptTooLongError, untokenized, for more characters
         than the context could hold (when the tokenizer normalizes text first, which can
         shorten it, counted once normalized); RateLimited (429) when the owner already has
-        `max_waiting_per_tenant` prompts waiting."""
+        `max_waiting_per_tenant` prompts waiting; ClientClosedRequest (499), untokenized, when
+        `gone` (the client's connection closing) completes before the prompt's turn."""
         limit = self.max_prompt_chars
         oversized = limit is not None and prompt_chars(request, len) > limit
         if oversized and not self._normalizes:
@@ -82,7 +86,9 @@ class PromptTokens:
                 refusal="backlog",
                 headers={"retry-after": "1"},
             ) from None
-        return await job
+        if gone is None:
+            return await job
+        return await _unless_gone(job, gone)
 
     def waiting(self) -> int:
         """Prompts waiting for a tokenizer thread."""
@@ -117,6 +123,28 @@ class PromptTokens:
 
     def _tokenizer(self) -> Any:
         return AutoTokenizer.from_pretrained(str(self.model_dir))
+
+
+async def _unless_gone(job: asyncio.Future[list[int]], gone: asyncio.Future[None]) -> list[int]:
+    """The job's result, or ClientClosedRequest when `gone` completes first: the job is then
+    cancelled, and dropped by the pool unrun if it had not started."""
+
+    def drop(_: asyncio.Future[None]) -> None:
+        job.cancel()
+
+    gone.add_done_callback(drop)
+    try:
+        return await job
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        left = gone.done() and not gone.cancelled()
+        if left and task is not None and not task.cancelling():
+            raise ClientClosedRequest(
+                "the client closed the connection before its prompt was tokenized"
+            ) from None
+        raise
+    finally:
+        gone.remove_done_callback(drop)
 
 
 def token_chars(backend: Any) -> int:

@@ -86,9 +86,14 @@ async def _respond(
 ) -> Response[Any]:
     state = request.scope["state"]
     cache_control = request.headers.get("cache-control")
-    prepared = await service.prepare(
-        caller(request), body, state["request_id"], state[ARRIVED], cache_control
-    )
+    # A client that leaves while its prompt waits for a tokenizer thread is not tokenized for.
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        prepared = await service.prepare(
+            caller(request), body, state["request_id"], state[ARRIVED], cache_control, gone
+        )
+    finally:
+        gone.cancel()
     request.state[METERED] = True
     if (run := service.start(prepared)) is not None:
         request.state[RUN] = run

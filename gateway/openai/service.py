@@ -109,18 +109,20 @@ class CompletionService:
         request_id: str,
         arrived: float,
         cache_control: str | None = None,
+        gone: asyncio.Future[None] | None = None,
     ) -> Prepared:
         """Validate, resolve, tokenize, admit and look up the cache, then (on a miss) see the
         adapter onto the engine; raises before anything is sent. `arrived` (time.perf_counter)
         is when the request reached the gateway: its latency and time to first token count
-        from there."""
+        from there. `gone` completes if the client closes its connection: a prompt not yet
+        tokenized then never is (ClientClosedRequest)."""
         refuse_unsupported(req)
         model = await self.catalog.resolve(principal, req.model)
         meta = self._meta(req, request_id, model)
         tools = self._tool_use(req, meta.id)
         draft = self._draft(req, request_id, model, principal, tools)
         await self._refuse_early(principal)
-        tokenized = await self._tokenize(draft, principal.tenant_id)
+        tokenized = await self._tokenize(draft, principal.tenant_id, gone)
         params = tokenized.text_request.params
         operation = tracing.OPERATIONS[meta.kind]
         tracing.describe_request(operation, model.name, params, req.stream, principal.tenant_id)
@@ -185,12 +187,14 @@ class CompletionService:
         )
         return Draft(text_request, requested is not None)
 
-    async def _tokenize(self, draft: Draft, tenant_id: str) -> Tokenized:
+    async def _tokenize(
+        self, draft: Draft, tenant_id: str, gone: asyncio.Future[None] | None
+    ) -> Tokenized:
         """The prompt as token ids, tokenized in the tenant's turn; without a max_tokens, the
         request gets the room left in the context (at most the server's default)."""
         text_request = draft.text_request
         try:
-            prompt_ids = await self.prompts.prompt_ids(text_request, tenant_id)
+            prompt_ids = await self.prompts.prompt_ids(text_request, tenant_id, gone)
         except PromptTooLongError as exc:
             raise self._too_long(draft, exc) from None
         if not draft.max_tokens_given:

@@ -8,16 +8,27 @@ tokenizing)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import socket
+import threading
 from pathlib import Path
+
+import httpx
+from sqlalchemy import select
 
 from loramux.engine.errors import PromptTooLongError
 from loramux.engine.outputs import EngineRequest
 from loramux.engine.sampling import SamplingParams
+from loramux.gateway.db import UsageEvent
 from loramux.gateway.errors import RateLimited
 from loramux.gateway.prompt_tokens import TOKENIZER_THREADS, PromptTokens
+from loramux.gateway.server import RunningServer
+from tests.gateway.serve_process import wait_for
+from tests.gateway.tenants import new_tenant
 
 FLOOD = 20
+LEAVERS = 6
 
 
 def _chat(content: str) -> EngineRequest:
@@ -81,3 +92,66 @@ async def test_a_tenant_with_its_bound_of_prompts_waiting_is_refused_another_unt
         assert await prompts.prompt_ids(_chat("hi"), "flooder")  # room again
     finally:
         prompts.close()
+
+
+def test_a_prompt_whose_client_left_before_its_turn_is_never_tokenized(
+    gateway: RunningServer, admin: httpx.Client
+) -> None:
+    """Both tokenizer threads held busy (real jobs on the gateway's own pool), a tenant's
+    prompts queue up; their clients close their connections; the prompts leave the queue
+    untokenized and each request is recorded as the client leaving (499), not as tokenized
+    and refused for its length (400)."""
+    tenant = new_tenant(admin, "leaver")
+    prompts = gateway.state.prompts
+    limit = prompts.max_prompt_chars
+    assert limit is not None
+    content = _flood_prompt(limit, 1)
+    body = {"model": "demo-model", "messages": [{"role": "user", "content": content}]}
+    raw = json.dumps(body | {"max_tokens": 4}).encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+        + f"authorization: Bearer {tenant.key}\r\n".encode()
+        + b"content-type: application/json\r\ncache-control: no-store\r\n"
+        + f"content-length: {len(raw)}\r\n\r\n".encode()
+        + raw
+    )
+    release, started = threading.Event(), threading.Semaphore(0)
+
+    def busy() -> None:
+        started.release()
+        release.wait(60)
+
+    async def hold() -> None:
+        await prompts._pool.run("holder", busy)
+
+    holders = [
+        asyncio.run_coroutine_threadsafe(hold(), gateway.loop) for _ in range(TOKENIZER_THREADS)
+    ]
+    try:
+        for _ in range(TOKENIZER_THREADS):
+            assert started.acquire(timeout=30)
+        port = int(gateway.url.rsplit(":", 1)[1])
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(LEAVERS)]
+        for client in clients:
+            client.sendall(request)
+        wait_for(lambda: prompts.waiting() == LEAVERS, 30, "every prompt waits for a thread")
+        for client in clients:
+            client.close()
+        wait_for(lambda: prompts.waiting() == 0, 30, "the prompts of the clients that left go")
+    finally:
+        release.set()
+        for holder in holders:
+            holder.result(timeout=30)
+
+    def recorded() -> list[UsageEvent]:
+        async def read() -> list[UsageEvent]:
+            await gateway.state.usage.flush()
+            async with gateway.state.sessions() as session:
+                query = select(UsageEvent).where(UsageEvent.tenant_id == tenant.tenant_id)
+                return list(await session.scalars(query))
+
+        events: list[UsageEvent] = gateway.run(read())
+        return events
+
+    wait_for(lambda: len(recorded()) == LEAVERS, 30, "every request is recorded")
+    assert [e.status for e in recorded()] == [499] * LEAVERS
