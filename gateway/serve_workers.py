@@ -19,6 +19,7 @@ shared port any worker could answer). Worker 0 starts first and alone, so the fi
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import socket
@@ -49,11 +50,36 @@ def metrics_folder(data_dir: Path) -> Path:
     return folder
 
 
+CGROUP = Path("/sys/fs/cgroup")
+
+
 def available_cores() -> int:
-    """The cores this process may run on: its CPU affinity (a cpuset, as `docker run --cpuset-cpus`
-    sets; a CPU quota such as `--cpus` is not seen, so set LORAMUX_ENGINE_THREADS and --workers
-    there)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The cores this process may use: its CPU affinity (a cpuset, as `docker run --cpuset-cpus`
+    sets), at most the CPUs its cgroup's quota allows (`docker run --cpus`, a Kubernetes CPU
+    limit), which the affinity does not show: a pod limited to 2 CPUs on a 64-core host must not
+    start 32 workers and a 32-thread engine."""
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
+    quota = cgroup_cpu_quota(CGROUP)
+    return max(1, min(cores, quota)) if quota is not None else cores
+
+
+def cgroup_cpu_quota(root: Path) -> int | None:
+    """CPUs the quota of the cgroup mounted at `root` allows, rounded up; None without one (or
+    when it cannot be read). cgroup v2's `cpu.max` ("<quota> <period>", or "max ..."), else v1's
+    `cpu/cpu.cfs_quota_us` over `cpu/cpu.cfs_period_us` (-1: none)."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError, ZeroDivisionError):
+        pass
+    try:
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return max(1, math.ceil(quota_us / period_us)) if quota_us > 0 and period_us > 0 else None
 
 
 def default_workers() -> int:

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from loramux.engine.config import EngineConfig
+from loramux.gateway import serve_workers
 from loramux.gateway.engine_child import engine_child
+from loramux.gateway.serve_workers import available_cores, cgroup_cpu_quota, default_workers
 from loramux.gateway.settings import EngineSettings, ServerSettings, Settings
 
 MODEL = Path("model")
@@ -133,3 +135,37 @@ def test_a_usage_flush_interval_that_is_not_a_positive_number_is_refused(
     monkeypatch.setenv("LORAMUX_USAGE_FLUSH_SECONDS", value)
     with pytest.raises(ValueError, match="LORAMUX_USAGE_FLUSH_SECONDS"):
         ServerSettings()
+
+
+@pytest.mark.parametrize(
+    ("files", "cpus"),
+    [
+        ({"cpu.max": "max 100000\n"}, None),
+        ({"cpu.max": "150000 100000\n"}, 2),
+        ({"cpu.max": "50000 100000\n"}, 1),
+        ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3),
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({"cpu.max": "not a quota"}, None),
+        ({"cpu.max": "100000 0"}, None),
+        ({}, None),
+    ],
+)
+def test_a_containers_cpu_quota_is_read_from_its_cgroup(
+    tmp_path: Path, files: dict[str, str], cpus: int | None
+) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_cpu_quota(tmp_path) == cpus
+
+
+def test_serve_splits_the_cpus_a_quota_allows_not_the_hosts_cores(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A container limited to 1 CPU on a bigger host: one worker, one engine thread."""
+    (tmp_path / "cpu.max").write_text("100000 100000\n")
+    clean_env.setattr(serve_workers, "CGROUP", tmp_path)
+    assert available_cores() == 1
+    assert default_workers() == 1
+    child = engine_child(Settings(data_dir=tmp_path / "data"), default_workers())
+    assert child.spec.env["LORAMUX_ENGINE_THREADS"] == "1"
