@@ -25,6 +25,7 @@ import shutil
 import socket
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -56,30 +57,54 @@ CGROUP = Path("/sys/fs/cgroup")
 def available_cores() -> int:
     """The cores this process may use: its CPU affinity (a cpuset, as `docker run --cpuset-cpus`
     sets), at most the CPUs its cgroup's quota allows (`docker run --cpus`, a Kubernetes CPU
-    limit), which the affinity does not show: a pod limited to 2 CPUs on a 64-core host must not
-    start 32 workers and a 32-thread engine."""
+    limit, a systemd CPUQuota=), which the affinity does not show: a pod limited to 2 CPUs on a
+    64-core host must not start 32 workers and a 32-thread engine."""
     cores = (
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     )
-    quota = cgroup_cpu_quota(CGROUP)
+    quota = cgroup_cpu_quota(CGROUP, own_cgroup())
     return max(1, min(cores, quota)) if quota is not None else cores
 
 
-def cgroup_cpu_quota(root: Path) -> int | None:
-    """CPUs the quota of the cgroup mounted at `root` allows, rounded up; None without one (or
-    when it cannot be read). cgroup v2's `cpu.max` ("<quota> <period>", or "max ..."), else v1's
-    `cpu/cpu.cfs_quota_us` over `cpu/cpu.cfs_period_us` (-1: none)."""
+def own_cgroup(listing: Path = Path("/proc/self/cgroup")) -> str:
+    """This process's cgroup v2 path (the `0::` line of /proc/self/cgroup); "/" when unknown."""
     try:
-        quota, period = (root / "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
-    except (OSError, ValueError, ZeroDivisionError):
+        for line in listing.read_text().splitlines():
+            if line.startswith("0::"):
+                return line[3:] or "/"
+    except OSError:
         pass
+    return "/"
+
+
+def cgroup_cpu_quota(root: Path, own: str = "/") -> int | None:
+    """CPUs the cgroup quota allows, rounded up; None without one (or when it cannot be read).
+    cgroup v2 (mounted at `root`): the smallest `cpu.max` ("<quota> <period>", or "max ...") on
+    the way from the process's own cgroup `own` up to `root` (a container with its own cgroup
+    namespace sees its cgroup as `root`); else v1's `cpu/cpu.cfs_quota_us` over
+    `cpu/cpu.cfs_period_us`. A quota or period that is not positive (v1's -1) is no quota."""
+    folder = (root / own.strip("/")).resolve()
+    quotas = []
+    for at in (folder, *folder.parents):
+        if not at.is_relative_to(root.resolve()):
+            break
+        quotas.append(_quota(at / "cpu.max", lambda text: text.split()[:2]))
+    v2 = [q for q in quotas if q is not None]
+    if v2:
+        return min(v2)
+    v1 = root / "cpu"
+    return _quota(
+        v1 / "cpu.cfs_quota_us", lambda text: [text, (v1 / "cpu.cfs_period_us").read_text()]
+    )
+
+
+def _quota(path: Path, fields: Callable[[str], list[str]]) -> int | None:
+    """CPUs of the quota and period that `fields` reads from `path`'s text; None for none."""
     try:
-        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
-        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        quota, period = (int(field) for field in fields(path.read_text()))
     except (OSError, ValueError):
         return None
-    return max(1, math.ceil(quota_us / period_us)) if quota_us > 0 and period_us > 0 else None
+    return math.ceil(quota / period) if quota > 0 and period > 0 else None
 
 
 def default_workers() -> int:

@@ -10,9 +10,11 @@ tokens), so without this a principal over its rate limit still had every prompt 
 tokenized, the costliest work a request can cause before it is refused.
 
 Only under the limits it was learnt with: once the principal's limits change (an admin raised
-them; quota rows are cached for LORAMUX_QUOTA_CONFIG_CACHE_SECONDS), what was known is dropped.
-A limit of 0 refuses until the limits change. Token limits are not remembered: a smaller request
-may fit where a larger one did not.
+them; quota rows are cached for LORAMUX_QUOTA_CONFIG_CACHE_SECONDS), what was known is dropped,
+and all of it when Redis may have lost its windows (`clear`, on a dropped connection: a restart
+without persistence empties them). A limit of 0 refuses until the limits change. Token limits
+are not remembered: a smaller request may fit where a larger one did not (their headers are
+repeated, counted down, as the script's 429 carries them).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass, replace
 from loramux.gateway.errors import GatewayError
 from loramux.gateway.quotas.config import PrincipalLimits
 from loramux.gateway.quotas.headers import refusal
-from loramux.gateway.quotas.readings import NEVER, Reading
+from loramux.gateway.quotas.readings import FITS, NEVER, Reading
 
 MAX_KNOWN = 10_000
 """Principals remembered at most; past it, those whose refusal has run out are forgotten, then
@@ -36,7 +38,9 @@ the oldest."""
 class _Full:
     limits: PrincipalLimits
     readings: tuple[Reading, ...]
-    """The refused requests-per-minute readings, as the admission script read them."""
+    """The requests- and tokens-per-minute readings, as the admission script read them, only
+    the requests ones refused (the tokens ones marked as fitting: they refuse no other
+    request)."""
     learnt: float
     until: float
 
@@ -50,15 +54,24 @@ class KnownRefusals:
         self, tenant_id: str, key_id: str, limits: PrincipalLimits, readings: Sequence[Reading]
     ) -> None:
         """The admission script refused a request of this principal with `readings`."""
-        refused = tuple(r for r in readings if r.kind == "requests" and not r.fits)
-        if not refused:
+        waits = [r.wait_ms for r in readings if r.kind == "requests" and not r.fits]
+        if not waits:
             return
-        waits = [r.wait_ms for r in refused]
+        kept = tuple(
+            r if r.kind == "requests" else replace(r, wait_ms=FITS)
+            for r in readings
+            if r.kind in ("requests", "tokens")
+        )
         now = self._clock()
         until = math.inf if NEVER in waits else now + max(waits) / 1000
-        if len(self._full) >= MAX_KNOWN:
+        principal = (tenant_id, key_id)
+        if len(self._full) >= MAX_KNOWN and principal not in self._full:
             self._forget(now)
-        self._full[(tenant_id, key_id)] = _Full(limits, refused, now, until)
+        self._full[principal] = _Full(limits, kept, now, until)
+
+    def clear(self) -> None:
+        """Forget everything: Redis may have lost the windows it was learnt from."""
+        self._full.clear()
 
     def refusal(self, tenant_id: str, key_id: str, limits: PrincipalLimits) -> GatewayError | None:
         """The 429 a request of this principal gets now whatever it asks, if known."""
@@ -74,7 +87,7 @@ class KnownRefusals:
             replace(
                 r,
                 reset_ms=max(0, r.reset_ms - elapsed),
-                wait_ms=r.wait_ms if r.wait_ms == NEVER else max(1, r.wait_ms - elapsed),
+                wait_ms=r.wait_ms if r.wait_ms < 0 else max(1, r.wait_ms - elapsed),
             )
             for r in full.readings
         ]

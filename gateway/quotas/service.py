@@ -155,6 +155,7 @@ class QuotaService:
                 seeds = await self._read_seeds(principal.tenant_id, buckets, reply.missing)
                 reply = await self._run_admit(buckets, member, tokens, seeds)
         except REDIS_DOWN as exc:
+            self.known.clear()  # Redis may come back without its windows
             # Had the script run and only its reply been lost, this releases what it reserved.
             lost = Reservation(member, tokens, tuple(buckets))
             self._spawn(self._settle_now(lost, 0, quiet=True))
@@ -182,7 +183,9 @@ class QuotaService:
         for index, b in enumerate(buckets):
             args += [b.kind, b.a, b.b, seeds.get(index, -1)]
         async with asyncio.timeout(self.timeout):
-            raw = await _once_more_on_reconnect(lambda: self._admit(keys=keys, args=args))
+            raw = await _once_more_on_reconnect(
+                lambda: self._admit(keys=keys, args=args), self.known.clear
+            )
         return parse_reply(raw, buckets, tokens)
 
     async def _read_seeds(
@@ -248,7 +251,9 @@ class QuotaService:
         args: list[int | str] = [r.member, used_tokens, *(b.kind for b in r.buckets)]
         try:
             async with asyncio.timeout(self.timeout):
-                await _once_more_on_reconnect(lambda: self._settle(keys=keys, args=args))
+                await _once_more_on_reconnect(
+                    lambda: self._settle(keys=keys, args=args), self.known.clear
+                )
         except (*REDIS_DOWN, RedisError) as exc:
             if not quiet:
                 self._note_outage("unsettled", exc)
@@ -262,11 +267,15 @@ class QuotaService:
         return int(self.clock() * 1000) if self.clock else -1
 
 
-async def _once_more_on_reconnect(call: Callable[[], Awaitable[Any]]) -> Any:
+async def _once_more_on_reconnect(
+    call: Callable[[], Awaitable[Any]], reconnecting: Callable[[], None]
+) -> Any:
     """`call()`, repeated once on a fresh connection if the first failed on its connection:
-    every pooled connection fails once after Redis restarts. The scripts are idempotent per
-    request (a repeat finds the reservation a lost reply made), so nothing counts twice."""
+    every pooled connection fails once after Redis restarts (`reconnecting()` is told first).
+    The scripts are idempotent per request (a repeat finds the reservation a lost reply made),
+    so nothing counts twice."""
     try:
         return await call()
     except RedisConnectionError:
+        reconnecting()
         return await call()

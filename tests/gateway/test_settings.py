@@ -10,7 +10,12 @@ import pytest
 from loramux.engine.config import EngineConfig
 from loramux.gateway import serve_workers
 from loramux.gateway.engine_child import engine_child
-from loramux.gateway.serve_workers import available_cores, cgroup_cpu_quota, default_workers
+from loramux.gateway.serve_workers import (
+    available_cores,
+    cgroup_cpu_quota,
+    default_workers,
+    own_cgroup,
+)
 from loramux.gateway.settings import EngineSettings, ServerSettings, Settings
 
 MODEL = Path("model")
@@ -147,6 +152,9 @@ def test_a_usage_flush_interval_that_is_not_a_positive_number_is_refused(
         ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
         ({"cpu.max": "not a quota"}, None),
         ({"cpu.max": "100000 0"}, None),
+        ({"cpu.max": "100000 -100000"}, None),
+        ({"cpu.max": "-1 100000"}, None),
+        ({"cpu.max": "0 100000"}, None),
         ({}, None),
     ],
 )
@@ -169,3 +177,25 @@ def test_serve_splits_the_cpus_a_quota_allows_not_the_hosts_cores(
     assert default_workers() == 1
     child = engine_child(Settings(data_dir=tmp_path / "data"), default_workers())
     assert child.spec.env["LORAMUX_ENGINE_THREADS"] == "1"
+
+
+def test_a_quota_on_the_processs_own_cgroup_or_an_ancestor_below_the_mount_is_seen(
+    tmp_path: Path,
+) -> None:
+    """cgroup v2 without a cgroup namespace (a systemd unit with CPUQuota=, docker
+    --cgroupns=host): the mount's root has no quota; the process's cgroup (from
+    /proc/self/cgroup) or one above it does. The smallest on the way counts."""
+    service = tmp_path / "system.slice" / "loramux.service"
+    service.mkdir(parents=True)
+    (tmp_path / "system.slice" / "cpu.max").write_text("max 100000\n")
+    (service / "cpu.max").write_text("200000 100000\n")
+    assert cgroup_cpu_quota(tmp_path, "/system.slice/loramux.service") == 2
+    (service / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "system.slice" / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_quota(tmp_path, "/system.slice/loramux.service") == 2
+    (service / "cpu.max").write_text("100000 100000\n")
+    assert cgroup_cpu_quota(tmp_path, "/system.slice/loramux.service") == 1
+    listing = tmp_path / "cgroup"
+    listing.write_text("1:name=systemd:/x\n0::/system.slice/loramux.service\n")
+    assert own_cgroup(listing) == "/system.slice/loramux.service"
+    assert own_cgroup(tmp_path / "missing") == "/"

@@ -15,6 +15,7 @@ from loramux.gateway.errors import RateLimited
 from loramux.gateway.server import RunningServer
 from tests.gateway.quotas.rig import QuotaRig, refusal
 from tests.gateway.tenants import new_tenant
+from tests.redis import RedisServer
 
 
 async def test_a_principal_refused_for_requests_per_minute_is_refused_at_once_until_a_slot_frees(
@@ -63,6 +64,35 @@ async def test_a_token_limit_refusal_is_not_remembered(rig: QuotaRig) -> None:
     svc = rig.service()
     p = await rig.principal(tenant={"tpm": 100})
     await refusal(svc.admit(p, 60, 60))
+    await svc.refuse_early(p)
+    await svc.admit(p, 10, 10)
+
+
+async def test_an_early_refusal_carries_the_rate_limit_headers_the_scripts_does(
+    rig: QuotaRig,
+) -> None:
+    """Tokens per minute included (counted down); the type and retry-after stay the requests'."""
+    svc = rig.service()
+    p = await rig.principal(tenant={"rpm": 1, "tpm": 10_000})
+    await svc.admit(p, 10, 10)
+    by_script = await refusal(svc.admit(p, 10, 10))
+    early = await refusal(svc.refuse_early(p))  # type: ignore[arg-type]
+    assert isinstance(early, RateLimited) and early.limit_type == "requests"
+    assert early.headers == by_script.headers
+
+
+async def test_what_was_known_goes_when_redis_may_have_lost_its_windows(
+    rig: QuotaRig, own_redis: RedisServer
+) -> None:
+    """A Redis restart without persistence empties every window: the admission script admits
+    the principal at once, and so does this gateway once it meets the new Redis."""
+    svc = rig.service(own_redis.url)
+    p = await rig.principal(tenant={"rpm": 1})
+    other = await rig.principal(tenant={"rpm": 100})
+    await svc.admit(p, 10, 10)
+    await refusal(svc.admit(p, 10, 10))
+    own_redis.restart()
+    await svc.admit(other, 10, 10)  # a pooled connection fails once: reconnected
     await svc.refuse_early(p)
     await svc.admit(p, 10, 10)
 
