@@ -50,10 +50,20 @@ class KnownRefusals:
         self._clock = clock
         self._full: dict[tuple[str, str], _Full] = {}
 
+    def now(self) -> float:
+        """This memo's clock: read it before asking the script, and `learn` with that time."""
+        return self._clock()
+
     def learn(
-        self, tenant_id: str, key_id: str, limits: PrincipalLimits, readings: Sequence[Reading]
+        self,
+        tenant_id: str,
+        key_id: str,
+        limits: PrincipalLimits,
+        readings: Sequence[Reading],
+        asked: float,
     ) -> None:
-        """The admission script refused a request of this principal with `readings`."""
+        """The admission script, asked at `asked` (`now()`), refused a request of this
+        principal with `readings`: their waits count from then, not from the reply."""
         waits = [r.wait_ms for r in readings if r.kind == "requests" and not r.fits]
         if not waits:
             return
@@ -62,12 +72,11 @@ class KnownRefusals:
             for r in readings
             if r.kind in ("requests", "tokens")
         )
-        now = self._clock()
-        until = math.inf if NEVER in waits else now + max(waits) / 1000
+        until = math.inf if NEVER in waits else asked + max(waits) / 1000
         principal = (tenant_id, key_id)
         if len(self._full) >= MAX_KNOWN and principal not in self._full:
-            self._forget(now)
-        self._full[principal] = _Full(limits, kept, now, until)
+            self._forget(self._clock())
+        self._full[principal] = _Full(limits, kept, asked, until)
 
     def clear(self) -> None:
         """Forget everything: Redis may have lost the windows it was learnt from."""

@@ -125,11 +125,12 @@ class QuotaService:
             return Admission.unlimited(now)
         tokens = prompt_tokens + max_tokens
         member = secrets.token_hex(8)
+        asked = self.known.now()
         reply = await self._check(principal, buckets, member, tokens)
         if reply is None:
             return Admission.unlimited(now)
         if reply.status == REFUSED:
-            self.known.learn(principal.tenant_id, principal.key_id, limits, reply.readings)
+            self.known.learn(principal.tenant_id, principal.key_id, limits, reply.readings, asked)
             raise refusal(reply.readings, tokens, principal.key_id)
         reservation = Reservation(member, tokens, tuple(buckets))
         slots = tuple(b.keys[0] for b in buckets if b.kind == "C")
