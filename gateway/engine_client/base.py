@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -51,6 +51,11 @@ class EngineClient(Protocol):
     async def info(self) -> EngineInfo: ...
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]: ...
+    async def stream(self, request: EngineRequest, sink: Callable[[RequestOutput], None]) -> None:
+        """`generate`'s outputs handed to `sink` (on the event loop; it must not block), returning
+        once the last one was: the same errors, raised before any output or ending the stream.
+        A client may push them from where it reads them, waking no task per output."""
+        ...
 
     async def abort(self, request_id: str) -> None:
         """Stop the request `request_id` whose `generate` stream is being read: the stream then

@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import logging
 import struct
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -46,11 +46,17 @@ HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 1000, 5000
 StreamItem = Delta | Exception
 
 
+class StreamSink(Protocol):
+    """Where a stream's deltas go as the channel reads them: its queue, or a client's sink."""
+
+    def put_nowait(self, item: StreamItem) -> None: ...
+
+
 class Channel:
     def __init__(self, context: zmq.asyncio.Context, endpoint: Endpoint, token: str | None):
         self.endpoint = endpoint
         self.token = token or ""
-        self.streams: dict[str, asyncio.Queue[StreamItem]] = {}
+        self.streams: dict[str, StreamSink] = {}
         self._calls: dict[str, asyncio.Future[Any]] = {}
         self._refs = itertools.count()
         self._connected = asyncio.Event()

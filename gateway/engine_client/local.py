@@ -5,7 +5,7 @@ the remote client, so the gateway's path is the same with either."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from loramux.engine.async_engine import AsyncEngine
@@ -34,6 +34,10 @@ class LocalEngineClient:
             raise InvalidRequestError("the engine takes prompts as token ids")
         async for out in self.engine.generate(request):
             yield out
+
+    async def stream(self, request: EngineRequest, sink: Callable[[RequestOutput], None]) -> None:
+        async for out in self.generate(request):
+            sink(out)
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,10 @@ class RayEngineClient:
                 continue
             return _Stream(request, responses), first
         raise error
+
+    async def stream(self, request: EngineRequest, sink: Callable[[RequestOutput], None]) -> None:
+        async for out in self.generate(request):
+            sink(out)
 
     async def abort(self, request_id: str) -> None:
         """Ray cannot address the replica that runs a stream, so the stream is cancelled (the

@@ -34,7 +34,7 @@ from loramux.engine.sampling import SamplingParams
 from loramux.engine.sequence import FinishReason
 from loramux.engine.service.wire import WIRE_VERSION, Delta, Generate
 from loramux.gateway.engine_client.base import EngineInfo, EngineTimeoutError, EngineVersionError
-from loramux.gateway.engine_client.channel import Channel, StreamItem
+from loramux.gateway.engine_client.channel import Channel, StreamItem, StreamSink
 from loramux.gateway.engine_client.routing import Endpoint, adapter_key, affinity_key, route
 from loramux.gateway.settings import ENGINE_FIRST_OUTPUT_SECONDS
 
@@ -108,6 +108,40 @@ class RemoteEngineClient:
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Typed errors are raised before the first delta; closing early aborts the engine's
         sequence. The request must carry token ids; outputs carry token ids."""
+        channel, delta = await self._open(request)
+        finished = False
+        try:
+            while True:
+                finished = delta.usage is not None  # the request's last choice ended
+                yield _output(delta)
+                if finished:
+                    return
+                delta = await _next(channel.streams[request.request_id])
+        finally:
+            self._close(channel, request.request_id, finished)
+
+    async def stream(self, request: EngineRequest, sink: Callable[[RequestOutput], None]) -> None:
+        """`generate`, pushed: the channel's reader hands each output to `sink` as it reads it,
+        waking no task per token. Raises what `generate` does, and what `sink` raised (the
+        engine's sequence then aborted)."""
+        channel, delta = await self._open(request)
+        request_id = request.request_id
+        finished = False
+        try:
+            push = _Push(sink, asyncio.get_running_loop().create_future())
+            push.put_nowait(delta)
+            queue = channel.streams[request_id]
+            while isinstance(queue, asyncio.Queue) and not queue.empty():  # arrived meanwhile
+                push.put_nowait(queue.get_nowait())
+            channel.streams[request_id] = push
+            await push.done
+            finished = True
+        finally:
+            self._close(channel, request_id, finished)
+
+    async def _open(self, request: EngineRequest) -> tuple[Channel, Delta]:
+        """The request on an engine's channel and its first delta; its stream is registered
+        (`_close` ends it). Typed errors, and nothing registered, when it cannot open."""
         if request.prompt_token_ids is None:
             raise InvalidRequestError("the engine takes prompts as token ids")
         message = Generate(
@@ -137,23 +171,17 @@ class RemoteEngineClient:
         except BaseException:
             del self._serving[request.request_id]
             raise
-        channel = serving.channel
-        assert channel is not None
-        finished = False
-        try:
-            if serving.aborted:
-                channel.abort(request.request_id)
-            while True:
-                finished = delta.usage is not None  # the request's last choice ended
-                yield _output(delta)
-                if finished:
-                    return
-                delta = await _next(channel.streams[request.request_id])
-        finally:
-            del self._serving[request.request_id]
-            del channel.streams[request.request_id]
-            if not finished:
-                channel.abort(request.request_id)
+        assert serving.channel is not None
+        if serving.aborted:
+            serving.channel.abort(request.request_id)
+        return serving.channel, delta
+
+    def _close(self, channel: Channel, request_id: str, finished: bool) -> None:
+        """The request's stream ends here; the engine's sequence is aborted unless it finished."""
+        del self._serving[request_id]
+        del channel.streams[request_id]
+        if not finished:
+            channel.abort(request_id)
 
     async def _first_delta(self, channel: Channel, request_id: str) -> Delta:
         """The first delta of `request_id` on `channel`; EngineTimeoutError, with the request
@@ -313,7 +341,32 @@ class _Serving:
     aborted: bool = False
 
 
-async def _next(stream: asyncio.Queue[StreamItem]) -> Delta:
+class _Push:
+    """A stream's sink on its channel, in place of its queue: each delta is handed to `sink`
+    as the channel's reader reads it; `done` ends with the last one, or with the stream's error
+    (or the sink's: the channel's reader, serving every stream, never sees it)."""
+
+    def __init__(self, sink: Callable[[RequestOutput], None], done: asyncio.Future[None]):
+        self.sink = sink
+        self.done = done
+
+    def put_nowait(self, item: StreamItem) -> None:
+        if self.done.done():
+            return
+        if isinstance(item, Exception):
+            self.done.set_exception(item)
+            return
+        try:
+            self.sink(_output(item))
+        except Exception as exc:
+            self.done.set_exception(exc)
+            return
+        if item.usage is not None:  # the request's last choice ended
+            self.done.set_result(None)
+
+
+async def _next(stream: StreamSink) -> Delta:
+    assert isinstance(stream, asyncio.Queue), "a stream read by its caller has a queue"
     item = await stream.get()
     if isinstance(item, Exception):
         raise item

@@ -199,8 +199,7 @@ class Generation:
                 # Asking for the first output hands the request to the engine before this task
                 # first waits, so an `abort` from now on reaches a request the engine has.
                 self._submitted = True
-                async for out in self.engine.generate(self.request):
-                    self._take(out)
+                await self.engine.stream(self.request, self._take)
         except Exception as exc:
             self.error = as_gateway_error(exc)
         finally:

@@ -306,3 +306,54 @@ def test_routing_prefers_the_affine_engine_unless_it_is_down_or_much_busier() ->
     preferred.mark_down()
     order = route(endpoints, "adapter:abc")
     assert order[0] is not preferred and order[-1] is preferred
+
+
+async def test_a_pushed_stream_hands_its_sink_what_generate_yields(
+    client: RemoteEngineClient,
+) -> None:
+    """`stream` (the channel's reader hands each output to the sink) and `generate` (the caller
+    reads them) give the same outputs, in order, ending with the one that carries usage."""
+    pulled = await _collect(client, EngineRequest("pull", PARAMS, prompt_token_ids=IMPORT_OS))
+    pushed: list[RequestOutput] = []
+    await client.stream(EngineRequest("push", PARAMS, prompt_token_ids=IMPORT_OS), pushed.append)
+    assert _tokens(pushed) == _tokens(pulled) and len(_tokens(pushed)) == PARAMS.max_tokens
+    assert pushed[-1].usage is not None and all(o.usage is None for o in pushed[:-1])
+
+
+async def test_a_sink_that_fails_ends_its_own_stream_aborted_and_no_other(
+    client: RemoteEngineClient,
+) -> None:
+    """The sink runs on the channel's reader, which serves every stream of the engine: its
+    error ends its own stream (raised by `stream`, the engine's sequence aborted), and the
+    stream beside it, on the same channel, goes on to its end."""
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+    [before] = await client.stats()
+    seen: list[RequestOutput] = []
+
+    def failing(out: RequestOutput) -> None:
+        seen.append(out)
+        if len(seen) == 3:
+            raise ValueError("the sink failed")
+
+    beside: list[RequestOutput] = []
+    both = asyncio.gather(
+        client.stream(EngineRequest("sink-fails", long, prompt_token_ids=CLASS_TREE), failing),
+        client.stream(
+            EngineRequest("sink-beside", PARAMS, prompt_token_ids=WHILE_TRUE), beside.append
+        ),
+        return_exceptions=True,
+    )
+    outcomes = await asyncio.wait_for(both, 60)
+    assert isinstance(outcomes[0], ValueError) and outcomes[1] is None
+    assert len(seen) == 3
+    assert len(_tokens(beside)) == PARAMS.max_tokens and beside[-1].usage is not None
+
+    async def settled() -> Any:
+        while True:
+            [stats] = await client.stats()
+            if stats.aborted > before.aborted and stats.running == 0:
+                return stats
+            await asyncio.sleep(0.02)
+
+    stats = await asyncio.wait_for(settled(), 30)
+    assert stats.kv_blocks_used == 0
