@@ -32,6 +32,7 @@ REFUSAL_NAMES = {
     "refused_tokens": "tpm",
     "refused_concurrency": "concurrency",
     "refused_budget": "budget",
+    "refused_backlog": "backlog",
 }
 
 

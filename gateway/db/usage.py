@@ -31,7 +31,8 @@ class UsageEvent(Base):
     latency_ms: Mapped[float] = mapped_column(Float, default=0.0)
     ttft_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     refusal: Mapped[str | None] = mapped_column(String(16), nullable=True)
-    """For a 429, the limit that refused the request: requests, tokens, concurrency, budget."""
+    """For a 429, the limit that refused the request: requests, tokens, concurrency, budget,
+    backlog."""
     admitted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     """When the request was admitted: a token budget counts the event in the period holding
     this time (`created_at` when null), the period its reservation was charged in."""

@@ -26,8 +26,15 @@ BINS = len(BOUNDS_MS) + 1
 CLIENT_CLOSED = 499
 """The status recorded for a request whose client left before the end (nginx's)."""
 
-REFUSALS = ("refused_requests", "refused_tokens", "refused_concurrency", "refused_budget")
-"""429s by the limit that refused them: requests or tokens per minute, concurrency, budget."""
+REFUSALS = (
+    "refused_requests",
+    "refused_tokens",
+    "refused_concurrency",
+    "refused_budget",
+    "refused_backlog",
+)
+"""429s by the limit that refused them: requests or tokens per minute, concurrency, budget, or
+the tenant's bound of prompts waiting for the gateway's tokenizer (`backlog`)."""
 OUTCOMES = ("aborts", *REFUSALS, "client_errors", "server_errors")
 """`aborts`: the client left before the end (499); `refused_*`: a quota refused it (429);
 `client_errors`: any other 4xx (a bad body, an unknown model, …); `server_errors`: 5xx."""
@@ -96,6 +103,7 @@ class UsageTotals:
     refused_tokens: int = 0
     refused_concurrency: int = 0
     refused_budget: int = 0
+    refused_backlog: int = 0
     client_errors: int = 0
     server_errors: int = 0
     latency_ms_sum: float = 0.0

@@ -16,7 +16,7 @@ from loramux.gateway.metrics.routes import CHAT, COMPLETIONS
 COMPLETION_ROUTES = (CHAT, COMPLETIONS)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 CACHE_KINDS = ("exact", "semantic")
-REFUSALS = ("requests", "tokens", "concurrency", "budget")
+REFUSALS = ("requests", "tokens", "concurrency", "budget", "backlog")
 MODEL_KINDS = ("base", "adapter")
 
 
@@ -83,8 +83,8 @@ class AdmissionFamilies:
         )
         self.quota_refusals = Counter(
             "loramux_quota_refusals",
-            "Requests refused with 429 by a limit, by reason: requests, tokens, concurrency or "
-            "budget",
+            "Requests refused with 429 by a limit, by reason: requests, tokens, concurrency, "
+            "budget, or backlog (the tenant's bound of prompts waiting to be tokenized)",
             ["reason"],
             registry=r,
         )

@@ -197,6 +197,9 @@ class CompletionService:
             prompt_ids = await self.prompts.prompt_ids(text_request, tenant_id, gone)
         except PromptTooLongError as exc:
             raise self._too_long(draft, exc) from None
+        except RateLimited as refused:  # the tenant's bound of prompts waiting (backlog)
+            self.metering.metrics.admission.quota_refusals.labels(refused.refusal).inc()
+            raise
         if not draft.max_tokens_given:
             room = self.limits.max_model_len - len(prompt_ids)
             params = text_request.params

@@ -59,7 +59,8 @@ class UsageRecord:
     admitted_at: datetime | None = None
     """When the request was admitted (its quota reservation made), if it was."""
     refusal: str | None = None
-    """For a 429: the limit that refused it (`requests`, `tokens`, `concurrency`, `budget`)."""
+    """For a 429: the limit that refused it (`requests`, `tokens`, `concurrency`, `budget`,
+    `backlog`)."""
 
 
 def hour_of(ts: datetime) -> datetime:

@@ -23,7 +23,8 @@ class UsageRow(Struct):
     aborts: int
     """The client left before the end (499)."""
     refusals: dict[str, int]
-    """429s by the limit that refused them: `requests`, `tokens`, `concurrency`, `budget`."""
+    """429s by the limit that refused them: `requests`, `tokens`, `concurrency`, `budget`,
+    `backlog` (the tenant's bound of prompts waiting to be tokenized)."""
     client_errors: int
     """Other 4xx: a bad body, an unknown model, a model the key may not use, …"""
     server_errors: int

@@ -114,7 +114,13 @@ def test_the_usage_api_counts_each_outcome_apart(operator: httpx.Client, mixed: 
     by_key = usage(operator, mixed.tenant.tenant_id)
     a, b = by_key[mixed.tenant.key_id], by_key[mixed.other_key_id]
     assert (a["requests"], a["aborts"], a["client_errors"], a["server_errors"]) == (4, 1, 0, 0)
-    assert a["refusals"] == {"requests": 1, "tokens": 0, "concurrency": 0, "budget": 0}
+    assert a["refusals"] == {
+        "requests": 1,
+        "tokens": 0,
+        "concurrency": 0,
+        "budget": 0,
+        "backlog": 0,
+    }
     assert (b["requests"], b["aborts"], b["client_errors"], sum(b["refusals"].values())) == (
         4, 0, 2, 0,
     )  # fmt: skip

@@ -8,13 +8,18 @@ tokenizing)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import socket
 import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 from sqlalchemy import select
 
 from loramux.engine.errors import PromptTooLongError
@@ -115,21 +120,7 @@ def test_a_prompt_whose_client_left_before_its_turn_is_never_tokenized(
         + f"content-length: {len(raw)}\r\n\r\n".encode()
         + raw
     )
-    release, started = threading.Event(), threading.Semaphore(0)
-
-    def busy() -> None:
-        started.release()
-        release.wait(60)
-
-    async def hold() -> None:
-        await prompts._pool.run("holder", busy)
-
-    holders = [
-        asyncio.run_coroutine_threadsafe(hold(), gateway.loop) for _ in range(TOKENIZER_THREADS)
-    ]
-    try:
-        for _ in range(TOKENIZER_THREADS):
-            assert started.acquire(timeout=30)
+    with tokenizer_threads_held(gateway):
         port = int(gateway.url.rsplit(":", 1)[1])
         clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(LEAVERS)]
         for client in clients:
@@ -138,10 +129,6 @@ def test_a_prompt_whose_client_left_before_its_turn_is_never_tokenized(
         for client in clients:
             client.close()
         wait_for(lambda: prompts.waiting() == 0, 30, "the prompts of the clients that left go")
-    finally:
-        release.set()
-        for holder in holders:
-            holder.result(timeout=30)
 
     def recorded() -> list[UsageEvent]:
         async def read() -> list[UsageEvent]:
@@ -155,3 +142,75 @@ def test_a_prompt_whose_client_left_before_its_turn_is_never_tokenized(
 
     wait_for(lambda: len(recorded()) == LEAVERS, 30, "every request is recorded")
     assert [e.status for e in recorded()] == [499] * LEAVERS
+
+
+@contextlib.contextmanager
+def tokenizer_threads_held(gateway: RunningServer) -> Iterator[None]:
+    """Every tokenizer thread of the gateway busy (real jobs on its own pool) until exit."""
+    release, started = threading.Event(), threading.Semaphore(0)
+
+    def busy() -> None:
+        started.release()
+        release.wait(60)
+
+    async def hold() -> None:
+        await gateway.state.prompts._pool.run("holder", busy)
+
+    holders = [
+        asyncio.run_coroutine_threadsafe(hold(), gateway.loop) for _ in range(TOKENIZER_THREADS)
+    ]
+    try:
+        for _ in range(TOKENIZER_THREADS):
+            assert started.acquire(timeout=30)
+        yield
+    finally:
+        release.set()
+        for holder in holders:
+            holder.result(timeout=30)
+
+
+def test_a_backlog_refusal_is_counted_as_one_in_usage_and_metrics(
+    gateway: RunningServer, admin: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tenant whose bound of prompts already waits gets 429 `backlog`: the usage API counts
+    it under `backlog`, not as a requests-per-minute refusal, and so does the refusals metric;
+    the waiting prompt is then served."""
+    tenant = new_tenant(admin, "backlogged")
+    body = {"model": "demo-model", "messages": [{"role": "user", "content": "hi"}]}
+    body |= {"max_tokens": 2}
+    headers = {"authorization": f"Bearer {tenant.key}", "cache-control": "no-store"}
+
+    def refusals_metric() -> float:
+        text = httpx.get(f"{gateway.url}/metrics").text
+        line = 'loramux_quota_refusals_total{reason="backlog"}'
+        return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
+
+    before = refusals_metric()
+    with httpx.Client(base_url=gateway.url, headers=headers, timeout=60) as client:
+        with tokenizer_threads_held(gateway), ThreadPoolExecutor(1) as pool:
+            monkeypatch.setattr(gateway.state.prompts._pool, "max_waiting", 1)
+            waiting = pool.submit(client.post, "/v1/chat/completions", json=body)
+            wait_for(lambda: gateway.state.prompts.waiting() == 1, 30, "one prompt waits")
+            refused = client.post("/v1/chat/completions", json=body)
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+        assert refused.headers["retry-after"] == "1"
+        assert waiting.result(timeout=60).status_code == 200
+    assert refusals_metric() == before + 1
+
+    def rows() -> list[dict[str, Any]]:
+        gateway.run(gateway.state.usage.flush())
+        params = {"tenant": tenant.tenant_id, "group_by": "key"}
+        got = admin.get("/admin/usage", params=params)
+        assert got.status_code == 200, got.text
+        return list(got.json()["rows"])
+
+    wait_for(lambda: sum(r["requests"] for r in rows()) == 2, 30, "both requests are recorded")
+    (row,) = rows()
+    assert row["refusals"] == {
+        "requests": 0,
+        "tokens": 0,
+        "concurrency": 0,
+        "budget": 0,
+        "backlog": 1,
+    }

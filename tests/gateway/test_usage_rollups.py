@@ -54,7 +54,9 @@ def random_events(rng: random.Random, n: int, tenants: Sequence[str]) -> list[Us
                 latency_ms=latency,
                 ttft_ms=ttft,
                 created_at=T0 + timedelta(seconds=rng.uniform(0, 3 * 86400)),
-                refusal=rng.choice([None, "requests", "tokens", "concurrency", "budget"]),
+                refusal=rng.choice(
+                    [None, "requests", "tokens", "concurrency", "budget", "backlog"]
+                ),
             )
         )
     return events
@@ -78,6 +80,7 @@ def expected(events: Sequence[UsageRecord]) -> UsageTotals:
         refused_tokens=sum(e.status == 429 and e.refusal == "tokens" for e in events),
         refused_concurrency=sum(e.status == 429 and e.refusal == "concurrency" for e in events),
         refused_budget=sum(e.status == 429 and e.refusal == "budget" for e in events),
+        refused_backlog=sum(e.status == 429 and e.refusal == "backlog" for e in events),
         client_errors=sum(400 <= e.status < 500 and e.status not in (429, 499) for e in events),
         server_errors=sum(e.status >= 500 for e in events),
         prompt_tokens=sum(e.prompt_tokens for e in events),

@@ -7,19 +7,22 @@ import re
 import secrets
 import subprocess
 import sys
+from collections import Counter
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import insert, inspect, pool, select, text
+from sqlalchemy import DateTime, column, insert, inspect, pool, select, table, text
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from loramux.gateway.db import Base, Tenant
 from loramux.gateway.db.migrate import alembic_config, current, downgrade, upgrade, with_connection
 from loramux.gateway.db.session import async_url
+from loramux.gateway.db.usage_rollup import MEASURES
 
 REPO = Path(__file__).parents[2]
 HEAD = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
@@ -124,3 +127,89 @@ def test_upgrade_works_from_any_directory_and_creates_the_sqlite_folder(
     url = f"sqlite:///{tmp_path / 'new' / 'data' / 'loramux.db'}"
     upgrade(url)
     assert current(url) == HEAD
+
+
+BEFORE_BACKLOG = "9b3e5a17c2d0"
+"""The revision before rollups counted backlog refusals apart from `refused_requests`."""
+
+
+def test_backlog_refusals_already_rolled_up_move_to_their_own_counter_and_back(
+    empty_database: str,
+) -> None:
+    """Rollup rows written before the revision counted the tokenizer backlog's 429s as
+    `refused_requests`; upgrading moves exactly those (counted from the events, per row) to
+    `refused_backlog`, leaving rows without any alone; downgrading moves them back."""
+    upgrade(empty_database)
+    downgrade(empty_database, BEFORE_BACKLOG)
+    hour = datetime(2030, 1, 1, 10, tzinfo=UTC)
+    later = hour + timedelta(days=1, hours=3)
+    # (hour, key, refusal) of each 429: one row with backlog refusals among others, one with
+    # only a backlog refusal (another day), one with none.
+    refused = [(hour, "k1", "backlog")] * 3 + [(hour, "k1", "requests"), (hour, "k1", None)]
+    refused += [(later, "k1", "backlog"), (hour, "k2", "requests")]
+    with_connection(empty_database, lambda c: _store_refusals(c, refused))
+
+    upgrade(empty_database)
+    counters = with_connection(empty_database, _refusal_counters)
+    day, later_day = hour.replace(hour=0), later.replace(hour=0)
+    assert counters == {
+        ("usage_hourly", hour, "k1"): (2, 3),
+        ("usage_hourly", later, "k1"): (0, 1),
+        ("usage_hourly", hour, "k2"): (1, 0),
+        ("usage_daily", day, "k1"): (2, 3),
+        ("usage_daily", later_day, "k1"): (0, 1),
+        ("usage_daily", day, "k2"): (1, 0),
+    }
+    assert schema_diff(empty_database) == []
+
+    downgrade(empty_database, BEFORE_BACKLOG)
+    before = with_connection(empty_database, lambda c: _refusal_counters(c, backlog=False))
+    assert before == {place: (sum(pair), 0) for place, pair in counters.items()}
+
+
+def _store_refusals(
+    connection: Connection, refused: list[tuple[datetime, str, str | None]]
+) -> None:
+    """The events and the rollup rows the gateway wrote before the revision."""
+    add_tenant(connection, "old")
+    events = table(
+        "usage_events",
+        column("created_at", DateTime(timezone=True)),
+        *map(column, ("request_id", "tenant_id", "key_id", "model", "prompt_tokens")),
+        *map(column, ("completion_tokens", "cached_tokens", "cache", "status", "latency_ms")),
+        column("refusal"),
+    )
+    rows: Counter[tuple[str, datetime, str]] = Counter()
+    for i, (at, key, refusal) in enumerate(refused):
+        event = {"created_at": at + timedelta(minutes=i), "request_id": f"req_{i}"}
+        event |= {"tenant_id": "tnt_old", "key_id": key, "model": "demo-model", "status": 429}
+        event |= {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        event |= {"cache": "miss", "latency_ms": 1.0, "refusal": refusal}
+        connection.execute(insert(events).values(event))
+        rows[("usage_hourly", at, key)] += 1
+        rows[("usage_daily", at.replace(hour=0), key)] += 1
+    measures = [m for m in MEASURES if m != "refused_backlog"]
+    for (name, bucket, key), n in rows.items():
+        keys = map(column, ("tenant_id", "key_id", "model"))
+        rollup = table(
+            name, column("bucket", DateTime(timezone=True)), *keys, *map(column, measures)
+        )
+        row = dict.fromkeys(measures, 0) | {"requests": n, "errors": n, "refused_requests": n}
+        row |= {"bucket": bucket, "tenant_id": "tnt_old", "key_id": key, "model": "demo-model"}
+        connection.execute(insert(rollup).values(row))
+    connection.commit()
+
+
+def _refusal_counters(
+    connection: Connection, backlog: bool = True
+) -> dict[tuple[str, datetime, str], tuple[int, int]]:
+    """(refused_requests, refused_backlog) of each rollup row, by (table, bucket, key)."""
+    counters = {}
+    for name in ("usage_hourly", "usage_daily"):
+        names = ["refused_requests", *(["refused_backlog"] if backlog else [])]
+        rollup = table(name, column("bucket", DateTime(timezone=True)), column("key_id"))
+        query = select(rollup.c.bucket, rollup.c.key_id, *map(column, names)).select_from(rollup)
+        for bucket, key, *values in connection.execute(query):
+            at = bucket if bucket.tzinfo else bucket.replace(tzinfo=UTC)
+            counters[(name, at, key)] = (values[0], values[1] if backlog else 0)
+    return counters
