@@ -2,10 +2,10 @@
 
 - A *registered* adapter is known by its content digest and its folder; requests name it by
   digest. Registration validates it (and leaves it in the host tier).
-- The *host tier* (`max_cpu_loras`) holds parsed adapters, least recently used out first, each
-  in a buffer from a bounded, recycled pool (pinned on CUDA: engine.lora.host_buffers). Loads
-  from disk run on a small pool of loader threads, never on the step loop; waiting requests
-  prefetch.
+- The *host tier* (`max_cpu_loras`, engine.lora.host_tier) holds parsed adapters, least
+  recently used out first, each in a buffer from a bounded, recycled pool (pinned on CUDA).
+  Loads from disk run on a small pool of loader threads, never on the step loop; waiting
+  requests prefetch.
 - *Device memory* is one pool (`memory_bytes`) where each resident adapter holds a region
   sized by its own ranks (adapters.layout), addressed by a slot: a row of the kernels' tables
   (`max_loras` rows, a bound on resident adapters). A slot is pinned while any running
@@ -17,19 +17,16 @@
   (engine.lora.host_path), and the adapter stays in the host tier whatever its age.
 - *Retiring* an adapter refuses new requests at once and drops it when its last request ends.
 
-Threads: `register`/`retire`/`is_servable` may be called from any thread; everything else runs on
-the engine's step thread. `_lock` guards the registry and the host tier.
+Threads: `register`/`retire`/`is_servable`/`hint` may be called from any thread; everything else
+runs on the engine's step thread. `_lock` guards the registry and the host tier.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,12 +38,11 @@ from loramux.adapters.layout import LoraStack, TopWeights
 from loramux.adapters.peft_format import AdapterLimits, LoraAdapter, load_peft_adapter
 from loramux.adapters.peft_top import BaseWeights
 from loramux.engine.lora.host_buffers import HostBufferPool, adapter_floats, move_into
+from loramux.engine.lora.host_tier import HostTier
 from loramux.engine.lora.memory import RegionAllocator, pool_elements
 from loramux.engine.lora.slot_copy import SlotCopies
 from loramux.engine.lora.stats import AdapterStats, Readiness
 from loramux.engine.sequence import BASE_ADAPTER, Sequence
-
-log = logging.getLogger(__name__)
 
 LARGE_SHARE = 0.25
 """An adapter whose region is over this share of the pool may defer to smaller ones rather
@@ -92,17 +88,19 @@ class LoraManager:
         self.stack = LoraStack.allocate(base, max_loras, limits.max_rank, elements, dtype, device)
         self.regions = RegionAllocator(elements)
         workers = load_workers or default_load_workers()
-        on_cuda = torch.device(device).type == "cuda"
-        # The host tier, plus adapters kept there past capacity while copied into a slot or
-        # about to be (one more), plus a load per loader thread and a registration being put in.
-        self.host_buffers = HostBufferPool(self.max_cpu_loras + max_loras + workers + 2, on_cuda)
-        self._buffers: dict[str, torch.Tensor] = {}
-        """The host buffer of each adapter in the host tier."""
+        self._lock = threading.Lock()
+        self.host = HostTier(
+            self.max_cpu_loras,
+            # The tier, plus adapters kept there past capacity while copied into a slot or
+            # about to be (one more), a load per loader thread and a registration being put in.
+            self.max_cpu_loras + max_loras + workers + 2,
+            workers,
+            torch.device(device).type == "cuda",
+            self._lock,
+            self._parse,
+            self._loaded,
+        )
         self.copies = SlotCopies(self.stack, torch.device(device), copy_groups_per_step)
-        self._held: set[str] = set()
-        """Adapters whose device copy is under way: kept in the host tier until it completes."""
-        self._reserved: set[str] = set()
-        """Adapters `readiness` found in the host tier this step: kept there until the next."""
         self.steps = 0
         self.max_hinted_loads = 2 * workers
         self.on_load: Callable[[float], None] = lambda seconds: None
@@ -112,10 +110,6 @@ class LoraManager:
         self._folders: dict[str, Path] = {}
         self._retired: set[str] = set()
         self._users: dict[str, int] = {}
-        self._host: OrderedDict[str, LoraAdapter] = OrderedDict()
-        self._loading: dict[str, Future[None]] = {}
-        self._lock = threading.Lock()
-        self._loader = ThreadPoolExecutor(workers, thread_name_prefix="loramux-lora-load")
         self._clock = 0
         self.stats: dict[str, AdapterStats] = {}
 
@@ -137,12 +131,9 @@ class LoraManager:
         with self._lock:
             self._folders[adapter.digest] = Path(folder)
             self._retired.discard(adapter.digest)
-            stats = self.stats.setdefault(adapter.digest, AdapterStats())
-            stats.loads += 1
-            stats.load_seconds += time.monotonic() - started
-            self.on_load(time.monotonic() - started)
+            self._loaded(adapter.digest, time.monotonic() - started)
             buffer = self.host_buffers.take(adapter_floats(adapter))
-            self._put_host(move_into(adapter, buffer), buffer)
+            self.host.put(move_into(adapter, buffer), buffer)
         return adapter.digest
 
     def retire(self, digest: str) -> bool:
@@ -185,14 +176,14 @@ class LoraManager:
         if digest == BASE_ADAPTER or digest in self._slot_of:
             return Readiness.READY
         with self._lock:
-            adapter = self._host.get(digest)
+            adapter = self.host.get(digest)
             ready = (
                 adapter is not None
                 and self._can_place(adapter)
                 and not (may_defer and self._crowds_out(adapter))
             )
             if ready:  # a loader finishing before `acquire` must not evict it
-                self._reserved.add(digest)
+                self.host.reserved.add(digest)
         if adapter is None:
             self.prefetch(seq)
             return Readiness.LOADING
@@ -250,14 +241,14 @@ class LoraManager:
         completed serves from its slot from the next step on and may leave the host tier."""
         self.steps += 1
         with self._lock:
-            self._reserved.clear()
+            self.host.reserved.clear()
         for slot in self.copies.advance():
             digest = self.slots[slot].digest
             assert digest is not None, "a copy into an empty slot"
             self.stats[digest].device_ready_step = self.steps
             with self._lock:
-                self._held.discard(digest)
-                self._trim_host()
+                self.host.held.discard(digest)
+                self.host.trim()
 
     def prefetch(self, seq: Sequence) -> None:
         """Start reading `seq`'s adapter from disk into the host tier unless it is there or coming."""
@@ -273,21 +264,19 @@ class LoraManager:
         if digest == BASE_ADAPTER:
             return
         with self._lock:
-            if digest in self._host or digest in self._loading or digest not in self._folders:
+            if digest in self.host or self.host.loading(digest) or digest not in self._folders:
                 return
-            if hint and (digest in self._retired or len(self._loading) >= self.max_hinted_loads):
+            if hint and (digest in self._retired or self.host.in_flight() >= self.max_hinted_loads):
                 return
             self.stats[digest].hinted_loads += hint
-            self._loading[digest] = self._loader.submit(
-                self._load_host, digest, self._folders[digest]
-            )
+            self.host.load(digest, self._folders[digest])
 
     def resident(self) -> dict[str, str]:
         """Adapters held in memory, by tier: `device` (in a slot) or `host` (any thread). Bounded
         by the tiers' capacities, so metrics may label series by these digests."""
         in_slots = dict(self._slot_of)
         with self._lock:
-            in_host = list(self._host)
+            in_host = list(self.host)
         return {d: "host" for d in in_host} | {d: "device" for d in in_slots}
 
     def memory(self) -> tuple[int, int]:
@@ -305,71 +294,30 @@ class LoraManager:
     def host_tier_size(self) -> int:
         """Adapters in the host tier (each holds one host buffer)."""
         with self._lock:
-            return len(self._host)
+            return len(self.host)
 
     def in_flight_loads(self) -> int:
         with self._lock:
-            return len(self._loading)
+            return self.host.in_flight()
+
+    @property
+    def host_buffers(self) -> HostBufferPool:
+        return self.host.buffers
 
     def shutdown(self) -> None:
-        self._loader.shutdown(wait=False, cancel_futures=True)
+        self.host.shutdown()
 
     # -- internals -----------------------------------------------------------------------------
-    def _load_host(self, digest: str, folder: Path) -> None:
-        """A loader thread's work: parse into a pooled host buffer, then enter the host tier."""
-        started = time.monotonic()
-        taken: list[torch.Tensor] = []
+    def _parse(self, folder: Path, storage: Callable[[int], torch.Tensor]) -> LoraAdapter:
+        """A loader thread's parse of an adapter into host storage."""
+        return load_peft_adapter(folder, self.base, self.limits, storage, self.base_weights)
 
-        def storage(num_floats: int) -> torch.Tensor:
-            taken.append(self.host_buffers.take(num_floats))
-            return taken[-1]
-
-        try:
-            adapter = load_peft_adapter(folder, self.base, self.limits, storage, self.base_weights)
-        except Exception:
-            log.exception("adapter %s could not be reloaded from %s", digest[:12], folder)
-            for buffer in taken:
-                self.host_buffers.give_back(buffer)
-            with self._lock:
-                self._loading.pop(digest, None)
-            return
-        with self._lock:
-            self._loading.pop(digest, None)
-            if adapter.digest != digest:
-                log.error(
-                    "adapter folder %s changed on disk: digest %s", folder, adapter.digest[:12]
-                )
-                self.host_buffers.give_back(taken[0])
-                return
-            stats = self.stats.setdefault(digest, AdapterStats())
-            stats.loads += 1
-            stats.load_seconds += time.monotonic() - started
-            self.on_load(time.monotonic() - started)
-            self._put_host(adapter, taken[0])
-
-    def _put_host(self, adapter: LoraAdapter, buffer: torch.Tensor) -> None:
-        """Insert into the host tier (lock held); an adapter already there keeps its copy."""
-        if adapter.digest in self._host:
-            self.host_buffers.give_back(buffer)
-        else:
-            self._host[adapter.digest] = adapter
-            self._buffers[adapter.digest] = buffer
-        self._host.move_to_end(adapter.digest)
-        self._trim_host()
-
-    def _trim_host(self) -> None:
-        """Evict least recently used adapters beyond capacity, except those being copied into
-        a slot (lock held); their buffers go back to the pool."""
-        excess = len(self._host) - self.max_cpu_loras
-        kept = self._held | self._reserved
-        for digest in [d for d in self._host if d not in kept][: max(excess, 0)]:
-            self._evict_host(digest)
-
-    def _evict_host(self, digest: str) -> None:
-        """Take `digest` out of the host tier (lock held; nothing may read its weights after)."""
-        assert digest not in self._held, "evicting an adapter whose device copy reads it"
-        if self._host.pop(digest, None) is not None:
-            self.host_buffers.give_back(self._buffers.pop(digest))
+    def _loaded(self, digest: str, seconds: float) -> None:
+        """A load from disk entered the host tier (lock held)."""
+        stats = self.stats.setdefault(digest, AdapterStats())
+        stats.loads += 1
+        stats.load_seconds += seconds
+        self.on_load(seconds)
 
     def _unpinned(self) -> list[int]:
         """Slots holding an adapter no running sequence uses."""
@@ -400,9 +348,9 @@ class LoraManager:
         self.stats[digest].evictions += 1
         self._vacate(slot)
         with self._lock:  # an unfinished device copy no longer keeps it in the host tier
-            if digest in self._held:
-                self._held.discard(digest)
-                self._trim_host()
+            if digest in self.host.held:
+                self.host.held.discard(digest)
+                self.host.trim()
 
     def _vacate(self, slot: int) -> None:
         """Empty `slot`, abandoning a device copy into it, and free its region."""
@@ -420,9 +368,8 @@ class LoraManager:
         """Make the adapter resident: a free slot and the first free range that fits, evicting
         least recently used unpinned adapters until both exist; then start its device copy."""
         with self._lock:
-            adapter = self._host[digest]
-            self._host.move_to_end(digest)
-            self._held.add(digest)
+            adapter = self.host.use(digest)
+            self.host.held.add(digest)
         length = LoraStack.region_elements(adapter)
         while all(s.digest is not None for s in self.slots):
             self._evict_least_recent()
@@ -445,5 +392,5 @@ class LoraManager:
         slot = self._slot_of.get(digest)
         if slot is not None:
             self._vacate(slot)
-        self._held.discard(digest)
-        self._evict_host(digest)
+        self.host.held.discard(digest)
+        self.host.evict(digest)
