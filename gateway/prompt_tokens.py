@@ -29,6 +29,7 @@ from loramux.engine.outputs import EngineRequest
 from loramux.engine.prompt import prompt_token_ids
 from loramux.gateway.errors import ClientClosedRequest, RateLimited
 from loramux.gateway.fair_pool import Backlogged, FairPool
+from loramux.gateway.schema_checks import SchemaChecks
 
 TOKENIZER_THREADS = 2
 MAX_WAITING_PER_TENANT = 256
@@ -50,6 +51,9 @@ class PromptTokens:
         self.max_model_len = max_model_len
         self._local = threading.local()
         self._pool = FairPool(TOKENIZER_THREADS, "loramux-tokenize", max_waiting_per_tenant)
+        self.schemas = SchemaChecks(TOKENIZER_THREADS)
+        """The structured-output schema of a request is checked in its job, before the prompt
+        is tokenized (bounded in time: gateway.schema_checks)."""
         self._loop_tokenizer = self._tokenizer()
         self._loop_decoder = rust_decoder(self._loop_tokenizer)
         self.chat_template = chat_template(self._loop_tokenizer)
@@ -62,6 +66,7 @@ class PromptTokens:
 
     def close(self) -> None:
         self._pool.close()
+        self.schemas.close()
 
     async def prompt_ids(
         self, request: EngineRequest, owner: str = "", gone: asyncio.Future[None] | None = None
@@ -111,6 +116,8 @@ class PromptTokens:
         return self._loop_tokenizer
 
     def _prompt_ids(self, request: EngineRequest, oversized: bool) -> list[int]:
+        if request.params.structured is not None:
+            self.schemas.check(request.params.structured)
         tokenizer = getattr(self._local, "tokenizer", None)
         if tokenizer is None:
             tokenizer = self._local.tokenizer = self._tokenizer()

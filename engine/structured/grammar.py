@@ -2,14 +2,11 @@
 matcher that follows a request's tokens. The library is llguidance (docs/architecture.md,
 "Structured outputs", says why).
 
-Compiling is bounded, so no request can hang or crash the engine with its schema:
-- the text is at most `MAX_SCHEMA_CHARS` characters and `MAX_SCHEMA_DEPTH` levels of JSON
-  nesting, checked by one linear scan before anything parses it (a 1,000-level schema is
-  refused before Python's or the library's recursion meets it);
-- it must parse as a JSON object;
-- llguidance's parser limits (`LIMITS`) cap the lexer's and parser's work while building the
-  grammar and while computing each token's mask (its "fuel"), and the grammar's size; past them
-  compiling fails with an error, or a matcher enters its error state and that request fails.
+The schema's bounds and its grammar text are engine.structured.schema's. llguidance's parser
+limits (`LIMITS`) cap the lexer's and parser's work while computing each token's mask (its
+"fuel"): past them a matcher enters its error state and that request fails. The gateway checks
+each schema first, in a child process bounded in time (gateway.schema_checks): what
+reaches the engine compiled there in under a second without a tokenizer.
 
 Compiling runs on the caller's thread at admission (`LLEngine.validate`; the async facade runs
 it off the event loop), never on the step thread for a request whose grammar was just validated:
@@ -18,35 +15,19 @@ results are cached by schema text, and the step thread only copies the cached ma
 
 from __future__ import annotations
 
-import functools
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import llguidance
 import llguidance.hf
 
 from loramux.engine.structured import StructuredOutput, StructuredOutputError
-
-if TYPE_CHECKING:
-    from llguidance._lib import JsonCompileOptions  # a TypedDict of the type stubs only
-
-MAX_SCHEMA_DEPTH = 64
-"""Deepest JSON nesting of a schema's text (objects and arrays). OpenAI's strict mode allows 10
-levels of schema nesting, each a few levels of JSON."""
+from loramux.engine.structured.schema import LIMITS, PANIC_ERROR, grammar_text, is_panic
 
 CACHE_ENTRIES = 256
 """Compiled grammars kept, least recently used dropped first."""
-
-JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
-"""Compact JSON: no whitespace between tokens, so a model cannot pad its output forever."""
-
-LIMITS = llguidance.LLParserLimits(verbose_errors=False)
-"""llguidance's default limits (building a grammar's lexer: ~20 ms of fuel; one token's mask:
-~15 ms of lexer fuel and ~2.5 ms of parser items; 500,000 grammar symbols), with error messages
-that do not echo parser state."""
 
 
 class CompiledGrammar:
@@ -110,7 +91,7 @@ class GrammarCompiler:
             if found is not None:
                 self._cache.move_to_end(key)
                 return found
-        compiled = CompiledGrammar(self._matcher(_grammar_text(spec)))
+        compiled = CompiledGrammar(self._matcher(grammar_text(spec)))
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > CACHE_ENTRIES:
@@ -118,6 +99,14 @@ class GrammarCompiler:
         return compiled
 
     def _matcher(self, grammar: str) -> llguidance.LLMatcher:
+        try:
+            return self._checked_matcher(grammar)
+        except BaseException as exc:
+            if not is_panic(exc):
+                raise
+            raise StructuredOutputError(PANIC_ERROR) from None
+
+    def _checked_matcher(self, grammar: str) -> llguidance.LLMatcher:
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer, limits=LIMITS)
         if error:
             raise StructuredOutputError(f"the JSON schema cannot be compiled: {error}")
@@ -132,76 +121,3 @@ class GrammarCompiler:
         if not any(first):
             raise StructuredOutputError("the JSON schema allows no output at all")
         return matcher
-
-
-def _grammar_text(spec: StructuredOutput) -> str:
-    """llguidance's grammar for `spec`, after the bounds in the module docstring."""
-    if spec.json_schema is None:
-        schema: dict[str, Any] = {"type": "object"}
-    else:
-        schema = _schema_object(spec.json_schema)
-    try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-    except (ValueError, TypeError) as exc:
-        raise StructuredOutputError(f"the JSON schema cannot be compiled: {exc}") from None
-
-
-def _schema_object(text: str) -> dict[str, Any]:
-    depth = json_depth(text)
-    if depth > MAX_SCHEMA_DEPTH:
-        raise StructuredOutputError(
-            f"the JSON schema nests {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are accepted"
-        )
-    try:
-        schema = json.loads(text)
-    except ValueError as exc:
-        raise StructuredOutputError(f"the JSON schema is not valid JSON: {exc}") from None
-    if not isinstance(schema, dict):
-        raise StructuredOutputError(
-            f"the JSON schema must be a JSON object, got {type(schema).__name__}"
-        )
-    return schema
-
-
-def json_depth(text: str) -> int:
-    """The deepest nesting of objects and arrays in JSON `text`, brackets inside strings not
-    counted; one pass, no recursion, whatever the text is."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for char in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif char in "]}":
-            depth -= 1
-    return deepest
-
-
-def check_structured_output(spec: StructuredOutput) -> None:
-    """Refuse, with StructuredOutputError, what can be refused without a tokenizer: a schema
-    out of bounds, not JSON, or one the library cannot compile. The gateway calls it before it
-    queues anything, so a streamed request gets its 400 before the stream starts; the engine
-    compiles (and probes the first mask) again at admission. Verdicts are remembered by schema
-    text, so a schema that many requests share is checked once per process."""
-    error = _check_error(spec)
-    if error is not None:
-        raise StructuredOutputError(error)
-
-
-@functools.lru_cache(maxsize=CACHE_ENTRIES)
-def _check_error(spec: StructuredOutput) -> str | None:
-    try:
-        grammar = _grammar_text(spec)
-    except StructuredOutputError as exc:
-        return str(exc)
-    error = llguidance.LLMatcher.validate_grammar(grammar, None, limits=LIMITS)
-    return f"the JSON schema cannot be compiled: {error}" if error else None

@@ -33,6 +33,8 @@ class Draft:
 
     text_request: EngineRequest
     max_tokens_given: bool
+    schema_param: str = "response_format"
+    """The field whose schema constrains the output: `tools` for a forced tool call."""
 
 
 @dataclass(frozen=True)

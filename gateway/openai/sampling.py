@@ -12,7 +12,6 @@ import json
 
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.structured import StructuredOutput, StructuredOutputError
-from loramux.engine.structured.grammar import check_structured_output
 from loramux.gateway.errors import BadRequest
 from loramux.gateway.openai.schemas import (
     ChatCompletionRequest,
@@ -88,25 +87,25 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[i
 
 
 def _constraint(fmt: ResponseFormat | None, forced_call: str | None) -> StructuredOutput | None:
-    """The output's constraint, checked as far as the gateway can before anything is queued."""
-    structured = structured_output(fmt)
-    if forced_call is None:
-        return _checked(structured, "response_format")
-    if structured is not None:
-        raise BadRequest(
-            "response_format cannot constrain an output that must be a tool call",
-            param="response_format",
-        )
-    return _checked(StructuredOutput("json_schema", forced_call), "tools")
+    """The output's constraint, its size checked. Whether it compiles is checked in the
+    request's tokenizing job, bounded in time (gateway.schema_checks)."""
+    try:
+        structured = structured_output(fmt)
+        if forced_call is None:
+            return structured
+        if structured is not None:
+            raise BadRequest(
+                "response_format cannot constrain an output that must be a tool call",
+                param="response_format",
+            )
+        return StructuredOutput("json_schema", forced_call)
+    except StructuredOutputError as exc:
+        raise BadRequest(str(exc), param=schema_param(forced_call)) from None
 
 
-def _checked(spec: StructuredOutput | None, param: str) -> StructuredOutput | None:
-    if spec is not None:
-        try:
-            check_structured_output(spec)
-        except StructuredOutputError as exc:
-            raise BadRequest(str(exc), param=param) from None
-    return spec
+def schema_param(forced_call: str | None) -> str:
+    """The request field that holds the schema constraining the output."""
+    return "response_format" if forced_call is None else "tools"
 
 
 def structured_output(fmt: ResponseFormat | None) -> StructuredOutput | None:

@@ -29,6 +29,7 @@ from loramux.cache.response_cache import ResponseCache
 from loramux.cache.types import CacheHit, CachePolicy, CacheRequest
 from loramux.engine.errors import PromptTooLongError
 from loramux.engine.outputs import EngineRequest
+from loramux.engine.structured import StructuredOutputError
 from loramux.gateway import tracing
 from loramux.gateway.auth.api_keys import Principal
 from loramux.gateway.catalog import ModelCatalog, ResolvedModel
@@ -68,7 +69,7 @@ from loramux.gateway.openai.responses import (
     usage_chunk,
     whole,
 )
-from loramux.gateway.openai.sampling import sampling_params
+from loramux.gateway.openai.sampling import sampling_params, schema_param
 from loramux.gateway.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -185,7 +186,7 @@ class CompletionService:
         text_request = EngineRequest(
             request_id, params, adapter=model.digest, cache_salt=salt, **prompt
         )
-        return Draft(text_request, requested is not None)
+        return Draft(text_request, requested is not None, schema_param(forced))
 
     async def _tokenize(
         self, draft: Draft, tenant_id: str, gone: asyncio.Future[None] | None
@@ -197,6 +198,8 @@ class CompletionService:
             prompt_ids = await self.prompts.prompt_ids(text_request, tenant_id, gone)
         except PromptTooLongError as exc:
             raise self._too_long(draft, exc) from None
+        except StructuredOutputError as exc:
+            raise BadRequest(str(exc), param=draft.schema_param) from None
         except RateLimited as refused:  # the tenant's bound of prompts waiting (backlog)
             self.metering.metrics.admission.quota_refusals.labels(refused.refusal).inc()
             raise

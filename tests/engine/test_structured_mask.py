@@ -12,8 +12,9 @@ from transformers import AutoTokenizer
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.service.wire import Generate, decode_to_engine, encode, error_from, failure
 from loramux.engine.structured import StructuredOutput, StructuredOutputError
-from loramux.engine.structured.grammar import GrammarCompiler, json_depth
+from loramux.engine.structured.grammar import GrammarCompiler
 from loramux.engine.structured.mask import GrammarBitmask, apply_token_mask_
+from loramux.engine.structured.schema import json_depth
 
 
 def _reference(logits: torch.Tensor, words: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,171 @@
+"""Structured-output schemas (`response_format`, forced tool calls) checked in child processes,
+bounded in time and memory.
+
+The grammar library bounds most of its work, but not all: deciding whether an `allOf` of
+`pattern`s can match anything takes time exponential in their number (16 patterns, half a
+second; 22, two minutes; 26, gigabytes and a crash of the library), and no limit of the library
+caps it. A check therefore runs in a child process that is killed when it takes longer than
+`CHECK_SECONDS` (the schema is refused, 400) and may not grow past `CHILD_MEMORY_BYTES`. Schemas
+a client sends really compile in milliseconds.
+
+Each check runs on a tokenizer thread in its tenant's turn (gateway.prompt_tokens), never on the
+event loop, with one child per tokenizer thread, started when first needed; a child ends with its
+parent, even in the middle of a check. Verdicts are kept by
+schema text (timeouts included), so a schema that many requests share is checked once, and a
+hostile one repeated costs nothing more.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import select
+import subprocess
+import sys
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import loramux
+from loramux.engine.structured import StructuredOutput, StructuredOutputError
+from loramux.engine.structured.schema import MEMORY_ENV
+
+log = logging.getLogger(__name__)
+
+CHECK_SECONDS = 1.0
+"""Longest a schema may take to check; longer, it is refused as too complex."""
+CHILD_MEMORY_BYTES = 2 << 30
+"""Address space a checking process may use (a fresh interpreter with the grammar library:
+about a tenth of it)."""
+VERDICTS = 1024
+"""Verdicts kept, least recently used dropped first."""
+TOO_COMPLEX = (
+    "the JSON schema is too complex: checking it takes longer than {seconds:g} s (an allOf of "
+    "several patterns is the usual cause)"
+)
+
+
+class SchemaChecks:
+    """Bounded schema checks on up to `workers` child processes at once; safe from any thread."""
+
+    def __init__(self, workers: int, seconds: float = CHECK_SECONDS) -> None:
+        self.seconds = seconds
+        self.workers = workers
+        self._idle: queue.Queue[_Child | None] = queue.Queue()
+        for _ in range(workers):
+            self._idle.put(None)  # started when first needed
+        self._verdicts: OrderedDict[StructuredOutput, str | None] = OrderedDict()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._children: set[_Child] = set()
+        self.started = 0
+        """Checking processes started so far (each refused timeout replaces one)."""
+
+    def check(self, spec: StructuredOutput) -> None:
+        """Raise StructuredOutputError when `spec` cannot be served (blocks: not on the loop)."""
+        with self._lock:
+            known = spec in self._verdicts
+            verdict = self._verdicts.get(spec)
+            if known:
+                self._verdicts.move_to_end(spec)
+        if not known:
+            verdict = self._run(spec)
+            with self._lock:
+                self._verdicts[spec] = verdict
+                while len(self._verdicts) > VERDICTS:
+                    self._verdicts.popitem(last=False)
+        if verdict is not None:
+            raise StructuredOutputError(verdict)
+
+    def close(self) -> None:
+        """Stop every child (a check under way then fails)."""
+        with self._lock:
+            self._closed = True
+            children = list(self._children)
+        for child in children:
+            child.stop()
+
+    def _run(self, spec: StructuredOutput) -> str | None:
+        child = self._idle.get()
+        try:
+            if child is None or not child.alive:
+                child = self._start()
+            verdict = child.ask(spec, self.seconds)
+            if verdict is _TIMED_OUT:
+                log.warning("a JSON schema took over %g s to check: refused", self.seconds)
+                self._retire(child)
+                child = None
+                return TOO_COMPLEX.format(seconds=self.seconds)
+            return verdict
+        except (OSError, EOFError):  # the child died (its memory bound) or was stopped
+            if child is not None:
+                self._retire(child)
+            child = None
+            return "the JSON schema cannot be compiled: checking it failed"
+        finally:
+            self._idle.put(child)
+
+    def _start(self) -> _Child:
+        with self._lock:
+            if self._closed:
+                raise StructuredOutputError("the gateway is shutting down")
+            child = _Child.start()
+            self._children.add(child)
+            self.started += 1
+            return child
+
+    def _retire(self, child: _Child) -> None:
+        child.stop()
+        with self._lock:
+            self._children.discard(child)
+
+
+_TIMED_OUT = "\0timed out"
+
+
+class _Child:
+    """A checking process (engine.structured.schema run as a program): one JSON line in, the
+    schema's spec; one JSON line out, its verdict."""
+
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+        self.process = process
+
+    @staticmethod
+    def start() -> _Child:
+        root = str(Path(loramux.__file__).resolve().parents[1])
+        env = os.environ | {"PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+        env[MEMORY_ENV] = str(CHILD_MEMORY_BYTES)
+        command = [sys.executable, "-m", "loramux.engine.structured.schema"]
+        process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True
+        )
+        return _Child(process)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def ask(self, spec: StructuredOutput, seconds: float) -> str | None:
+        """The child's verdict, or `_TIMED_OUT` (the child is then still busy: stop it).
+        OSError or EOFError when the child died."""
+        stdin, stdout = self.process.stdin, self.process.stdout
+        assert stdin is not None and stdout is not None
+        stdin.write(json.dumps([spec.kind, spec.json_schema]).encode() + b"\n")
+        stdin.flush()
+        ready, _, _ = select.select([stdout], [], [], seconds)
+        if not ready:
+            return _TIMED_OUT
+        line = stdout.readline()
+        if not line:
+            raise EOFError("the schema checking process ended")
+        verdict: str | None = json.loads(line)
+        return verdict
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=5)
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                pipe.close()
