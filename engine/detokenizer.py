@@ -7,6 +7,7 @@ become a stop string. The deltas therefore concatenate to exactly the final text
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -50,21 +51,16 @@ class StopMatcher:
     text times the stop string's length squared."""
 
     stop: str
-    fail: list[int]
+    fail: tuple[int, ...]
     """fail[i]: the longest proper prefix of stop[: i + 1] that is also its suffix."""
     matched: int = 0
     """The longest prefix of `stop` (shorter than it) that the text read so far ends with."""
 
     @classmethod
     def of(cls, stop: str) -> StopMatcher:
-        fail, k = [0] * len(stop), 0
-        for i in range(1, len(stop)):
-            while k and stop[i] != stop[k]:
-                k = fail[k - 1]
-            if stop[i] == stop[k]:
-                k += 1
-            fail[i] = k
-        return cls(stop, fail)
+        """A matcher at the start of the text; its table is shared by every matcher of `stop`
+        (the choices of a request, and the requests that repeat a stop string)."""
+        return cls(stop, _failure_table(stop))
 
     def read(self, text: str, start: int) -> int | None:
         """Read text[start:]; where the stop string's first occurrence ending there starts, or
@@ -80,6 +76,22 @@ class StopMatcher:
                     return i + 1 - m
         self.matched = m
         return None
+
+
+STOP_TABLES = 256
+"""Stop strings whose matching tables are kept, least recently used dropped first."""
+
+
+@functools.lru_cache(maxsize=STOP_TABLES)
+def _failure_table(stop: str) -> tuple[int, ...]:
+    fail, k = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = fail[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        fail[i] = k
+    return tuple(fail)
 
 
 @dataclass

@@ -22,6 +22,9 @@ from loramux.gateway.openai.schemas import (
 )
 
 MAX_STOP = 4
+MAX_STOP_CHARS = 1000
+"""Longest stop string: matching tables are built on the event loop (once per string, shared by
+a request's choices), in time proportional to its length."""
 
 
 def sampling_params(
@@ -58,6 +61,10 @@ def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
         raise BadRequest(f"at most {MAX_STOP} stop sequences are allowed", param="stop")
     if any(not s for s in stops):
         raise BadRequest("stop sequences must not be empty", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise BadRequest(
+            f"stop sequences must be at most {MAX_STOP_CHARS} characters long", param="stop"
+        )
     return stops
 
 

@@ -136,3 +136,16 @@ def test_of_stop_strings_one_token_completes_the_text_ends_before_the_first_to_s
     for stop in (("a", "\na"), ("\na", "a")):  # whatever their order
         deltas, detok = _stream(tokenizer, "x \nab", stop=stop)
         assert "".join(deltas) == "x " and detok.stopped
+
+
+def test_the_choices_of_a_request_share_each_stop_strings_table(tokenizer: Any) -> None:
+    """A stop string's matching table is built once, however many choices match it (it was
+    built per choice on the event loop: 16 choices of four long stops took seconds), while each
+    choice keeps its own position in it."""
+    stops = ("ab" * 400 + "c", "xyz")
+    choices = [IncrementalDetokenizer(rust_decoder(tokenizer), stop=stops) for _ in range(16)]
+    for i in range(len(stops)):
+        assert len({id(d.matchers[i].fail) for d in choices}) == 1
+    first, second = choices[0], choices[1]
+    first.matchers[1].read("xy", 0)
+    assert (first.matchers[1].matched, second.matchers[1].matched) == (2, 0)

@@ -74,6 +74,7 @@ CASES = {
         400,
     ),
     "five stops": (_with(stop=["a", "b", "c", "d", "e"]), 400),
+    "a stop of 1,001 characters": (_with(stop=["ab" * 500 + "c"]), 400),
     "stream not bool": (_with(stream="yes"), 400),
     "messages over the context": (
         _with(messages=[{"role": "user", "content": "word " * 2000}]),
