@@ -30,6 +30,13 @@ def engine_prompt(
     return _completion_prompt(req.prompt)
 
 
+MAX_MESSAGES = 2048
+"""Messages in one request at most. The prompt's length check before tokenizing counts the
+messages' text, not the chat template's markup around each: without a bound, 55,000 empty
+messages (1 MB) made 275,000 tokens of markup that were rendered and tokenized before the
+context refused them."""
+
+
 def chat_messages(
     messages: list[ChatMessage], fmt: ToolCallFormat | None = None
 ) -> list[dict[str, Any]]:
@@ -37,6 +44,11 @@ def chat_messages(
     assistant turn's `tool_calls` with arguments as objects, a tool turn's `tool_call_id`."""
     if not messages:
         raise BadRequest("messages must contain at least one message", param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise BadRequest(
+            f"messages must contain at most {MAX_MESSAGES} messages, got {len(messages)}",
+            param="messages",
+        )
     return [_message(m, i, fmt) for i, m in enumerate(messages)]
 
 

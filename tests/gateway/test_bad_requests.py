@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from loramux.gateway.openai.prompt import MAX_MESSAGES
 from loramux.gateway.server import RunningServer
 from tests.gateway.tenants import TenantKey, new_tenant
 
@@ -52,6 +53,7 @@ CASES = {
     "missing messages": (_with(messages=...), 400),
     "messages not a list": (_with(messages="hi"), 400),
     "empty messages": (_with(messages=[]), 400),
+    "2,049 messages": (_with(messages=[{"role": "user", "content": "x"}] * 2049), 400),
     "unknown role": (_with(messages=[{"role": "robot", "content": "x"}]), 400),
     "tool message without its call id": (_with(messages=[{"role": "tool", "content": "x"}]), 400),
     "image content": (
@@ -257,3 +259,25 @@ def test_only_json_bodies_are_read(
         assert r.status_code == status, r.text
         if status != 200:
             assert r.json()["error"]["code"] == "unsupported_media_type"
+
+
+@pytest.mark.parametrize("count", [2048, 2049])
+def test_messages_beyond_the_bound_are_refused_before_they_are_rendered(
+    gateway: RunningServer, tenant: TenantKey, count: int
+) -> None:
+    """Empty messages carry no text for the prompt's length check, only the template's markup:
+    their number is bounded instead (2,048); up to it, the context refuses them once tokenized."""
+    body = _with(messages=[{"role": "user"}] * count)
+    r = httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        content=body,
+        headers={"authorization": f"Bearer {tenant.key}", "content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages"
+    if count > MAX_MESSAGES:
+        assert error["message"] == f"messages must contain at most 2048 messages, got {count}"
+    else:
+        assert error["code"] == "context_length_exceeded"
