@@ -46,6 +46,7 @@ class _Add:
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+    choice: int | None = None
 
 
 @dataclass
@@ -148,8 +149,9 @@ class AsyncEngine:
         if self._failure is not None or self._stopping:
             raise EngineStoppedError("the engine is not running") from self._failure
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+    def abort(self, request_id: str, choice: int | None = None) -> None:
+        """Stop the request (or only its choice `choice`); its stream gets the final output."""
+        self._commands.put(_Abort(request_id, choice))
 
     # -- the step thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -182,7 +184,7 @@ class AsyncEngine:
             if isinstance(cmd, _Add):
                 self._add(cmd)
             else:
-                final = self.engine.abort(cmd.request_id)
+                final = self.engine.abort(cmd.request_id, cmd.choice)
                 if final is not None:
                     self._deliver([final])
 

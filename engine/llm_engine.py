@@ -248,13 +248,16 @@ class LLMEngine:
                 self.lora.add_user(seq)
         self.scheduler.add(choices[0])
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request (every choice) wherever it is and free its blocks; its last output
-        (ABORT, with usage; choices it ends before make none), or None if unknown."""
+    def abort(self, request_id: str, choice: int | None = None) -> RequestOutput | None:
+        """Stop a request (every choice, or only choice `choice`) wherever it is and free its
+        blocks; its last output (ABORT, with usage; choices it ends before make none), or None
+        if unknown or already ended."""
         choices = self.outputs.open_choices(request_id)
+        if choice is not None:
+            choices = [seq for seq in choices if seq.index == choice]
         if not choices:
             return None
-        self._aborted += 1
+        self._aborted += choice is None  # requests: a choice stopped alone is not one
         return [self._end(seq, FinishReason.ABORT) for seq in choices][-1]
 
     @property

@@ -120,8 +120,8 @@ class EngineReplica:
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]  # aborts an unfinished one
 
-    async def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+    async def abort(self, request_id: str, choice: int | None = None) -> None:
+        self.engine.abort(request_id, choice)
 
     async def info(self) -> dict[str, Any]:
         llm = self.engine.engine

@@ -125,12 +125,12 @@ class EngineServer:
         elif isinstance(message, Abort):
             # As a task, so it runs after the streams spawned before it have added their
             # requests: an abort read in one go with its generate must find the request there.
-            self._spawn(self._abort(message.request_id))
+            self._spawn(self._abort(message.request_id, message.choice))
         else:
             self._spawn(self._answer(identity, message))
 
-    async def _abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+    async def _abort(self, request_id: str, choice: int | None) -> None:
+        self.engine.abort(request_id, choice)
 
     def _authorized(self, given: str) -> bool:
         return self.token is None or hmac.compare_digest(given.encode(), self.token.encode())

@@ -45,9 +45,9 @@ from loramux.engine.outputs import RequestTimings, TokenLogprob, Usage
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.structured import StructuredOutputError
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 """This protocol's version, in the engine's `info` reply: a gateway refuses an engine that
-speaks another (2: stream messages travel in Batches)."""
+speaks another (2: stream messages travel in Batches; 3: an Abort may name one choice)."""
 
 
 class UnauthorizedError(EngineError):
@@ -66,6 +66,8 @@ class Generate(msgspec.Struct, tag="generate", array_like=True):
 class Abort(msgspec.Struct, tag="abort", array_like=True):
     token: str
     request_id: str
+    choice: int | None = None
+    """Only this choice of the request (a stop string ended it at the gateway); None: all."""
 
 
 class Prefetch(msgspec.Struct, tag="prefetch", array_like=True):

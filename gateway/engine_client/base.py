@@ -57,11 +57,13 @@ class EngineClient(Protocol):
         A client may push them from where it reads them, waking no task per output."""
         ...
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, choice: int | None = None) -> None:
         """Stop the request `request_id` whose `generate` stream is being read: the stream then
         ends with a final output (finish reason `abort`, unless it finished first) whose usage
         counts every token the engine generated for it, delivered or not. Unknown or finished
-        ids are ignored. Call it only once `generate` has been asked for its first output."""
+        ids are ignored. Call it only once `generate` has been asked for its first output.
+        With `choice`, only that choice stops (its final output comes, the stream goes on);
+        a client that cannot address one choice may ignore it."""
         ...
 
     async def ensure_adapter(self, digest: str, folder: Path) -> None:

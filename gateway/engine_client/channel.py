@@ -100,11 +100,12 @@ class Channel:
             self.endpoint.mark_down()
             raise EngineStoppedError(f"engine {self.endpoint.url} is unreachable") from None
 
-    def abort(self, request_id: str) -> None:
-        """Ask the engine to abort `request_id`, without waiting; lost with the connection (and
-        then the engine aborts it by itself when its next delta finds no one)."""
+    def abort(self, request_id: str, choice: int | None = None) -> None:
+        """Ask the engine to abort `request_id` (or only its choice `choice`), without waiting;
+        lost with the connection (and then the engine aborts it by itself when its next delta
+        finds no one)."""
         try:
-            self.socket.send(encode(Abort(self.token, request_id)), zmq.NOBLOCK)
+            self.socket.send(encode(Abort(self.token, request_id, choice)), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.info("could not abort %s on %s: %s", request_id, self.endpoint.url, exc)
 

@@ -39,8 +39,8 @@ class LocalEngineClient:
         async for out in self.generate(request):
             sink(out)
 
-    async def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+    async def abort(self, request_id: str, choice: int | None = None) -> None:
+        self.engine.abort(request_id, choice)
 
     async def ensure_adapter(self, digest: str, folder: Path) -> None:
         llm = self.engine.engine

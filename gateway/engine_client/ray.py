@@ -120,11 +120,14 @@ class RayEngineClient:
         async for out in self.generate(request):
             sink(out)
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, choice: int | None = None) -> None:
         """Ray cannot address the replica that runs a stream, so the stream is cancelled (the
         replica then aborts the sequence and frees its blocks) and ends here with an `abort`
         output whose usage counts the tokens delivered: tokens the engine generated after the
-        last one read are not counted."""
+        last one read are not counted. One choice cannot be stopped alone (`choice` is
+        ignored): the stream goes on until every choice ends, as before."""
+        if choice is not None:
+            return
         if request_id in self._opening:  # asked before its first output: abort once it comes
             self._opening[request_id] = True
         stream = self._streams.get(request_id)

@@ -199,15 +199,15 @@ class RemoteEngineClient:
                 f"{self._first_output_seconds:g} s"
             ) from None
 
-    async def abort(self, request_id: str) -> None:
-        """Ask the engine serving `request_id` to abort it; its stream then ends with the
-        engine's final output. A stream still opening is aborted as soon as it opens."""
+    async def abort(self, request_id: str, choice: int | None = None) -> None:
+        """Ask the engine serving `request_id` to abort it (or, once open, its choice `choice`);
+        the stream ends with the engine's final output. One still opening is aborted once open."""
         serving = self._serving.get(request_id)
-        if serving is None or serving.aborted:
+        if serving is None or serving.aborted or (choice is not None and serving.channel is None):
             return
-        serving.aborted = True
+        serving.aborted = choice is None
         if serving.channel is not None:
-            serving.channel.abort(request_id)
+            serving.channel.abort(request_id, choice)
 
     async def ensure_adapter(self, digest: str, folder: Path) -> None:
         """Remember the adapter's files and upload them to its preferred engine if it lacks them."""

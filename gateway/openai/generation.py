@@ -8,10 +8,11 @@ settles the reservation there, by the tokens the engine generated.
 The engine streams token ids, each output tagged with its choice (`RequestOutput.index`, 0..n-1
 for a request with n choices); the text is made here (one IncrementalDetokenizer per choice), and
 so are stop strings matched. When a stop string matches in a choice, its text ends before it and
-the choice finishes with `stop`. The engine aborts whole requests only, so the choice ends here:
-the tokens the engine still generates for it are dropped, and once every choice has ended the
-engine's request is aborted. Nobody receives those tokens and nobody is billed for them (a
-choice counts its tokens up to the one that completed the stop string).
+the choice finishes with `stop`, and the engine is asked to abort that choice's sequence (the
+request's other choices go on; once every choice has ended, the request). The tokens the engine
+generates for it until the abort lands (a step or two) are dropped: nobody receives them and
+nobody is billed for them (a choice counts its tokens up to the one that completed the stop
+string). A client that cannot stop one choice (Ray) runs it until the request ends.
 
 A client that leaves calls `abort`: the engine stops the sequence and ends the stream with a
 final output whose usage counts every token it generated, delivered or not. A request that
@@ -216,15 +217,19 @@ class Generation:
             self.ttft = time.perf_counter() - self.started
         self.usage = out.usage or self.usage
         self.timings = out.timings or self.timings
-        delta = self.choices[out.index].take(out)
+        choice = self.choices[out.index]
+        delta = choice.take(out)
         if delta is not None:
             self._deltas.put_nowait(delta)
+            if choice.stopped_at is not None and not choice.engine_done and not self.finished:
+                self._abort_engine(choice.index)  # the others go on
         if self.finished and not all(c.engine_done for c in self.choices):
             # Every choice has ended here, some at a stop string, which the engine does not
             # match: its sequences for those go on until aborted.
             self._abort_engine()
 
-    def _abort_engine(self) -> None:
+    def _abort_engine(self, choice: int | None = None) -> None:
+        """Stop the engine's request, or only its choice `choice`."""
         if self._submitted and not self._aborted:
-            self._aborted = True
-            _spawn(self.engine.abort(self.request.request_id))
+            self._aborted = choice is None
+            _spawn(self.engine.abort(self.request.request_id, choice))

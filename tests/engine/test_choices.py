@@ -186,3 +186,34 @@ def test_bad_choice_counts_and_biases_are_refused_and_others_go_on(demo_model_di
         outputs += engine.step()
     assert {o.request_id for o in outputs} == {"good"} and outputs[-1].is_last
     assert engine.stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_one_choice_aborted_alone_ends_while_the_others_go_on_unchanged(
+    demo_model_dir: Path, reference: Any, async_scheduling: bool
+) -> None:
+    """A stop string ends choice 1 at the gateway, which aborts it alone: its sequence ends
+    (final output ABORT, not the request's last), the other choices generate exactly what they
+    generate in a request never aborted, and every block is freed at the end. The request is
+    not counted as aborted."""
+    engine = make_engine(demo_model_dir, async_scheduling=async_scheduling)
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, n=3, ignore_eos=True)
+    request = EngineRequest("split", params, prompt_token_ids=_prompt(3, 21))
+    engine.add_request(request)
+    outputs: list[RequestOutput] = []
+    while not any(o.index == 1 and o.token_ids for o in outputs):
+        outputs += engine.step()
+    final = engine.abort("split", choice=1)
+    assert final is not None and final.index == 1 and final.finish_reason is FinishReason.ABORT
+    assert not final.is_last
+    assert engine.abort("split", choice=1) is None
+    while engine.has_work:
+        outputs += engine.step()
+    assert all(o.index != 1 for o in outputs if o.finish_reason is FinishReason.LENGTH)
+    assert outputs[-1].is_last and outputs[-1].usage is not None
+    solo = _solo(reference, request)
+    got = _choices([*outputs, final])
+    assert (got[0], got[2]) == (solo[0], solo[2])
+    assert got[1] == solo[1][: len(got[1])] and len(got[1]) < len(solo[1])
+    assert engine.stats().kv_blocks_used == 0
+    assert engine.stats().aborted == 0

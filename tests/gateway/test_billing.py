@@ -138,6 +138,32 @@ def test_a_finished_request_is_billed_for_its_usage(
     assert ledger_spent(gateway, tenant) == usage["total_tokens"]
 
 
+STOPPED_OVERSHOOT = 8
+"""Tokens a choice may still generate after its stop string matched, before its abort lands
+(a step or two; more on a loaded machine)."""
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_each_choice_ended_by_a_stop_string_is_aborted_in_the_engine_at_once(
+    gateway: RunningServer, admin: httpx.Client, stream: bool
+) -> None:
+    """n = 16 choices, each ending at a stop string at its own time: each choice's engine
+    sequence is aborted when its stop string matches, not when the last choice ends. (Choices
+    ran on until then: 816 tokens generated for 276 billed, engine work nobody paid for.)"""
+    tenant = new_tenant(admin, "stops")
+    before = idle(gateway)
+    body = {"model": "demo-model", "prompt": "Once upon a time", "max_tokens": MAX_TOKENS}
+    body |= {"n": 16, "temperature": 1, "seed": 3, "stop": ["q", "z", "x"], "stream": stream}
+    with httpx.stream(
+        "POST", f"{gateway.url}/v1/completions", json=body, headers=headers(tenant), timeout=60
+    ) as r:
+        assert r.status_code == 200, r.read()
+        r.read()
+    [event] = usage_events(gateway, tenant, 1)
+    generated = idle(gateway).generated_tokens - before.generated_tokens
+    assert event.completion_tokens <= generated <= event.completion_tokens + 16 * STOPPED_OVERSHOOT
+
+
 def test_latency_and_time_to_first_token_count_from_the_requests_arrival(
     gateway: RunningServer, admin: httpx.Client
 ) -> None:

@@ -25,6 +25,7 @@ from loramux.engine.prompt import prompt_token_ids
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.service.runner import RunningEngineService
 from loramux.engine.service.wire import (
+    WIRE_VERSION,
     Call,
     Reply,
     UnauthorizedError,
@@ -158,7 +159,9 @@ async def test_an_engine_of_another_channel_version_is_refused_by_name() -> None
     client = RemoteEngineClient([f"tcp://127.0.0.1:{port}"])
     answering = asyncio.create_task(answer_info())
     try:
-        with pytest.raises(EngineVersionError, match="version 1, this gateway version 2"):
+        with pytest.raises(
+            EngineVersionError, match=f"version 1, this gateway version {WIRE_VERSION}"
+        ):
             await client.info()
         await answering
     finally:
