@@ -57,6 +57,7 @@ from loramux.engine.step_inputs import LaunchedStep, StepInputs
 from loramux.engine.structured import StructuredOutputError
 from loramux.engine.structured.grammar import CompiledGrammar, GrammarCompiler
 from loramux.engine.structured.mask import GrammarBitmask
+from loramux.engine.structured.schema import is_panic
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +300,9 @@ class LLMEngine:
             outputs, self._in_flight = self._land(self._in_flight), None
         try:
             return self._sample(inputs, logits), outputs
-        except Exception:
+        except BaseException as exc:  # the grammar library's panics are BaseExceptions
+            if not (isinstance(exc, Exception) or is_panic(exc)):
+                raise
             return None, outputs + self._fail_step(batch)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> tuple[StepInputs, torch.Tensor]:

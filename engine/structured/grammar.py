@@ -50,16 +50,23 @@ class GrammarMatcher:
 
     def __init__(self, matcher: llguidance.LLMatcher):
         self.ll = matcher
+        self._panic = ""
 
     def accept(self, token: int) -> bool:
         """Advance past `token`; False when the grammar did not allow it or the matcher failed
-        earlier (ran past its limits), which ends the request."""
-        return self.ll.consume_token(token)
+        (ran past its limits, or the library panicked), which ends the request alone."""
+        try:
+            return self.ll.consume_token(token)
+        except BaseException as exc:
+            if not is_panic(exc):
+                raise
+            self._panic = f"the grammar library failed: {exc}"
+            return False
 
     @property
     def error(self) -> str:
         """Why the matcher failed; empty while it has not."""
-        return self.ll.get_error()
+        return self._panic or self.ll.get_error()
 
     def fork(self) -> GrammarMatcher:
         """An independent copy at the same position (for a choice that forks a sequence)."""

@@ -5,6 +5,7 @@ scheduling; a schema the grammar library cannot compile is refused before anythi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -240,3 +241,42 @@ async def test_the_async_facade_compiles_off_the_step_loop_while_others_stream(
     assert sum(len(o.token_ids) for o in [first, *rest]) == 40
     text = facade.engine.tokenizer.decode([t for o in outputs for t in o.token_ids][:-1])
     jsonschema.validate(json.loads(text), NESTED)
+
+
+PANIC = type("PanicException", (BaseException,), {})
+"""What pyo3 raises for a Rust panic inside the grammar library: a BaseException, which an
+`except Exception` does not catch (a real one takes a hostile schema minutes to reach)."""
+
+
+def test_a_panic_of_the_grammar_library_fails_its_requests_not_the_engine(
+    demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A panic while a constrained token is accepted fails that request alone; while a step's
+    masks are filled, that step's requests. Either way the engine goes on serving."""
+    engine = make_engine(demo_model_dir)
+    spec = _constrained({"type": "object"})
+    free = EngineRequest("free", SamplingParams(max_tokens=6), prompt_token_ids=[5, 6, 7])
+    bound = EngineRequest(
+        "bound", SamplingParams(max_tokens=6, structured=spec), prompt_token_ids=[5, 6, 8]
+    )
+    with monkeypatch.context() as m:
+        m.setattr("llguidance.LLMatcher.consume_token", _panics)
+        outputs = run_to_completion(engine, [free, bound])
+    assert outputs["bound"][-1].finish_reason is FinishReason.ERROR
+    assert outputs["free"][-1].finish_reason is FinishReason.LENGTH
+    with monkeypatch.context() as m:
+        m.setattr("llguidance.torch.fill_next_token_bitmask_par", _panics)
+        failed = run_to_completion(engine, [replace_id(bound, "bound-2")])
+    assert failed["bound-2"][-1].finish_reason is FinishReason.ERROR
+    after = run_to_completion(engine, [replace_id(free, "after"), replace_id(bound, "bound-3")])
+    assert after["after"][-1].finish_reason is FinishReason.LENGTH
+    assert after["bound-3"][-1].finish_reason is not FinishReason.ERROR
+    assert engine.stats().kv_blocks_used == 0
+
+
+def _panics(*args: object, **kwargs: object) -> None:
+    raise PANIC("called `Option::unwrap()` on a `None` value")
+
+
+def replace_id(request: EngineRequest, request_id: str) -> EngineRequest:
+    return dataclasses.replace(request, request_id=request_id)
