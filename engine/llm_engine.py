@@ -75,7 +75,9 @@ class LLMEngine:
         torch.manual_seed(0)
         # For validate(), on callers' threads (the step thread never touches text).
         self.tokenizer: Any = AutoTokenizer.from_pretrained(str(config.model))
-        self.max_model_len = _max_model_len(config)
+        self.max_model_len = ModelConfig.from_folder(config.model).context_limit(
+            config.max_model_len
+        )
         self.model: LlamaModel = load_model(
             config.model,
             config.torch_dtype,
@@ -101,7 +103,7 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor()
         self.eos_ids = frozenset(self.model_config.eos_token_ids)
-        self.grammars = _grammar_compiler(
+        self.grammars = GrammarCompiler.for_tokenizer(
             self.tokenizer, self.model_config.vocab_size, self.eos_ids
         )
         self.grammar_masks = GrammarBitmask(
@@ -401,21 +403,3 @@ class LLMEngine:
             steps=self._steps,
             prefix_cache_query_tokens=c.prefix_cache_query_tokens,
         )
-
-
-def _grammar_compiler(
-    tokenizer: Any, vocab_size: int, eos_ids: frozenset[int]
-) -> GrammarCompiler | None:
-    """The compiler of structured outputs for the engine's tokenizer; None (and structured
-    requests refused) when the grammar library cannot read the tokenizer."""
-    try:
-        return GrammarCompiler(tokenizer, vocab_size, eos_ids)
-    except (ValueError, TypeError):
-        log.warning("structured output is off: the tokenizer is not supported", exc_info=True)
-        return None
-
-
-def _max_model_len(config: EngineConfig) -> int:
-    mc = ModelConfig.from_folder(config.model)
-    limit = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    return limit if mc.sliding_window is None else min(limit, mc.sliding_window)

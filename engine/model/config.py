@@ -45,6 +45,12 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def context_limit(self, asked: int | None) -> int:
+        """The longest sequence served: `asked` (None: the model's), at most the model's
+        position embeddings and its sliding window."""
+        limit = min(asked or self.max_position_embeddings, self.max_position_embeddings)
+        return limit if self.sliding_window is None else min(limit, self.sliding_window)
+
     @classmethod
     def from_folder(cls, folder: Path) -> ModelConfig:
         path = folder / "config.json"

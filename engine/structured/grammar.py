@@ -15,6 +15,7 @@ results are cached by schema text, and the step thread only copies the cached ma
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -25,6 +26,8 @@ import llguidance.hf
 
 from loramux.engine.structured import StructuredOutput, StructuredOutputError
 from loramux.engine.structured.schema import LIMITS, PANIC_ERROR, grammar_text, is_panic
+
+log = logging.getLogger(__name__)
 
 CACHE_ENTRIES = 256
 """Compiled grammars kept, least recently used dropped first."""
@@ -80,6 +83,18 @@ class GrammarCompiler:
     (ids past the tokenizer's are never allowed); `eos_ids` the tokens allowed once a value is
     complete.
     """
+
+    @classmethod
+    def for_tokenizer(
+        cls, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int]
+    ) -> GrammarCompiler | None:
+        """The compiler, or None (and structured requests refused) when the grammar library
+        cannot read the tokenizer."""
+        try:
+            return cls(tokenizer, vocab_size, eos_ids)
+        except (ValueError, TypeError):
+            log.warning("structured output is off: the tokenizer is not supported", exc_info=True)
+            return None
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int]):
         self.vocab_size = vocab_size
