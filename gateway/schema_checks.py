@@ -10,9 +10,10 @@ a client sends really compile in milliseconds.
 
 Each check runs on a tokenizer thread in its tenant's turn (gateway.prompt_tokens), never on the
 event loop, with one child per tokenizer thread, started when first needed; a child ends with its
-parent, even in the middle of a check. Verdicts are kept by
-schema text (timeouts included), so a schema that many requests share is checked once, and a
-hostile one repeated costs nothing more.
+parent, even in the middle of a check. The bound counts from when a started child is sent the
+schema, so a child's start-up never counts against a schema. Verdicts are kept by schema text
+(timeouts included, not a child's death, which may be the machine's doing), so a schema that many
+requests share is checked once, and a hostile one repeated costs nothing more.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import loramux
 from loramux.engine.structured import StructuredOutput, StructuredOutputError
-from loramux.engine.structured.schema import MEMORY_ENV
+from loramux.engine.structured.schema import MEMORY_ENV, READY
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,11 @@ CHILD_MEMORY_BYTES = 2 << 30
 """Address space a checking process may use (a fresh interpreter with the grammar library:
 about a tenth of it)."""
 VERDICTS = 1024
-"""Verdicts kept, least recently used dropped first."""
+"""Verdicts kept, least recently used dropped first..."""
+VERDICT_CHARS = 8_000_000
+"""...and at most this many characters of schema text among them."""
+STARTUP_SECONDS = 30.0
+"""Longest a checking process may take to start (not counted in a check's bound)."""
 TOO_COMPLEX = (
     "the JSON schema is too complex: checking it takes longer than {seconds:g} s (an allOf of "
     "several patterns is the usual cause)"
@@ -57,6 +62,7 @@ class SchemaChecks:
         for _ in range(workers):
             self._idle.put(None)  # started when first needed
         self._verdicts: OrderedDict[StructuredOutput, str | None] = OrderedDict()
+        self._verdict_chars = 0
         self._lock = threading.Lock()
         self._closed = False
         self._children: set[_Child] = set()
@@ -71,13 +77,21 @@ class SchemaChecks:
             if known:
                 self._verdicts.move_to_end(spec)
         if not known:
-            verdict = self._run(spec)
-            with self._lock:
-                self._verdicts[spec] = verdict
-                while len(self._verdicts) > VERDICTS:
-                    self._verdicts.popitem(last=False)
+            verdict, lasting = self._run(spec)
+            if lasting:
+                self._remember(spec, verdict)
         if verdict is not None:
             raise StructuredOutputError(verdict)
+
+    def _remember(self, spec: StructuredOutput, verdict: str | None) -> None:
+        with self._lock:
+            if spec in self._verdicts:
+                return
+            self._verdicts[spec] = verdict
+            self._verdict_chars += len(spec.json_schema or "")
+            while len(self._verdicts) > VERDICTS or self._verdict_chars > VERDICT_CHARS:
+                dropped, _ = self._verdicts.popitem(last=False)
+                self._verdict_chars -= len(dropped.json_schema or "")
 
     def close(self) -> None:
         """Stop every child (a check under way then fails)."""
@@ -87,7 +101,9 @@ class SchemaChecks:
         for child in children:
             child.stop()
 
-    def _run(self, spec: StructuredOutput) -> str | None:
+    def _run(self, spec: StructuredOutput) -> tuple[str | None, bool]:
+        """The verdict, and whether it lasts (is the schema's whatever the load: not when the
+        checking process died or could not start)."""
         child = self._idle.get()
         try:
             if child is None or not child.alive:
@@ -97,13 +113,13 @@ class SchemaChecks:
                 log.warning("a JSON schema took over %g s to check: refused", self.seconds)
                 self._retire(child)
                 child = None
-                return TOO_COMPLEX.format(seconds=self.seconds)
-            return verdict
+                return TOO_COMPLEX.format(seconds=self.seconds), True
+            return verdict, True
         except (OSError, EOFError):  # the child died (its memory bound) or was stopped
             if child is not None:
                 self._retire(child)
             child = None
-            return "the JSON schema cannot be compiled: checking it failed"
+            return "the JSON schema cannot be compiled: checking it failed", False
         finally:
             self._idle.put(child)
 
@@ -111,10 +127,15 @@ class SchemaChecks:
         with self._lock:
             if self._closed:
                 raise StructuredOutputError("the gateway is shutting down")
-            child = _Child.start()
+        child = _Child.start()  # outside the lock: verdicts known stay answered meanwhile
+        with self._lock:
             self._children.add(child)
             self.started += 1
-            return child
+            closed = self._closed
+        if closed:
+            self._retire(child)
+            raise StructuredOutputError("the gateway is shutting down")
+        return child
 
     def _retire(self, child: _Child) -> None:
         child.stop()
@@ -141,7 +162,13 @@ class _Child:
         process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True
         )
-        return _Child(process)
+        child = _Child(process)
+        assert process.stdout is not None
+        ready, _, _ = select.select([process.stdout], [], [], STARTUP_SECONDS)
+        if not ready or process.stdout.readline() != READY.encode():
+            child.stop()
+            raise OSError("the schema checking process did not start")
+        return child
 
     @property
     def alive(self) -> bool:

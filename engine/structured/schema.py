@@ -33,6 +33,8 @@ MAX_SCHEMA_DEPTH = 64
 """Deepest JSON nesting of a schema's text (objects and arrays). OpenAI's strict mode allows 10
 levels of schema nesting, each a few levels of JSON."""
 
+READY = "ready\n"
+"""The checking program's first line: started, its time bound may begin."""
 MEMORY_ENV = "LORAMUX_SCHEMA_CHECK_MEMORY"
 """Address space (bytes) the checking program (`python -m loramux.engine.structured.schema`)
 limits itself to."""
@@ -143,6 +145,8 @@ def serve_checks() -> None:
     if memory:
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     threading.Thread(target=_end_with_parent, args=(os.getppid(),), daemon=True).start()
+    sys.stdout.write(READY)
+    sys.stdout.flush()
     for line in sys.stdin.buffer:
         try:
             kind, json_schema = json.loads(line)

@@ -166,3 +166,31 @@ def _wait_until_checking(checks: SchemaChecks) -> None:
     while checks._idle.qsize() == checks.workers and time.monotonic() < deadline:
         time.sleep(0.005)
     assert checks._idle.qsize() < checks.workers, "no check started"
+
+
+def test_a_childs_death_is_not_remembered_and_verdicts_are_bounded_by_their_text(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A check whose process died (its memory bound, or the machine) refuses that request only:
+    the schema is checked again next time. Verdicts kept are bounded by their schemas' text."""
+    checks = SchemaChecks(workers=1, seconds=600)
+    try:
+        slow = spec_of(patterns_schema(24))
+        with ThreadPoolExecutor(1) as pool:
+            checking = pool.submit(checks.check, slow)
+            deadline = time.monotonic() + 30
+            while not checks._children and time.monotonic() < deadline:
+                time.sleep(0.005)
+            (child,) = checks._children
+            child.process.kill()
+            with pytest.raises(StructuredOutputError, match="checking it failed"):
+                checking.result(timeout=60)
+        assert slow not in checks._verdicts
+        monkeypatch.setattr("loramux.gateway.schema_checks.VERDICT_CHARS", 400)
+        specs = [spec_of(GOOD | {"title": "x" * 100 + str(i)}) for i in range(4)]
+        for spec in specs:
+            checks.check(spec)
+        assert list(checks._verdicts) == specs[-2:]
+        assert checks._verdict_chars == sum(len(s.json_schema or "") for s in specs[-2:])
+    finally:
+        checks.close()
