@@ -28,7 +28,7 @@ from loramux.gateway.cache_policy import TenantCacheSettings
 from loramux.gateway.db import AdapterVersion, ApiKey
 from loramux.gateway.db.adapter import SHARED_OWNER
 from loramux.gateway.errors import NotFound, ServiceUnavailable, Unprocessable
-from loramux.gateway.tenants.lookup import get_tenant, tenant_id_of
+from loramux.gateway.tenants.lookup import get_tenant, owner_id, tenant_id_of
 
 _DIGEST = re.compile(r"^[0-9a-f]{16,64}$")
 
@@ -77,7 +77,7 @@ class CacheAdmin:
     async def report_wrong_hit(self, tenant_id: str, request_id: str) -> None:
         """Invalidate the entry that answered the tenant's request. NotFound alike for an unknown
         tenant, an unknown request and another tenant's request (nothing says which)."""
-        await get_tenant(self.session, tenant_id)
+        tenant_id = (await get_tenant(self.session, tenant_id)).id
         try:
             found = await self.response_cache.report_wrong_hit(tenant_id, request_id)
         except Exception as exc:
@@ -91,8 +91,9 @@ class CacheAdmin:
                 code="request_not_found",
             )
 
-    async def stats(self, tenant_id: str) -> CacheStatsOut:
-        await get_tenant(self.session, tenant_id)
+    async def stats(self, ref: str) -> CacheStatsOut:
+        """The counters of the tenant whose id or name is `ref`."""
+        tenant_id = (await get_tenant(self.session, ref)).id
         counts = self.response_cache.tenant_stats(tenant_id).as_dict()
         return CacheStatsOut(tenant_id=tenant_id, **counts)
 
@@ -117,12 +118,21 @@ def _out(tenant_id: str, settings: TenantCacheSettings) -> CacheSettingsOut:
     return CacheSettingsOut(tenant_id=tenant_id, **settings.as_dict())
 
 
+async def _owner(session: AsyncSession, ref: str) -> str:
+    """An adapter owner named by id or name (`shared` included); an unknown one as written, so
+    that it finds no adapter."""
+    try:
+        return await owner_id(session, ref)
+    except NotFound:
+        return ref
+
+
 async def _digests(session: AsyncSession, tenant_id: str, adapter: str) -> list[str]:
     if adapter == "base" or _DIGEST.match(adapter):
         return [adapter]
     if "/" in adapter:
         owner, name = adapter.split("/", 1)
-        owners = [owner]
+        owners = [await _owner(session, owner)]
     else:
         name, owners = adapter, [tenant_id, SHARED_OWNER]
     for owner in owners:

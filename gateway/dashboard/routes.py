@@ -34,7 +34,7 @@ Days = Annotated[int, QueryParameter(ge=1, le=366)]
 FirstDay = Annotated[str | None, QueryParameter(query="from", max_length=10)]
 LastDay = Annotated[str | None, QueryParameter(query="to", max_length=10)]
 SECURITY_HEADERS = {
-    "content-security-policy": "default-dashboard 'none'; style-dashboard 'self'; img-dashboard 'self'; "
+    "content-security-policy": "default-src 'none'; style-src 'self'; img-src 'self'; "
     "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
     "cache-control": "no-store",
     "referrer-policy": "same-origin",

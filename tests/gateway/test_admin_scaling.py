@@ -99,6 +99,12 @@ def test_a_tenant_is_addressed_by_its_name_on_every_route_that_takes_one(
     assert json_of(admin.get(f"/admin/adapters/{name}/support-bot"))["latest"] == adapter
     usage = admin.get("/admin/usage", params={"tenant": name, "group_by": "adapter"})
     assert json_of(usage)["tenant"] == tid
+    stats = json_of(admin.get(f"/admin/tenants/{name}/cache/stats"))
+    assert stats == json_of(admin.get(f"/admin/tenants/{tid}/cache/stats"))
+    assert stats["tenant_id"] == tid
+    for owner in (name, tid):
+        purge = {"tenant": name, "adapter": f"{owner}/support-bot"}
+        assert admin.delete("/admin/cache", params=purge).status_code == 200, owner
 
     renamed = json_of(admin.patch(f"/admin/tenants/{name}", json={"name": f"{name}-2"}))
     assert renamed["id"] == tid

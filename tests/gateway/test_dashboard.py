@@ -259,6 +259,11 @@ def test_every_dashboard_response_forbids_caching_and_sniffing(
     for r in responses:
         assert r.headers.get("cache-control") == "no-store", (r.request.url, r.status_code)
         assert r.headers.get("x-content-type-options") == "nosniff", (r.request.url, r.status_code)
+        policy = r.headers.get("content-security-policy", "")
+        directives = {d.strip().split(" ", 1)[0]: d.strip() for d in policy.split(";")}
+        assert directives["default-src"] == "default-src 'none'", policy
+        assert directives["style-src"] == "style-src 'self'", policy
+        assert directives["frame-ancestors"] == "frame-ancestors 'none'", policy
 
 
 def test_sign_out_clears_the_session(gateway: RunningServer, traffic: Traffic) -> None:

@@ -137,6 +137,26 @@ def test_a_reported_wrong_hit_is_invalidated_and_the_next_identical_request_miss
     assert 'data-testid="cache-hits">0 / 1<' in page
 
 
+def test_a_wrong_hit_is_reported_by_the_tenants_name_as_by_its_id(
+    admin: httpx.Client, api: httpx.Client
+) -> None:
+    """The admin API takes a tenant by id or name everywhere: feedback by name found no record
+    (404) and counted nothing, as it looked the name up as an id."""
+    tenant = new_tenant(admin, "named")
+    question = f"Where do I change my billing address? {uuid.uuid4().hex[:6]}"
+    ask(api, tenant, question)
+    served = ask(api, tenant, question)
+    assert served.headers["x-cache"] == "exact"
+    report = {"tenant": tenant.tenant_name, "request_id": served.headers["x-request-id"]}
+    assert json_of(admin.post("/admin/cache/feedback", json=report)) == {"invalidated": True}
+    stats = json_of(admin.get(f"/admin/tenants/{tenant.tenant_name}/cache/stats"))
+    assert (stats["tenant_id"], stats["wrong_hits"], stats["exact_hits"]) == (
+        tenant.tenant_id,
+        1,
+        1,
+    )
+
+
 def test_another_tenant_cannot_report_a_tenants_response(
     admin: httpx.Client, api: httpx.Client
 ) -> None:
