@@ -32,6 +32,8 @@ from loramux.gateway.fair_pool import Backlogged, FairPool
 from loramux.gateway.schema_checks import SchemaChecks
 
 TOKENIZER_THREADS = 2
+SCHEMA_THREADS = 1
+"""Threads (each with a checking process) for structured-output schemas not checked before."""
 MAX_WAITING_PER_TENANT = 256
 """Prompts of one tenant waiting for a tokenizer thread at most; another is refused (429) until
 one starts: a bound on the memory and tokenizer time one tenant's burst can claim ahead of the
@@ -51,9 +53,11 @@ class PromptTokens:
         self.max_model_len = max_model_len
         self._local = threading.local()
         self._pool = FairPool(TOKENIZER_THREADS, "loramux-tokenize", max_waiting_per_tenant)
-        self.schemas = SchemaChecks(TOKENIZER_THREADS)
-        """The structured-output schema of a request is checked in its job, before the prompt
-        is tokenized (bounded in time: gateway.schema_checks)."""
+        self.schemas = SchemaChecks(SCHEMA_THREADS)
+        """A request's structured-output schema is checked before its prompt is tokenized,
+        bounded in time (gateway.schema_checks), on a thread of its own, tenants in turn: a
+        tenant sending slow schemas delays others' new schemas, never their prompts."""
+        self._schema_pool = FairPool(SCHEMA_THREADS, "loramux-schema", max_waiting_per_tenant)
         self._loop_tokenizer = self._tokenizer()
         self._loop_decoder = rust_decoder(self._loop_tokenizer)
         self.chat_template = chat_template(self._loop_tokenizer)
@@ -66,6 +70,7 @@ class PromptTokens:
 
     def close(self) -> None:
         self._pool.close()
+        self._schema_pool.close()
         self.schemas.close()
 
     async def prompt_ids(
@@ -81,11 +86,27 @@ class PromptTokens:
         oversized = limit is not None and prompt_chars(request, len) > limit
         if oversized and not self._normalizes:
             self._refuse(prompt_chars(request, len))
+        spec = request.params.structured
+        if spec is not None and not self.schemas.knows(spec):
+            await self._in_turn(self._schema_pool, owner, gone, self.schemas.check, spec)
+        ids: list[int] = await self._in_turn(
+            self._pool, owner, gone, self._prompt_ids, request, oversized
+        )
+        return ids
+
+    async def _in_turn(
+        self,
+        pool: FairPool,
+        owner: str,
+        gone: asyncio.Future[None] | None,
+        fn: Callable[..., Any],
+        *args: Any,
+    ) -> Any:
         try:
-            job = self._pool.run(owner, self._prompt_ids, request, oversized)
+            job = pool.run(owner, fn, *args)
         except Backlogged:
             raise RateLimited(
-                f"{self._pool.max_waiting} prompts of this tenant are already waiting to be "
+                f"{pool.max_waiting} prompts of this tenant are already waiting to be "
                 "tokenized; retry shortly",
                 limit_type="requests",
                 refusal="backlog",

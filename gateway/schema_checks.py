@@ -8,9 +8,11 @@ caps it. A check therefore runs in a child process that is killed when it takes 
 `CHECK_SECONDS` (the schema is refused, 400) and may not grow past `CHILD_MEMORY_BYTES`. Schemas
 a client sends really compile in milliseconds.
 
-Each check runs on a tokenizer thread in its tenant's turn (gateway.prompt_tokens), never on the
-event loop, with one child per tokenizer thread, started when first needed; a child ends with its
-parent, even in the middle of a check. The bound counts from when a started child is sent the
+A schema not checked before is checked before its prompt is tokenized, on a thread of its own,
+tenants in turn (gateway.prompt_tokens), never on the event loop or a tokenizer thread, so that
+slow schemas delay other tenants' new schemas (up to the bound a turn), never their prompts. One
+child per such thread, started when first needed; a child ends with its parent, even in the
+middle of a check. The bound counts from when a started child is sent the
 schema, so a child's start-up never counts against a schema. Verdicts are kept by schema text
 (timeouts included, not a child's death, which may be the machine's doing), so a schema that many
 requests share is checked once, and a hostile one repeated costs nothing more.
@@ -68,6 +70,11 @@ class SchemaChecks:
         self._children: set[_Child] = set()
         self.started = 0
         """Checking processes started so far (each refused timeout replaces one)."""
+
+    def knows(self, spec: StructuredOutput) -> bool:
+        """Whether `spec`'s verdict is kept (then `check` answers at once)."""
+        with self._lock:
+            return spec in self._verdicts
 
     def check(self, spec: StructuredOutput) -> None:
         """Raise StructuredOutputError when `spec` cannot be served (blocks: not on the loop)."""

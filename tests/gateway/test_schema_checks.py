@@ -114,9 +114,10 @@ def test_a_panic_of_the_grammar_library_is_a_refusal(monkeypatch: pytest.MonkeyP
 def test_a_hostile_schema_is_refused_while_other_tenants_are_served(
     gateway: RunningServer, admin: httpx.Client
 ) -> None:
-    """Tenant A's schema (response_format, or a forced tool's parameters) is checked on a
-    tokenizer thread in A's turn, in a child process: not on the event loop, which served tenant
-    B's request meanwhile. Each of A's requests gets a 400 naming the field."""
+    """Tenant A's schema (response_format, or a forced tool's parameters) is checked in a child
+    process, on the schema thread in A's turn: not on the event loop nor a tokenizer thread,
+    which served tenant B's request meanwhile. Each of A's requests gets a 400 naming the
+    field."""
     a, b = new_tenant(admin, "schemer"), new_tenant(admin, "bystander")
     base = {"model": "demo-model", "messages": [{"role": "user", "content": "hi"}]}
     base |= {"max_tokens": 2}
