@@ -81,7 +81,9 @@ class PromptTokens:
         than the context could hold (when the tokenizer normalizes text first, which can
         shorten it, counted once normalized); RateLimited (429) when the owner already has
         `max_waiting_per_tenant` prompts waiting; ClientClosedRequest (499), untokenized, when
-        `gone` (the client's connection closing) completes before the prompt's turn."""
+        `gone` (the client's connection closing) completes before the prompt's turn;
+        StructuredOutputError, untokenized, when its schema cannot be served (checked first,
+        on the schema thread, in `owner`'s turn)."""
         limit = self.max_prompt_chars
         oversized = limit is not None and prompt_chars(request, len) > limit
         if oversized and not self._normalizes:

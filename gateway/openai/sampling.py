@@ -94,8 +94,8 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[i
 
 
 def _constraint(fmt: ResponseFormat | None, forced_call: str | None) -> StructuredOutput | None:
-    """The output's constraint, its size checked. Whether it compiles is checked in the
-    request's tokenizing job, bounded in time (gateway.schema_checks)."""
+    """The output's constraint, its size checked. Whether it compiles is checked before the
+    prompt is tokenized, bounded in time (gateway.prompt_tokens, gateway.schema_checks)."""
     try:
         structured = structured_output(fmt)
         if forced_call is None:
