@@ -9,7 +9,12 @@ Publishing a version, in this order, so that each step can be undone by the next
 4. the previous version's digest is retired unless another adapter still serves it.
 
 A digest *serves* while it is the latest live version of some `owner/name`: several adapters
-may share one digest (identical content), so a digest is retired only when none serves it.
+may share one digest (identical content), so a digest is retired only when none serves it. Its
+files stay in the stores while any live version names it (an older version can be pinned), and
+while a publish of the same bytes is under way in this process (a failed publish of tenant B
+must not take the folder from under tenant A's publish of identical content). Across gateway
+processes that last window remains: B's cleanup can race A's publish between A's store and
+A's commit.
 Deleting soft-deletes rows (versions keep counting up after a delete) and retires digests;
 requests in flight finish on them.
 
@@ -24,8 +29,10 @@ stay in the store, so a pinned request loads its digest on demand.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from sqlalchemy import func, select, update
@@ -127,14 +134,16 @@ class AdapterService:
         """Store, load and record a new version of `owner/name` (see the module docstring);
         the current version when it holds the same bytes."""
         stored = await asyncio.to_thread(self.store.put, folder)
-        if self.shared is not None:
-            await self.shared.put(stored)
-        current = await latest_version(self.session, owner, name)
-        if current is not None and current.digest == stored.digest:
-            return Published(adapter_out(current), created=False)
-        return Published(await self._publish_stored(owner, name, stored), created=True)
+        with _publishing(stored.digest):  # entered in the same turn of the loop as the put ends
+            if self.shared is not None:
+                await self.shared.put(stored)
+            current = await latest_version(self.session, owner, name)
+            if current is not None and current.digest == stored.digest:
+                return Published(adapter_out(current), created=False)
+            return Published(await self._publish_stored(owner, name, stored), created=True)
 
     async def _publish_stored(self, owner: str, name: str, stored: StoredAdapter) -> AdapterOut:
+        """Steps 2-4, inside `_publishing(stored.digest)`."""
         try:
             await self.engine.ensure_adapter(stored.digest, stored.path)
             row, previous = await self._insert_version(owner, name, stored)
@@ -161,7 +170,8 @@ class AdapterService:
                 f"the files of {owner}/{name} version {version} are gone from the store",
                 code="adapter_files_missing",
             )
-        return Published(await self._publish_stored(owner, name, stored), created=True)
+        with _publishing(stored.digest):
+            return Published(await self._publish_stored(owner, name, stored), created=True)
 
     async def delete_version(self, owner_ref: str, name: str, version: int) -> Deleted:
         """Soft-delete one live version and retire its digest unless it still serves."""
@@ -206,25 +216,29 @@ class AdapterService:
 
     async def _discard(self, digest: str) -> None:
         """Undo steps 1-2 of a publish that failed later: retire the digest unless it serves,
-        and remove its stored folder unless a live row names it."""
+        and remove its stored folder unless a live row names it. Unless another publish of the
+        same bytes (another adapter with identical content) is under way in this process: it
+        is about to name the digest, and needs the folder and the engine's copy."""
+        if _PUBLISHING[digest] > 1:
+            return
         await self.retire_unused([digest])
-        named = await self.session.scalar(
-            select(AdapterVersion.id)
-            .where(AdapterVersion.digest == digest, AdapterVersion.deleted_at.is_(None))
-            .limit(1)
-        )
-        if named is None:
+        if not await _named(self.session, digest):
             await asyncio.to_thread(self.store.delete, digest)
-            if self.shared is not None:
-                await self.shared.delete(digest, self.session)
 
     async def retire_unused(self, digests: Iterable[str]) -> None:
-        """Retire in the engine each digest that no live adapter serves any more."""
+        """Retire in the engine each digest that no live adapter serves any more, and delete
+        from the shared store the files of each that no live version names (a pinned older
+        version loads its digest on demand, from there on replicas that never fetched it)."""
         unused = [d for d in set(digests) if not await _serves(self.session, d)]
         for digest in unused:
             await self.engine.retire_adapter(digest)
-            if self.shared is not None:  # replicas that never fetched it cannot any more
-                await self.shared.delete(digest, self.session)
+        if self.shared is None:
+            return
+        unnamed = [d for d in unused if not await _named(self.session, d)]
+        for digest in unnamed:
+            await self.shared.delete(digest, self.session)
+        if unnamed:
+            await self.session.commit()  # the store may be this session's database
 
     async def list_latest(self, owner_ref: str | None, paging: Paging) -> AdapterPage:
         """A page of the latest live version of every adapter (of one owner, when given), by
@@ -266,6 +280,31 @@ class AdapterService:
             )
         )
         return len(ids), await _soft_delete(self.session, ids)
+
+
+_PUBLISHING: Counter[str] = Counter()
+"""Publishes under way in this process, by digest (by upload folder name until stored)."""
+
+
+@contextlib.contextmanager
+def _publishing(key: str) -> Iterator[None]:
+    _PUBLISHING[key] += 1
+    try:
+        yield
+    finally:
+        _PUBLISHING[key] -= 1
+        if not _PUBLISHING[key]:
+            del _PUBLISHING[key]
+
+
+async def _named(session: AsyncSession, digest: str) -> bool:
+    """Whether a live version (current or older) names `digest`."""
+    named = await session.scalar(
+        select(AdapterVersion.id)
+        .where(AdapterVersion.digest == digest, AdapterVersion.deleted_at.is_(None))
+        .limit(1)
+    )
+    return named is not None
 
 
 async def _serves(session: AsyncSession, digest: str) -> bool:

@@ -1,0 +1,124 @@
+"""Where an adapter's files live through publishes, failures and deletes (gateway.adapters.service):
+the shared store keeps every live version's files and drops a version's once no live version
+names it; a failed publish never removes files another publish of the same bytes is using.
+Found by attacking the admin API (2026-11-27)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from loramux.gateway.errors import ServiceUnavailable
+from loramux.gateway.server import RunningServer
+from tests.gateway.servers import gateway_server
+from tests.gateway.tenants import new_tenant, upload_adapter
+
+
+@pytest.fixture
+def shared_gateway(
+    demo_model_dir: Path, tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[RunningServer]:
+    """A gateway whose shared adapter store is its own database."""
+    monkeypatch.setenv("LORAMUX_ADAPTER_STORE_URL", "db")
+    with gateway_server(demo_model_dir, tmp_path / "data", redis_url) as server:
+        yield server
+
+
+def admin_of(server: RunningServer) -> httpx.Client:
+    token = server.state.admin.mint("files", ttl_seconds=600)
+    return httpx.Client(
+        base_url=server.url, headers={"authorization": f"Bearer {token}"}, timeout=60
+    )
+
+
+def test_the_shared_store_keeps_live_versions_files_and_drops_deleted_ones(
+    shared_gateway: RunningServer, demo_adapter_dirs: list[Path]
+) -> None:
+    """A version's files leave the shared store once no live version names its digest (the
+    delete was rolled back with the request's session: deleted adapters' weights stayed in the
+    database for good), and not before: an older live version is pinnable (`name@1`)."""
+    server, shared = shared_gateway, shared_gateway.state.shared_store
+    assert shared is not None
+
+    def stored(digest: str) -> bool:
+        return bool(server.run(shared.has(digest)))
+
+    with admin_of(server) as admin:
+        tenant = new_tenant(admin)
+        v1 = upload_adapter(admin, tenant.tenant_id, "bot", demo_adapter_dirs[2])
+        v2 = upload_adapter(admin, tenant.tenant_id, "bot", demo_adapter_dirs[3])
+        v3 = upload_adapter(admin, tenant.tenant_id, "bot", demo_adapter_dirs[4])
+        assert stored(v1["digest"]) and stored(v2["digest"]) and stored(v3["digest"])
+        deleted = admin.delete(f"/admin/adapters/{tenant.tenant_id}/bot/versions/2")
+        assert deleted.status_code == 200, deleted.text
+        assert not stored(v2["digest"])
+        assert stored(v1["digest"]) and stored(v3["digest"])
+        assert admin.delete(f"/admin/adapters/{tenant.tenant_id}/bot").status_code == 200
+        assert not stored(v1["digest"]) and not stored(v3["digest"])
+
+
+def test_a_failed_publish_leaves_the_files_of_the_same_bytes_being_published_by_another(
+    shared_gateway: RunningServer, demo_adapter_dirs: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tenants A and B upload identical bytes (one content digest). A's publish has loaded the
+    digest in the engine and not yet committed its row when B's publish fails (the engine
+    restarting: injected). B's failure used to delete the digest's folder, so A's adapter was
+    published without files and every request on it failed. Now A's adapter serves."""
+    server = shared_gateway
+    engine = server.state.engine
+    real = engine.ensure_adapter
+    calls: list[str] = []
+    a_loaded, a_may_commit = threading.Event(), threading.Event()
+
+    async def ensure_adapter(digest: str, folder: Path) -> None:
+        calls.append(digest)
+        if len(calls) == 1:  # A's publish: loads, then waits before committing its row
+            await real(digest, folder)
+            a_loaded.set()
+            await asyncio.to_thread(a_may_commit.wait, 30)
+        elif len(calls) == 2:  # B's publish of the same bytes
+            raise ServiceUnavailable("the engine is restarting")
+        else:
+            await real(digest, folder)
+
+    monkeypatch.setattr(engine, "ensure_adapter", ensure_adapter)
+    folder = demo_adapter_dirs[10]
+    with admin_of(server) as admin:
+        a, b = new_tenant(admin, "same-a"), new_tenant(admin, "same-b")
+        published: dict[str, Any] = {}
+        publishing = threading.Thread(
+            target=lambda: published.update(upload_adapter(admin, a.tenant_id, "x", folder))
+        )
+        publishing.start()
+        assert a_loaded.wait(30)
+        refused = admin.post(
+            "/admin/adapters",
+            data={"name": "y", "owner": b.tenant_id},
+            files={
+                "adapter_config": (
+                    "adapter_config.json",
+                    (folder / "adapter_config.json").read_bytes(),
+                ),
+                "adapter_model": (
+                    "adapter_model.safetensors",
+                    (folder / "adapter_model.safetensors").read_bytes(),
+                ),
+            },
+        )
+        assert refused.status_code == 503, refused.text
+        a_may_commit.set()
+        publishing.join(30)
+    assert published["digest"] in server.state.store
+    answer = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        headers={"authorization": f"Bearer {a.key}"},
+        json={"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
