@@ -18,7 +18,7 @@ import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from transformers import AutoTokenizer
 
@@ -30,6 +30,8 @@ from loramux.engine.prompt import prompt_token_ids
 from loramux.gateway.errors import ClientClosedRequest, RateLimited
 from loramux.gateway.fair_pool import Backlogged, FairPool
 from loramux.gateway.schema_checks import SchemaChecks
+
+T = TypeVar("T")
 
 TOKENIZER_THREADS = 2
 SCHEMA_THREADS = 1
@@ -89,7 +91,9 @@ class PromptTokens:
         if oversized and not self._normalizes:
             self._refuse(prompt_chars(request, len))
         spec = request.params.structured
-        if spec is not None and not self.schemas.knows(spec):
+        if spec is not None and self.schemas.knows(spec):
+            self.schemas.check(spec)  # answered from the verdicts kept, at once
+        elif spec is not None:
             await self._in_turn(self._schema_pool, owner, gone, self.schemas.check, spec)
         ids: list[int] = await self._in_turn(
             self._pool, owner, gone, self._prompt_ids, request, oversized
@@ -139,8 +143,6 @@ class PromptTokens:
         return self._loop_tokenizer
 
     def _prompt_ids(self, request: EngineRequest, oversized: bool) -> list[int]:
-        if request.params.structured is not None:
-            self.schemas.check(request.params.structured)
         tokenizer = getattr(self._local, "tokenizer", None)
         if tokenizer is None:
             tokenizer = self._local.tokenizer = self._tokenizer()
@@ -155,7 +157,7 @@ class PromptTokens:
         return AutoTokenizer.from_pretrained(str(self.model_dir))
 
 
-async def _unless_gone(job: asyncio.Future[list[int]], gone: asyncio.Future[None]) -> list[int]:
+async def _unless_gone(job: asyncio.Future[T], gone: asyncio.Future[None]) -> T:
     """The job's result, or ClientClosedRequest when `gone` completes first: the job is then
     cancelled, and dropped by the pool unrun if it had not started."""
 

@@ -283,7 +283,7 @@ class AdapterService:
 
 
 _PUBLISHING: Counter[str] = Counter()
-"""Publishes under way in this process, by digest (by upload folder name until stored)."""
+"""Publishes under way in this process, by digest, from the store's put to the row's commit."""
 
 
 @contextlib.contextmanager
