@@ -187,7 +187,9 @@ def test_a_backlog_refusal_is_counted_as_one_in_usage_and_metrics(
 
     before = refusals_metric()
     with httpx.Client(base_url=gateway.url, headers=headers, timeout=60) as client:
-        with tokenizer_threads_held(gateway), ThreadPoolExecutor(1) as pool:
+        # The pool is the outer one: its exit waits for the waiting prompt, which needs the
+        # tokenizer threads back (the other order waited out the holders' 60 s).
+        with ThreadPoolExecutor(1) as pool, tokenizer_threads_held(gateway):
             monkeypatch.setattr(gateway.state.prompts._pool, "max_waiting", 1)
             waiting = pool.submit(client.post, "/v1/chat/completions", json=body)
             wait_for(lambda: gateway.state.prompts.waiting() == 1, 30, "one prompt waits")
