@@ -8,12 +8,9 @@ tokenizing)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import socket
-import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,6 +28,7 @@ from loramux.gateway.prompt_tokens import TOKENIZER_THREADS, PromptTokens
 from loramux.gateway.server import RunningServer
 from tests.gateway.serve_process import wait_for
 from tests.gateway.tenants import new_tenant
+from tests.gateway.tokenizer_threads import tokenizer_threads_held
 
 FLOOD = 20
 LEAVERS = 6
@@ -142,31 +140,6 @@ def test_a_prompt_whose_client_left_before_its_turn_is_never_tokenized(
 
     wait_for(lambda: len(recorded()) == LEAVERS, 30, "every request is recorded")
     assert [e.status for e in recorded()] == [499] * LEAVERS
-
-
-@contextlib.contextmanager
-def tokenizer_threads_held(gateway: RunningServer) -> Iterator[None]:
-    """Every tokenizer thread of the gateway busy (real jobs on its own pool) until exit."""
-    release, started = threading.Event(), threading.Semaphore(0)
-
-    def busy() -> None:
-        started.release()
-        release.wait(60)
-
-    async def hold() -> None:
-        await gateway.state.prompts._pool.run("holder", busy)
-
-    holders = [
-        asyncio.run_coroutine_threadsafe(hold(), gateway.loop) for _ in range(TOKENIZER_THREADS)
-    ]
-    try:
-        for _ in range(TOKENIZER_THREADS):
-            assert started.acquire(timeout=30)
-        yield
-    finally:
-        release.set()
-        for holder in holders:
-            holder.result(timeout=30)
 
 
 def test_a_backlog_refusal_is_counted_as_one_in_usage_and_metrics(
