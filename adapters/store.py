@@ -5,6 +5,7 @@ Layout:
     <root>/<digest>/adapter_model.safetensors  the uploaded bytes, unchanged
     <root>/<digest>/metadata.json              AdapterMetadata, written by the store
     <root>/.incoming/<random>/                 work folders of puts and deletes in progress
+    <root>/.claims/<digest>                    publishes' claims on digests (adapters.claims)
 
 Invariants: a `<digest>` folder appears whole or not at all (built in `.incoming`, then
 renamed, which is atomic within one filesystem); its files are what was validated (the
@@ -25,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from loramux.adapters.base_spec import BaseModelSpec
+from loramux.adapters.claims import DigestClaims
 from loramux.adapters.peft_format import (
     WEIGHTS_FILE,
     AdapterLimits,
@@ -85,6 +87,7 @@ class AdapterStore:
         self.base = base
         self.limits = limits or AdapterLimits()
         (self.root / _INCOMING).mkdir(parents=True, exist_ok=True)
+        self.claims = DigestClaims(self.root)
 
     def put(self, folder: Path) -> StoredAdapter:
         """Validate the PEFT adapter in `folder` and store it (AdapterError if refused).

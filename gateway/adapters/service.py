@@ -11,10 +11,10 @@ Publishing a version, in this order, so that each step can be undone by the next
 A digest *serves* while it is the latest live version of some `owner/name`: several adapters
 may share one digest (identical content), so a digest is retired only when none serves it. Its
 files stay in the stores while any live version names it (an older version can be pinned), and
-while a publish of the same bytes is under way in this process (a failed publish of tenant B
-must not take the folder from under tenant A's publish of identical content). Across gateway
-processes that last window remains: B's cleanup can race A's publish between A's store and
-A's commit.
+while any gateway worker of the host publishes the same bytes: a publish claims its digest from
+its put to its commit (adapters.claims), and a cleanup leaves a claimed digest alone (a failed
+publish of tenant B, or B deleting an adapter, must not take the files, or the engine's copy,
+from under tenant A's publish of identical content in another worker).
 Deleting soft-deletes rows (versions keep counting up after a delete) and retires digests;
 requests in flight finish on them.
 
@@ -31,8 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 from sqlalchemy import func, select, update
@@ -134,7 +133,9 @@ class AdapterService:
         """Store, load and record a new version of `owner/name` (see the module docstring);
         the current version when it holds the same bytes."""
         stored = await asyncio.to_thread(self.store.put, folder)
-        with _publishing(stored.digest):  # entered in the same turn of the loop as the put ends
+        async with self._claimed(stored.digest):
+            if stored.digest not in self.store:  # a cleanup took it just before the claim
+                stored = await asyncio.to_thread(self.store.put, folder)
             if self.shared is not None:
                 await self.shared.put(stored)
             current = await latest_version(self.session, owner, name)
@@ -142,15 +143,23 @@ class AdapterService:
                 return Published(adapter_out(current), created=False)
             return Published(await self._publish_stored(owner, name, stored), created=True)
 
-    async def _publish_stored(self, owner: str, name: str, stored: StoredAdapter) -> AdapterOut:
-        """Steps 2-4, inside `_publishing(stored.digest)`."""
+    @contextlib.asynccontextmanager
+    async def _claimed(self, digest: str) -> AsyncIterator[None]:
+        """A publish's claim on `digest` (adapters.claims) for the block; when the block fails,
+        the session is rolled back and, the claim released, the publish undone (`_discard`)."""
+        claim = await asyncio.to_thread(self.store.claims.claim, digest)
         try:
-            await self.engine.ensure_adapter(stored.digest, stored.path)
-            row, previous = await self._insert_version(owner, name, stored)
+            with claim:
+                yield
         except Exception:
             await self.session.rollback()
-            await self._discard(stored.digest)
+            await self._discard(digest)
             raise
+
+    async def _publish_stored(self, owner: str, name: str, stored: StoredAdapter) -> AdapterOut:
+        """Steps 2-4, inside `_claimed(stored.digest)`."""
+        await self.engine.ensure_adapter(stored.digest, stored.path)
+        row, previous = await self._insert_version(owner, name, stored)
         if previous is not None and previous != row.digest:
             await self.retire_unused([previous])
         self.catalog.invalidate()
@@ -170,7 +179,7 @@ class AdapterService:
                 f"the files of {owner}/{name} version {version} are gone from the store",
                 code="adapter_files_missing",
             )
-        with _publishing(stored.digest):
+        async with self._claimed(stored.digest):
             return Published(await self._publish_stored(owner, name, stored), created=True)
 
     async def delete_version(self, owner_ref: str, name: str, version: int) -> Deleted:
@@ -217,27 +226,33 @@ class AdapterService:
     async def _discard(self, digest: str) -> None:
         """Undo steps 1-2 of a publish that failed later: retire the digest unless it serves,
         and remove its stored folder unless a live row names it. Unless another publish of the
-        same bytes (another adapter with identical content) is under way in this process: it
-        is about to name the digest, and needs the folder and the engine's copy."""
-        if _PUBLISHING[digest] > 1:
-            return
-        await self.retire_unused([digest])
-        if not await _named(self.session, digest):
-            await asyncio.to_thread(self.store.delete, digest)
+        same bytes (another adapter with identical content, in any worker) claims it: it is
+        about to name the digest, and needs the folder and the engine's copy."""
+        with self.store.claims.unclaimed(digest) as free:
+            if not free:
+                return
+            await self._retire(digest)
+            if not await _named(self.session, digest):
+                await asyncio.to_thread(self.store.delete, digest)
 
     async def retire_unused(self, digests: Iterable[str]) -> None:
-        """Retire in the engine each digest that no live adapter serves any more, and delete
-        from the shared store the files of each that no live version names (a pinned older
-        version loads its digest on demand, from there on replicas that never fetched it)."""
-        unused = [d for d in set(digests) if not await _serves(self.session, d)]
-        for digest in unused:
-            await self.engine.retire_adapter(digest)
-        if self.shared is None:
+        """Retire each digest that no live adapter serves any more (`_retire`), unless a publish
+        of the same bytes claims it (it is about to serve it)."""
+        for digest in sorted(set(digests)):
+            with self.store.claims.unclaimed(digest) as free:
+                if free:
+                    await self._retire(digest)
+
+    async def _retire(self, digest: str) -> None:
+        """Unless a live adapter serves `digest`: retire it in the engine, and delete its files
+        from the shared store unless a live version names it (a pinned older version loads
+        its digest on demand, from there on replicas that never fetched it). Under the
+        digest's cleanup lock (`claims.unclaimed`)."""
+        if await _serves(self.session, digest):
             return
-        unnamed = [d for d in unused if not await _named(self.session, d)]
-        for digest in unnamed:
+        await self.engine.retire_adapter(digest)
+        if self.shared is not None and not await _named(self.session, digest):
             await self.shared.delete(digest, self.session)
-        if unnamed:
             await self.session.commit()  # the store may be this session's database
 
     async def list_latest(self, owner_ref: str | None, paging: Paging) -> AdapterPage:
@@ -280,21 +295,6 @@ class AdapterService:
             )
         )
         return len(ids), await _soft_delete(self.session, ids)
-
-
-_PUBLISHING: Counter[str] = Counter()
-"""Publishes under way in this process, by digest, from the store's put to the row's commit."""
-
-
-@contextlib.contextmanager
-def _publishing(key: str) -> Iterator[None]:
-    _PUBLISHING[key] += 1
-    try:
-        yield
-    finally:
-        _PUBLISHING[key] -= 1
-        if not _PUBLISHING[key]:
-            del _PUBLISHING[key]
 
 
 async def _named(session: AsyncSession, digest: str) -> bool:

@@ -16,6 +16,7 @@ import pytest
 
 from loramux.gateway.errors import ServiceUnavailable
 from loramux.gateway.server import RunningServer
+from tests.adapters.claim_holder import claim_held_elsewhere
 from tests.gateway.servers import gateway_server
 from tests.gateway.tenants import new_tenant, upload_adapter
 
@@ -122,3 +123,61 @@ def test_a_failed_publish_leaves_the_files_of_the_same_bytes_being_published_by_
         timeout=60,
     )
     assert answer.status_code == 200, answer.text
+
+
+def test_a_digest_another_worker_is_publishing_keeps_its_files_through_deletes_and_failures(
+    shared_gateway: RunningServer, demo_adapter_dirs: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another gateway worker (another process) is publishing tenant A's upload of the same
+    bytes as tenant B's adapter, between its store and its commit (it holds the digest's
+    claim). B deletes its adapter, then B's next publish of those bytes fails (the engine
+    restarting: injected): the digest's files stay in the local and the shared store, and the
+    engine keeps it, for A's publish to commit. Across processes the in-process count of
+    publishes under way saw none, and both cleanups removed them."""
+    server, shared = shared_gateway, shared_gateway.state.shared_store
+    assert shared is not None
+    folder = demo_adapter_dirs[11]
+    with admin_of(server) as admin:
+        b = new_tenant(admin, "claimed-b")
+        digest = upload_adapter(admin, b.tenant_id, "y", folder)["digest"]
+        engine = server.state.engine
+        retired: list[str] = []
+        retire = engine.retire_adapter
+
+        async def retire_adapter(digest: str) -> None:  # the real one, watched
+            retired.append(digest)
+            await retire(digest)
+
+        monkeypatch.setattr(engine, "retire_adapter", retire_adapter)
+        with claim_held_elsewhere(server.state.store.root, digest):
+            assert admin.delete(f"/admin/adapters/{b.tenant_id}/y").status_code == 200
+            assert server.run(shared.has(digest)), "the shared store kept the claimed files"
+
+            async def restarting(digest: str, folder: Path) -> None:
+                raise ServiceUnavailable("the engine is restarting")
+
+            monkeypatch.setattr(engine, "ensure_adapter", restarting)
+            refused = admin.post(
+                "/admin/adapters",
+                data={"name": "z", "owner": b.tenant_id},
+                files={
+                    "adapter_config": (
+                        "adapter_config.json",
+                        (folder / "adapter_config.json").read_bytes(),
+                    ),
+                    "adapter_model": (
+                        "adapter_model.safetensors",
+                        (folder / "adapter_model.safetensors").read_bytes(),
+                    ),
+                },
+            )
+            assert refused.status_code == 503, refused.text
+            assert digest in server.state.store, "the local store kept the claimed files"
+            assert server.run(shared.has(digest))
+            assert digest not in retired, "the engine kept the claimed digest"
+        monkeypatch.undo()
+        # Unclaimed, and named by no live version: the next cleanup of the digest removes them.
+        again = upload_adapter(admin, b.tenant_id, "w", folder)
+        assert again["digest"] == digest
+        assert admin.delete(f"/admin/adapters/{b.tenant_id}/w").status_code == 200
+        assert not server.run(shared.has(digest))
