@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from loramux.engine.errors import InvalidRequestError, number_text
 from loramux.engine.structured import StructuredOutput
@@ -85,7 +85,6 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     """Constrain the output to JSON (see `StructuredOutput`); None leaves it free. Not with
     `ignore_eos`: a constrained output ends when its value is complete."""
-    extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         _require_int("max_tokens", self.max_tokens)

@@ -18,7 +18,7 @@ import uvicorn
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.config import EngineConfig
 from loramux.engine.service.health import create_health_app
-from loramux.engine.service.server import EngineServer
+from loramux.engine.service.server import HEARTBEAT_TIMEOUT_MS, EngineServer
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,14 @@ async def serve_engine(
     ready: threading.Event | None = None,
     bound: list[str] | None = None,
     stop: asyncio.Event | None = None,
+    heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
 ) -> None:
     """Serve until the health server exits (a signal, in the foreground) or `stop` is set;
     then shut the engine down. Once listening, the channel's address and the health URL are
     appended to `bound` and `ready` is set."""
-    server = EngineServer(engine, model_name, token, adapter_dir)
+    server = EngineServer(
+        engine, model_name, token, adapter_dir, heartbeat_timeout_ms=heartbeat_timeout_ms
+    )
     address = server.bind(listen.address)
     config = uvicorn.Config(
         create_health_app(engine),
@@ -139,6 +142,7 @@ def serve_engine_in_thread(
     address: str = "tcp://127.0.0.1:0",
     adapter_dir: Path | None = None,
     token: str | None = None,
+    heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
 ) -> Iterator[RunningEngineService]:
     """Serve `engine` from a background thread (on a free loopback port unless `address`
     says otherwise); stop it on exit."""
@@ -155,6 +159,7 @@ def serve_engine_in_thread(
         ready=ready,
         bound=bound,
         stop=stop,
+        heartbeat_timeout_ms=heartbeat_timeout_ms,
     )
     thread = threading.Thread(target=loop.run_until_complete, args=(work,), daemon=True)
     thread.start()

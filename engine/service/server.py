@@ -9,7 +9,16 @@ frame: one send per gateway per step, not one per request.
 The engine tells gateways apart by their ZeroMQ routing id, and the socket refuses to queue for a
 routing id that is gone (ROUTER_MANDATORY): when a gateway disconnects or dies, the next batch for
 it fails to send, and each of its requests is aborted at its next delta, which frees its KV blocks
-and adapter pin. A gateway that reconnects gets a new routing id, so its old streams end too.
+and adapter pin. A gateway that reconnects gets a new routing id, so its old streams end too. A
+gateway cut off without its connection closing (a network partition, a host gone) misses the
+socket's heartbeats and is disconnected the same way. A gateway that stops reading is gone too,
+once SEND_QUEUE messages wait for it: nothing the engine sends waits on a reader. Only the
+gateway that started a request can abort it.
+
+No message stops the server: one that is not a message, or not one of ours, is dropped (and
+logged, at most once per LOG_EVERY_SECONDS); one whose token is wrong is refused, having been
+read no further than its head; one that passes the token but not validation is answered
+with `invalid_request`.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import hmac
 import logging
 import shutil
 import tempfile
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
@@ -45,6 +55,7 @@ from loramux.engine.service.wire import (
     Reply,
     ToGateway,
     UnauthorizedError,
+    decode_head,
     decode_to_engine,
     encode,
     failure,
@@ -52,8 +63,16 @@ from loramux.engine.service.wire import (
 
 log = logging.getLogger(__name__)
 
+REFUSED = frozenset({"generate", "abort", "call"})
+"""Kinds of message answered when their token is wrong (a Prefetch is a hint: never answered)."""
+
 MAX_MESSAGE_MB = 512
 """Largest message the engine accepts (an adapter upload is one message)."""
+SEND_QUEUE = 10_000
+"""Messages queued for one gateway at most (a batch per step): past them it is not reading."""
+HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 1000, 5000
+"""As gateways' sockets (gateway.engine_client.channel): a gateway silent for 5 s is gone."""
+LOG_EVERY_SECONDS = 10.0
 
 
 @dataclass
@@ -64,6 +83,8 @@ class EngineServer:
     adapter_dir: Path | None = None
     """Uploaded adapters are stored here; a temporary folder, removed by `close`, when None."""
     max_message_mb: int = MAX_MESSAGE_MB
+    heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS
+    """A gateway silent this long is gone (heartbeats every fifth of it, at most 1 s apart)."""
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -79,8 +100,14 @@ class EngineServer:
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._socket.setsockopt(zmq.MAXMSGSIZE, self.max_message_mb << 20)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.SNDHWM, 0)  # deltas are small; never drop or block on them
+        self._socket.setsockopt(zmq.SNDHWM, SEND_QUEUE)
+        timeout = self.heartbeat_timeout_ms
+        self._socket.setsockopt(zmq.HEARTBEAT_IVL, min(HEARTBEAT_MS, max(1, timeout // 5)))
+        self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout)
         self._outbox: dict[bytes, list[Delta | Failed]] = {}
+        self._owners: dict[str, bytes] = {}
+        """The gateway (routing id) of each request under way: the only one that may abort it."""
+        self._dropped = _Dropped()
         self._flush_due = False
         self._streams_of: Counter[bytes] = Counter()
         """Streams under way per gateway (routing id)."""
@@ -96,8 +123,14 @@ class EngineServer:
     async def serve(self) -> None:
         """Answer messages until cancelled."""
         while True:
-            identity, frame = await self._socket.recv_multipart(copy=True)
-            self._handle(identity, frame)
+            frames = await self._socket.recv_multipart(copy=True)
+            if len(frames) != 2:  # routing id and one frame, from a DEALER; a REQ sends 3
+                self._dropped.note(f"a message of {len(frames) - 1} parts")
+                continue
+            try:
+                self._handle(*frames)
+            except Exception:
+                log.exception("could not handle a message")
 
     def close(self) -> None:
         for task in list(self._tasks):
@@ -109,25 +142,38 @@ class EngineServer:
 
     def _handle(self, identity: bytes, frame: bytes) -> None:
         try:
+            head = decode_head(frame)
+        except InvalidRequestError as exc:
+            self._dropped.note(str(exc))
+            return
+        if not self._authorized(head.token):
+            if head.kind in REFUSED:  # a hint is never answered
+                refused = UnauthorizedError("missing or wrong engine token")
+                self._reply(identity, failure(head.ref, head.kind == "call", refused))
+            return
+        try:
             message = decode_to_engine(frame)
         except InvalidRequestError as exc:
-            log.warning("dropped a malformed message: %s", exc)
+            if head.kind in ("generate", "call"):  # its gateway waits for an answer
+                self._reply(identity, failure(head.ref, head.kind == "call", exc))
+            else:
+                self._dropped.note(str(exc))
             return
         if isinstance(message, Prefetch):
-            if self._authorized(message.token):  # nothing is ever answered to a hint
-                self.engine.prefetch_adapter(message.digest)
-        elif not self._authorized(message.token):
-            ref = message.ref if isinstance(message, Call) else message.request_id
-            refused = UnauthorizedError("missing or wrong engine token")
-            self._spawn(self._send(identity, failure(ref, isinstance(message, Call), refused)))
+            self.engine.prefetch_adapter(message.digest)
         elif isinstance(message, Generate):
-            self._spawn(self._stream(identity, message))
+            owner = self._owners.setdefault(message.request_id, identity) is identity
+            self._spawn(self._stream(identity, message, owner))
         elif isinstance(message, Abort):
-            # As a task, so it runs after the streams spawned before it have added their
-            # requests: an abort read in one go with its generate must find the request there.
-            self._spawn(self._abort(message.request_id, message.choice))
+            if self._owners.get(message.request_id) == identity:  # only its own gateway's
+                # As a task, so it runs after the streams spawned before it have added their
+                # requests: an abort read in one go with its generate must find the request.
+                self._spawn(self._abort(message.request_id, message.choice))
         else:
             self._spawn(self._answer(identity, message))
+
+    def _reply(self, identity: bytes, message: Failed | None) -> None:
+        self._spawn(self._send(identity, message))
 
     async def _abort(self, request_id: str, choice: int | None) -> None:
         self.engine.abort(request_id, choice)
@@ -144,14 +190,16 @@ class EngineServer:
         """False when the gateway is gone."""
         assert message is not None
         try:
-            await self._socket.send_multipart([identity, encode(message)])
+            await self._socket.send_multipart([identity, encode(message)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
+            if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):  # gone, or not reading
                 raise
             return False
         return True
 
-    async def _stream(self, identity: bytes, message: Generate) -> None:
+    async def _stream(self, identity: bytes, message: Generate, owner: bool) -> None:
+        """The request's outputs to its gateway. `owner`: this stream holds the request id for
+        its gateway (False for a duplicate of an id under way, which the engine refuses)."""
         request = EngineRequest(
             message.request_id,
             message.params,
@@ -183,6 +231,8 @@ class EngineServer:
             self._post(identity, known)
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]  # aborts an unfinished one
+            if owner:
+                del self._owners[message.request_id]
             self._streams_of[identity] -= 1
             if not self._streams_of[identity]:
                 del self._streams_of[identity]
@@ -276,3 +326,19 @@ class EngineServer:
         if lora is None:
             return []
         return sorted(d for d in self.engine.adapter_stats() if lora.is_servable(d))
+
+
+class _Dropped:
+    """Messages dropped unanswered, logged at most once per LOG_EVERY_SECONDS: a peer sending
+    garbage cannot flood the log."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._logged = -LOG_EVERY_SECONDS
+
+    def note(self, why: str) -> None:
+        self._count += 1
+        now = time.monotonic()
+        if now - self._logged >= LOG_EVERY_SECONDS:
+            log.warning("dropped %d malformed message(s); the last: %s", self._count, why[:500])
+            self._count, self._logged = 0, now

@@ -3,7 +3,9 @@ and `tcp://`.
 
 A gateway holds one DEALER socket per engine; the engine one ROUTER socket. Every message a
 gateway sends carries the engine token (LORAMUX_ENGINE_TOKEN; empty when the engine runs
-without one) and the engine checks it, in constant time, before it reads anything else.
+without one) and the engine checks it, in constant time, before it reads anything else: it
+first reads only the message's `Head` (kind, token, id), skipping the rest unread, so a peer
+without the token costs it no decoding of what it sent.
 
     gateway → engine                              engine → gateway
     Generate(request_id, prompt_token_ids, …)     Delta(ref=request_id, token_ids, finish, usage,
@@ -54,9 +56,23 @@ class UnauthorizedError(EngineError):
     """The message lacks the engine's token (or carries a wrong one)."""
 
 
+MAX_ID_CHARS = 256
+"""The longest request id, call ref or digest a message may carry (what a refusal echoes)."""
+Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+
+
+class Head(msgspec.Struct, array_like=True):
+    """The first three fields of every message to the engine: its kind (the tag), the token,
+    and its id (a Generate's or Abort's request id, a Call's ref, a Prefetch's digest)."""
+
+    kind: str
+    token: str
+    ref: Id
+
+
 class Generate(msgspec.Struct, tag="generate", array_like=True):
     token: str
-    request_id: str
+    request_id: Id
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter: str | None = None
@@ -65,7 +81,7 @@ class Generate(msgspec.Struct, tag="generate", array_like=True):
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
     token: str
-    request_id: str
+    request_id: Id
     choice: int | None = None
     """Only this choice of the request (a stop string ended it at the gateway); None: all."""
 
@@ -75,7 +91,7 @@ class Prefetch(msgspec.Struct, tag="prefetch", array_like=True):
     resolved it for that request's tenant). Fire and forget; unknown digests are ignored."""
 
     token: str
-    digest: Annotated[str, msgspec.Meta(max_length=128)]
+    digest: Id
 
 
 Op = Literal["info", "stats", "metrics", "adapters", "register", "retire"]
@@ -83,7 +99,7 @@ Op = Literal["info", "stats", "metrics", "adapters", "register", "retire"]
 
 class Call(msgspec.Struct, tag="call", array_like=True):
     token: str
-    ref: str
+    ref: Id
     op: Op
     digest: str | None = None
     config: bytes | None = None
@@ -127,6 +143,7 @@ ToEngine = Generate | Abort | Prefetch | Call
 ToGateway = Delta | Reply | Failed
 
 _encoder = msgspec.msgpack.Encoder()
+_head = msgspec.msgpack.Decoder(Head)
 _to_engine = msgspec.msgpack.Decoder(ToEngine)
 _to_gateway = msgspec.msgpack.Decoder(ToGateway | Batch)
 
@@ -135,13 +152,23 @@ def encode(message: ToEngine | ToGateway | Batch) -> bytes:
     return _encoder.encode(message)
 
 
+def decode_head(frame: bytes) -> Head:
+    """The message's head, the rest skipped unread; InvalidRequestError when it has none."""
+    return _decoded(_head, frame)
+
+
 def decode_to_engine(frame: bytes) -> ToEngine:
     """The message in `frame`; InvalidRequestError when it is none (bad sampling numbers too)."""
+    return _decoded(_to_engine, frame)
+
+
+def _decoded(decoder: msgspec.msgpack.Decoder[Any], frame: bytes) -> Any:
+    """Whatever the bytes: msgpack that is not one (DecodeError), a value of the wrong shape or
+    out of bounds (ValidationError, InvalidRequestError from SamplingParams), a string that is
+    not UTF-8 (ValueError), nesting past the interpreter's stack (RecursionError)."""
     try:
-        return _to_engine.decode(frame)
-    except msgspec.ValidationError as exc:
-        raise InvalidRequestError(f"malformed message: {exc}") from None
-    except msgspec.DecodeError as exc:
+        return decoder.decode(frame)
+    except (msgspec.DecodeError, ValueError, RecursionError) as exc:
         raise InvalidRequestError(f"malformed message: {exc}") from None
 
 

@@ -70,7 +70,7 @@ def load(
         limited = new_tenant(admin, "metrics-limited")
         r = admin.put(f"/admin/keys/{limited.key_id}/quotas", json={"rpm": 1})
         assert r.status_code == 200, r.text
-        _run_load(gateway, tenant, limited)
+        _run_load(gateway, tenant, limited, before)
         after, types = scrape(gateway)
         yield {
             "before": before,
@@ -82,7 +82,7 @@ def load(
         }
 
 
-def _run_load(gateway: RunningServer, tenant: TenantKey, limited: TenantKey) -> None:
+def _run_load(gateway: RunningServer, tenant: TenantKey, limited: TenantKey, before: Any) -> None:
     assert chat(gateway, tenant.key, temperature=0).status_code == 200
     hit = chat(gateway, tenant.key, temperature=0)
     assert hit.headers["x-cache"] == "exact"
@@ -99,9 +99,12 @@ def _run_load(gateway: RunningServer, tenant: TenantKey, limited: TenantKey) -> 
         for _ in range(3):  # a streamed request, left after its first chunks
             next(lines)
 
-    def aborted() -> bool:
+    def aborted() -> bool:  # by this load (an earlier module's may be counted already)
         samples, _ = scrape(gateway)
-        return total(samples, "loramux_request_success_total", finished_reason="abort") > 0
+        name = "loramux_request_success_total"
+        return total(samples, name, finished_reason="abort") > total(
+            before, name, finished_reason="abort"
+        )
 
     wait_for(aborted, 30, "the abandoned stream is counted as an abort")
 
