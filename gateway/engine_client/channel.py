@@ -136,7 +136,7 @@ class Channel:
             frame = await self.socket.recv()
             try:
                 messages = decode_to_gateway(frame)
-            except msgspec.DecodeError as exc:
+            except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # not UTF-8, deep
                 log.error("engine %s sent a malformed message: %s", self.endpoint.url, exc)
                 continue
             for message in messages:  # a batch: every stream's deltas of an engine step
