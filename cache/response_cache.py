@@ -1,7 +1,6 @@
 """The response cache: exact entries, then semantic ones, on Redis, scoped per tenant and adapter.
 
-A lookup first reads the exact entry (one GET; `begin_lookup` starts that round trip early, on
-a task of its own, for a caller with other work to do before the lookup counts). On a miss, when the policy allows semantic
+A lookup first reads the exact entry (one GET). On a miss, when the policy allows semantic
 hits, it embeds the last user message and searches the request's bucket (`cache.keys`) for the
 most similar earlier questions; a candidate at or above the threshold becomes a hit only when
 the verifier accepts it (`cache.verifier`, with word vectors for soft alignment) and its
@@ -40,15 +39,6 @@ from loramux.cache.verifier import Verdict, parse, verify
 from loramux.cache.vset_index import VectorSetIndex
 
 log = logging.getLogger(__name__)
-
-FirstTrip = asyncio.Future[tuple[str, bytes | str | None]]
-"""A lookup's first round trip under way (`ResponseCache.begin_lookup`)."""
-
-
-def _observed(trip: FirstTrip) -> None:
-    """Its failure counts as seen: a trip never finished by a lookup logs nothing."""
-    if not trip.cancelled():
-        trip.exception()
 
 
 @dataclass
@@ -177,34 +167,17 @@ class ResponseCache:
             counts.update({f"refused_{reason}": n for reason, n in s.refusals.items()})
         return dict(counts)
 
-    def begin_lookup(self, req: CacheRequest, policy: CachePolicy) -> FirstTrip | None:
-        """The first round trip of a lookup of `req` (the exact entry; for a semantic lookup, its
-        bucket's news too), started now on a task of its own, for `lookup(begun=)` to finish:
-        a caller overlaps it with work the lookup does not wait for (tokenizing the prompt).
-        None when the policy looks nothing up. Cancel it when the lookup will not be finished
-        (its failure is then never logged: a lookup that fails is a miss, and this was none)."""
-        if not policy.lookup:
-            return None
-        task = asyncio.ensure_future(self._first_trip(req, policy))
-        task.add_done_callback(_observed)
-        return task
-
     async def lookup(
-        self,
-        req: CacheRequest,
-        policy: CachePolicy,
-        request_id: str | None = None,
-        begun: FirstTrip | None = None,
+        self, req: CacheRequest, policy: CachePolicy, request_id: str | None = None
     ) -> CacheHit | None:
         """The cached answer to `req`, exact first, then semantic; None on a miss or failure.
-        A hit is recorded under `request_id`, when given (see `report_wrong_hit`). `begun`: the
-        first round trip, from `begin_lookup` of the same request and policy."""
+        A hit is recorded under `request_id`, when given (see `report_wrong_hit`)."""
         if not policy.lookup:
             return None
         tenant = self.tenant_stats(req.tenant_id)
         tenant.lookups += 1
         try:
-            found = await self._lookup(req, policy, begun)
+            found = await self._lookup(req, policy)
             if found is not None and request_id is not None:
                 await self._remember_request(req.tenant_id, request_id, found[1], policy.ttl)
         except Exception as exc:
@@ -223,29 +196,20 @@ class ResponseCache:
             tenant.semantic_hits += 1
         return hit
 
-    async def _first_trip(
-        self, req: CacheRequest, policy: CachePolicy
-    ) -> tuple[str, bytes | str | None]:
-        """The exact entry's key and value; for a semantic lookup, in the same round trip, the
-        bucket's news (core index)."""
-        key = self.keys.exact(req)
-        async with asyncio.timeout(self.redis_timeout):
-            if policy.semantic and semantic_question(req) is not None:
-                bucket = self.keys.bucket(req, self.embedder.model_id)
-                return key, await self.index.prefetch(bucket, also_get=key)
-            return key, await self.redis.get(key)
-
-    async def _lookup(
-        self, req: CacheRequest, policy: CachePolicy, begun: FirstTrip | None
-    ) -> tuple[CacheHit, str] | None:
+    async def _lookup(self, req: CacheRequest, policy: CachePolicy) -> tuple[CacheHit, str] | None:
         """The hit and the key of the entry it came from."""
-        key, raw = await (begun if begun is not None else self._first_trip(req, policy))
-        if raw is not None:
-            return CacheHit(decode_response(raw), "exact", None), key
+        key = self.keys.exact(req)
         question = semantic_question(req) if policy.semantic else None
         if question is None:
-            return None
+            async with asyncio.timeout(self.redis_timeout):
+                raw = await self.redis.get(key)
+            return None if raw is None else (CacheHit(decode_response(raw), "exact", None), key)
         bucket = self.keys.bucket(req, self.embedder.model_id)
+        async with asyncio.timeout(self.redis_timeout):
+            # the exact entry and (core index) the bucket's news, in one round trip
+            raw = await self.index.prefetch(bucket, also_get=key)
+        if raw is not None:
+            return CacheHit(decode_response(raw), "exact", None), key
         vector = (await self.embedder.embed([question]))[0]
         scope = self.keys.scope(req.tenant_id, req.adapter)
         tenant = self.tenant_stats(req.tenant_id)

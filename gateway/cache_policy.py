@@ -106,18 +106,16 @@ def cache_request(
     request: EngineRequest,
     response_format: dict[str, Any] | None = None,
     tools: dict[str, Any] | None = None,
-    max_tokens: int | str | None = None,
 ) -> CacheRequest:
     """The cache's identity of an engine request, after the model is resolved. `tools` holds
-    the request's tools, tool_choice and parallel_tool_calls (as JSON values); `max_tokens`
-    what the identity records for it, when not the request's own (the rule that derives it).
+    the request's tools, tool_choice and parallel_tool_calls (as JSON values).
 
     Greedy requests leave out top_p, top_k, min_p and seed: greedy decoding ignores them, so
     requests that differ only there get the same answer and share an entry.
     """
     p = request.params
     params: dict[str, Any] = {
-        "max_tokens": p.max_tokens if max_tokens is None else max_tokens,
+        "max_tokens": p.max_tokens,
         "temperature": float(p.temperature),
         "stop": p.stop,
         "stop_token_ids": p.stop_token_ids,

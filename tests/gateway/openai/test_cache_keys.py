@@ -71,17 +71,3 @@ def test_a_completion_hit_replays_its_logprobs(api: httpx.Client) -> None:
     hit = api.post("/completions", json=asked)
     assert hit.headers["x-cache"] == "exact"
     assert hit.json()["choices"] == first.json()["choices"]
-
-
-def test_a_request_without_max_tokens_hits_only_its_own_kind(api: httpx.Client) -> None:
-    """Without max_tokens the key holds the rule that derives it from the prompt (known before
-    tokenizing): the same request hits, and one that sets max_tokens does not."""
-    free = body()
-    del free["max_tokens"]
-    first, again = (api.post("/chat/completions", json=free) for _ in range(2))
-    assert (first.headers["x-cache"], again.headers["x-cache"]) == ("miss", "exact")
-    assert again.json()["choices"] == first.json()["choices"]
-    completion = first.json()["usage"]["completion_tokens"]
-    capped = api.post("/chat/completions", json=free | {"max_tokens": completion})
-    assert capped.status_code == 200, capped.text
-    assert capped.headers["x-cache"] == "miss"
