@@ -200,6 +200,13 @@ class EngineServer:
     async def _stream(self, identity: bytes, message: Generate, owner: bool) -> None:
         """The request's outputs to its gateway. `owner`: this stream holds the request id for
         its gateway (False for a duplicate of an id under way, which the engine refuses)."""
+        try:
+            await self._forward(identity, message)
+        finally:
+            if owner:
+                del self._owners[message.request_id]
+
+    async def _forward(self, identity: bytes, message: Generate) -> None:
         request = EngineRequest(
             message.request_id,
             message.params,
@@ -231,8 +238,6 @@ class EngineServer:
             self._post(identity, known)
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]  # aborts an unfinished one
-            if owner:
-                del self._owners[message.request_id]
             self._streams_of[identity] -= 1
             if not self._streams_of[identity]:
                 del self._streams_of[identity]

@@ -39,6 +39,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loramux.adapters.archive import ArchiveLimits, extract_adapter_archive
+from loramux.adapters.claims import Claim
 from loramux.adapters.peft_format import MAX_CONFIG_BYTES
 from loramux.adapters.store import AdapterStore, StoredAdapter
 from loramux.gateway.adapters.schemas import AdapterDetail, AdapterOut, AdapterPage, Published
@@ -147,7 +148,7 @@ class AdapterService:
     async def _claimed(self, digest: str) -> AsyncIterator[None]:
         """A publish's claim on `digest` (adapters.claims) for the block; when the block fails,
         the session is rolled back and, the claim released, the publish undone (`_discard`)."""
-        claim = await asyncio.to_thread(self.store.claims.claim, digest)
+        claim = await _claim(self.store, digest)
         try:
             with claim:
                 yield
@@ -295,6 +296,23 @@ class AdapterService:
             )
         )
         return len(ids), await _soft_delete(self.session, ids)
+
+
+async def _claim(store: AdapterStore, digest: str) -> Claim:
+    """A claim on `digest`, taken on a thread (it waits while a cleanup of the digest decides).
+    A caller cancelled meanwhile (its client left) does not stop the thread: the claim it takes
+    then is released at once, not held by nobody for the life of the process."""
+    taking = asyncio.ensure_future(asyncio.to_thread(store.claims.claim, digest))
+    try:
+        return await asyncio.shield(taking)
+    except asyncio.CancelledError:
+        taking.add_done_callback(_release_taken)
+        raise
+
+
+def _release_taken(taking: asyncio.Future[Claim]) -> None:
+    if not taking.cancelled() and taking.exception() is None:
+        taking.result().release()
 
 
 async def _named(session: AsyncSession, digest: str) -> bool:

@@ -14,6 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
+from loramux.adapters.base_spec import BaseModelSpec
+from loramux.adapters.store import AdapterStore
+from loramux.gateway.adapters.service import _claim as claim_digest
 from loramux.gateway.errors import ServiceUnavailable
 from loramux.gateway.server import RunningServer
 from tests.adapters.claim_holder import claim_held_elsewhere
@@ -181,3 +184,29 @@ def test_a_digest_another_worker_is_publishing_keeps_its_files_through_deletes_a
         assert again["digest"] == digest
         assert admin.delete(f"/admin/adapters/{b.tenant_id}/w").status_code == 200
         assert not server.run(shared.has(digest))
+
+
+async def test_a_publish_cancelled_while_waiting_for_its_claim_holds_nothing(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """A publish waits for its claim while a cleanup of the digest decides, and its client
+    leaves (the request is cancelled). The thread that waits takes the claim anyway once the
+    cleanup ends: it is released at once, or the digest stayed claimed by nobody for the life
+    of the process and no cleanup ever removed its files."""
+    store = AdapterStore(tmp_path, BaseModelSpec.from_model_dir(demo_model_dir))
+    digest = "ab" * 32
+    with store.claims.unclaimed(digest) as free:
+        assert free
+        waiting = asyncio.ensure_future(claim_digest(store, digest))
+        await asyncio.sleep(0.1)  # the thread waits on the lock
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+    await asyncio.sleep(0.2)  # the thread takes the claim (and, fixed, gives it back)
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:
+        with store.claims.unclaimed(digest) as free:
+            if free:
+                break
+        assert asyncio.get_running_loop().time() < deadline, "the claim is still held"
+        await asyncio.sleep(0.05)
