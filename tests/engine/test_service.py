@@ -5,6 +5,7 @@ message."""
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import threading
@@ -88,13 +89,19 @@ class Gateway:
         return received
 
 
-@pytest.fixture
-def gateway(service: RunningEngineService) -> Iterator[Gateway]:
+@contextlib.contextmanager
+def _gateway_at(url: str) -> Iterator[Gateway]:
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
-        yield Gateway(context, service.url)
+        yield Gateway(context, url)
     finally:
         context.destroy(linger=0)
+
+
+@pytest.fixture
+def gateway(service: RunningEngineService) -> Iterator[Gateway]:
+    with _gateway_at(service.url) as gateway:
+        yield gateway
 
 
 def _generate(request_id: str, **fields: Any) -> Generate:
@@ -420,11 +427,8 @@ def test_a_prefetch_hint_loads_a_known_adapter_and_is_never_answered(
 
 @pytest.fixture
 def other_gateway(service: RunningEngineService) -> Iterator[Gateway]:
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    try:
-        yield Gateway(context, service.url)
-    finally:
-        context.destroy(linger=0)
+    with _gateway_at(service.url) as gateway:
+        yield gateway
 
 
 def test_only_the_gateway_that_started_a_request_can_abort_it(

@@ -41,6 +41,18 @@ def admin_of(server: RunningServer) -> httpx.Client:
     )
 
 
+def post_upload(admin: httpx.Client, owner: str, name: str, folder: Path) -> httpx.Response:
+    """The admin upload of the adapter in `folder`, whatever its answer."""
+    files = {
+        part: (file, (folder / file).read_bytes())
+        for part, file in (
+            ("adapter_config", "adapter_config.json"),
+            ("adapter_model", "adapter_model.safetensors"),
+        )
+    }
+    return admin.post("/admin/adapters", data={"name": name, "owner": owner}, files=files)
+
+
 def test_the_shared_store_keeps_live_versions_files_and_drops_deleted_ones(
     shared_gateway: RunningServer, demo_adapter_dirs: list[Path]
 ) -> None:
@@ -101,20 +113,7 @@ def test_a_failed_publish_leaves_the_files_of_the_same_bytes_being_published_by_
         )
         publishing.start()
         assert a_loaded.wait(30)
-        refused = admin.post(
-            "/admin/adapters",
-            data={"name": "y", "owner": b.tenant_id},
-            files={
-                "adapter_config": (
-                    "adapter_config.json",
-                    (folder / "adapter_config.json").read_bytes(),
-                ),
-                "adapter_model": (
-                    "adapter_model.safetensors",
-                    (folder / "adapter_model.safetensors").read_bytes(),
-                ),
-            },
-        )
+        refused = post_upload(admin, b.tenant_id, "y", folder)
         assert refused.status_code == 503, refused.text
         a_may_commit.set()
         publishing.join(30)
@@ -160,20 +159,7 @@ def test_a_digest_another_worker_is_publishing_keeps_its_files_through_deletes_a
                 raise ServiceUnavailable("the engine is restarting")
 
             monkeypatch.setattr(engine, "ensure_adapter", restarting)
-            refused = admin.post(
-                "/admin/adapters",
-                data={"name": "z", "owner": b.tenant_id},
-                files={
-                    "adapter_config": (
-                        "adapter_config.json",
-                        (folder / "adapter_config.json").read_bytes(),
-                    ),
-                    "adapter_model": (
-                        "adapter_model.safetensors",
-                        (folder / "adapter_model.safetensors").read_bytes(),
-                    ),
-                },
-            )
+            refused = post_upload(admin, b.tenant_id, "z", folder)
             assert refused.status_code == 503, refused.text
             assert digest in server.state.store, "the local store kept the claimed files"
             assert server.run(shared.has(digest))
