@@ -49,10 +49,25 @@ class DigestClaims:
 
     def claim(self, digest: str) -> Claim:
         """A claim on `digest` (shared with other publishes of it); blocks while a cleanup of
-        the digest is deciding, so call it off the event loop."""
+        the digest is deciding."""
         fd = self._open(digest)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
+        except BaseException:
+            os.close(fd)
+            raise
+        return Claim(fd)
+
+    def try_claim(self, digest: str) -> Claim | None:
+        """A claim on `digest`, or None while a cleanup of it is deciding. Never waits: an
+        event loop retries it (a thread blocked on the lock would be one fewer for the
+        cleanup, which may need one to finish)."""
+        fd = self._open(digest)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
         except BaseException:
             os.close(fd)
             raise

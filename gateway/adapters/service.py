@@ -64,6 +64,8 @@ ADAPTER_NAME = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 is safe in a URL path segment, a file name and `owner/name`, and never looks like an option
 (`-x`) or a path step (`.`, `..`)."""
 _README_ROOM = 1 << 20
+CLAIM_RETRY_SECONDS = 0.005
+"""The first pause before a publish tries its digest's claim again (doubling, to 0.2 s)."""
 
 
 def adapter_out(row: AdapterVersion) -> AdapterOut:
@@ -299,20 +301,14 @@ class AdapterService:
 
 
 async def _claim(store: AdapterStore, digest: str) -> Claim:
-    """A claim on `digest`, taken on a thread (it waits while a cleanup of the digest decides).
-    A caller cancelled meanwhile (its client left) does not stop the thread: the claim it takes
-    then is released at once, not held by nobody for the life of the process."""
-    taking = asyncio.ensure_future(asyncio.to_thread(store.claims.claim, digest))
-    try:
-        return await asyncio.shield(taking)
-    except asyncio.CancelledError:
-        taking.add_done_callback(_release_taken)
-        raise
-
-
-def _release_taken(taking: asyncio.Future[Claim]) -> None:
-    if not taking.cancelled() and taking.exception() is None:
-        taking.result().release()
+    """A claim on `digest`, retried on the loop while a cleanup of the digest decides (a thread
+    waiting on the lock would hold a thread of the pool the cleanup needs to finish: enough
+    uploads of the same bytes deadlocked the worker)."""
+    pause = CLAIM_RETRY_SECONDS
+    while (claim := store.claims.try_claim(digest)) is None:
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.2)
+    return claim
 
 
 async def _named(session: AsyncSession, digest: str) -> bool:

@@ -176,9 +176,9 @@ async def test_a_publish_cancelled_while_waiting_for_its_claim_holds_nothing(
     tmp_path: Path, demo_model_dir: Path
 ) -> None:
     """A publish waits for its claim while a cleanup of the digest decides, and its client
-    leaves (the request is cancelled). The thread that waits takes the claim anyway once the
-    cleanup ends: it is released at once, or the digest stayed claimed by nobody for the life
-    of the process and no cleanup ever removed its files."""
+    leaves (the request is cancelled). Nothing holds the claim afterwards (a thread that waited
+    on the lock took it anyway, and the digest stayed claimed by nobody for the life of the
+    process, so no cleanup ever removed its files)."""
     store = AdapterStore(tmp_path, BaseModelSpec.from_model_dir(demo_model_dir))
     digest = "ab" * 32
     with store.claims.unclaimed(digest) as free:
@@ -188,7 +188,7 @@ async def test_a_publish_cancelled_while_waiting_for_its_claim_holds_nothing(
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
-    await asyncio.sleep(0.2)  # the thread takes the claim (and, fixed, gives it back)
+    await asyncio.sleep(0.2)  # time for a thread that waited to take it
     deadline = asyncio.get_running_loop().time() + 30
     while True:
         with store.claims.unclaimed(digest) as free:
@@ -196,3 +196,25 @@ async def test_a_publish_cancelled_while_waiting_for_its_claim_holds_nothing(
                 break
         assert asyncio.get_running_loop().time() < deadline, "the claim is still held"
         await asyncio.sleep(0.05)
+
+
+async def test_publishes_waiting_for_a_claim_hold_no_thread_a_cleanup_needs(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """Many uploads of the same bytes wait for their claim while a cleanup of the digest
+    decides; the cleanup's own work off the loop (deleting the folder) still runs, and then
+    every publish gets its claim. With each wait on a thread of the loop's pool, the pool was
+    full of waiters, the cleanup never finished, and the worker was deadlocked for good."""
+    store = AdapterStore(tmp_path, BaseModelSpec.from_model_dir(demo_model_dir))
+    digest = "cd" * 32
+    with store.claims.unclaimed(digest) as free:
+        assert free
+        waiting = [asyncio.ensure_future(claim_digest(store, digest)) for _ in range(64)]
+        await asyncio.sleep(0.1)
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: "ran"), 30) == "ran"
+        assert not any(w.done() for w in waiting)
+    claims = await asyncio.wait_for(asyncio.gather(*waiting), 30)
+    with store.claims.unclaimed(digest) as free:
+        assert not free
+    for claim in claims:
+        claim.release()
