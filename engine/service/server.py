@@ -11,9 +11,10 @@ routing id that is gone (ROUTER_MANDATORY): when a gateway disconnects or dies, 
 it fails to send, and each of its requests is aborted at its next delta, which frees its KV blocks
 and adapter pin. A gateway that reconnects gets a new routing id, so its old streams end too. A
 gateway cut off without its connection closing (a network partition, a host gone) misses the
-socket's heartbeats and is disconnected the same way. A gateway that stops reading is gone too,
-once SEND_QUEUE messages wait for it: nothing the engine sends waits on a reader. Only the
-gateway that started a request can abort it.
+socket's heartbeats and is disconnected the same way. Nothing the engine sends waits on a
+reader: at most SEND_QUEUE messages wait for a gateway that stopped reading, the requests whose
+outputs a full queue lost are ended, and the gateway is told (`request_failed`) once it reads
+again. Only the gateway that started a request can abort it.
 
 No message stops the server: one that is not a message, or not one of ours, is dropped (and
 logged, at most once per LOG_EVERY_SECONDS); one whose token is wrong is refused, having been
@@ -33,7 +34,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import zmq
 import zmq.asyncio
@@ -73,6 +74,8 @@ SEND_QUEUE = 10_000
 HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 1000, 5000
 """As gateways' sockets (gateway.engine_client.channel): a gateway silent for 5 s is gone."""
 LOG_EVERY_SECONDS = 10.0
+OWED_RETRY_SECONDS = 0.5
+"""How often a gateway whose queue was full is offered the news of the requests it lost."""
 
 
 @dataclass
@@ -112,6 +115,9 @@ class EngineServer:
         self._streams_of: Counter[bytes] = Counter()
         """Streams under way per gateway (routing id)."""
         self._unreachable: set[bytes] = set()
+        self._owed: dict[bytes, set[str]] = {}
+        """Per gateway, the requests whose outputs its full send queue lost: they are ended,
+        and the gateway is told (`_tell_owed`) once it takes messages again."""
         """Gateways with streams under way that a batch failed to reach."""
 
     def bind(self, address: str) -> str:
@@ -187,15 +193,22 @@ class EngineServer:
         task.add_done_callback(self._tasks.discard)
 
     async def _send(self, identity: bytes, message: ToGateway | Batch | None) -> bool:
-        """False when the gateway is gone."""
+        """False when the gateway is gone, or its send queue full (it is not reading)."""
+        return await self._sent(identity, message) == "sent"
+
+    async def _sent(
+        self, identity: bytes, message: ToGateway | Batch | None
+    ) -> Literal["sent", "gone", "full"]:
         assert message is not None
         try:
             await self._socket.send_multipart([identity, encode(message)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):  # gone, or not reading
-                raise
-            return False
-        return True
+            if exc.errno == zmq.EHOSTUNREACH:
+                return "gone"
+            if exc.errno == zmq.EAGAIN:
+                return "full"
+            raise
+        return "sent"
 
     async def _stream(self, identity: bytes, message: Generate, owner: bool) -> None:
         """The request's outputs to its gateway. `owner`: this stream holds the request id for
@@ -246,7 +259,7 @@ class EngineServer:
     def _post(self, identity: bytes, message: Delta | Failed) -> bool:
         """Queue a stream's message for the gateway's next batch; False when a batch already
         failed to reach that gateway (it is gone)."""
-        if identity in self._unreachable:
+        if identity in self._unreachable or message.ref in self._owed.get(identity, ()):
             return False
         self._outbox.setdefault(identity, []).append(message)
         if not self._flush_due:
@@ -256,17 +269,42 @@ class EngineServer:
 
     async def _flush(self) -> None:
         """Send each gateway its batch. A gateway that a batch cannot reach is gone: its streams
-        end (and their requests are aborted) at their next delta."""
+        end (and their requests are aborted) at their next delta. A batch lost to a full queue
+        ends the streams it carried the same way, and the gateway is told later."""
         self._flush_due = False
         outbox, self._outbox = self._outbox, {}
         for identity, messages in outbox.items():
             try:
-                sent = await self._send(identity, Batch(messages))
+                outcome = await self._sent(identity, Batch(messages))
             except zmq.ZMQError as exc:
                 log.error("could not send a gateway %d stream messages: %s", len(messages), exc)
-                sent = False
-            if not sent and identity in self._streams_of:
+                outcome = "gone"
+            if outcome == "gone" and identity in self._streams_of:
                 self._unreachable.add(identity)
+            elif outcome == "full":
+                self._owe(identity, {m.ref for m in messages})
+
+    def _owe(self, identity: bytes, refs: set[str]) -> None:
+        owed = self._owed.setdefault(identity, set())
+        if not owed:
+            log.warning("a gateway is not reading (%d messages queued for it)", SEND_QUEUE)
+            self._spawn(self._tell_owed(identity))
+        owed.update(refs)
+
+    async def _tell_owed(self, identity: bytes) -> None:
+        """Once the gateway takes messages again, each request whose outputs were lost gets a
+        Failed (its stream at the gateway ends with an error, instead of waiting forever);
+        given up when the gateway is gone."""
+        while True:
+            await asyncio.sleep(OWED_RETRY_SECONDS)
+            refs = self._owed[identity]
+            message = "the engine dropped this request: its gateway stopped reading its outputs"
+            failed: list[Delta | Failed] = [
+                Failed(ref, False, "engine", "request_failed", message) for ref in sorted(refs)
+            ]
+            if await self._sent(identity, Batch(failed)) != "full":
+                del self._owed[identity]
+                return
 
     async def _answer(self, identity: bytes, call: Call) -> None:
         try:

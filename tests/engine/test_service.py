@@ -26,6 +26,7 @@ from loramux.engine.config import EngineConfig
 from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.service import serve_engine_in_thread
+from loramux.engine.service import server as service_module
 from loramux.engine.service.runner import RunningEngineService
 from loramux.engine.service.wire import (
     WIRE_VERSION,
@@ -505,3 +506,44 @@ def test_a_gateway_cut_off_by_the_network_has_its_requests_aborted(demo_model_di
         finally:
             context.destroy(linger=0)
             proxy.close()
+
+
+def test_a_gateway_that_falls_behind_is_told_which_requests_it_lost(
+    demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gateway stops reading (busy for 3 s, under the heartbeat timeout) until its send queue
+    is full (200 messages here, and a small socket buffer). The batches that did not fit are
+    lost, so their streams end; once the gateway reads again each ends with `request_failed`
+    (they hung: aborted in the engine with no last message), and its next request is served
+    (it was swallowed while any of its streams ran)."""
+    monkeypatch.setattr(service_module, "SEND_QUEUE", 200)
+    setup = service_module.EngineServer.__post_init__
+
+    def small_buffers(server: service_module.EngineServer) -> None:
+        setup(server)
+        server._socket.setsockopt(zmq.SNDBUF, 4096)
+
+    monkeypatch.setattr(service_module.EngineServer, "__post_init__", small_buffers)
+    config = EngineConfig(model=demo_model_dir, max_model_len=2048, kv_cache_bytes=96 << 20)
+    engine = AsyncEngine(LLMEngine(config))
+    with (
+        serve_engine_in_thread(engine, "demo", token=TOKEN) as running,
+        _gateway_at(running.url) as behind,
+    ):
+        behind.socket.setsockopt(zmq.RCVHWM, 1)
+        behind.socket.setsockopt(zmq.RCVBUF, 2048)
+        behind.socket.disconnect(running.url)  # the options apply to a new connection
+        behind.socket.connect(running.url)
+        params = SamplingParams(max_tokens=1500, ignore_eos=True)
+        for i in range(2):
+            behind.send(_generate(f"long-{i}", params=params))
+        time.sleep(3)  # not reading: the gateway is busy
+        ended: dict[str, str] = {}
+        while len(ended) < 2:
+            message = behind.receive(30)
+            if isinstance(message, Failed):
+                ended[message.ref] = message.code
+            elif isinstance(message, Delta) and message.finish_reason is not None:
+                ended[message.ref] = message.finish_reason
+        assert ended == {"long-0": "request_failed", "long-1": "request_failed"}
+        assert isinstance(behind.stream("after")[-1], Delta)
