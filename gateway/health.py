@@ -8,7 +8,10 @@ only lengthen the outage. /health answers 503 when a supervised child keeps fail
 
 from __future__ import annotations
 
+import asyncio
+import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +29,9 @@ from loramux.gateway.state import GatewayState
 from loramux.gateway.supervisor import Supervisor
 from loramux.gateway.usage import UsageRecorder
 
+ENGINE_METRICS_INTERVAL = 0.05
+"""At most this often (seconds) a worker's /metrics asks the engines for theirs."""
+
 
 @dataclass(frozen=True)
 class Probes:
@@ -38,12 +44,42 @@ class Probes:
     """The child processes `loramux serve` supervises; None in other setups."""
 
 
+class EngineMetricsFeed:
+    """The engines' metrics for /metrics, fetched at most once per `min_interval` seconds:
+    scrapes in between get the last fetch, and concurrent ones share the one under way. The
+    route needs no credentials (as Prometheus expects), and each fetch makes every engine
+    render its metrics on its event loop: a client scraping without pause loaded every engine
+    it reached."""
+
+    def __init__(self, engine: EngineClient, min_interval: float = ENGINE_METRICS_INTERVAL):
+        self.engine = engine
+        self.min_interval = min_interval
+        self._last: list[str] = []
+        self._fetched_at = -math.inf
+        self._fetching: asyncio.Future[list[str]] | None = None
+
+    async def get(self) -> list[str]:
+        if self._fetching is None:
+            if time.monotonic() - self._fetched_at < self.min_interval:
+                return self._last
+            self._fetching = asyncio.ensure_future(self._fetch())
+        return await asyncio.shield(self._fetching)
+
+    async def _fetch(self) -> list[str]:
+        try:
+            self._last = await self.engine.metrics()
+            self._fetched_at = time.monotonic()
+            return self._last
+        finally:
+            self._fetching = None
+
+
 @dataclass(frozen=True)
 class MetricSources:
     """Where /metrics reads the gauges it refreshes before rendering."""
 
     metrics: Metrics
-    engine: EngineClient
+    engine: EngineMetricsFeed
     cache: ResponseCache
     quotas: QuotaService
     usage: UsageRecorder
@@ -56,7 +92,8 @@ def health_router(gw: GatewayState) -> Router:
     def probes() -> Probes:
         return Probes(gw.engine, gw.sessions, gw.redis, gw.children)
 
-    sources = MetricSources(gw.metrics, gw.engine, gw.cache, gw.quotas, gw.usage)
+    feed = EngineMetricsFeed(gw.engine)
+    sources = MetricSources(gw.metrics, feed, gw.cache, gw.quotas, gw.usage)
     return Router(
         "/",
         route_handlers=[health, ready, metrics],
@@ -116,5 +153,5 @@ async def metrics(sources: NamedDependency[MetricSources]) -> Response[bytes]:
         dict(usage.dropped),
         sources.cache.decision_counts(),
     )
-    body = sources.metrics.render(degradation, await sources.engine.metrics())
+    body = sources.metrics.render(degradation, await sources.engine.get())
     return Response(body, media_type="text/plain; version=0.0.4")

@@ -4,8 +4,10 @@ exactly while the adapter is resident, and every series a dashboard panel querie
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loramux.adapters.demo import build_demo_adapters
+from loramux.gateway.health import ENGINE_METRICS_INTERVAL
 from loramux.gateway.server import RunningServer
 from tests.gateway.serve_process import wait_for
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
@@ -185,3 +188,37 @@ def test_adapter_series_exist_while_it_is_resident(
         return not any(dict(labels).get("adapter") == digest for _, labels in samples)
 
     wait_for(gone, 30, "the deleted adapter's series are gone")
+
+
+def test_scrapes_without_pause_reach_the_engines_at_most_once_an_interval(
+    gateway: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/metrics needs no credentials, and each answer holds the engines' series: 300 scrapes
+    at once and back to back ask the engines at most once per ENGINE_METRICS_INTERVAL (each
+    ask is a render on every engine's event loop: a client scraping without pause loaded every
+    engine), and a scrape after a pause asks again (fresh)."""
+    engine = gateway.state.engine
+    asked: list[float] = []
+    real = engine.metrics
+
+    async def metrics() -> list[str]:  # the real one, counted
+        asked.append(time.monotonic())
+        return await real()
+
+    monkeypatch.setattr(engine, "metrics", metrics)
+
+    async def scrapes() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
+            together = await asyncio.gather(*(client.get("/metrics") for _ in range(150)))
+            return [*together, *[await client.get("/metrics") for _ in range(150)]]
+
+    start = time.monotonic()
+    answers = asyncio.run(scrapes())
+    elapsed = time.monotonic() - start
+    assert all(a.status_code == 200 for a in answers)
+    assert all("loramux_kv_cache_usage_perc" in a.text for a in answers)
+    assert 1 <= len(asked) <= elapsed / ENGINE_METRICS_INTERVAL + 1, (len(asked), elapsed)
+    time.sleep(ENGINE_METRICS_INTERVAL)
+    before = len(asked)
+    assert httpx.get(f"{gateway.url}/metrics").status_code == 200
+    assert len(asked) == before + 1
