@@ -115,10 +115,10 @@ class EngineServer:
         self._streams_of: Counter[bytes] = Counter()
         """Streams under way per gateway (routing id)."""
         self._unreachable: set[bytes] = set()
+        """Gateways with streams under way that a batch failed to reach."""
         self._owed: dict[bytes, set[str]] = {}
         """Per gateway, the requests whose outputs its full send queue lost: they are ended,
         and the gateway is told (`_tell_owed`) once it takes messages again."""
-        """Gateways with streams under way that a batch failed to reach."""
 
     def bind(self, address: str) -> str:
         """Listen on `address` (`ipc://…` or `tcp://host:port`, port 0 or `*` for any); the
@@ -285,11 +285,16 @@ class EngineServer:
                 self._owe(identity, {m.ref for m in messages})
 
     def _owe(self, identity: bytes, refs: set[str]) -> None:
+        """End the requests of `refs` (aborted now; their streams end at their next message)
+        and owe their gateway the news."""
         owed = self._owed.setdefault(identity, set())
         if not owed:
             log.warning("a gateway is not reading (%d messages queued for it)", SEND_QUEUE)
             self._spawn(self._tell_owed(identity))
         owed.update(refs)
+        for ref in refs:
+            if self._owners.get(ref) == identity:
+                self.engine.abort(ref)
 
     async def _tell_owed(self, identity: bytes) -> None:
         """Once the gateway takes messages again, each request whose outputs were lost gets a
