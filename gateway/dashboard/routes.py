@@ -31,8 +31,8 @@ from loramux.gateway.state import GatewayState
 
 AnyRequest = Request[Any, Any, Any]
 Days = Annotated[int, QueryParameter(ge=1, le=366)]
-FirstDay = Annotated[str | None, QueryParameter(query="from", max_length=10)]
-LastDay = Annotated[str | None, QueryParameter(query="to", max_length=10)]
+FirstDay = Annotated[str | None, QueryParameter(name="from", max_length=10)]
+LastDay = Annotated[str | None, QueryParameter(name="to", max_length=10)]
 SECURITY_HEADERS = {
     "content-security-policy": "default-src 'none'; style-src 'self'; img-src 'self'; "
     "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
