@@ -12,8 +12,9 @@ import asyncio
 import math
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from litestar import Response, Router, get
 from litestar.di import NamedDependency, Provide
@@ -29,49 +30,59 @@ from loramux.gateway.state import GatewayState
 from loramux.gateway.supervisor import Supervisor
 from loramux.gateway.usage import UsageRecorder
 
-ENGINE_METRICS_INTERVAL = 0.05
-"""At most this often (seconds) a worker's /metrics asks the engines for theirs."""
+T = TypeVar("T")
+
+PROBE_INTERVAL = 0.05
+"""At most this often (seconds) a worker's /health, /ready and /metrics ask the engines (and,
+for /ready, the database and Redis); requests in between get the last answer."""
+
+
+class Coalesced(Generic[T]):
+    """The answer of `ask`, asked at most once per `min_interval` seconds: callers in between
+    get the last answer, and concurrent ones share the ask under way. For the routes that need
+    no credentials (Prometheus and orchestrators call them) and ask the engines: a client
+    calling them without pause made every engine answer a stats or metrics call on its event
+    loop for each request, and /ready took a database connection for each."""
+
+    def __init__(self, ask: Callable[[], Awaitable[T]], min_interval: float = PROBE_INTERVAL):
+        self._ask = ask
+        self.min_interval = min_interval
+        self._last: tuple[T] | None = None
+        self._asked_at = -math.inf
+        self._asking: asyncio.Future[T] | None = None
+
+    async def get(self) -> T:
+        if self._asking is None:
+            fresh = time.monotonic() - self._asked_at < self.min_interval
+            if self._last is not None and fresh:
+                return self._last[0]
+            self._asking = asyncio.ensure_future(self._answer())
+            self._asking.add_done_callback(_observed)
+        return await asyncio.shield(self._asking)
+
+    async def _answer(self) -> T:
+        try:
+            answer = await self._ask()
+            self._last, self._asked_at = (answer,), time.monotonic()
+            return answer
+        finally:
+            self._asking = None
+
+
+def _observed(asked: asyncio.Future[Any]) -> None:
+    """Its failure counts as seen even when every caller left before it ended."""
+    if not asked.cancelled():
+        asked.exception()
 
 
 @dataclass(frozen=True)
 class Probes:
     """What liveness and readiness look at."""
 
-    engine: EngineClient
-    sessions: async_sessionmaker[AsyncSession]
-    redis: Redis
+    engine_up: Coalesced[bool]
+    readiness: Coalesced[dict[str, bool]]
     children: Supervisor | None
     """The child processes `loramux serve` supervises; None in other setups."""
-
-
-class EngineMetricsFeed:
-    """The engines' metrics for /metrics, fetched at most once per `min_interval` seconds:
-    scrapes in between get the last fetch, and concurrent ones share the one under way. The
-    route needs no credentials (as Prometheus expects), and each fetch makes every engine
-    render its metrics on its event loop: a client scraping without pause loaded every engine
-    it reached."""
-
-    def __init__(self, engine: EngineClient, min_interval: float = ENGINE_METRICS_INTERVAL):
-        self.engine = engine
-        self.min_interval = min_interval
-        self._last: list[str] = []
-        self._fetched_at = -math.inf
-        self._fetching: asyncio.Future[list[str]] | None = None
-
-    async def get(self) -> list[str]:
-        if self._fetching is None:
-            if time.monotonic() - self._fetched_at < self.min_interval:
-                return self._last
-            self._fetching = asyncio.ensure_future(self._fetch())
-        return await asyncio.shield(self._fetching)
-
-    async def _fetch(self) -> list[str]:
-        try:
-            self._last = await self.engine.metrics()
-            self._fetched_at = time.monotonic()
-            return self._last
-        finally:
-            self._fetching = None
 
 
 @dataclass(frozen=True)
@@ -79,7 +90,8 @@ class MetricSources:
     """Where /metrics reads the gauges it refreshes before rendering."""
 
     metrics: Metrics
-    engine: EngineMetricsFeed
+    engines: Coalesced[list[str]]
+    """Each answering engine's metrics text."""
     cache: ResponseCache
     quotas: QuotaService
     usage: UsageRecorder
@@ -89,11 +101,16 @@ def health_router(gw: GatewayState) -> Router:
     """/health, /ready and /metrics, given what they look at, composed from the process's state
     (as the admin router composes its services)."""
 
-    def probes() -> Probes:
-        return Probes(gw.engine, gw.sessions, gw.redis, gw.children)
+    async def readiness() -> dict[str, bool]:
+        return await _readiness(gw.sessions, gw.redis, gw.engine)
 
-    feed = EngineMetricsFeed(gw.engine)
-    sources = MetricSources(gw.metrics, feed, gw.cache, gw.quotas, gw.usage)
+    engine_up, ready_checks = Coalesced(lambda: gw.engine.ready()), Coalesced(readiness)
+
+    def probes() -> Probes:  # the children are the state's when asked (serve sets them later)
+        return Probes(engine_up, ready_checks, gw.children)
+
+    engines = Coalesced(lambda: gw.engine.metrics())
+    sources = MetricSources(gw.metrics, engines, gw.cache, gw.quotas, gw.usage)
     return Router(
         "/",
         route_handlers=[health, ready, metrics],
@@ -111,7 +128,7 @@ async def health(probes: NamedDependency[Probes]) -> Response[dict[str, Any]]:
     only restarting the whole service can help. The body says what is down:
     `status` ok | degraded | failing, `engine` up | down, `pid` (which worker answered), and under `loramux serve` the state of
     each child process (up, pid, restarts, why it last exited, failing)."""
-    engine_up = await probes.engine.ready()
+    engine_up = await probes.engine_up.get()
     body: dict[str, Any] = {"engine": "up" if engine_up else "down", "pid": os.getpid()}
     failing = False
     down = not engine_up
@@ -126,20 +143,27 @@ async def health(probes: NamedDependency[Probes]) -> Response[dict[str, Any]]:
 @get("/ready", include_in_schema=False)
 async def ready(probes: NamedDependency[Probes]) -> Response[dict[str, Any]]:
     """Ready to serve: the database answers and the engine is running."""
+    checks = await probes.readiness.get()
+    ok = all(checks.values())
+    return Response({"ready": ok, "checks": checks}, status_code=200 if ok else 503)
+
+
+async def _readiness(
+    sessions: async_sessionmaker[AsyncSession], redis: Redis, engine: EngineClient
+) -> dict[str, bool]:
     checks: dict[str, bool] = {}
     try:
-        async with probes.sessions() as session:
+        async with sessions() as session:
             await session.execute(text("SELECT 1"))
         checks["database"] = True
     except Exception:
         checks["database"] = False
-    checks["engine"] = await probes.engine.ready()
+    checks["engine"] = await engine.ready()
     try:
-        checks["redis"] = bool(await probes.redis.ping())
+        checks["redis"] = bool(await redis.ping())
     except Exception:
         checks["redis"] = False
-    ok = all(checks.values())
-    return Response({"ready": ok, "checks": checks}, status_code=200 if ok else 503)
+    return checks
 
 
 @get("/metrics", include_in_schema=False)
@@ -153,5 +177,5 @@ async def metrics(sources: NamedDependency[MetricSources]) -> Response[bytes]:
         dict(usage.dropped),
         sources.cache.decision_counts(),
     )
-    body = sources.metrics.render(degradation, await sources.engine.get())
+    body = sources.metrics.render(degradation, await sources.engines.get())
     return Response(body, media_type="text/plain; version=0.0.4")

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loramux.adapters.demo import build_demo_adapters
-from loramux.gateway.health import ENGINE_METRICS_INTERVAL
+from loramux.gateway.health import PROBE_INTERVAL as ENGINE_METRICS_INTERVAL
 from loramux.gateway.server import RunningServer
 from tests.gateway.serve_process import wait_for
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
@@ -222,3 +222,34 @@ def test_scrapes_without_pause_reach_the_engines_at_most_once_an_interval(
     before = len(asked)
     assert httpx.get(f"{gateway.url}/metrics").status_code == 200
     assert len(asked) == before + 1
+
+
+@pytest.mark.parametrize("route", ["/health", "/ready"])
+def test_health_checks_without_pause_reach_the_engines_at_most_once_an_interval(
+    gateway: RunningServer, monkeypatch: pytest.MonkeyPatch, route: str
+) -> None:
+    """/health and /ready need no credentials; each asked every engine whether it runs (a stats
+    call on its event loop; /ready also the database and Redis) per request: 300 requests now
+    ask at most once an interval."""
+    engine = gateway.state.engine
+    asked: list[float] = []
+    real = engine.ready
+
+    async def ready() -> bool:  # the real one, counted
+        asked.append(time.monotonic())
+        return await real()
+
+    monkeypatch.setattr(engine, "ready", ready)
+
+    async def checks() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
+            together = await asyncio.gather(*(client.get(route) for _ in range(150)))
+            return [*together, *[await client.get(route) for _ in range(150)]]
+
+    time.sleep(ENGINE_METRICS_INTERVAL)
+    start = time.monotonic()
+    answers = asyncio.run(checks())
+    elapsed = time.monotonic() - start
+    assert all(a.status_code == 200 for a in answers), answers[-1].text
+    assert all(a.json()["engine" if route == "/health" else "checks"] for a in answers)
+    assert 1 <= len(asked) <= elapsed / ENGINE_METRICS_INTERVAL + 1, (len(asked), elapsed)
