@@ -91,4 +91,8 @@ class DigestClaims:
     def _open(self, digest: str) -> int:
         if not _DIGEST.fullmatch(digest):
             raise ValueError(f"{digest!r} is not an adapter digest")
-        return os.open(self.folder / digest, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            return os.open(self.folder / digest, os.O_CREAT | os.O_RDWR, 0o600)
+        except FileNotFoundError:  # the folder was removed (an operator cleaning up): again
+            self.folder.mkdir(parents=True, exist_ok=True)
+            return os.open(self.folder / digest, os.O_CREAT | os.O_RDWR, 0o600)

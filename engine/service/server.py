@@ -76,6 +76,9 @@ HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 1000, 5000
 LOG_EVERY_SECONDS = 10.0
 OWED_RETRY_SECONDS = 0.5
 """How often a gateway whose queue was full is offered the news of the requests it lost."""
+OWED_MAX, OWED_CHUNK = 10_000, 500
+"""Lost requests remembered per gateway at most (past them it learns by its own timeouts), and
+told per frame."""
 
 
 @dataclass
@@ -167,6 +170,8 @@ class EngineServer:
             return
         if isinstance(message, Prefetch):
             self.engine.prefetch_adapter(message.digest)
+        elif isinstance(message, Generate) and identity in self._owed:
+            self._owe(identity, {message.request_id})  # not reading: not run, told later
         elif isinstance(message, Generate):
             owner = self._owners.setdefault(message.request_id, identity) is identity
             self._spawn(self._stream(identity, message, owner))
@@ -291,25 +296,32 @@ class EngineServer:
         if not owed:
             log.warning("a gateway is not reading (%d messages queued for it)", SEND_QUEUE)
             self._spawn(self._tell_owed(identity))
-        owed.update(refs)
+        owed.update(list(refs)[: max(0, OWED_MAX - len(owed))])
         for ref in refs:
             if self._owners.get(ref) == identity:
                 self.engine.abort(ref)
 
     async def _tell_owed(self, identity: bytes) -> None:
         """Once the gateway takes messages again, each request whose outputs were lost gets a
-        Failed (its stream at the gateway ends with an error, instead of waiting forever);
-        given up when the gateway is gone."""
-        while True:
+        Failed (its stream at the gateway ends with an error, instead of waiting forever), a
+        frame of OWED_CHUNK at a time; given up when the gateway is gone. Meanwhile its new
+        requests are not run (they join the news)."""
+        owed = self._owed[identity]
+        message = "the engine dropped this request: its gateway stopped reading its outputs"
+        while owed:
             await asyncio.sleep(OWED_RETRY_SECONDS)
-            refs = self._owed[identity]
-            message = "the engine dropped this request: its gateway stopped reading its outputs"
-            failed: list[Delta | Failed] = [
-                Failed(ref, False, "engine", "request_failed", message) for ref in sorted(refs)
-            ]
-            if await self._sent(identity, Batch(failed)) != "full":
-                del self._owed[identity]
-                return
+            while owed:
+                refs = [owed.pop() for _ in range(min(len(owed), OWED_CHUNK))]
+                failed: list[Delta | Failed] = [
+                    Failed(ref, False, "engine", "request_failed", message) for ref in refs
+                ]
+                outcome = await self._sent(identity, Batch(failed))
+                if outcome == "gone":
+                    owed.clear()
+                elif outcome == "full":
+                    owed.update(refs)
+                    break
+        del self._owed[identity]
 
     async def _answer(self, identity: bytes, call: Call) -> None:
         try:

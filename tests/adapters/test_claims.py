@@ -4,6 +4,7 @@ that is deciding."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import threading
@@ -80,3 +81,19 @@ def test_only_digests_name_claims(tmp_path: Path) -> None:
             claims.claim(bad)
         with pytest.raises(ValueError), claims.unclaimed(bad):
             pass
+
+
+def test_claims_survive_their_folder_being_removed(tmp_path: Path) -> None:
+    """An operator cleaning up removes `.claims`: claims and cleanups go on (every upload and
+    delete failed with a 500 until the process restarted)."""
+    claims = DigestClaims(tmp_path)
+    shutil.rmtree(claims.folder)
+    with claims.claim(DIGEST), claims.unclaimed(DIGEST) as free:
+        assert not free
+    shutil.rmtree(claims.folder)
+    with claims.unclaimed(DIGEST) as free:
+        assert free
+    shutil.rmtree(claims.folder)
+    claim = claims.try_claim(DIGEST)
+    assert claim is not None
+    claim.release()
