@@ -1,0 +1,96 @@
+"""Speaking to a real engine service as a gateway would, message by message: a bare DEALER
+socket, and the demo engine served on a loopback port."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+
+from loramux.engine.sampling import SamplingParams
+from loramux.engine.service.wire import (
+    Call,
+    Delta,
+    Failed,
+    Generate,
+    Reply,
+    ToEngine,
+    ToGateway,
+    decode_to_gateway,
+    encode,
+)
+
+TOKEN = "engine-secret"
+PROMPT = [5, 17, 300, 41, 9]
+
+
+class Gateway:
+    """A bare DEALER socket: send messages, receive the engine's, with a deadline."""
+
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], url: str):
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(url)
+        self.unread: list[ToGateway] = []
+        """The rest of a batch frame already received."""
+
+    def send(self, message: ToEngine | bytes) -> None:
+        self.socket.send(message if isinstance(message, bytes) else encode(message))
+
+    def receive(self, timeout_s: float = 60) -> ToGateway:
+        """The next message, batches unpacked."""
+        if not self.unread:
+            assert self.socket.poll(int(timeout_s * 1000)), "the engine did not answer"
+            self.unread = decode_to_gateway(self.socket.recv())
+        return self.unread.pop(0)
+
+    def call(self, op: Any, token: str = TOKEN, **fields: Any) -> ToGateway:
+        self.send(Call(token, f"call-{op}", op, **fields))
+        return self.receive()
+
+    def stream(self, request_id: str, **fields: Any) -> list[ToGateway]:
+        self.send(generate(request_id, **fields))
+        received = [self.receive()]
+        while isinstance(received[-1], Delta) and received[-1].finish_reason is None:
+            received.append(self.receive())
+        return received
+
+
+@contextlib.contextmanager
+def gateway_at(url: str) -> Iterator[Gateway]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        yield Gateway(context, url)
+    finally:
+        context.destroy(linger=0)
+
+
+def generate(request_id: str, **fields: Any) -> Generate:
+    params = fields.pop("params", SamplingParams(max_tokens=12, ignore_eos=True))
+    return Generate(
+        fields.pop("token", TOKEN), request_id, fields.pop("ids", PROMPT), params, **fields
+    )
+
+
+def stats_of(gateway: Gateway) -> dict[str, Any]:
+    reply = gateway.call("stats")
+    assert isinstance(reply, Reply)
+    return dict(reply.value)
+
+
+def wait_idle(gateway: Gateway) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = stats_of(gateway)
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            return stats
+    raise AssertionError(f"the engine never went idle: {stats}")
+
+
+def failure_of(received: list[ToGateway] | ToGateway) -> Failed:
+    last = received[-1] if isinstance(received, list) else received
+    assert isinstance(last, Failed), last
+    return last
