@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,13 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.config import EngineConfig
 from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.outputs import EngineRequest, RequestOutput
-from loramux.engine.service import serve_engine_in_thread
-from loramux.engine.service.runner import RunningEngineService
-from tests.engine.service_peer import TOKEN, Gateway, gateway_at
 
 
 @pytest.fixture(scope="session")
@@ -60,20 +55,3 @@ def run_to_completion(
         for out in engine.step():
             outputs[out.request_id].append(out)
     return outputs
-
-
-@pytest.fixture(scope="module")
-def service(
-    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningEngineService]:
-    config = EngineConfig(model=demo_model_dir, max_model_len=512, kv_cache_bytes=16 << 20)
-    engine = AsyncEngine(LLMEngine(config))
-    adapter_dir = tmp_path_factory.mktemp("engine-adapters")
-    with serve_engine_in_thread(engine, "demo", adapter_dir=adapter_dir, token=TOKEN) as running:
-        yield running
-
-
-@pytest.fixture
-def gateway(service: RunningEngineService) -> Iterator[Gateway]:
-    with gateway_at(service.url) as gateway:
-        yield gateway

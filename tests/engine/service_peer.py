@@ -6,11 +6,18 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import pytest
 import zmq
 
+from loramux.engine.async_engine import AsyncEngine
+from loramux.engine.config import EngineConfig
+from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.sampling import SamplingParams
+from loramux.engine.service import serve_engine_in_thread
+from loramux.engine.service.runner import RunningEngineService
 from loramux.engine.service.wire import (
     Call,
     Delta,
@@ -94,3 +101,20 @@ def failure_of(received: list[ToGateway] | ToGateway) -> Failed:
     last = received[-1] if isinstance(received, list) else received
     assert isinstance(last, Failed), last
     return last
+
+
+@pytest.fixture(scope="module")
+def service(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningEngineService]:
+    config = EngineConfig(model=demo_model_dir, max_model_len=512, kv_cache_bytes=16 << 20)
+    engine = AsyncEngine(LLMEngine(config))
+    adapter_dir = tmp_path_factory.mktemp("engine-adapters")
+    with serve_engine_in_thread(engine, "demo", adapter_dir=adapter_dir, token=TOKEN) as running:
+        yield running
+
+
+@pytest.fixture
+def gateway(service: RunningEngineService) -> Iterator[Gateway]:
+    with gateway_at(service.url) as gateway:
+        yield gateway

@@ -31,6 +31,7 @@ from loramux.engine.service.wire import (
     Reply,
     encode,
 )
+from tests.engine import service_peer
 from tests.engine.service_peer import (
     TOKEN,
     Gateway,
@@ -39,6 +40,10 @@ from tests.engine.service_peer import (
     generate,
     wait_idle,
 )
+
+# The service and a gateway socket on it, as fixtures here (not in the engine conftest, which the
+# GPU suite loads on an image without pyzmq or uvicorn).
+service, gateway = service_peer.service, service_peer.gateway
 
 
 def test_a_malformed_or_hostile_message_is_dropped_or_refused_and_the_engine_serves_on(
