@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
@@ -19,6 +20,7 @@ from loramux.cache.response_cache import ResponseCache
 from loramux.gateway import tracing
 from loramux.gateway.access_log import redact_access_log
 from loramux.gateway.adapters.shared_store import SharedAdapterStore
+from loramux.gateway.adapters.sweep import sweep_leftovers
 from loramux.gateway.auth.admin_jwt import AdminAuth
 from loramux.gateway.auth.api_keys import ApiKeyAuth
 from loramux.gateway.catalog import ModelCatalog
@@ -60,6 +62,8 @@ class GatewayState:
     """The child processes `loramux serve` supervises (for /health); None in other setups."""
     shared_store: SharedAdapterStore | None = None
     """Where uploads also go for engine replicas on other machines (LORAMUX_ADAPTER_STORE_URL)."""
+    sweeping: asyncio.Task[list[str]] | None = None
+    """The start's sweep of adapter files dead processes left (gateway.adapters.sweep)."""
 
     async def start(self) -> None:
         """Start background tasks (on the serving event loop), after the server has set up its
@@ -67,8 +71,11 @@ class GatewayState:
         redact_access_log()
         self.usage.start()
         await self.cache.start()
+        self.sweeping = asyncio.ensure_future(sweep_leftovers(self))
 
     async def close(self) -> None:
+        if self.sweeping is not None:
+            self.sweeping.cancel()
         await self.quotas.close()
         await self.cache.drain()
         await self.usage.close()

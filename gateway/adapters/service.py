@@ -149,15 +149,20 @@ class AdapterService:
     @contextlib.asynccontextmanager
     async def _claimed(self, digest: str) -> AsyncIterator[None]:
         """A publish's claim on `digest` (adapters.claims) for the block; when the block fails,
-        the session is rolled back and, the claim released, the publish undone (`_discard`)."""
+        the session is rolled back and, the claim released, the publish undone (`_discard`).
+        Cancelled too (a worker shutting down): otherwise the stored folder, named by no row,
+        stayed for good. The undoing is shielded from a second cancellation."""
         claim = await _claim(self.store, digest)
         try:
             with claim:
                 yield
-        except Exception:
-            await self.session.rollback()
-            await self._discard(digest)
+        except (Exception, asyncio.CancelledError):
+            await asyncio.shield(self._undo(digest))
             raise
+
+    async def _undo(self, digest: str) -> None:
+        await self.session.rollback()
+        await self._discard(digest)
 
     async def _publish_stored(self, owner: str, name: str, stored: StoredAdapter) -> AdapterOut:
         """Steps 2-4, inside `_claimed(stored.digest)`."""
@@ -227,16 +232,12 @@ class AdapterService:
         return row, previous.digest if previous is not None else None
 
     async def _discard(self, digest: str) -> None:
-        """Undo steps 1-2 of a publish that failed later: retire the digest unless it serves,
-        and remove its stored folder unless a live row names it. Unless another publish of the
-        same bytes (another adapter with identical content, in any worker) claims it: it is
-        about to name the digest, and needs the folder and the engine's copy."""
+        """Undo steps 1-2 of a publish that failed later (`_retire`). Unless another publish of
+        the same bytes (another adapter with identical content, in any worker) claims the
+        digest: it is about to name it, and needs the folder and the engine's copy."""
         with self.store.claims.unclaimed(digest) as free:
-            if not free:
-                return
-            await self._retire(digest)
-            if not await _named(self.session, digest):
-                await asyncio.to_thread(self.store.delete, digest)
+            if free:
+                await self._retire(digest)
 
     async def retire_unused(self, digests: Iterable[str]) -> None:
         """Retire each digest that no live adapter serves any more (`_retire`), unless a publish
@@ -247,14 +248,18 @@ class AdapterService:
                     await self._retire(digest)
 
     async def _retire(self, digest: str) -> None:
-        """Unless a live adapter serves `digest`: retire it in the engine, and delete its files
-        from the shared store unless a live version names it (a pinned older version loads
-        its digest on demand, from there on replicas that never fetched it). Under the
-        digest's cleanup lock (`claims.unclaimed`)."""
+        """Unless a live adapter serves `digest`: retire it in the engine; and unless a live
+        version names it, delete its files from the local and the shared store (a pinned older
+        version loads its digest on demand, from there on replicas that never fetched it). A
+        deleted adapter's weights leave the disk with it. Under the digest's cleanup lock
+        (`claims.unclaimed`)."""
         if await _serves(self.session, digest):
             return
         await self.engine.retire_adapter(digest)
-        if self.shared is not None and not await _named(self.session, digest):
+        if await _named(self.session, digest):
+            return
+        await asyncio.to_thread(self.store.delete, digest)
+        if self.shared is not None:
             await self.shared.delete(digest, self.session)
             await self.session.commit()  # the store may be this session's database
 

@@ -22,6 +22,8 @@ from multipart import MultipartError, MultipartSegment, PushMultipartParser
 from loramux.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE
 from loramux.gateway.errors import BadRequest, PayloadTooLarge
 
+UPLOADS_FOLDER = "uploads"
+"""Where uploads are received, in the data directory (one workspace each)."""
 TEXT_PARTS = ("name", "owner")
 MAX_TEXT_BYTES = 1024
 ADAPTER_FOLDER = "adapter"

@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from loramux.gateway.adapters.controller import AdapterController
 from loramux.gateway.adapters.service import AdapterService
-from loramux.gateway.adapters.upload import UploadSpace
+from loramux.gateway.adapters.upload import UPLOADS_FOLDER, UploadSpace
 from loramux.gateway.admin.body import AdminRequest
 from loramux.gateway.admin.guard import admin_guard
 from loramux.gateway.admin.paging import provide_paging
@@ -58,7 +58,7 @@ def admin_router(gw: GatewayState) -> Router:
 def _services(gw: GatewayState, audit_log: AuditLog) -> dict[str, Provide]:
     """The services of the admin controllers; those holding a session get this request's."""
     usage_reports = UsageReports(gw.sessions)
-    uploads = UploadSpace(gw.settings.data_dir / "uploads", gw.settings.server.max_upload_mb << 20)
+    uploads = UploadSpace(gw.settings.data_dir / UPLOADS_FOLDER, gw.settings.server.max_upload_mb << 20)
 
     async def db_session() -> AsyncIterator[AsyncSession]:
         async with gw.sessions() as session:

@@ -16,6 +16,7 @@ import pytest
 
 from loramux.adapters.base_spec import BaseModelSpec
 from loramux.adapters.store import AdapterStore
+from loramux.gateway.adapters.service import AdapterService
 from loramux.gateway.adapters.service import _claim as claim_digest
 from loramux.gateway.errors import ServiceUnavailable
 from loramux.gateway.server import RunningServer
@@ -53,27 +54,33 @@ def post_upload(admin: httpx.Client, owner: str, name: str, folder: Path) -> htt
     return admin.post("/admin/adapters", data={"name": name, "owner": owner}, files=files)
 
 
-def test_the_shared_store_keeps_live_versions_files_and_drops_deleted_ones(
+def test_the_stores_keep_live_versions_files_and_drop_deleted_ones(
     shared_gateway: RunningServer, demo_adapter_dirs: list[Path]
 ) -> None:
-    """A version's files leave the shared store once no live version names its digest (the
-    delete was rolled back with the request's session: deleted adapters' weights stayed in the
-    database for good), and not before: an older live version is pinnable (`name@1`)."""
+    """A version's files leave the local and the shared store once no live version names its
+    digest, and not before: an older live version is pinnable (`name@1`). The shared store's
+    delete was rolled back with the request's session, and the local store's never happened:
+    deleted adapters' weights stayed on disk and in the database for good."""
     server, shared = shared_gateway, shared_gateway.state.shared_store
     assert shared is not None
 
     def stored(digest: str) -> bool:
-        return bool(server.run(shared.has(digest)))
+        in_shared = bool(server.run(shared.has(digest)))
+        assert in_shared == (digest in server.state.store), "the two stores agree"
+        return in_shared
 
     with admin_of(server) as admin:
         tenant = new_tenant(admin)
         v1 = upload_adapter(admin, tenant.tenant_id, "bot", demo_adapter_dirs[2])
         v2 = upload_adapter(admin, tenant.tenant_id, "bot", demo_adapter_dirs[3])
         v3 = upload_adapter(admin, tenant.tenant_id, "bot", demo_adapter_dirs[4])
+        same = upload_adapter(admin, tenant.tenant_id, "twin", demo_adapter_dirs[3])
         assert stored(v1["digest"]) and stored(v2["digest"]) and stored(v3["digest"])
         deleted = admin.delete(f"/admin/adapters/{tenant.tenant_id}/bot/versions/2")
         assert deleted.status_code == 200, deleted.text
-        assert not stored(v2["digest"])
+        assert stored(v2["digest"]), "another adapter names the same bytes"
+        assert admin.delete(f"/admin/adapters/{tenant.tenant_id}/twin").status_code == 200
+        assert same["digest"] == v2["digest"] and not stored(v2["digest"])
         assert stored(v1["digest"]) and stored(v3["digest"])
         assert admin.delete(f"/admin/adapters/{tenant.tenant_id}/bot").status_code == 200
         assert not stored(v1["digest"]) and not stored(v3["digest"])
@@ -213,3 +220,47 @@ async def test_publishes_waiting_for_a_claim_hold_no_thread_a_cleanup_needs(
         assert not free
     for claim in claims:
         claim.release()
+
+
+def test_a_publish_cancelled_after_storing_its_files_removes_them(
+    shared_gateway: RunningServer, demo_adapter_dirs: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A publish is cancelled (its worker shutting down) once its files are stored and the
+    engine has loaded them, before its row is committed. Its files leave the local and the
+    shared store, and the digest is unclaimed: the undoing used to run for failures only, so
+    the files stayed for good, named by no version."""
+    server, shared = shared_gateway, shared_gateway.state.shared_store
+    assert shared is not None
+    state, real = server.state, server.state.engine.ensure_adapter
+    loaded: list[str] = []
+
+    async def scenario() -> None:
+        engine_has_it = asyncio.Event()
+
+        async def ensure_adapter(digest: str, folder: Path) -> None:
+            await real(digest, folder)
+            loaded.append(digest)
+            engine_has_it.set()
+            await asyncio.Event().wait()  # until cancelled
+
+        monkeypatch.setattr(state.engine, "ensure_adapter", ensure_adapter)
+
+        async def publish() -> None:
+            async with state.sessions() as session:
+                service = AdapterService(
+                    session, state.store, state.engine, state.catalog, state.model_name, shared
+                )
+                await service.publish("shared", "cancelled", demo_adapter_dirs[12])
+
+        publishing = asyncio.ensure_future(publish())
+        await asyncio.wait_for(engine_has_it.wait(), 60)
+        publishing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await publishing
+
+    server.run(scenario())
+    [digest] = loaded
+    assert digest not in state.store
+    assert not server.run(shared.has(digest))
+    with state.store.claims.unclaimed(digest) as free:
+        assert free, "the claim is held"
