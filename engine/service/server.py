@@ -38,12 +38,19 @@ from typing import Any, Literal
 
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 
 from loramux.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE
 from loramux.adapters.store import AdapterStore
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.errors import InvalidRequestError
 from loramux.engine.outputs import EngineRequest, RequestOutput
+from loramux.engine.service.curve import (
+    CurveKeys,
+    refuse_open_listener,
+    secure_engine,
+    uses_curve,
+)
 from loramux.engine.service.wire import (
     WIRE_VERSION,
     Abort,
@@ -110,6 +117,7 @@ class EngineServer:
         timeout = self.heartbeat_timeout_ms
         self._socket.setsockopt(zmq.HEARTBEAT_IVL, min(HEARTBEAT_MS, max(1, timeout // 5)))
         self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout)
+        self._authenticator: AsyncioAuthenticator | None = None
         self._outbox: dict[bytes, list[Delta | Failed]] = {}
         self._owners: dict[str, bytes] = {}
         """The gateway (routing id) of each request under way: the only one that may abort it."""
@@ -125,7 +133,11 @@ class EngineServer:
 
     def bind(self, address: str) -> str:
         """Listen on `address` (`ipc://…` or `tcp://host:port`, port 0 or `*` for any); the
-        address bound."""
+        address bound. tcp:// with a token runs CURVE (engine.service.curve); tcp:// beyond
+        this host without a token is refused (ValueError). Call on the serving event loop."""
+        refuse_open_listener(address, self.token)
+        if self.token and uses_curve(address, self.token):
+            self._authenticator = secure_engine(self._socket, CurveKeys.of(self.token))
         self._socket.bind(address)
         return str(self._socket.getsockopt_string(zmq.LAST_ENDPOINT))
 
@@ -144,6 +156,8 @@ class EngineServer:
     def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._socket.close(linger=0)
         self._context.term()
         if self._own_dir and self.adapter_dir is not None:

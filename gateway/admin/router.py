@@ -58,7 +58,9 @@ def admin_router(gw: GatewayState) -> Router:
 def _services(gw: GatewayState, audit_log: AuditLog) -> dict[str, Provide]:
     """The services of the admin controllers; those holding a session get this request's."""
     usage_reports = UsageReports(gw.sessions)
-    uploads = UploadSpace(gw.settings.data_dir / UPLOADS_FOLDER, gw.settings.server.max_upload_mb << 20)
+    uploads = UploadSpace(
+        gw.settings.data_dir / UPLOADS_FOLDER, gw.settings.server.max_upload_mb << 20
+    )
 
     async def db_session() -> AsyncIterator[AsyncSession]:
         async with gw.sessions() as session:

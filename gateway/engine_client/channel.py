@@ -6,6 +6,8 @@ stream and call waiting on it fails at once with EngineStoppedError, and the end
 down; ZeroMQ reconnects by itself. Messages are only queued on a live connection (IMMEDIATE):
 while there is none, sending fails after CONNECT_WAIT_SECONDS instead of waiting for an engine
 that may never come back. Heartbeats find a peer that vanished without closing its socket.
+Over tcp:// with a token the connection runs CURVE (engine.service.curve); a handshake the
+engine refuses (another token) is logged, and sends fail as for an unreachable engine.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import itertools
 import logging
 import struct
+import time
 from typing import Any, Protocol
 
 import msgspec
@@ -21,6 +24,7 @@ import zmq
 import zmq.asyncio
 
 from loramux.engine.errors import EngineStoppedError
+from loramux.engine.service.curve import CurveKeys, secure_gateway, uses_curve
 from loramux.engine.service.wire import (
     Abort,
     Call,
@@ -42,6 +46,12 @@ log = logging.getLogger(__name__)
 CONNECT_WAIT_SECONDS = 0.5
 """How long a send waits for a connection before the engine counts as unreachable."""
 HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 1000, 5000
+HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+REFUSED_LOG_SECONDS = 10.0
 
 StreamItem = Delta | Exception
 
@@ -71,9 +81,12 @@ class Channel:
             (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
         ):
             self.socket.setsockopt(option, value)
+        if token and uses_curve(endpoint.url, token):
+            secure_gateway(self.socket, CurveKeys.of(token))
         self._monitor = self.socket.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
         )
+        self._refused_logged = -REFUSED_LOG_SECONDS
         self.socket.connect(endpoint.url)
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
 
@@ -130,6 +143,8 @@ class Channel:
             raise EngineStoppedError(f"engine {self.endpoint.url} did not answer {op}") from None
         finally:
             self._calls.pop(ref, None)
+            if answer.done() and not answer.cancelled():
+                answer.exception()  # seen: a connection lost while the send waited is its error
 
     async def _receive(self) -> None:
         while True:
@@ -169,10 +184,28 @@ class Channel:
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected.set()
                 continue
+            if event & HANDSHAKE_FAILED:  # no connection was made: nothing to fail
+                self._refused()
+                continue
+            if not self._connected.is_set():  # the end of a connection never made
+                continue
             self._connected.clear()
             self.endpoint.mark_down()
             log.warning("lost the connection to engine %s", self.endpoint.url)
             self._fail_all(EngineStoppedError(f"lost the connection to engine {self.endpoint.url}"))
+
+    def _refused(self) -> None:
+        """The handshake failed: tried again every second, logged at most every
+        REFUSED_LOG_SECONDS."""
+        self.endpoint.mark_down()
+        now = time.monotonic()
+        if now - self._refused_logged >= REFUSED_LOG_SECONDS:
+            self._refused_logged = now
+            log.error(
+                "engine %s refused the connection's handshake: is LORAMUX_ENGINE_TOKEN the same "
+                "on the engine and this gateway?",
+                self.endpoint.url,
+            )
 
     def _fail_all(self, error: EngineStoppedError) -> None:
         for stream in self.streams.values():

@@ -17,6 +17,7 @@ from loramux.engine.config import EngineConfig
 from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.service import serve_engine_in_thread
+from loramux.engine.service.curve import CurveKeys, uses_curve
 from loramux.engine.service.runner import RunningEngineService
 from loramux.engine.service.wire import (
     Call,
@@ -35,11 +36,20 @@ PROMPT = [5, 17, 300, 41, 9]
 
 
 class Gateway:
-    """A bare DEALER socket: send messages, receive the engine's, with a deadline."""
+    """A bare DEALER socket: send messages, receive the engine's, with a deadline. Over tcp://
+    it runs CURVE with the keys of `curve_token` (engine.service.curve), as a gateway holding
+    that token does; None: plain, as a peer without it."""
 
-    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], url: str):
+    def __init__(
+        self, context: zmq.Context[zmq.Socket[bytes]], url: str, curve_token: str | None = TOKEN
+    ):
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        if curve_token is not None and uses_curve(url, curve_token):
+            keys = CurveKeys.of(curve_token)
+            self.socket.curve_serverkey = keys.engine_public
+            self.socket.curve_publickey = keys.gateway_public
+            self.socket.curve_secretkey = keys.gateway_secret
         self.socket.connect(url)
         self.unread: list[ToGateway] = []
         """The rest of a batch frame already received."""
@@ -67,10 +77,10 @@ class Gateway:
 
 
 @contextlib.contextmanager
-def gateway_at(url: str) -> Iterator[Gateway]:
+def gateway_at(url: str, curve_token: str | None = TOKEN) -> Iterator[Gateway]:
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
-        yield Gateway(context, url)
+        yield Gateway(context, url, curve_token)
     finally:
         context.destroy(linger=0)
 

@@ -57,19 +57,22 @@ def gateway_server(
 
 
 @contextlib.contextmanager
-def engine_service(model_dir: Path, adapter_dir: Path) -> Iterator[RunningEngineService]:
+def engine_service(
+    model_dir: Path, adapter_dir: Path, address: str = "tcp://127.0.0.1:0"
+) -> Iterator[RunningEngineService]:
     """An engine service for the demo model on a thread, guarded by ENGINE_TOKEN."""
     config = EngineConfig(model=model_dir, max_model_len=512, kv_cache_bytes=16 << 20)
     engine = AsyncEngine(LLMEngine(config))
     with serve_engine_in_thread(
-        engine, "demo", adapter_dir=adapter_dir, token=ENGINE_TOKEN
+        engine, "demo", address=address, adapter_dir=adapter_dir, token=ENGINE_TOKEN
     ) as service:
         yield service
 
 
 class TcpRelay:
     """Relays TCP connections from a port of 127.0.0.1 to `target`; `cut()` closes every
-    connection under way, as a network failure would."""
+    connection under way, as a network failure would. `seen` keeps every byte relayed, both
+    ways: what an eavesdropper on the network reads."""
 
     def __init__(self, target_port: int):
         self.target_port = target_port
@@ -77,6 +80,7 @@ class TcpRelay:
         self.port = int(self._listener.getsockname()[1])
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
+        self.seen = bytearray()
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -105,12 +109,13 @@ class TcpRelay:
             with self._lock:
                 self._sockets += [inbound, outbound]
             for a, b in ((inbound, outbound), (outbound, inbound)):
-                threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
-
-def _pipe(source: socket.socket, sink: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        while data := source.recv(65536):
-            sink.sendall(data)
-    with contextlib.suppress(OSError):
-        sink.shutdown(socket.SHUT_WR)
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                with self._lock:
+                    self.seen += data
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)

@@ -78,16 +78,18 @@ def test_a_starting_gateway_sweeps_what_dead_processes_left_and_nothing_else(
     age(staging)
     age(uploads / "upload-dead")
 
-    with claim_held_elsewhere(store.root, claimed):
-        with gateway_server(demo_model_dir, data, redis_url) as server:
-            swept = sweep_of(server)
-            store = server.state.store
-            answer = httpx.post(
-                f"{server.url}/v1/chat/completions",
-                headers={"authorization": f"Bearer {tenant.key}"},
-                json={"model": "live", "messages": [{"role": "user", "content": "hi"}]},
-                timeout=60,
-            )
+    with (
+        claim_held_elsewhere(store.root, claimed),
+        gateway_server(demo_model_dir, data, redis_url) as server,
+    ):
+        swept = sweep_of(server)
+        store = server.state.store
+        answer = httpx.post(
+            f"{server.url}/v1/chat/completions",
+            headers={"authorization": f"Bearer {tenant.key}"},
+            json={"model": "live", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=60,
+        )
     assert answer.status_code == 200, answer.text
     assert sorted(swept) == sorted([unnamed, deleted["digest"]])
     assert unnamed not in store and deleted["digest"] not in store

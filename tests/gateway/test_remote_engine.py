@@ -15,6 +15,7 @@ import zmq
 import zmq.asyncio
 
 from loramux.engine.errors import (
+    EngineStoppedError,
     InvalidRequestError,
     PromptTooLongError,
     UnknownAdapterError,
@@ -170,13 +171,24 @@ async def test_an_engine_of_another_channel_version_is_refused_by_name() -> None
         context.term()
 
 
-async def test_a_wrong_token_is_refused(services: list[RunningEngineService]) -> None:
+async def test_a_wrong_token_is_refused(
+    services: list[RunningEngineService], demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """Over tcp:// at the handshake (CURVE: tests/engine/test_channel_curve.py); over ipc://,
+    where the socket file's permissions guard the channel, by the engine's answer."""
     intruder = RemoteEngineClient([services[0].url], "wrong")
     try:
-        with pytest.raises(UnauthorizedError):
+        with pytest.raises(EngineStoppedError):
             await intruder.info()
     finally:
         await intruder.close()
+    with engine_service(demo_model_dir, tmp_path, f"ipc://{tmp_path}/engine.sock") as on_ipc:
+        intruder = RemoteEngineClient([on_ipc.url], "wrong")
+        try:
+            with pytest.raises(UnauthorizedError):
+                await intruder.info()
+        finally:
+            await intruder.close()
 
 
 async def test_adapter_given_by_ensure_adapter_serves_like_the_local_engine(
