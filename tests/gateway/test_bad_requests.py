@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from loramux.gateway.openai.body import nests_deeper_than
 from loramux.gateway.openai.prompt import MAX_MESSAGES
 from loramux.gateway.server import RunningServer
 from tests.gateway.tenants import TenantKey, new_tenant
@@ -88,6 +89,8 @@ CASES = {
     "nested 50k deep": (_nested(50_000), 400),
     "nested 50k deep, never closed": (_nested(50_000, closed=False), 400),
     "nested 33 deep": (_nested(33), 400),
+    # Scanned in linear time: each escaped quote was tried as a string's start (1 MiB: 30 min).
+    "40 openers, then 800 KB of escaped quotes": (b"[" * 40 + b'\\"' * 400_000, 400),
     "NaN literal": (_raw("temperature", "NaN"), 400),
     "Infinity literal": (_raw("top_p", "Infinity"), 400),
     "prompt token id past 64 bits": (
@@ -281,3 +284,18 @@ def test_messages_beyond_the_bound_are_refused_before_they_are_rendered(
         assert error["message"] == f"messages must contain at most 2048 messages, got {count}"
     else:
         assert error["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize(
+    ("body", "deeper"),
+    [
+        (b'{"a": "x\\"[[[[", "b": [[[]]]}', False),
+        (b"[" * 10 + b'"' + b"[" * 40, False),  # inside a string never closed
+        (b'["\\\\"' + b"[" * 40, True),  # the escaped backslash closes the string
+        (b"[" * 33 + b'"\\', True),
+    ],
+)
+def test_brackets_count_outside_strings_only(body: bytes, deeper: bool) -> None:
+    """As a parser reads the text: after a string that is never closed, the rest is that
+    string. The scan took those brackets as nesting, and was quadratic in escaped quotes."""
+    assert nests_deeper_than(body, 32) is deeper
