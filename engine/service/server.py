@@ -74,8 +74,11 @@ log = logging.getLogger(__name__)
 REFUSED = frozenset({"generate", "abort", "call"})
 """Kinds of message answered when their token is wrong (a Prefetch is a hint: never answered)."""
 
-MAX_MESSAGE_MB = 512
-"""Largest message the engine accepts (an adapter upload is one message)."""
+MAX_MESSAGE_MB = 516
+"""Largest message the engine accepts: an adapter upload is one message, and the gateway's
+largest (LORAMUX_MAX_UPLOAD_MB, 512 by default, of weights and 1 MiB of config) fits with room
+for the message around it. A gateway refuses an adapter that would not fit (`info` tells it the
+limit): a message over it drops the gateway's connection, and every stream on it."""
 SEND_QUEUE = 10_000
 """Messages queued for one gateway at most (a batch per step): past them it is not reading."""
 HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 1000, 5000
@@ -357,6 +360,7 @@ class EngineServer:
                 "max_model_len": llm.max_model_len,
                 "vocab_size": llm.model_config.vocab_size,
                 "wire": WIRE_VERSION,
+                "max_message_bytes": self.max_message_mb << 20,
             }
         if call.op == "stats":
             return asdict(engine.stats())

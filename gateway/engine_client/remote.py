@@ -21,7 +21,6 @@ from typing import TypeVar
 
 import zmq.asyncio
 
-from loramux.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE
 from loramux.engine.errors import (
     EngineError,
     EngineOverloadedError,
@@ -36,6 +35,7 @@ from loramux.engine.service.wire import WIRE_VERSION, Delta, Generate
 from loramux.gateway.engine_client.base import EngineInfo, EngineTimeoutError, EngineVersionError
 from loramux.gateway.engine_client.channel import Channel, StreamItem, StreamSink
 from loramux.gateway.engine_client.routing import Endpoint, adapter_key, affinity_key, route
+from loramux.gateway.engine_client.uploads import message_limit, read_adapter
 from loramux.gateway.settings import ENGINE_FIRST_OUTPUT_SECONDS
 
 log = logging.getLogger(__name__)
@@ -299,7 +299,8 @@ class RemoteEngineClient:
         async with self._upload_locks.setdefault(digest, asyncio.Lock()):
             if digest in endpoint.adapters:
                 return
-            config, weights = await asyncio.to_thread(_read_adapter, folder)
+            limit = await message_limit(endpoint, self._channel(endpoint))
+            config, weights = await asyncio.to_thread(read_adapter, folder, limit, endpoint.url)
             await self._channel(endpoint).call(
                 "register", UPLOAD_SECONDS, digest=digest, config=config, weights=weights
             )
@@ -394,7 +395,3 @@ def _wire_params(params: SamplingParams) -> SamplingParams:
     return replace(
         params, seed=params.seed_bits, top_k=min(params.top_k, MAX_WIRE_INT), logit_bias=bias
     )
-
-
-def _read_adapter(folder: Path) -> tuple[bytes, bytes]:
-    return (folder / CONFIG_FILE).read_bytes(), (folder / WEIGHTS_FILE).read_bytes()

@@ -33,6 +33,8 @@ class Endpoint:
     load: int = 0
     down_until: float = 0.0
     adapters: set[str] = field(default_factory=set)
+    max_message_bytes: int | None = None
+    """The largest message it takes (an adapter upload is one), once learned."""
 
     def is_down(self, now: float) -> bool:
         return now < self.down_until
@@ -40,6 +42,7 @@ class Endpoint:
     def mark_down(self) -> None:
         self.down_until = time.monotonic() + DOWN_SECONDS
         self.adapters.clear()  # it may come back as a fresh process
+        self.max_message_bytes = None
 
 
 def adapter_key(digest: str) -> str:

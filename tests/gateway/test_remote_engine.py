@@ -14,6 +14,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from loramux.adapters.errors import FileTooLarge
+from loramux.engine.async_engine import AsyncEngine
+from loramux.engine.config import EngineConfig
 from loramux.engine.errors import (
     EngineStoppedError,
     InvalidRequestError,
@@ -24,6 +27,8 @@ from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.outputs import EngineRequest, RequestOutput
 from loramux.engine.prompt import prompt_token_ids
 from loramux.engine.sampling import SamplingParams
+from loramux.engine.sequence import FinishReason
+from loramux.engine.service import serve_engine_in_thread
 from loramux.engine.service.runner import RunningEngineService
 from loramux.engine.service.wire import (
     WIRE_VERSION,
@@ -372,3 +377,31 @@ async def test_a_sink_that_fails_ends_its_own_stream_aborted_and_no_other(
 
     stats = await asyncio.wait_for(settled(), 30)
     assert stats.kv_blocks_used == 0
+
+
+async def test_an_adapter_over_the_engines_message_limit_is_refused_before_it_is_sent(
+    demo_model_dir: Path, local: LLMEngine, demo_adapter_dirs: list[Path]
+) -> None:
+    """An upload is one message. One over the engine's limit (scaled down here to 2 MiB; the
+    adapter's weights are 4.6 MB) made the engine drop the gateway's connection: the upload
+    got a 503, and every stream on that connection, any tenant's, ended with
+    `engine_unavailable`; the client then tried, and cut, every other engine too. Now it is
+    refused with its size and the engine's limit, and the stream under way runs on."""
+    big, small = demo_adapter_dirs[15], demo_adapter_dirs[0]
+    assert (big / "adapter_model.safetensors").stat().st_size > 2 << 20
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=demo_model_dir, max_model_len=512)))
+    with serve_engine_in_thread(engine, "demo", token=ENGINE_TOKEN, max_message_mb=2) as served:
+        client = RemoteEngineClient([served.url], ENGINE_TOKEN)
+        await client.start()
+        try:
+            params = SamplingParams(max_tokens=48, ignore_eos=True)
+            stream = client.generate(EngineRequest("bystander", params, prompt_token_ids=IMPORT_OS))
+            first = await anext(stream)
+            with pytest.raises(FileTooLarge, match="at most 2031616 bytes"):
+                await client.ensure_adapter(local.register_adapter(big), big)
+            await client.ensure_adapter(local.register_adapter(small), small)
+            outputs = [first] + [out async for out in stream]
+        finally:
+            await client.close()
+    assert sum(len(out.token_ids) for out in outputs) == 48
+    assert outputs[-1].finish_reason == FinishReason.LENGTH
