@@ -9,9 +9,10 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from loramux.engine.async_engine import AsyncEngine
-from loramux.engine.errors import InvalidRequestError
+from loramux.engine.errors import InvalidRequestError, UnknownAdapterError
 from loramux.engine.outputs import EngineRequest, EngineStats, RequestOutput
 from loramux.gateway.engine_client.base import EngineInfo
+from loramux.gateway.engine_client.uploads import DELETED
 
 
 class LocalEngineClient:
@@ -46,6 +47,8 @@ class LocalEngineClient:
         llm = self.engine.engine
         if llm.lora is not None and llm.lora.is_servable(digest):
             return
+        if not folder.is_dir():  # deleted since a catalog (another worker's) resolved it
+            raise UnknownAdapterError(DELETED)
         registered = await self.engine.register_adapter(folder)
         if registered != digest:
             raise RuntimeError(f"adapter files in {folder} have digest {registered}, not {digest}")

@@ -10,10 +10,15 @@ from pathlib import Path
 
 from loramux.adapters.errors import FileTooLarge
 from loramux.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE
+from loramux.engine.errors import UnknownAdapterError
 from loramux.engine.service.server import MAX_MESSAGE_MB
 from loramux.gateway.engine_client.channel import Channel
 from loramux.gateway.engine_client.routing import Endpoint
 
+DELETED = "this adapter was deleted"
+"""A request for an adapter whose files are gone: its delete reached this worker's store
+before its catalog (up to its ttl): a 404, as from a fresh catalog, and the engine is not given
+the digest again (a retired digest registered anew stayed in the engine for good)."""
 UPLOAD_ROOM = 64 << 10
 """What a register message holds besides the files: the token, ids and msgpack's framing."""
 PROBE_SECONDS = 5.0
@@ -30,9 +35,12 @@ async def message_limit(endpoint: Endpoint, channel: Channel) -> int:
 
 def read_adapter(folder: Path, limit: int, url: str) -> tuple[bytes, bytes]:
     """The adapter's config and weights, unless with the message around them they are over
-    `limit` (FileTooLarge, before they are read)."""
+    `limit` (FileTooLarge, before they are read), or gone (UnknownAdapterError)."""
     config, weights = folder / CONFIG_FILE, folder / WEIGHTS_FILE
-    size = config.stat().st_size + weights.stat().st_size
+    try:
+        size = config.stat().st_size + weights.stat().st_size
+    except FileNotFoundError:  # deleted since a catalog (another worker's) resolved it
+        raise UnknownAdapterError(DELETED) from None
     if size + UPLOAD_ROOM > limit:
         raise FileTooLarge(
             f"the adapter's files hold {size} bytes; engine {url} takes adapters of at most "

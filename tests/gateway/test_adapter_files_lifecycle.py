@@ -264,3 +264,34 @@ def test_a_publish_cancelled_after_storing_its_files_removes_them(
     assert not server.run(shared.has(digest))
     with state.store.claims.unclaimed(digest) as free:
         assert free, "the claim is held"
+
+
+def test_a_request_resolved_by_a_stale_catalog_gets_a_404_and_does_not_revive_the_adapter(
+    shared_gateway: RunningServer, demo_adapter_dirs: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another gateway worker's catalog resolves a just-deleted adapter for up to its ttl
+    (here: this worker's, whose invalidation is held back). Its request found the digest
+    retired in the engine, and registered it again from the store: the deleted adapter stayed
+    registered for the life of the engine (found by attacking the admin API). Its files are now
+    gone with the delete, and the request gets the 404 a fresh catalog gives."""
+    server = shared_gateway
+    lora = server.state.engine.engine.engine.lora  # type: ignore[attr-defined]
+    with admin_of(server) as admin:
+        tenant = new_tenant(admin, "stale")
+        digest = upload_adapter(admin, tenant.tenant_id, "gone", demo_adapter_dirs[16])["digest"]
+
+        def chat() -> httpx.Response:
+            body = {"model": "gone", "messages": [{"role": "user", "content": "hi"}]}
+            headers = {"authorization": f"Bearer {tenant.key}"}
+            return httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers)
+
+        assert chat().status_code == 200  # the catalog holds `gone` now
+        monkeypatch.setattr(server.state.catalog, "invalidate", lambda: None)
+        assert admin.delete(f"/admin/adapters/{tenant.tenant_id}/gone").status_code == 200
+        stale = chat()
+        assert stale.status_code == 404, stale.text
+        assert digest not in stale.text
+        assert not lora.is_servable(digest)
+        monkeypatch.undo()
+        server.state.catalog.invalidate()
+        assert chat().status_code == 404
