@@ -53,7 +53,8 @@ from loramux.gateway.catalog import (
     latest_versions_query,
     live_version,
 )
-from loramux.gateway.db import AdapterVersion
+from loramux.gateway.db import AdapterVersion, Tenant
+from loramux.gateway.db.adapter import SHARED_OWNER
 from loramux.gateway.db.base import utcnow
 from loramux.gateway.engine_client.base import EngineClient
 from loramux.gateway.errors import BadRequest, Conflict, NotFound
@@ -205,6 +206,7 @@ class AdapterService:
     ) -> tuple[AdapterVersion, str | None]:
         """The committed new row, and the digest of the version it replaces (None for the
         first)."""
+        await _lock_owner(self.session, owner)
         previous = await latest_version(self.session, owner, name)
         top = await self.session.scalar(
             select(func.max(AdapterVersion.version)).where(
@@ -314,6 +316,23 @@ async def _claim(store: AdapterStore, digest: str) -> Claim:
         await asyncio.sleep(pause)
         pause = min(pause * 2, 0.2)
     return claim
+
+
+async def _lock_owner(session: AsyncSession, owner: str) -> None:
+    """The owner's row, locked until the transaction ends (on PostgreSQL; SQLite has one writer
+    at a time); NotFound when the tenant was deleted since the publish checked it. Its delete
+    locks the row too, before it soft-deletes the tenant's adapters: either it finds this
+    version, or this publish finds the tenant gone. A publish used to commit a live version of a
+    tenant deleted meanwhile, which no admin route could delete (they look the owner up)."""
+    if owner == SHARED_OWNER:
+        return
+    locked = select(Tenant.id).where(Tenant.id == owner).with_for_update()
+    if await session.scalar(locked) is None:
+        raise NotFound(
+            f"tenant {owner!r} was deleted while its adapter was being published",
+            param="owner",
+            code="tenant_not_found",
+        )
 
 
 async def _named(session: AsyncSession, digest: str) -> bool:

@@ -85,6 +85,9 @@ class TenantService:
 
     async def delete(self, ref: str) -> Deleted:
         tenant = await get_tenant(self.session, ref)
+        # Locked before its adapters are read: a publish under way either commits first, and
+        # its version is soft-deleted here, or finds the tenant gone (adapters.service).
+        await self.session.refresh(tenant, with_for_update=True)
         tenant_id = tenant.id
         key_ids = await _key_ids(self.session, tenant_id)
         versions, digests = await self.adapters.soft_delete_owned_by(tenant_id)

@@ -295,3 +295,50 @@ def test_a_request_resolved_by_a_stale_catalog_gets_a_404_and_does_not_revive_th
         monkeypatch.undo()
         server.state.catalog.invalidate()
         assert chat().status_code == 404
+
+
+def test_a_publish_whose_owner_is_deleted_meanwhile_is_refused_and_undone(
+    shared_gateway: RunningServer, demo_adapter_dirs: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tenant is deleted while its upload loads the adapter in the engine (held there).
+    The upload committed a live version of the deleted tenant: listed, but no admin route
+    could delete it (they look the owner up: 404), and its digest stayed in the engine (found
+    by attacking the admin API). Now the upload answers 404 and is undone. (On PostgreSQL:
+    tests/gateway/test_postgres_gateway.py.)"""
+    with admin_of(shared_gateway) as admin:
+        publish_racing_owner_deletion(shared_gateway, admin, demo_adapter_dirs[17], monkeypatch)
+
+
+def publish_racing_owner_deletion(
+    server: RunningServer, admin: httpx.Client, folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, real = server.state.engine, server.state.engine.ensure_adapter
+    loaded, may_commit = threading.Event(), threading.Event()
+    digests: list[str] = []
+
+    async def ensure_adapter(digest: str, folder: Path) -> None:
+        await real(digest, folder)
+        digests.append(digest)
+        loaded.set()
+        await asyncio.to_thread(may_commit.wait, 30)
+
+    monkeypatch.setattr(engine, "ensure_adapter", ensure_adapter)
+    tenant = new_tenant(admin, "doomed")
+    answer: list[httpx.Response] = []
+    uploading = threading.Thread(
+        target=lambda: answer.append(post_upload(admin, tenant.tenant_id, "orphan", folder))
+    )
+    uploading.start()
+    assert loaded.wait(30)
+    assert admin.delete(f"/admin/tenants/{tenant.tenant_id}").status_code == 200
+    may_commit.set()
+    uploading.join(60)
+    monkeypatch.undo()
+    [refused] = answer
+    assert refused.status_code == 404, refused.text
+    assert refused.json()["error"]["code"] == "tenant_not_found"
+    listed = admin.get("/admin/adapters", params={"name": "orphan", "limit": 500}).json()
+    assert not [a for a in listed["items"] if a["owner"] == tenant.tenant_id]
+    [digest] = digests
+    assert digest not in server.state.store
+    assert not engine.engine.engine.lora.is_servable(digest)  # type: ignore[attr-defined]

@@ -17,6 +17,7 @@ from loramux.gateway.server import RunningServer, engine_client, serve_in_thread
 from loramux.gateway.settings import EngineSettings, ServerSettings, Settings
 from tests.gateway.conftest import json_of
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
+from tests.gateway.test_adapter_files_lifecycle import publish_racing_owner_deletion
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +124,13 @@ async def test_concurrent_first_quota_writes_all_apply(
     for path in paths:
         quota = json_of(pg_admin.get(path))
         assert (quota["rpm"], quota["tpm"], quota["max_concurrent"]) == (10, 20, 30)
+
+
+def test_a_publish_whose_owner_is_deleted_meanwhile_is_refused_and_undone(
+    pg_gateway: RunningServer,
+    pg_admin: httpx.Client,
+    demo_adapter_dirs: list[Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the tenant's row lock orders the two (tests/gateway/test_adapter_files_lifecycle)."""
+    publish_racing_owner_deletion(pg_gateway, pg_admin, demo_adapter_dirs[18], monkeypatch)
