@@ -3,7 +3,7 @@
 The id finds the row; only sha256(secret) is stored and it is compared in constant time. The
 secret is 32 random bytes, so a fast hash is enough (no password stretching needed). Lookups are
 cached in-process for `ttl` seconds: a revoked or expired key stops working within that time in
-every gateway process, without a shared cache.
+every gateway process, without a shared cache, and at once in the process that revoked it.
 """
 
 from __future__ import annotations
@@ -74,6 +74,9 @@ class ApiKeyAuth:
         self.sessions = sessions
         self.ttl = ttl
         self._cache: dict[str, _Cached] = {}
+        self._forgets = 0
+        """How many `forget`s so far: a lookup that saw one happen while it read the database
+        does not cache what it read (see `_lookup`)."""
 
     async def authenticate(self, authorization: str | None) -> Principal:
         """The principal for an `Authorization: Bearer lmx-…` header; raises Unauthorized."""
@@ -101,19 +104,25 @@ class ApiKeyAuth:
     def forget(self, key_id: str) -> None:
         """Drop a cached lookup now (this process); others notice within `ttl`."""
         self._cache.pop(key_id, None)
+        self._forgets += 1
 
     async def _lookup(self, key_id: str) -> tuple[ApiKey, Tenant] | None:
         now = time.monotonic()
         cached = self._cache.get(key_id)
         if cached is not None and now - cached.fetched < self.ttl:
             return cached.row
+        forgets = self._forgets
         async with self.sessions() as session:
             key = await session.get(ApiKey, key_id)
             tenant = await session.get(Tenant, key.tenant_id) if key is not None else None
         row = (key, tenant) if key is not None and tenant is not None else None
         if len(self._cache) > 100_000:
             self._cache.clear()
-        self._cache[key_id] = _Cached(row, now)
+        # A revocation (or a tenant disabled) that committed and forgot the key while this read
+        # was under way may be newer than the row read: caching it would bring the key back
+        # here for `ttl`. The request under way, which came first, still gets the row.
+        if self._forgets == forgets:
+            self._cache[key_id] = _Cached(row, now)
         return row
 
 

@@ -3,16 +3,23 @@ without secrets, revoked at once, refused when expired."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import httpx
 import pytest
 from sqlalchemy import update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from loramux.gateway.auth.api_keys import Principal
-from loramux.gateway.db import ApiKey
+from loramux.gateway.auth.api_keys import ApiKeyAuth, Principal
+from loramux.gateway.db import ApiKey, Tenant
 from loramux.gateway.errors import Unauthorized
+from loramux.gateway.keys.schemas import KeyCreate
+from loramux.gateway.keys.service import KeyService
 from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import json_of
 
@@ -235,3 +242,54 @@ def test_disabling_or_deleting_a_tenant_stops_its_keys_at_once(
     assert deleted["detail"]["keys"] == 1
     assert refused(gateway, key["key"]) == "invalid API key"
     assert admin.get(f"/admin/keys/{key['id']}/quotas").status_code == 404
+
+
+class _ReadsHeld:
+    """Sessions whose reads of a tenant row wait, once `hold` is set, until `release`: a key
+    lookup caught between reading the database and caching what it read."""
+
+    def __init__(self, sessions: async_sessionmaker[AsyncSession]):
+        self.sessions, self.hold = sessions, False
+        self.reached, self.release = asyncio.Event(), asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def __call__(self) -> AsyncIterator[AsyncSession]:
+        async with self.sessions() as session:
+            read = session.get
+
+            async def get(kind: Any, ident: Any, **options: Any) -> Any:
+                row = await read(kind, ident, **options)
+                if kind is Tenant and self.hold:
+                    self.reached.set()
+                    await self.release.wait()
+                return row
+
+            session.get = get  # type: ignore[method-assign]
+            yield session
+
+
+@pytest.mark.parametrize("empty_url", ["sqlite"], indirect=True)
+async def test_a_lookup_under_way_does_not_bring_a_revoked_key_back(
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    """A request's key lookup read the key's row before its revocation committed, and cached
+    it after the revocation forgot it: the revoked key worked on in the process that revoked
+    it, for the cache's whole ttl (found by attacking the admin API). The request under way
+    still passes (it came first); the next one is refused."""
+    async with sessions() as session:
+        session.add(Tenant(id="tnt_racer0000001", name="racer", disabled=False, settings={}))
+        await session.commit()
+    held = _ReadsHeld(sessions)
+    auth = ApiKeyAuth(held, ttl=60.0)  # type: ignore[arg-type]
+    async with sessions() as session:
+        key = await KeyService(session, auth).create("tnt_racer0000001", KeyCreate())
+    held.hold = True
+    under_way = asyncio.ensure_future(auth.authenticate(f"Bearer {key.key}"))
+    await held.reached.wait()
+    async with sessions() as session:
+        await KeyService(session, auth).revoke(key.id)
+    held.hold = False
+    held.release.set()
+    await under_way
+    with pytest.raises(Unauthorized, match="revoked"):
+        await auth.authenticate(f"Bearer {key.key}")
