@@ -120,9 +120,7 @@ def parse_lora_config(config: Any, base: BaseModelSpec, max_rank: int) -> LoraSe
         raise InvalidAdapterConfig(f"r must be at least 1, not {rank}")
     if rank > max_rank:
         raise RankOverLimit(f"rank {rank} is over this server's limit of {max_rank}")
-    alpha = config.get("lora_alpha")
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
-        raise InvalidAdapterConfig(f"lora_alpha must be a finite number, not {_brief(alpha)}")
+    alpha = _finite_number(config, "lora_alpha")
     use_rslora = config.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise InvalidAdapterConfig(f"use_rslora must be true or false, not {_brief(use_rslora)}")
@@ -146,7 +144,7 @@ def parse_lora_config(config: Any, base: BaseModelSpec, max_rank: int) -> LoraSe
         raise UnsupportedOption("ensure_weight_tying with embed_tokens or lm_head is not supported")
     return LoraSettings(
         rank=rank,
-        alpha=float(alpha),
+        alpha=alpha,
         use_rslora=use_rslora,
         modules=modules,
         use_dora=use_dora,
@@ -183,6 +181,22 @@ def _required_int(config: dict[str, Any], name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidAdapterConfig(f"{name} must be an integer, not {_brief(value)}")
     return value
+
+
+def _finite_number(config: dict[str, Any], name: str) -> float:
+    """The field as a float; an integer too large for one (JSON's are unbounded, `10**400`
+    makes `float` and `math.isfinite` raise OverflowError) is refused like infinity."""
+    value = config.get(name)
+    refusal = InvalidAdapterConfig(f"{name} must be a finite number, not {_brief(value)}")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise refusal
+    try:
+        number = float(value)
+    except OverflowError:
+        raise refusal from None
+    if not math.isfinite(number):
+        raise refusal
+    return number
 
 
 def _resolve_modules(

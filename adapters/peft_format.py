@@ -239,6 +239,9 @@ def _read_config(path: Path) -> object:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise InvalidAdapterConfig(f"{CONFIG_FILE} is not valid JSON: {error}") from None
+    except ValueError:
+        # An integer literal longer than Python converts (sys.get_int_max_str_digits()).
+        raise InvalidAdapterConfig(f"{CONFIG_FILE} holds a number too long to read") from None
     except RecursionError:
         raise too_deep from None
     if nesting_depth(config, MAX_CONFIG_DEPTH) > MAX_CONFIG_DEPTH:

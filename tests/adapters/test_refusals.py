@@ -244,6 +244,23 @@ def test_symlinked_weights(tmp_path: Path) -> None:
     assert refusal(folder).code == "unsafe_file"
 
 
+@pytest.mark.parametrize(
+    ("field", "literal"),
+    [("lora_alpha", "1" + "0" * 400), ("lora_alpha", "9" * 5000), ("r", "9" * 5000)],
+    ids=["alpha past float", "alpha of 5000 digits", "r of 5000 digits"],
+)
+def test_huge_integers_in_the_config(tmp_path: Path, field: str, literal: str) -> None:
+    """JSON integers are unbounded: one past a float's range is not a finite alpha, and one
+    past Python's 4300-digit limit cannot be read at all. Both are invalid_config; they were
+    an OverflowError from math.isfinite and a ValueError from json.loads (an HTTP 500)."""
+    folder = make_peft_adapter(tmp_path / "a")
+    path = folder / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config[field] = "huge"
+    path.write_text(json.dumps(config).replace('"huge"', literal))
+    assert refusal(folder).code == "invalid_config"
+
+
 def test_config_must_be_an_object_with_peft_type(tmp_path: Path) -> None:
     folder = make_peft_adapter(tmp_path / "a")
     (folder / "adapter_config.json").write_text(json.dumps({"r": 8}))
