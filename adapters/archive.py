@@ -10,15 +10,18 @@ byte is extracted and again while extracting:
 - the total extracted size stays under `max_total_bytes` (counted while streaming, so a
   lying header cannot exceed it) and the expansion over the archive size under `max_ratio`
   once past a megabyte (a zip bomb is refused early, whatever its declared sizes).
+Bytes that are no readable archive are an InvalidArchive, whatever the decompressor raises.
 Files are written under the destination by their allowed base name only: an archive path
 never becomes a filesystem path.
 """
 
 from __future__ import annotations
 
+import lzma
 import stat
 import tarfile
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -74,6 +77,19 @@ def extract_adapter_archive(archive: Path, dest: Path, limits: ArchiveLimits | N
     return dest
 
 
+_UNREADABLE = (
+    zipfile.BadZipFile,
+    tarfile.TarError,
+    EOFError,  # a truncated gzip or zip stream
+    OSError,  # gzip.BadGzipFile, a corrupt bzip2 stream
+    zlib.error,  # a corrupt deflate stream, in a zip entry or in the gzip
+    lzma.LZMAError,  # a corrupt LZMA zip entry
+    NotImplementedError,  # a zip compression method zipfile lacks (Deflate64, …)
+    UnicodeDecodeError,  # a zip entry name flagged UTF-8 that is not
+)
+"""What zipfile, tarfile and the decompressors raise for bytes that are no readable archive."""
+
+
 @contextmanager
 def _entries(archive: Path, max_entries: int) -> Iterator[list[_Entry]]:
     """The members of a zip or gzip'ed tar, refusing early when there are too many."""
@@ -88,7 +104,7 @@ def _entries(archive: Path, max_entries: int) -> Iterator[list[_Entry]]:
                 yield _tar_entries(tarred, max_entries)
         else:
             raise InvalidArchive("the archive must be a .zip or a .tar.gz")
-    except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError) as error:
+    except _UNREADABLE as error:
         raise InvalidArchive(f"the archive cannot be read: {error}") from None
 
 

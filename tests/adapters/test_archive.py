@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import stat
+import struct
 import tarfile
 import zipfile
 from pathlib import Path
@@ -165,3 +166,55 @@ def test_unreadable_archives(tmp_path: Path, content: bytes) -> None:
     archive = tmp_path / "a.zip"
     archive.write_bytes(content)
     assert refusal(archive, tmp_path / "out") == "invalid_archive"
+
+
+@pytest.mark.parametrize("method", [9, 97], ids=["deflate64", "unknown"])
+def test_zip_compression_methods_zipfile_lacks(
+    adapter_folder: Path, tmp_path: Path, method: int
+) -> None:
+    """An entry compressed by a method zipfile cannot read is an invalid archive; it was a
+    NotImplementedError (an HTTP 500)."""
+    raw = bytearray(write_zip(tmp_path / "a.zip", members(adapter_folder)).read_bytes())
+    for signature, method_at in ((b"PK\x03\x04", 8), (b"PK\x01\x02", 10)):
+        at = -1
+        while (at := raw.find(signature, at + 1)) >= 0:
+            raw[at + method_at : at + method_at + 2] = struct.pack("<H", method)
+    (tmp_path / "a.zip").write_bytes(raw)
+    assert refusal(tmp_path / "a.zip", tmp_path / "out") == "invalid_archive"
+
+
+@pytest.mark.parametrize(
+    ("method", "garbage_at"),
+    [(zipfile.ZIP_DEFLATED, 0), (zipfile.ZIP_LZMA, 9)],  # LZMA: after its 9-byte header
+    ids=["deflate", "lzma"],
+)
+def test_zip_with_a_corrupt_compressed_stream(
+    adapter_folder: Path, tmp_path: Path, method: int, garbage_at: int
+) -> None:
+    """An entry whose compressed stream does not decompress is an invalid archive; it was a
+    zlib.error or an LZMAError (an HTTP 500)."""
+    archive = tmp_path / "a.zip"
+    with zipfile.ZipFile(archive, "w", compression=method) as zipped:
+        zipped.writestr(
+            "adapter_config.json", (adapter_folder / "adapter_config.json").read_bytes()
+        )
+    raw = bytearray(archive.read_bytes())
+    at = 30 + len("adapter_config.json") + garbage_at  # the local header, then the data
+    raw[at : at + 16] = b"\xff" * 16  # deflate: block type 3, "invalid block type"
+    archive.write_bytes(raw)
+    assert refusal(archive, tmp_path / "out") == "invalid_archive"
+
+
+def test_zip_name_flagged_utf8_that_is_not(tmp_path: Path) -> None:
+    """An entry name flagged UTF-8 (bit 11) that does not decode is an invalid archive; it was
+    a UnicodeDecodeError, which the gateway took for a request body that is not UTF-8."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zipped:
+        zipped.writestr("README.mX", b"hello")
+    raw = bytearray(buffer.getvalue().replace(b"README.mX", b"README.\xff\xfe"))
+    for signature, flags_at in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):
+        at = raw.find(signature) + flags_at
+        flags = struct.unpack("<H", raw[at : at + 2])[0] | 0x800
+        raw[at : at + 2] = struct.pack("<H", flags)
+    (tmp_path / "a.zip").write_bytes(raw)
+    assert refusal(tmp_path / "a.zip", tmp_path / "out") == "invalid_archive"
