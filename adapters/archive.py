@@ -10,13 +10,18 @@ byte is extracted and again while extracting:
 - the total extracted size stays under `max_total_bytes` (counted while streaming, so a
   lying header cannot exceed it) and the expansion over the archive size under `max_ratio`
   once past a megabyte (a zip bomb is refused early, whatever its declared sizes).
-Bytes that are no readable archive are an InvalidArchive, whatever the decompressor raises.
+Nothing is inflated beyond what those limits allow: a tar member's size is checked as soon
+as its header is read (tarfile skips a member by inflating it), and every byte of a tar's
+gzip stream is charged to the budget before it is inflated. Bytes that are no readable
+archive are an InvalidArchive, whatever the decompressor raises.
 Files are written under the destination by their allowed base name only: an archive path
 never becomes a filesystem path.
 """
 
 from __future__ import annotations
 
+import gzip
+import io
 import lzma
 import stat
 import tarfile
@@ -34,6 +39,9 @@ from loramux.adapters.errors import FileTooLarge, InvalidArchive, UnsafeArchive
 ALLOWED_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors", "README.md"})
 _RATIO_FLOOR_BYTES = 1 << 20
 _CHUNK = 1 << 20
+_TAR_HEADER_ROOM = 1 << 20
+"""Inflated tar bytes allowed beyond the files' limits: each entry's header, pax or GNU
+long-name records and padding, and the end-of-archive blocks (a few KiB in practice)."""
 
 
 @dataclass(frozen=True)
@@ -66,10 +74,8 @@ def extract_adapter_archive(archive: Path, dest: Path, limits: ArchiveLimits | N
     """
     limits = limits or ArchiveLimits()
     budget = _Budget(limits, archive.stat().st_size)
-    with _entries(archive, limits.max_entries) as entries:
+    with _entries(archive, budget) as entries:
         files = _check_listing(entries)
-        for entry in files:
-            budget.declare(entry.size)
         for entry in files:
             target = dest / PurePosixPath(entry.name).name
             with entry.open() as source, target.open("xb") as sink:
@@ -91,26 +97,31 @@ _UNREADABLE = (
 
 
 @contextmanager
-def _entries(archive: Path, max_entries: int) -> Iterator[list[_Entry]]:
-    """The members of a zip or gzip'ed tar, refusing early when there are too many."""
+def _entries(archive: Path, budget: _Budget) -> Iterator[list[_Entry]]:
+    """The members of a zip or gzip'ed tar, refusing early when there are too many or they
+    declare more bytes than the budget allows (the body of the `with` is covered too: an
+    entry that cannot be read while extracting is an InvalidArchive as well)."""
     with archive.open("rb") as handle:
         magic = handle.read(4)
     try:
         if magic[:2] == b"PK":
             with zipfile.ZipFile(archive) as zipped:
-                yield _zip_entries(zipped, max_entries)
+                yield _zip_entries(zipped, budget)
         elif magic[:2] == b"\x1f\x8b":
-            with tarfile.open(archive, mode="r:gz") as tarred:
-                yield _tar_entries(tarred, max_entries)
+            with (
+                gzip.GzipFile(archive, "rb") as inflated,
+                tarfile.open(fileobj=_MeteredStream(inflated, budget), mode="r:") as tarred,
+            ):
+                yield _tar_entries(tarred, budget)
         else:
             raise InvalidArchive("the archive must be a .zip or a .tar.gz")
     except _UNREADABLE as error:
         raise InvalidArchive(f"the archive cannot be read: {error}") from None
 
 
-def _zip_entries(zipped: zipfile.ZipFile, max_entries: int) -> list[_Entry]:
+def _zip_entries(zipped: zipfile.ZipFile, budget: _Budget) -> list[_Entry]:
     infos = zipped.infolist()
-    _check_count(len(infos), max_entries)
+    _check_count(len(infos), budget.limits.max_entries)
     entries = []
     for info in infos:
         kind = stat.S_IFMT(info.external_attr >> 16)  # 0 when the zip was made without one
@@ -118,18 +129,24 @@ def _zip_entries(zipped: zipfile.ZipFile, max_entries: int) -> list[_Entry]:
             raise UnsafeArchive(f"{info.filename!r} is a link or special file")
         if info.flag_bits & 0x1:
             raise UnsafeArchive(f"{info.filename!r} is encrypted")
+        if not info.is_dir():
+            budget.declare(info.file_size)
         entries.append(
             _Entry(info.filename, info.is_dir(), info.file_size, partial(zipped.open, info))
         )
     return entries
 
 
-def _tar_entries(tarred: tarfile.TarFile, max_entries: int) -> list[_Entry]:
+def _tar_entries(tarred: tarfile.TarFile, budget: _Budget) -> list[_Entry]:
+    """The members, each checked as its header is read: `next()` skips the previous member's
+    body by inflating it, so a member refused here is never inflated."""
     entries: list[_Entry] = []
     while (member := tarred.next()) is not None:
-        _check_count(len(entries) + 1, max_entries)
+        _check_count(len(entries) + 1, budget.limits.max_entries)
         if not (member.isreg() or member.isdir()):
             raise UnsafeArchive(f"{member.name!r} is a link or special file")
+        if member.isreg():  # a folder's size field is not read, so it is not counted
+            budget.declare(member.size)
         opener = partial(_tar_open, tarred, member)
         entries.append(_Entry(member.name, member.isdir(), member.size, opener))
     return entries
@@ -183,21 +200,32 @@ def _safe_path(name: str) -> PurePosixPath:
 
 
 class _Budget:
-    """Extracted bytes so far against the size and expansion-ratio limits."""
+    """Bytes declared, extracted and (for a tar) inflated so far against the size and
+    expansion-ratio limits."""
 
     def __init__(self, limits: ArchiveLimits, archive_bytes: int) -> None:
         self.limits = limits
         self.archive_bytes = max(archive_bytes, 1)
         self.declared = 0
         self.extracted = 0
+        self.inflated = 0
 
     def declare(self, size: int) -> None:
+        """Count a file's size from its header, before any of it is read."""
         self.declared += size
         self._check(self.declared)
 
     def spend(self, size: int) -> None:
+        """Count bytes extracted (headers can lie; the stream cannot)."""
         self.extracted += size
         self._check(self.extracted)
+
+    def inflate(self, end: int) -> None:
+        """Count a tar stream inflated up to offset `end`, before it is: its headers and
+        padding get _TAR_HEADER_ROOM on top of what the files may hold."""
+        if end > self.inflated:
+            self.inflated = end
+            self._check(max(end - _TAR_HEADER_ROOM, 0))
 
     def _check(self, total: int) -> None:
         if total > self.limits.max_total_bytes:
@@ -216,3 +244,40 @@ def _copy_limited(source: IO[bytes], sink: IO[bytes], budget: _Budget) -> None:
     while chunk := source.read(_CHUNK):
         budget.spend(len(chunk))
         sink.write(chunk)
+
+
+class _MeteredStream(io.RawIOBase):
+    """The inflated tar stream, charging the budget for each read or seek before the gzip
+    stream inflates it.
+
+    tarfile skips a member by seeking past it, which a gzip stream does by inflating, and
+    reads a pax or GNU long-name record whole into memory at the size its header declares;
+    neither passes `_copy_limited`. Charging the furthest offset reached means re-reading
+    from the start (extracting after the listing) is not charged twice: it inflates at most
+    what the listing did.
+    """
+
+    def __init__(self, inflated: gzip.GzipFile, budget: _Budget) -> None:
+        super().__init__()
+        self.inflated = inflated
+        self.budget = budget
+
+    def read(self, size: int = -1) -> bytes:
+        if size < 0:
+            return b"".join(iter(partial(self.read, _CHUNK), b""))
+        self.budget.inflate(self.inflated.tell() + size)
+        return self.inflated.read(size)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        assert whence == 0, "tarfile seeks to absolute offsets"
+        self.budget.inflate(offset)
+        return self.inflated.seek(offset)
+
+    def tell(self) -> int:
+        return self.inflated.tell()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import stat
 import struct
@@ -166,6 +167,43 @@ def test_unreadable_archives(tmp_path: Path, content: bytes) -> None:
     archive = tmp_path / "a.zip"
     archive.write_bytes(content)
     assert refusal(archive, tmp_path / "out") == "invalid_archive"
+
+
+def tar_gz_of_headers(*headers: tarfile.TarInfo) -> bytes:
+    """A .tar.gz that ends right after these headers: any body they declare is missing, so
+    an extraction that reads or skips one finds the archive truncated (invalid_archive)."""
+    return gzip.compress(b"".join(info.tobuf(format=tarfile.GNU_FORMAT) for info in headers))
+
+
+def header(name: str, size: int, kind: bytes = tarfile.REGTYPE) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size, info.type = size, kind
+    return info
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [header("adapter_model.safetensors", 4 << 30)],
+        [header("adapter_config.json", 0), header("adapter_model.safetensors", 4 << 30)],
+        [header("adapter_model.safetensors", 512 << 20)],
+        [header("././@PaxHeader", 512 << 20, tarfile.XHDTYPE)],
+        [header("././@LongLink", 512 << 20, tarfile.GNUTYPE_LONGNAME)],
+    ],
+    ids=["over the total", "second member", "over the ratio", "pax record", "GNU long name"],
+)
+def test_tar_sizes_are_refused_at_their_header(
+    tmp_path: Path, headers: list[tarfile.TarInfo]
+) -> None:
+    """A tar header declaring more bytes than the limits allow (over the total, or a
+    500,000-fold expansion of this small archive) is refused before any of them is
+    inflated: the bodies are missing here, and reading one would call the archive truncated.
+    tarfile skips a member by inflating its body and reads a pax or long-name record whole
+    into memory; the sizes were checked only after the listing had skipped every member, so
+    a 4 MB .tar.gz declaring 4 GiB inflated 4 GiB (9-15 s of CPU) before its refusal."""
+    archive = tmp_path / "a.tar.gz"
+    archive.write_bytes(tar_gz_of_headers(*headers))
+    assert refusal(archive, tmp_path / "out") == "file_too_large"
 
 
 @pytest.mark.parametrize("method", [9, 97], ids=["deflate64", "unknown"])
