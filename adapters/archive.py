@@ -10,10 +10,11 @@ byte is extracted and again while extracting:
 - the total extracted size stays under `max_total_bytes` (counted while streaming, so a
   lying header cannot exceed it) and the expansion over the archive size under `max_ratio`
   once past a megabyte (a zip bomb is refused early, whatever its declared sizes).
-Nothing is inflated beyond what those limits allow: a tar member's size is checked as soon
-as its header is read (tarfile skips a member by inflating it), and every byte of a tar's
-gzip stream is charged to the budget before it is inflated. Bytes that are no readable
-archive are an InvalidArchive, whatever the decompressor raises.
+Nothing is parsed or inflated beyond what those limits allow: a zip's entry count and
+directory size are checked from its end record before zipfile reads the directory, a tar
+member's size as soon as its header is read (tarfile skips a member by inflating it), and
+every byte of a tar's gzip stream is charged to the budget before it is inflated.
+Bytes that are no readable archive are an InvalidArchive, whatever the decompressor raises.
 Files are written under the destination by their allowed base name only: an archive path
 never becomes a filesystem path.
 """
@@ -24,6 +25,7 @@ import gzip
 import io
 import lzma
 import stat
+import struct
 import tarfile
 import zipfile
 import zlib
@@ -102,12 +104,14 @@ def _entries(archive: Path, budget: _Budget) -> Iterator[list[_Entry]]:
     declare more bytes than the budget allows (the body of the `with` is covered too: an
     entry that cannot be read while extracting is an InvalidArchive as well)."""
     with archive.open("rb") as handle:
-        magic = handle.read(4)
+        magic = handle.read(2)
+        if magic == b"PK":
+            _check_zip_directory(handle, budget.limits.max_entries)
     try:
-        if magic[:2] == b"PK":
+        if magic == b"PK":
             with zipfile.ZipFile(archive) as zipped:
                 yield _zip_entries(zipped, budget)
-        elif magic[:2] == b"\x1f\x8b":
+        elif magic == b"\x1f\x8b":
             with (
                 gzip.GzipFile(archive, "rb") as inflated,
                 tarfile.open(fileobj=_MeteredStream(inflated, budget), mode="r:") as tarred,
@@ -156,6 +160,76 @@ def _tar_open(tarred: tarfile.TarFile, member: tarfile.TarInfo) -> IO[bytes]:
     source = tarred.extractfile(member)
     assert source is not None, "regular members always have content"
     return source
+
+
+_EOCD = struct.Struct("<4s4H2LH")
+"""Zip's end-of-central-directory record: signature, two disk numbers, the entries on this
+disk and in all, the directory's size and offset, the comment's length."""
+_EOCD_SIGNATURE = b"PK\x05\x06"
+_EOCD64_LOCATOR = struct.Struct("<4sLQL")
+"""Zip64's locator, just before the end record: signature, disk, the zip64 record's offset,
+disks."""
+_EOCD64 = struct.Struct("<4sQ2H2L4Q")
+"""Zip64's end record: signature, size, two versions, two disk numbers, the entries on this
+disk and in all, the directory's size and offset."""
+_MAX_COMMENT = 0xFFFF
+_MAX_CENTRAL_ENTRY = 46 + 3 * 0xFFFF
+"""The most one central-directory entry can take: its fixed part, then a name, an extra
+field and a comment of at most 64 KiB each."""
+
+
+def _check_zip_directory(handle: IO[bytes], max_entries: int) -> None:
+    """Refuse a zip whose end record declares more than `max_entries` entries, or a central
+    directory larger than that many entries can fill, before zipfile reads the directory.
+
+    zipfile parses a directory of whatever size the end record gives, one object per entry,
+    and ignores the declared count: a 47 MB zip of a million entries took 270 MiB before the
+    count was checked. Each record zipfile may take for the end record is checked (one
+    ending the file, the last signature in the comment's reach), with every zip64 record it
+    may point to; a 16- or 32-bit field that only says "see zip64" is then left out.
+    """
+    size = handle.seek(0, 2)
+    start = max(size - _EOCD.size - _MAX_COMMENT, 0)
+    handle.seek(start)
+    tail = handle.read()
+    candidates = {tail.rfind(_EOCD_SIGNATURE), len(tail) - _EOCD.size}
+    for at in sorted(at for at in candidates if at >= 0):
+        record = tail[at : at + _EOCD.size]
+        if len(record) != _EOCD.size or not record.startswith(_EOCD_SIGNATURE):
+            continue
+        _, _, _, on_disk, total, directory_bytes, _, _ = _EOCD.unpack(record)
+        declared = _zip64_records(handle, start + at)
+        if declared:  # then 0xFFFF and 0xFFFFFFFF in the classic record mean "see zip64"
+            on_disk, total = (0 if count == 0xFFFF else count for count in (on_disk, total))
+            directory_bytes = 0 if directory_bytes == 0xFFFFFFFF else directory_bytes
+        declared.append((max(on_disk, total), directory_bytes))
+        for entries, bytes_ in declared:
+            _check_count(entries, max_entries)
+            if bytes_ > max_entries * _MAX_CENTRAL_ENTRY:
+                raise UnsafeArchive(
+                    f"the archive's directory is {bytes_} bytes, more than {max_entries} "
+                    "entries can fill"
+                )
+
+
+def _zip64_records(handle: IO[bytes], end_record_at: int) -> list[tuple[int, int]]:
+    """(entries, directory bytes) of each zip64 end record that the locator before the end
+    record at `end_record_at` leads to: zipfile reads the one right before the locator, and
+    the locator also gives an offset."""
+    if end_record_at < _EOCD64_LOCATOR.size:
+        return []
+    handle.seek(end_record_at - _EOCD64_LOCATOR.size)
+    signature, _, offset, _ = _EOCD64_LOCATOR.unpack(handle.read(_EOCD64_LOCATOR.size))
+    if signature != b"PK\x06\x07":
+        return []
+    records = []
+    for at in {end_record_at - _EOCD64_LOCATOR.size - _EOCD64.size, offset}:
+        if 0 <= at <= end_record_at - _EOCD64.size:
+            handle.seek(at)
+            fields = _EOCD64.unpack(handle.read(_EOCD64.size))
+            if fields[0] == b"PK\x06\x06":
+                records.append((max(fields[6], fields[7]), fields[8]))
+    return records
 
 
 def _check_count(count: int, max_entries: int) -> None:

@@ -256,3 +256,41 @@ def test_zip_name_flagged_utf8_that_is_not(tmp_path: Path) -> None:
         raw[at : at + 2] = struct.pack("<H", flags)
     (tmp_path / "a.zip").write_bytes(raw)
     assert refusal(tmp_path / "a.zip", tmp_path / "out") == "invalid_archive"
+
+
+def zip_declaring(entries: int, directory_bytes: int, zip64: bool = False) -> bytes:
+    """A zip whose end record declares `entries` entries in a central directory of
+    `directory_bytes` bytes, which are zeros: zipfile, reading it, would find no entry there
+    and call the archive invalid. With `zip64`, the counts are in a zip64 end record and the
+    classic one holds the "see zip64" placeholders."""
+    directory = bytes(directory_bytes)
+    if not zip64:
+        fields = struct.pack("<4H2LH", 0, 0, entries, entries, directory_bytes, 4, 0)
+        end = b"PK\x05\x06" + fields
+    else:
+        record_at = 4 + directory_bytes
+        record = b"PK\x06\x06" + struct.pack(
+            "<Q2H2L4Q", 44, 45, 45, 0, 0, entries, entries, directory_bytes, 4
+        )
+        locator = b"PK\x06\x07" + struct.pack("<LQL", 0, record_at, 1)
+        placeholders = struct.pack("<4H2LH", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+        end = record + locator + b"PK\x05\x06" + placeholders
+    return b"PK\x03\x04" + directory + end
+
+
+@pytest.mark.parametrize(
+    ("entries", "directory_bytes", "zip64"),
+    [(9, 9 * 46, False), (3, 2 << 20, False), (1_000_000, 46, True), (3, 2 << 20, True)],
+    ids=["9 entries", "a 2 MiB directory", "zip64: a million entries", "zip64: a 2 MiB directory"],
+)
+def test_zip_directory_over_the_limits_is_refused_from_its_end_record(
+    tmp_path: Path, entries: int, directory_bytes: int, zip64: bool
+) -> None:
+    """A zip whose end record declares more entries than the limit, or a central directory
+    larger than that many entries can fill, is refused from that record alone: its directory
+    (zeros here, which zipfile would find invalid) is never read. zipfile parsed the whole
+    directory, whatever its size, before the count was checked: a 47 MB zip of a million
+    one-byte names cost ~270 MiB and 7 s before its refusal."""
+    archive = tmp_path / "a.zip"
+    archive.write_bytes(zip_declaring(entries, directory_bytes, zip64))
+    assert refusal(archive, tmp_path / "out") == "unsafe_archive"
