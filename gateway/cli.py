@@ -104,7 +104,7 @@ def _engine(args: argparse.Namespace) -> None:
     run_engine_service(
         settings.engine.engine_config(ensure_model(settings)),
         settings.model_name,
-        Listen(args.address, args.health_host, args.health_port),
+        Listen(args.address, args.health_host, args.health_port, settings.server.metrics_token),
         adapter_dir=settings.data_dir / "engine-adapters",
         token=settings.server.engine_token,
         log_level=args.log_level,

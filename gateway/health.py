@@ -16,13 +16,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from litestar import Response, Router, get
+from litestar import Request, Response, Router, get
 from litestar.di import NamedDependency, Provide
 from redis.asyncio import Redis
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from loramux.cache.response_cache import ResponseCache
+from loramux.engine.service.health import UNAUTHORIZED, scrape_allowed
 from loramux.gateway.engine_client.base import EngineClient
 from loramux.gateway.metrics import Degradation, Metrics
 from loramux.gateway.quotas import QuotaService
@@ -95,6 +96,9 @@ class MetricSources:
     cache: ResponseCache
     quotas: QuotaService
     usage: UsageRecorder
+    token: str | None
+    """LORAMUX_METRICS_TOKEN: a scrape needs `Bearer <token>`; checked before anything is
+    rendered or asked of the engines."""
 
 
 def health_router(gw: GatewayState) -> Router:
@@ -110,7 +114,8 @@ def health_router(gw: GatewayState) -> Router:
         return Probes(engine_up, ready_checks, gw.children)
 
     engines = Coalesced(lambda: gw.engine.metrics())
-    sources = MetricSources(gw.metrics, engines, gw.cache, gw.quotas, gw.usage)
+    token = gw.settings.server.metrics_token
+    sources = MetricSources(gw.metrics, engines, gw.cache, gw.quotas, gw.usage, token)
     return Router(
         "/",
         route_handlers=[health, ready, metrics],
@@ -167,8 +172,12 @@ async def _readiness(
 
 
 @get("/metrics", include_in_schema=False)
-async def metrics(sources: NamedDependency[MetricSources]) -> Response[bytes]:
+async def metrics(
+    sources: NamedDependency[MetricSources], request: Request[Any, Any, Any]
+) -> Response[bytes]:
     """This process's series and every answering engine's (docs/metrics.md)."""
+    if not scrape_allowed(request.headers.get("authorization"), sources.token):
+        return Response(UNAUTHORIZED.encode(), status_code=401, media_type="text/plain")
     usage = sources.usage
     degradation = Degradation(
         sources.cache.errors,

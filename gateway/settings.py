@@ -177,6 +177,9 @@ class ServerSettings:
     """LORAMUX_ENGINE_URLS: comma-separated engine services; unset: `serve` starts its own."""
     engine_token: str | None = field(default_factory=lambda: _env("ENGINE_TOKEN", None))
     """LORAMUX_ENGINE_TOKEN: shared secret of gateways and engine services; unset: no check."""
+    metrics_token: str | None = field(default_factory=lambda: _env("METRICS_TOKEN", None))
+    """LORAMUX_METRICS_TOKEN: gateways' and engines' /metrics answer only `Authorization:
+    Bearer <token>`; unset: anyone who reaches the port."""
     engine_first_output_seconds: float = field(
         default_factory=lambda: _env(
             "ENGINE_FIRST_OUTPUT_SECONDS", ENGINE_FIRST_OUTPUT_SECONDS, float
@@ -292,4 +295,5 @@ class Settings:
             )
         out["server"].pop("admin_secret", None)
         out["server"].pop("engine_token", None)
+        out["server"].pop("metrics_token", None)
         return out

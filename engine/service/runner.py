@@ -28,6 +28,8 @@ class Listen:
     health_host: str = "127.0.0.1"
     health_port: int = 0
     """The HTTP health and metrics endpoint; 0 picks a free port."""
+    metrics_token: str | None = None
+    """LORAMUX_METRICS_TOKEN: /metrics answers only `Bearer <token>` (engine.service.health)."""
 
 
 async def serve_engine(
@@ -57,7 +59,7 @@ async def serve_engine(
     )
     address = server.bind(listen.address)
     config = uvicorn.Config(
-        create_health_app(engine),
+        create_health_app(engine, listen.metrics_token),
         host=listen.health_host,
         port=listen.health_port,
         log_level=log_level,

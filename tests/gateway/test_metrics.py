@@ -14,12 +14,18 @@ from typing import Any
 
 import httpx
 import pytest
+from litestar.testing import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from loramux.adapters.demo import build_demo_adapters
+from loramux.engine.async_engine import AsyncEngine
+from loramux.engine.config import EngineConfig
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.service.health import create_health_app
 from loramux.gateway.health import PROBE_INTERVAL as ENGINE_METRICS_INTERVAL
 from loramux.gateway.server import RunningServer
 from tests.gateway.serve_process import wait_for
+from tests.gateway.servers import gateway_server
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 
 DASHBOARD = Path(__file__).parents[2] / "docker" / "grafana" / "loramux.json"
@@ -253,3 +259,37 @@ def test_health_checks_without_pause_reach_the_engines_at_most_once_an_interval(
     assert all(a.status_code == 200 for a in answers), answers[-1].text
     assert all(a.json()["engine" if route == "/health" else "checks"] for a in answers)
     assert 1 <= len(asked) <= elapsed / ENGINE_METRICS_INTERVAL + 1, (len(asked), elapsed)
+
+
+def test_with_a_metrics_token_only_a_scrape_bearing_it_reads_the_gateway_or_the_engine(
+    demo_model_dir: Path, tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-adapter series name digests, so an open /metrics told anyone who reached the port
+    which adapters the engine holds (and each scrape made the engines render). With
+    LORAMUX_METRICS_TOKEN a scrape needs it, on the gateway and on the engine's own port;
+    /health and /ready stay open to orchestrators."""
+    monkeypatch.setenv("LORAMUX_METRICS_TOKEN", "scrape-secret")
+    engine_render = 0
+
+    with gateway_server(demo_model_dir, tmp_path / "data", redis_url) as gateway:
+        real = gateway.state.engine.metrics
+
+        async def counted() -> list[str]:  # the real one, counted
+            nonlocal engine_render
+            engine_render += 1
+            return await real()
+
+        monkeypatch.setattr(gateway.state.engine, "metrics", counted)
+        for header in ({}, {"authorization": "Bearer wrong"}, {"authorization": "scrape-secret"}):
+            refused = httpx.get(f"{gateway.url}/metrics", headers=header)
+            assert refused.status_code == 401 and "LORAMUX_METRICS_TOKEN" in refused.text
+        assert engine_render == 0, "a refused scrape asked the engines"
+        good = {"authorization": "Bearer scrape-secret"}
+        assert "loramux_" in httpx.get(f"{gateway.url}/metrics", headers=good).text
+        assert httpx.get(f"{gateway.url}/health").status_code == 200
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=demo_model_dir, max_model_len=512)))
+    with TestClient(create_health_app(engine, "scrape-secret")) as port:
+        assert port.get("/metrics").status_code == 401
+        assert "loramux_" in port.get("/metrics", headers=good).text
+        assert port.get("/health").status_code in (200, 503)
