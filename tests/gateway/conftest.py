@@ -1,5 +1,6 @@
-"""A real gateway on loopback: uvicorn, SQLite, the in-process engine on the demo model; and
-empty migrated databases (SQLite and PostgreSQL) for tests of the SQL parts alone."""
+"""A real gateway on loopback: uvicorn, SQLite, the in-process engine on the demo model; a second
+one on PostgreSQL; and empty migrated databases (SQLite and PostgreSQL) for tests of the SQL
+parts alone."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from loramux.gateway.db.migrate import upgrade
 from loramux.gateway.db.session import create_engine, session_factory
-from loramux.gateway.server import RunningServer
+from loramux.gateway.server import RunningServer, engine_client, serve_in_thread
+from loramux.gateway.settings import EngineSettings, ServerSettings, Settings
 from tests.gateway.servers import gateway_server
 from tests.migrations.test_revisions import new_postgres_database
 
@@ -39,6 +41,46 @@ def admin(gateway: RunningServer, admin_token: str) -> Iterator[httpx.Client]:
         base_url=gateway.url, headers={"authorization": f"Bearer {admin_token}"}, timeout=60
     ) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def pg_gateway(
+    postgres_url: str,
+    demo_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    redis_url: str,
+) -> Iterator[RunningServer]:
+    """A gateway like `gateway`, on the session's PostgreSQL server migrated by Alembic."""
+    upgrade(postgres_url)
+    settings = Settings(
+        data_dir=tmp_path_factory.mktemp("postgres-gateway-data"),
+        model=demo_model_dir,
+        engine=EngineSettings(max_model_len=512, kv_cache_mb=32),
+        server=ServerSettings(database_url=postgres_url, model_name="demo-model"),
+    )
+    client = engine_client(settings, demo_model_dir)
+    with serve_in_thread(settings, client, demo_model_dir, redis_url=redis_url) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def pg_admin(pg_gateway: RunningServer) -> Iterator[httpx.Client]:
+    """An HTTP client of `pg_gateway` carrying an admin token."""
+    with admin_client(pg_gateway) as c:
+        yield c
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def each_gateway(request: pytest.FixtureRequest) -> RunningServer:
+    """The SQLite gateway, then the PostgreSQL one: for what must not depend on the database."""
+    return request.getfixturevalue("gateway" if request.param == "sqlite" else "pg_gateway")
+
+
+def admin_client(server: RunningServer) -> httpx.Client:
+    """An HTTP client of `server` carrying an admin token of its own."""
+    token = server.state.admin.mint("test-admin", ttl_seconds=3600)
+    headers = {"authorization": f"Bearer {token}"}
+    return httpx.Client(base_url=server.url, headers=headers, timeout=120)
 
 
 def json_of(response: httpx.Response) -> Any:

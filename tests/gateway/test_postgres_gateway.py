@@ -5,46 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from loramux.gateway.db.migrate import upgrade
-from loramux.gateway.server import RunningServer, engine_client, serve_in_thread
-from loramux.gateway.settings import EngineSettings, ServerSettings, Settings
+from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import json_of
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 from tests.gateway.test_adapter_files_lifecycle import publish_racing_owner_deletion
-
-
-@pytest.fixture(scope="module")
-def pg_gateway(
-    postgres_url: str,
-    demo_model_dir: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-    redis_url: str,
-) -> Iterator[RunningServer]:
-    upgrade(postgres_url)
-    settings = Settings(
-        data_dir=tmp_path_factory.mktemp("postgres-gateway-data"),
-        model=demo_model_dir,
-        engine=EngineSettings(max_model_len=512, kv_cache_mb=32),
-        server=ServerSettings(database_url=postgres_url, model_name="demo-model"),
-    )
-    client = engine_client(settings, demo_model_dir)
-    with serve_in_thread(settings, client, demo_model_dir, redis_url=redis_url) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def pg_admin(pg_gateway: RunningServer) -> Iterator[httpx.Client]:
-    token = pg_gateway.state.admin.mint("test-admin", ttl_seconds=3600)
-    headers = {"authorization": f"Bearer {token}"}
-    with httpx.Client(base_url=pg_gateway.url, headers=headers, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
