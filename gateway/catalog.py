@@ -30,6 +30,18 @@ class ResolvedModel:
     """Adapter content digest; None for the base model."""
     owner: str | None = None
     version: int | None = None
+    adapter: str | None = None
+    """The adapter's own name (without owner or version); None for the base model."""
+
+    @property
+    def billed_as(self) -> str:
+        """What usage records as the model: the adapter however the request named it (`bot`,
+        `acme/bot`, `tnt_…/bot@2` are all `bot`; a shared one is `shared/bot`), else the base
+        model's id. Never the client's string, which may be longer than any column holds (an
+        owner is a tenant name of up to 200 characters): an adapter's name has at most 100."""
+        if self.adapter is None:
+            return self.name
+        return f"{SHARED_OWNER}/{self.adapter}" if self.owner == SHARED_OWNER else self.adapter
 
 
 class ModelCatalog:
@@ -58,7 +70,7 @@ class ModelCatalog:
                     f"The model '{model}' does not exist or you do not have access to it.",
                     param="model",
                 )
-            resolved = ResolvedModel(model, row.digest, row.owner, row.version)
+            resolved = ResolvedModel(model, row.digest, row.owner, row.version, row.name)
         if not (principal.may_use(model) or principal.may_use(_pinned(model)[0])):
             raise PermissionDenied(
                 f"this API key may not use the model '{model}'",

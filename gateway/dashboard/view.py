@@ -218,7 +218,8 @@ async def _per_adapter(
 
 def _adapter_label(model: str, tenant_id: str, tenant_name: str) -> str:
     """The adapter a request's `model` named: the tenant's own by bare name, shared ones as
-    `shared/name`; a version pin is dropped (the row is the adapter's)."""
+    `shared/name`; a version pin is dropped (the row is the adapter's). Usage records adapters
+    so (`ResolvedModel.billed_as`); rows of earlier releases hold the name as requested."""
     if model == UNRESOLVED_MODEL:
         return NOT_SERVED
     name = model.rpartition("@")[0] if "@" in model else model

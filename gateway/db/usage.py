@@ -21,7 +21,10 @@ class UsageEvent(Base):
     tenant_id: Mapped[str] = mapped_column(String(32), index=True)
     key_id: Mapped[str] = mapped_column(String(32))
     model: Mapped[str] = mapped_column(String(200))
-    """The model name the request asked for (adapter name or the base model id)."""
+    """The model that answered, however the request named it: the adapter's name (`shared/…`
+    for a shared one) or the base model's id (`ResolvedModel.billed_as`); empty when the request
+    was refused before its model was resolved. Rows written by earlier releases hold the name
+    as the request wrote it."""
     adapter_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)

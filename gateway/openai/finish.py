@@ -68,7 +68,7 @@ class Metering:
                 request_id=p.request.request_id,
                 tenant_id=p.principal.tenant_id,
                 key_id=p.principal.key_id,
-                model=p.model.name,
+                model=p.model.billed_as,
                 adapter_digest=p.model.digest,
                 prompt_tokens=prompt,
                 completion_tokens=completion,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 
 from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import json_of
-from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
+from tests.gateway.tenants import TenantKey, new_key, new_tenant, upload_adapter
 from tests.gateway.test_adapter_files_lifecycle import publish_racing_owner_deletion
 
 
@@ -70,6 +71,32 @@ def test_a_completion_with_a_private_adapter_is_metered(
     assert [(r["group"], r["requests"]) for r in by_adapter] == [("pg-support", 1)]
     by_day = usage_rows(pg_admin, tenant.tenant_id, "day")
     assert [r["requests"] for r in by_day] == [1]
+
+
+def test_usage_bills_the_adapter_however_long_the_name_a_request_gave_it(
+    pg_gateway: RunningServer, pg_admin: httpx.Client, demo_adapter_dirs: list[Path]
+) -> None:
+    """Usage records the adapter that answered, not the name a request gave it: `bot` and
+    `<tenant name>/bot@000000001` are one adapter, billed in one row. Usage recorded the name
+    as written, and with a tenant name of 200 characters it did not fit PostgreSQL's
+    `usage_events.model` (22001): the recorder dropped the event, served but never billed."""
+    name = f"long-{uuid.uuid4().hex[:10]}".ljust(200, "n")
+    tenant_id = json_of(pg_admin.post("/admin/tenants", json={"name": name}))["id"]
+    tenant = TenantKey(tenant_id, name, *new_key(pg_admin, tenant_id))
+    upload_adapter(pg_admin, tenant_id, "bot", demo_adapter_dirs[3])
+    dropped = pg_gateway.state.usage.dropped["refused"]
+    completions = 0
+    with as_tenant(pg_gateway, tenant) as api:
+        for model in ("bot", f"{name}/bot@000000001"):
+            body = {"model": model, "messages": [{"role": "user", "content": "Hi"}]}
+            response = api.post("/v1/chat/completions", json=body | {"max_tokens": 4})
+            completions += json_of(response)["usage"]["completion_tokens"]
+    pg_gateway.run(pg_gateway.state.usage.flush())
+    assert pg_gateway.state.usage.dropped["refused"] == dropped
+    by_adapter = usage_rows(pg_admin, tenant_id, "adapter")
+    assert [(r["group"], r["requests"], r["completion_tokens"]) for r in by_adapter] == [
+        ("bot", 2, completions)
+    ]
 
 
 def test_a_revoked_key_is_refused(pg_gateway: RunningServer, pg_admin: httpx.Client) -> None:
