@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from loramux.gateway.auth.api_keys import Principal
 from loramux.gateway.db import AdapterVersion
 from loramux.gateway.db.adapter import SHARED_OWNER
-from loramux.gateway.errors import NotFound, PermissionDenied
+from loramux.gateway.errors import NUL, NotFound, PermissionDenied
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,8 @@ class ModelCatalog:
         now = time.monotonic()
         if cached is not None and now - cached[0] < self.ttl:
             return cached[1]
+        if NUL in model:
+            return None  # no adapter or tenant name holds one, nor can PostgreSQL compare it
         name, version = _pinned(model)
         if "/" in name:
             owner, name = name.split("/", 1)

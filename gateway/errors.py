@@ -188,6 +188,9 @@ def to_gateway_error(exc: Exception) -> GatewayError | None:
             return _database_unavailable()
         case sql.DBAPIError() if exc.connection_invalidated or _unavailable_sqlstate(exc):
             return _database_unavailable()
+        case sql.DBAPIError() if getattr(exc.orig, "sqlstate", None) == NUL_SQLSTATE:
+            # What `refuse_nul` does not see (a body's field): the client's text, not a fault.
+            return BadRequest(_NUL_MESSAGE.format(where="the request"), code="invalid_request")
         case ConnectionError():
             # A driver that surfaces a refused or reset connection as the OS error itself
             # (asyncpg while connecting): a backing service is down, not a bug.
@@ -340,6 +343,25 @@ def _empty_segment(path: str) -> NotFound:
         "a name or id is missing between two slashes",
         code="empty_path_segment",
     )
+
+
+NUL = "\x00"
+NUL_SQLSTATE = "22021"
+"""PostgreSQL's `character_not_in_repertoire`: what it answers to text holding NUL."""
+_NUL_MESSAGE = "{where} holds a NUL character (U+0000), which no name, id or filter may hold"
+
+
+async def refuse_nul(connection: ASGIConnection[Any, Any, Any, Any], _: object) -> None:
+    """A router's guard, after its authentication: no reference or filter holds NUL, answered
+    here alike on every database. PostgreSQL cannot compare text holding it (22021) and
+    SQLite's LIKE ends a pattern there (a `?name=` filter of NUL matched every row). A path
+    holding it names nothing (404); a query parameter holding it is a bad filter (400)."""
+    if NUL in connection.scope["path"]:
+        raise NotFound(_NUL_MESSAGE.format(where="the path"), code="not_found")
+    for key, value in connection.query_params.multi_items():
+        if NUL in key or NUL in value:
+            where = f"the query parameter {key[:100]!r}"
+            raise BadRequest(_NUL_MESSAGE.format(where=where), param=key, code="invalid_request")
 
 
 ANSWERED_WITH = "answered_with"

@@ -24,6 +24,7 @@ from loramux.gateway.audit.controller import AuditController
 from loramux.gateway.audit.service import AuditLog
 from loramux.gateway.cache.controller import CacheController
 from loramux.gateway.cache.service import CacheAdmin
+from loramux.gateway.errors import refuse_nul
 from loramux.gateway.keys.controller import KeyController
 from loramux.gateway.keys.service import KeyService
 from loramux.gateway.quotas.controller import QuotaController
@@ -48,7 +49,7 @@ def admin_router(gw: GatewayState) -> Router:
             CacheController,
             AuditController,
         ],
-        guards=[admin_guard(gw.admin, audit_log)],
+        guards=[admin_guard(gw.admin, audit_log), refuse_nul],
         dependencies=_services(gw, audit_log),
         middleware=[audit_middleware(audit_log)],
         request_class=AdminRequest,

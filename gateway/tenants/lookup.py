@@ -13,13 +13,14 @@ from loramux.gateway.admin.wire import check_display_name
 from loramux.gateway.db import Tenant
 from loramux.gateway.db.adapter import SHARED_OWNER
 from loramux.gateway.db.tenant import TENANT_ID_PREFIX
-from loramux.gateway.errors import BadRequest, NotFound
+from loramux.gateway.errors import NUL, BadRequest, NotFound
 
 
 async def get_tenant(session: AsyncSession, ref: str) -> Tenant:
-    """The tenant whose id or name is `ref`."""
-    tenant = await session.get(Tenant, ref)
-    if tenant is None:
+    """The tenant whose id or name is `ref`. No id or name holds NUL (nor can PostgreSQL compare
+    text holding it), so a `ref` holding it names no tenant on any database."""
+    tenant = await session.get(Tenant, ref) if NUL not in ref else None
+    if tenant is None and NUL not in ref:
         tenant = await session.scalar(select(Tenant).where(Tenant.name == ref))
     if tenant is None:
         raise NotFound(

@@ -10,7 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway.conftest import json_of
+from loramux.gateway.server import RunningServer
+from tests.gateway.conftest import admin_client, json_of
 from tests.gateway.tenants import new_tenant, upload_adapter
 
 
@@ -152,3 +153,51 @@ def test_key_lists_filter_by_name(admin: httpx.Client) -> None:
     assert page["total"] == 2
     wildcard = admin.get(f"/admin/tenants/{tenant.tenant_id}/keys", params={"name": "%"})
     assert json_of(wildcard)["total"] == 0
+
+
+NUL_REFERENCES = [
+    ("GET", "/admin/tenants/a%00b", 404),
+    ("GET", "/admin/tenants/a%00b/keys", 404),
+    ("POST", "/admin/tenants/a%00b/keys", 404),
+    ("GET", "/admin/keys/a%00b/quotas", 404),
+    ("GET", "/admin/adapters/shared/a%00b", 404),
+    ("GET", "/admin/tenants?name=%00", 400),
+    ("GET", "/admin/adapters?name=%00", 400),
+    ("GET", "/admin/audit?name=%00", 400),
+    ("GET", "/admin/usage?tenant=a%00b", 400),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "status"), NUL_REFERENCES)
+def test_a_reference_or_filter_holding_nul_is_refused_alike_on_either_database(
+    each_gateway: RunningServer, method: str, path: str, status: int
+) -> None:
+    """No name or id holds NUL: a path naming one names nothing (404), a filter holding one
+    is a bad filter (400), the same on SQLite and PostgreSQL. Each reached the database: on
+    PostgreSQL, which cannot compare text holding NUL (22021), a 500; on SQLite, whose LIKE
+    ends a pattern at NUL, `?name=%00` matched every row."""
+    with admin_client(each_gateway) as admin:
+        response = admin.request(method, path)
+    assert response.status_code == status, response.text
+    assert "NUL" in json_of(response)["error"]["message"]
+
+
+def test_an_owner_holding_nul_is_not_found_on_either_database(
+    each_gateway: RunningServer, demo_adapter_dirs: list[Path]
+) -> None:
+    """A tenant reference in a body (an upload's `owner`) holding NUL names no tenant: 404 on
+    both databases, where PostgreSQL failed the lookup (22021) with a 500."""
+    with admin_client(each_gateway) as admin:
+        response = admin.post(
+            "/admin/adapters",
+            data={"name": "nul-owner", "owner": "a\u0000b"},
+            files={
+                field: (file, (demo_adapter_dirs[3] / file).read_bytes())
+                for field, file in (
+                    ("adapter_config", "adapter_config.json"),
+                    ("adapter_model", "adapter_model.safetensors"),
+                )
+            },
+        )
+    assert response.status_code == 404, response.text
+    assert json_of(response)["error"]["code"] == "tenant_not_found"

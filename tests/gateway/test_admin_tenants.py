@@ -129,8 +129,9 @@ def test_names_that_hide_or_disguise_text_are_refused(admin: httpx.Client, case:
         error = json_of(response)["error"]
         assert (error["param"], error["code"]) == ("name", "invalid_request")
         assert "name" in error["message"]
-    same_name = json_of(admin.get("/admin/tenants", params={"name": name[:200]}))["items"]
-    assert all(t["name"] != name for t in same_name)
+    if "\x00" not in name:  # a filter holding NUL is refused itself (test_admin_scaling)
+        same_name = json_of(admin.get("/admin/tenants", params={"name": name[:200]}))["items"]
+        assert all(t["name"] != name for t in same_name)
     assert json_of(admin.get(f"/admin/tenants/{tenant['id']}"))["name"] == tenant["name"]
     assert json_of(admin.get(f"/admin/tenants/{tenant['id']}/keys"))["items"] == []
 

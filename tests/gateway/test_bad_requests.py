@@ -13,6 +13,7 @@ import pytest
 from loramux.gateway.openai.body import nests_deeper_than
 from loramux.gateway.openai.prompt import MAX_MESSAGES
 from loramux.gateway.server import RunningServer
+from tests.gateway.conftest import admin_client
 from tests.gateway.tenants import TenantKey, new_tenant
 
 OK = {"model": "demo-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -299,3 +300,27 @@ def test_brackets_count_outside_strings_only(body: bytes, deeper: bool) -> None:
     """As a parser reads the text: after a string that is never closed, the rest is that
     string. The scan took those brackets as nesting, and was quadratic in escaped quotes."""
     assert nests_deeper_than(body, 32) is deeper
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/chat/completions",
+            {"model": "a\u0000b", "messages": [{"role": "user", "content": "x"}]},
+        ),
+        ("/v1/completions", {"model": "a\u0000b@1", "prompt": "x"}),
+    ],
+)
+def test_a_model_holding_nul_is_not_found_on_either_database(
+    each_gateway: RunningServer, path: str, body: dict
+) -> None:
+    """No adapter's name holds NUL, so a model holding one is a 404 like any unknown model, on
+    SQLite and PostgreSQL alike. The catalog looked it up, and PostgreSQL, which cannot compare
+    text holding NUL (22021), failed the query: a 500."""
+    with admin_client(each_gateway) as admin:
+        tenant = new_tenant(admin, "nul-model")
+    headers = {"authorization": f"Bearer {tenant.key}"}
+    response = httpx.post(f"{each_gateway.url}{path}", json=body, headers=headers, timeout=60)
+    assert response.status_code == 404, response.text
+    assert response.json()["error"]["code"] == "model_not_found"

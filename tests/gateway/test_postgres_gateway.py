@@ -11,7 +11,11 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import select
+from sqlalchemy.exc import DBAPIError
 
+from loramux.gateway.db import Tenant
+from loramux.gateway.errors import to_gateway_error
 from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import json_of
 from tests.gateway.tenants import TenantKey, new_key, new_tenant, upload_adapter
@@ -97,6 +101,22 @@ def test_usage_bills_the_adapter_however_long_the_name_a_request_gave_it(
     assert [(r["group"], r["requests"], r["completion_tokens"]) for r in by_adapter] == [
         ("bot", 2, completions)
     ]
+
+
+def test_text_postgresql_cannot_store_is_the_clients_400(pg_gateway: RunningServer) -> None:
+    """A value holding NUL that reaches PostgreSQL (a body's field no guard reads) is refused
+    by it with 22021, and that is the client's 400, not a 500: the gateway had no mapping."""
+
+    async def compare_with_nul() -> DBAPIError:
+        async with pg_gateway.state.sessions() as session:
+            try:
+                await session.scalar(select(Tenant).where(Tenant.name == "a\x00b"))
+            except DBAPIError as exc:
+                return exc
+        raise AssertionError("PostgreSQL compared text holding NUL")
+
+    error = to_gateway_error(pg_gateway.run(compare_with_nul()))
+    assert error is not None and (error.status, error.code) == (400, "invalid_request")
 
 
 def test_a_revoked_key_is_refused(pg_gateway: RunningServer, pg_admin: httpx.Client) -> None:
