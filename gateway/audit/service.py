@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from loramux.gateway.admin.paging import Paging, page_of
 from loramux.gateway.db import AuditEntry
-from loramux.gateway.errors import to_gateway_error
+from loramux.gateway.errors import NUL, to_gateway_error
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +80,16 @@ class AuditLog:
         self, actor: str, action: str, target: str | None, outcome: str, detail: dict[str, Any]
     ) -> None:
         """Append one entry; values longer than their columns are cut (the full code stays in
-        `detail`). Never raises: a broken audit log is logged, not reported to the caller."""
+        `detail`), and NUL is written `\\x00`, so whatever a request's path or token held, its
+        entry can be stored. Never raises: a broken audit log is logged, not reported to the
+        caller."""
         if len(outcome) > _OUTCOME_LENGTH:
             detail = detail | {"code": outcome}
         entry = AuditEntry(
-            actor=actor[:_ACTOR_LENGTH],
+            actor=_storable(actor, _ACTOR_LENGTH),
             action=action,
-            target=target[:_TARGET_LENGTH] if target is not None else None,
-            outcome=outcome[:_OUTCOME_LENGTH],
+            target=_storable(target, _TARGET_LENGTH) if target is not None else None,
+            outcome=_storable(outcome, _OUTCOME_LENGTH),
             detail=detail,
         )
         try:
@@ -105,6 +107,12 @@ class AuditLog:
         async with self._sessions() as session:
             rows, total = await page_of(session, query, paging)
         return list(rows), total
+
+
+def _storable(text: str, length: int) -> str:
+    """`text` as a column of `length` characters holds it on every database: PostgreSQL's text
+    cannot hold NUL (an entry holding one was lost), so it is written as `\\x00`."""
+    return text.replace(NUL, "\\x00")[:length]
 
 
 def _column_length(name: str) -> int:

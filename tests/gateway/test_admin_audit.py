@@ -7,7 +7,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.gateway.conftest import json_of
+from loramux.gateway.server import RunningServer
+from tests.gateway.conftest import admin_client, json_of
 
 
 def test_changes_and_failures_are_audited(
@@ -65,3 +66,17 @@ def test_limit(admin: httpx.Client) -> None:
     assert len(json_of(admin.get("/admin/audit", params={"limit": 1}))["items"]) == 1
     assert admin.get("/admin/audit", params={"limit": 0}).status_code == 400
     assert admin.get("/admin/audit", params={"limit": 5000}).status_code == 400
+
+
+def test_an_action_on_a_reference_holding_nul_is_audited(each_gateway: RunningServer) -> None:
+    """An admin's action on a tenant reference holding NUL fails (404) and leaves its entry, its
+    target written with `\\x00`, on both databases. PostgreSQL cannot store NUL: the action
+    answered 500 and its entry was lost (the failed write only logged)."""
+    marker = f"nul-{uuid.uuid4().hex[:8]}"
+    with admin_client(each_gateway) as admin:
+        response = admin.patch(f"/admin/tenants/{marker}%00", json={"disabled": True})
+        assert response.status_code == 404, response.text
+        entries = json_of(admin.get("/admin/audit", params={"name": marker}))["items"]
+    assert [(e["action"], e["target"], e["outcome"]) for e in entries] == [
+        ("tenant.update", f"{marker}\\x00", "not_found")
+    ]

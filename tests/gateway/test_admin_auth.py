@@ -17,7 +17,7 @@ from loramux.gateway.auth.admin_jwt import AUDIENCE, DEFAULT_MAX_TTL
 from loramux.gateway.cli import main
 from loramux.gateway.server import RunningServer
 from loramux.gateway.state import admin_secret
-from tests.gateway.conftest import json_of
+from tests.gateway.conftest import admin_client, json_of
 
 MAX_TTL = DEFAULT_MAX_TTL  # the test gateway leaves LORAMUX_ADMIN_TOKEN_MAX_TTL unset
 ADMIN_ROUTES = [
@@ -181,3 +181,18 @@ def test_the_cli_mints_tokens_within_the_maximum_lifetime(
             main(["admin-token", "--ttl", ttl])
         assert "LORAMUX_ADMIN_TOKEN_MAX_TTL" in str(exited.value.code)
     assert capsys.readouterr().out == ""
+
+
+def test_a_refused_token_is_audited_whatever_its_path_holds(each_gateway: RunningServer) -> None:
+    """The guard audits a refused token with its path as the target, and a path holding NUL
+    is audited with it written `\\x00`, on both databases. PostgreSQL cannot store NUL: the
+    entry's write failed and was only logged, so guessing tokens on such paths left no trace."""
+    marker = f"probe-{uuid.uuid4().hex[:8]}"
+    for path in (f"/admin/tenants/{marker}", f"/admin/tenants/{marker}%00"):
+        assert refusal(each_gateway, "GET", path, "Bearer forged")["code"] == "invalid_token"
+    with admin_client(each_gateway) as admin:
+        entries = json_of(admin.get("/admin/audit", params={"name": marker}))["items"]
+    assert sorted((e["actor"], e["action"], e["target"]) for e in entries) == [
+        ("anonymous", "admin.auth", f"GET /admin/tenants/{marker}"),
+        ("anonymous", "admin.auth", f"GET /admin/tenants/{marker}\\x00"),
+    ]
