@@ -65,5 +65,18 @@ def utc(ts: datetime) -> datetime:
     return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
 
 
+def utc_input(ts: datetime, param: str) -> datetime:
+    """A time a request gave, as UTC; refused (400) when UTC cannot express it: an offset
+    carries it past 9999-12-31 or before 0001-01-01."""
+    try:
+        return utc(ts)
+    except OverflowError:
+        raise BadRequest(
+            f"{param} is out of range: times run from 0001-01-01 to 9999-12-31 (UTC)",
+            param=param,
+            code="invalid_request",
+        ) from None
+
+
 def utc_or_none(ts: datetime | None) -> datetime | None:
     return utc(ts) if ts is not None else None

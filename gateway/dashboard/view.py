@@ -72,17 +72,31 @@ class Window:
 
 def window_of(days: int, first: str | None, last: str | None, now: datetime) -> Window:
     """The last `days` days, or `first` to `last` (ISO dates) when either is given; refused
-    (400) when a date is malformed, `first` is after `last`, or it spans over `MAX_DAYS`."""
+    (400) when a date is malformed, `first` is after `last`, or it spans over `MAX_DAYS`.
+    `days` up to a `last` near 0001-01-01 start there; `last` must leave the window an end
+    (the midnight after it), so 9999-12-31 is refused."""
     today = day_of(now).date()
     if not first and not last:
-        return Window(today - timedelta(days=days - 1), today)
+        return Window(_days_up_to(today, days), today)
     end = _date(last, "to") if last else today
-    start = _date(first, "from") if first else end - timedelta(days=days - 1)
+    if end == date.max:
+        raise BadRequest(
+            f"to may be {date.max - timedelta(days=1)} at the latest (the window ends the "
+            "midnight after it)",
+            param="to",
+            code="invalid_request",
+        )
+    start = _date(first, "from") if first else _days_up_to(end, days)
     if start > end:
         raise BadRequest("'from' must not be after 'to'", param="from", code="invalid_request")
     if (end - start).days >= MAX_DAYS:
         raise BadRequest(f"a window spans at most {MAX_DAYS} days", param="from")
     return Window(start, end, custom=True)
+
+
+def _days_up_to(last: date, days: int) -> date:
+    """The first of the `days` days ending with `last`, or 0001-01-01 if they begin before."""
+    return date.fromordinal(max(1, last.toordinal() - (days - 1)))
 
 
 def _date(value: str, param: str) -> date:

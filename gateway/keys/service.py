@@ -14,7 +14,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loramux.gateway.admin.paging import Paging, page_of
-from loramux.gateway.admin.wire import check_display_name, utc, utc_or_none
+from loramux.gateway.admin.wire import check_display_name, utc, utc_input, utc_or_none
 from loramux.gateway.auth.api_keys import ApiKeyAuth, mint_key
 from loramux.gateway.db import ApiKey
 from loramux.gateway.db.base import utcnow
@@ -101,7 +101,7 @@ def _expiry(body: KeyCreate) -> datetime | None:
         return utcnow() + timedelta(seconds=body.expires_in)
     if body.expires_at is None:
         return None
-    expires_at = utc(body.expires_at)
+    expires_at = utc_input(body.expires_at, "expires_at")
     if expires_at <= datetime.now(UTC):
         raise BadRequest("expires_at is in the past", param="expires_at", code="invalid_request")
     return expires_at

@@ -55,16 +55,24 @@ def spans(
     grain, finer = grains[0], grains[1:]
     low = _ceil(start, grain) if start is not None else None
     high = _FLOOR[grain](end) if end is not None else None
-    if low is not None and high is not None and low >= high:
+    no_whole_grain = start is not None and low is None
+    if no_whole_grain or (low is not None and high is not None and low >= high):
         return spans(start, end, finer)
     before = spans(start, low, finer) if start is not None else []
     after = spans(high, end, finer) if end is not None else []
     return [*before, Span(grain, low, high), *after]
 
 
-def _ceil(ts: datetime, grain: Grain) -> datetime:
+def _ceil(ts: datetime, grain: Grain) -> datetime | None:
+    """The first `grain` boundary at or after `ts`; None in the last hour or day a datetime
+    can hold (9999-12-31), which has no boundary after it."""
     floor = _FLOOR[grain](ts)
-    return floor if floor == as_utc(ts) else floor + _STEP[grain]
+    if floor == as_utc(ts):
+        return floor
+    try:
+        return floor + _STEP[grain]
+    except OverflowError:
+        return None
 
 
 @dataclass(frozen=True)

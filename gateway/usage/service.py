@@ -2,6 +2,7 @@
 
 Bounds: `from` is inclusive and `to` exclusive; an ISO date means midnight UTC, except that a
 date given as `to` includes that whole day; a time without an offset is UTC. Days are UTC days.
+A bound UTC cannot express (before 0001-01-01 or past 9999-12-31) is a 400.
 A request is a cache hit when the response cache answered it (`exact` or `semantic`) and an
 error when its status was 400 or more.
 """
@@ -15,7 +16,7 @@ from typing import Literal
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from loramux.gateway.admin.wire import utc
+from loramux.gateway.admin.wire import utc_input
 from loramux.gateway.db import UsageTotals
 from loramux.gateway.db.usage_rollup import REFUSALS
 from loramux.gateway.errors import BadRequest
@@ -50,16 +51,25 @@ def parse_query(
 
 
 def _bound(value: str | None, param: str, whole_day: bool) -> datetime | None:
+    """`value` as a time in UTC; a date as `to` is the end of its day, so `to` 9999-12-31
+    (whose end no time can hold) is out of range, as is a time an offset carries past UTC's."""
     if not value:
         return None
     try:
-        if _DATE.fullmatch(value):
-            day = datetime.combine(datetime.fromisoformat(value).date(), time(), UTC)
-            return day + timedelta(days=1) if whole_day else day
-        return utc(datetime.fromisoformat(value))
+        if not _DATE.fullmatch(value):
+            return utc_input(datetime.fromisoformat(value), param)
+        day = datetime.combine(datetime.fromisoformat(value).date(), time(), UTC)
+        return day + timedelta(days=1) if whole_day else day
     except ValueError:
         raise BadRequest(
             f"{param} must be an ISO date or time, not {value!r}",
+            param=param,
+            code="invalid_request",
+        ) from None
+    except OverflowError:  # a date as `to` ends at the next midnight; 9999-12-31 has none
+        raise BadRequest(
+            f"{param} {value!r} is out of range: as a date it ends at the midnight after it, "
+            "past 9999-12-31 (give a time, or leave it out)",
             param=param,
             code="invalid_request",
         ) from None

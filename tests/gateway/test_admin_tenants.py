@@ -294,3 +294,14 @@ async def test_a_lookup_under_way_does_not_bring_a_revoked_key_back(
     await under_way
     with pytest.raises(Unauthorized, match="revoked"):
         await auth.authenticate(f"Bearer {key.key}")
+
+
+@pytest.mark.parametrize("expires_at", ["9999-12-31T23:59:59-12:00", "0001-01-01T00:00:00+12:00"])
+def test_an_expiry_utc_cannot_express_is_400(admin: httpx.Client, expires_at: str) -> None:
+    """An `expires_at` whose offset carries it past 9999-12-31 or before 0001-01-01 in UTC is
+    a 400 naming it, and no key is made. Converting it to UTC overflowed: a 500."""
+    tenant = new_tenant(admin)
+    response = admin.post(f"/admin/tenants/{tenant['id']}/keys", json={"expires_at": expires_at})
+    assert response.status_code == 400, response.text
+    assert json_of(response)["error"]["param"] == "expires_at"
+    assert json_of(admin.get(f"/admin/tenants/{tenant['id']}/keys"))["items"] == []

@@ -113,3 +113,29 @@ def test_all_tenants(admin: httpx.Client, tenant: str) -> None:
 def test_bad_parameters_are_400(admin: httpx.Client, params: dict) -> None:
     response = admin.get("/admin/usage", params=params)
     assert response.status_code == 400, response.text
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"to": "9999-12-31"},
+        {"from": "0001-01-01T00:00:00+01:00"},
+        {"to": "9999-12-31T23:00:00-05:00"},
+    ],
+)
+def test_bounds_past_the_calendar_are_400(admin: httpx.Client, params: dict) -> None:
+    """A bound UTC cannot express (an offset carries it before year 1 or after 9999; a `to` date
+    ends at the midnight after it, which 9999-12-31 lacks) is a 400 naming it. It was a 500:
+    an OverflowError the parser did not catch."""
+    response = admin.get("/admin/usage", params=params)
+    assert response.status_code == 400, response.text
+    assert json_of(response)["error"]["param"] in params
+    assert "out of range" in json_of(response)["error"]["message"]
+
+
+@pytest.mark.parametrize("start", ["9999-12-31T12:00:00", "9999-12-31T23:30:00"])
+def test_a_range_in_the_calendars_last_day_is_read(admin: httpx.Client, start: str) -> None:
+    """A `from` in 9999-12-31, the last day a time can hold, reads its part of that day (no
+    events). Cutting the range into whole days and hours looked for the next midnight or hour,
+    past the last one: a 500."""
+    assert report(admin, **{"from": start})["rows"] == []

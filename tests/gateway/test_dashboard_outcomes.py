@@ -251,3 +251,29 @@ def test_an_admin_sees_engine_health_and_quota_use_across_tenants(
     assert 'data-testid="engine-state">up<' in page
     assert re.search(r'data-testid="engine-kv">[\d.]+% of [\d,]+ blocks<', page)
     assert mixed.tenant.tenant_name in page and f"lmx-{mixed.other_key_id}" in page
+
+
+@pytest.mark.parametrize(
+    "params", [{"to": "9999-12-31"}, {"from": "9999-12-31", "to": "9999-12-31"}]
+)
+def test_a_window_must_end_within_the_calendar(
+    gateway: RunningServer, operator: httpx.Client, params: dict
+) -> None:
+    """A window ends at the midnight after its last day, which 9999-12-31 lacks: such a `to` is
+    a 400 naming it, on the page and its data. Computing the window's end overflowed: a 500."""
+    with signed_in(gateway, new_tenant(operator, "calendar").key) as dashboard:
+        for path in ("/dashboard", "/dashboard/data"):
+            response = dashboard.get(path, params=params)
+            assert response.status_code == 400, (path, response.text)
+            assert "9999-12-30" in response.text
+
+
+def test_days_up_to_the_calendars_first_begin_with_it(
+    gateway: RunningServer, operator: httpx.Client
+) -> None:
+    """The last 30 days up to 0001-01-05 are the five days from 0001-01-01: there are none
+    before it. Counting back 30 days from it overflowed: a 500."""
+    with signed_in(gateway, new_tenant(operator, "calendar").key) as dashboard:
+        assert dashboard.get("/dashboard", params={"to": "0001-01-05"}).status_code == 200
+        data = json_of(dashboard.get("/dashboard/data", params={"to": "0001-01-05"}))
+    assert (data["from"], data["to"], data["days"]) == ("0001-01-01", "0001-01-05", 5)
