@@ -54,7 +54,9 @@ class Sequence:
     """Sampling one of these ends the request (EOS unless `ignore_eos`, and `stop_token_ids`)."""
     grammar: GrammarMatcher | None = None
     """Where its structured output's grammar stands (`SamplingParams.structured`); it has
-    consumed exactly the landed completion tokens, so recomputing after preemption leaves it."""
+    consumed exactly the landed completion tokens, so recomputing after preemption leaves it.
+    Each choice of a request has its own, made at admission: choices fork at the end of the
+    prompt, before any completion token, so each starts from the grammar's start state."""
     num_prompt_tokens: int = field(init=False)
     num_pending_tokens: int = 0
     """Tokens sampled by scheduled steps that have not landed yet."""

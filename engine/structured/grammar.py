@@ -71,10 +71,6 @@ class GrammarMatcher:
         """Why the matcher failed; empty while it has not."""
         return self._panic or self.ll.get_error()
 
-    def fork(self) -> GrammarMatcher:
-        """An independent copy at the same position (for a choice that forks a sequence)."""
-        return GrammarMatcher(self.ll.deep_copy())
-
 
 class GrammarCompiler:
     """Compiles structured outputs for one tokenizer; safe from any thread.

@@ -21,7 +21,7 @@ import llguidance
 import llguidance.torch
 import torch
 
-from loramux.engine.scheduler import ScheduledChunk
+from loramux.engine.scheduler import ScheduledChunk, sample_rows
 
 
 @dataclass(frozen=True)
@@ -78,13 +78,15 @@ class GrammarBitmask:
         )
 
     def fill(self, chunks: list[ScheduledChunk]) -> TokenMask | None:
-        """The masks of the step's sampling rows (`chunks` in run order) that have a grammar;
-        None when none has. Sequences finished meanwhile (aborted, or ended by the step that
-        just landed) are left unconstrained: their token is dropped."""
-        sampling = (c for c in chunks if c.samples)
+        """The masks of the step's sampling rows that have a grammar; None when none has.
+        Rows are numbered as the sampler's (`sample_rows` of `chunks` in run order: a chunk
+        that forks choices samples one row for each, right after its own), and each row is
+        masked by its own sequence's matcher, so every choice follows its own grammar state.
+        Sequences finished meanwhile (aborted, or ended by the step that just landed) are left
+        unconstrained: their token is dropped."""
         constrained = [
             (row, c.seq.grammar)
-            for row, c in enumerate(sampling)
+            for row, c in enumerate(sample_rows(chunks))
             if c.seq.grammar is not None and not c.seq.is_finished
         ]
         if not constrained:

@@ -115,6 +115,62 @@ def test_a_recursive_schema_generates_valid_trees(engine: LLMEngine) -> None:
         jsonschema.validate(json.loads(text), RECURSIVE)
 
 
+def _choices(outputs: list[RequestOutput]) -> dict[int, list[RequestOutput]]:
+    """A request's deltas split by choice, each in order."""
+    by_choice: dict[int, list[RequestOutput]] = {}
+    for out in outputs:
+        by_choice.setdefault(out.index, []).append(out)
+    return by_choice
+
+
+def test_every_choice_of_a_constrained_request_follows_its_own_grammar(
+    engine: LLMEngine,
+) -> None:
+    """With n > 1 each choice samples from its own masked row and its own matcher, so every
+    choice ends its value and validates. The bug: the step's masks were numbered per sampling
+    chunk, not per sampled row, so the choices forked from choice 0 sampled unmasked and the
+    request failed when the grammar could not follow their tokens."""
+    params = SamplingParams(
+        max_tokens=200, temperature=1.0, seed=3, n=4, structured=_constrained(NESTED)
+    )
+    outputs = run_to_completion(engine, [EngineRequest("n4", params, prompt=PROMPT)])["n4"]
+    choices = _choices(outputs)
+    assert sorted(choices) == [0, 1, 2, 3]
+    texts = set()
+    for choice in choices.values():
+        text, finish = _text(engine, choice)
+        assert finish is FinishReason.STOP, text
+        jsonschema.validate(json.loads(text), NESTED)
+        texts.add(text)
+    assert len(texts) > 1, "seeded choices at temperature 1 were meant to differ"
+
+
+def test_another_requests_choices_do_not_move_a_constrained_requests_mask(
+    engine: LLMEngine,
+) -> None:
+    """A free request for n = 4 and a constrained one finish their prompts in the same step:
+    the free one's choices are exactly what they are alone, and the constrained one's output
+    validates. The bug: the free request's forked choices shifted the rows after them, so its
+    second choice was masked by the other request's grammar and the constrained request sampled
+    unmasked and failed."""
+    free = EngineRequest(
+        "free", SamplingParams(max_tokens=12, n=4, temperature=1.0, seed=5), prompt=PROMPT
+    )
+    bound = EngineRequest(
+        "bound",
+        SamplingParams(max_tokens=200, temperature=1.0, seed=6, structured=_constrained(NESTED)),
+        prompt=f"{PROMPT} 1",
+    )
+    alone = run_to_completion(engine, [replace_id(free, "free-alone")])["free-alone"]
+    together = run_to_completion(engine, [free, bound])
+    tokens = {i: [t for o in c for t in o.token_ids] for i, c in _choices(alone).items()}
+    shared = {i: [t for o in c for t in o.token_ids] for i, c in _choices(together["free"]).items()}
+    assert shared == tokens
+    text, finish = _text(engine, together["bound"])
+    assert finish is FinishReason.STOP, text
+    jsonschema.validate(json.loads(text), NESTED)
+
+
 def _preemption_run(demo_model_dir: Path, **overrides: Any) -> tuple[dict[str, str], LLMEngine]:
     engine = make_engine(demo_model_dir, max_model_len=160, max_num_batched_tokens=48, **overrides)
     schemas = list(SCHEMAS.values())
