@@ -121,3 +121,29 @@ def test_an_uncompilable_schema_is_a_400_and_nothing_is_queued(
         before.running,
         before.steps,
     )
+
+
+def test_every_choice_of_a_constrained_request_answers(api: httpx.Client) -> None:
+    """With `n` > 1 each choice of a `response_format` request follows its own grammar: all
+    three validate. The bug: the forked choices were masked by the wrong rows, and the request
+    failed with 500 request_failed."""
+    schema = SCHEMAS["enums"]
+    r = api.post(
+        "/chat/completions",
+        json={
+            "model": "demo-model",
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": strict("enums", schema),
+            "n": 3,
+            "temperature": 1.0,
+            "seed": 2,
+            "max_tokens": 200,
+        },
+        headers={"cache-control": "no-store"},
+    )
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    for c in choices:
+        assert c["finish_reason"] == "stop", c
+        jsonschema.validate(json.loads(c["message"]["content"]), schema)
