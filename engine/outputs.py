@@ -70,11 +70,16 @@ class TokenLogprob:
     The values are the log-softmax of the logits the token was sampled from after the logits
     processors (repetition, presence and frequency penalties, logit bias) and before temperature,
     top-k, top-p and min-p, as OpenAI and vLLM report them: the same whatever the temperature,
-    and for a request without processors the log-softmax of the model's own logits."""
+    and for a request without processors the log-softmax of the model's own logits. For a
+    structured output they are taken after the grammar's mask, the distribution the token was
+    drawn from: the token's own logprob and its alternatives' are then of one distribution, and
+    a token the grammar forbids (logprob -inf, no number OpenAI's schema admits) is never an
+    alternative."""
 
     logprob: float
     top: list[tuple[int, float]]
-    """The `top_logprobs` most likely (token id, logprob) pairs at this position, best first."""
+    """The `top_logprobs` most likely (token id, logprob) pairs at this position, best first;
+    fewer when the grammar allowed fewer tokens there."""
 
 
 @dataclass(frozen=True)

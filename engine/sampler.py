@@ -12,7 +12,9 @@ entry picks token i with probability p_i.
 
 Logprobs are the log-softmax of the processed logits: after penalties and bias, before
 temperature and the truncations (top-k, top-p, min-p), as OpenAI and vLLM report them. For a
-request with no processor they are the log-softmax of the model's logits.
+request with no processor they are the log-softmax of the model's logits. A constrained row's
+are taken after its grammar's mask (`sample_step` says why), and the tokens the mask forbids
+are left out of its top logprobs.
 
 Seeds. A seeded row draws its E from a counter-based hash of (seed mod 2^64, the position it
 samples, the vocabulary index) — see `seeded_exponential` — so its token depends on its seed,
@@ -176,12 +178,14 @@ class SampledTokens:
 
     def logprob(self, row: int, top: int) -> TokenLogprob:
         """Row `row`'s token logprob and its `top` most likely alternatives (the step must have
-        computed logprobs, for at least `top` alternatives)."""
+        computed logprobs, for at least `top` alternatives). Alternatives of logprob -inf
+        (forbidden by a grammar's mask, so never drawn) are left out: a constrained row may
+        list fewer than `top`."""
         values = self._landed()[row]
         k = (len(values) - 2) // 2
         assert top <= k, "the step computed fewer top logprobs than asked"
         pairs = [(int(values[2 + j]), values[2 + k + j]) for j in range(top)]
-        return TokenLogprob(values[1], pairs)
+        return TokenLogprob(values[1], [(t, p) for t, p in pairs if p != float("-inf")])
 
 
 def sample_step(
@@ -189,7 +193,10 @@ def sample_step(
 ) -> SampledTokens:
     """Process the logits, mask the constrained rows, sample every row and compute logprobs
     where asked: the step's whole device work after the model, queued. Logprobs are of the
-    processed logits after the grammar's mask: the distribution the token was drawn from."""
+    processed logits after the grammar's mask: the distribution the token was drawn from, so
+    that the token's logprob and its alternatives' are one distribution's (a token the grammar
+    forced has logprob 0). Where the grammar allows fewer than k tokens, masked ones (-inf)
+    fill the end of a row's top k on the device; `SampledTokens.logprob` drops them."""
     if batch.processors is not None:
         logits = apply_processors(logits, batch.processors)
     ids = sample(logits, batch, grammar)

@@ -8,10 +8,17 @@ import math
 import pytest
 import torch
 
-from loramux.engine.sampler import NO_TOKEN, SamplingBuffers, sample, seeded_exponential
+from loramux.engine.sampler import (
+    NO_TOKEN,
+    SamplingBuffers,
+    sample,
+    sample_step,
+    seeded_exponential,
+)
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.scheduler import ScheduledChunk
 from loramux.engine.sequence import Sequence
+from loramux.engine.structured.mask import TokenMask
 
 VOCAB = 257
 CPU = torch.device("cpu")
@@ -109,6 +116,30 @@ def test_keeping_one_token_gives_the_argmax_seeded_or_not(params: dict[str, floa
         _row(SamplingParams(temperature=1.5, seed=s, **params)) for s in (None, 3, None, 4, 5, None)
     ]
     assert _sample(logits, rows) == logits.argmax(dim=-1).tolist()
+
+
+def test_a_constrained_rows_logprobs_are_of_the_masked_distribution_and_list_no_masked_token() -> (
+    None
+):
+    """A row whose grammar allows tokens 3 and 7 samples one of them, and its logprobs are the
+    log-softmax over those two (what it was drawn from): its top 5 lists just those two, their
+    probabilities summing to 1. A free row beside it lists its 5 best of the whole vocabulary.
+    The bug: masked tokens (-inf) filled the constrained row's top list."""
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(logprobs=True, top_logprobs=5)
+    batch = SamplingBuffers(2, CPU).fill([_row(params), _row(params)], VOCAB)
+    words = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
+    words[0, 0] = (1 << 3) | (1 << 7)
+    expected = torch.log_softmax(logits, dim=-1)
+    sampled = sample_step(logits.clone(), batch, TokenMask(words, torch.tensor([0])))
+    constrained, free = sampled.logprob(0, 5), sampled.logprob(1, 5)
+    allowed = torch.log_softmax(logits[0, [3, 7]], dim=0).tolist()
+    assert dict(constrained.top) == pytest.approx(dict(zip([3, 7], allowed, strict=True)))
+    assert math.isclose(sum(math.exp(p) for _, p in constrained.top), 1.0, rel_tol=1e-5)
+    assert sampled.tolist()[0] == (3 if allowed[0] > allowed[1] else 7)
+    assert constrained.logprob == pytest.approx(max(allowed))
+    top = expected[1].topk(5)
+    assert free.top == list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
 
 
 def test_an_all_greedy_batch_is_its_argmax_and_flags_non_finite_rows() -> None:

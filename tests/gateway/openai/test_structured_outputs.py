@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import pytest
 from loramux.engine.outputs import EngineStats
 from loramux.gateway.server import RunningServer
 from tests.engine.structured_schemas import SCHEMAS
+from tests.gateway.openai.openapi_schemas import CHAT, COMPLETION, assert_valid
 from tests.gateway.tenants import TenantKey, upload_adapter
 
 CONSTRAINED = 50
@@ -121,6 +123,68 @@ def test_an_uncompilable_schema_is_a_400_and_nothing_is_queued(
         before.running,
         before.steps,
     )
+
+
+ENUM = {"enum": ["ab", "cd"]}
+
+
+def test_top_logprobs_of_a_constrained_output_list_only_tokens_the_grammar_allows(
+    api: httpx.Client,
+) -> None:
+    """Logprobs of a constrained output are of the masked distribution the token was drawn
+    from: every number is finite, and the alternatives are only tokens the grammar allowed
+    (each continues the text so far towards one of the enum's values), so fewer than asked.
+    The bug: masked tokens (logprob -inf) filled the top list and were sent as
+    `"logprob": null`, which OpenAI's schema refuses."""
+    r = api.post(
+        "/chat/completions",
+        json={
+            "model": "demo-model",
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": strict("enum", ENUM),
+            "logprobs": True,
+            "top_logprobs": 5,
+            "temperature": 0,
+            "max_tokens": 20,
+        },
+        headers={"cache-control": "no-store"},
+    )
+    assert r.status_code == 200, r.text
+    assert_valid(CHAT, r.json())
+    choice = r.json()["choices"][0]
+    assert json.loads(choice["message"]["content"]) in ENUM["enum"]
+    values = [json.dumps(v) for v in ENUM["enum"]]
+    text = ""
+    for entry in choice["logprobs"]["content"]:
+        assert entry["top_logprobs"], entry
+        for top in entry["top_logprobs"]:
+            assert math.isfinite(top["logprob"]), entry
+            # Until the value is complete; then only EOS tokens are allowed.
+            assert text in values or any(v.startswith(text + top["token"]) for v in values)
+        text += entry["token"]
+
+
+def test_legacy_completion_top_logprobs_of_a_constrained_output_are_numbers(
+    api: httpx.Client,
+) -> None:
+    """The legacy format's top logprobs (a map from text to number) hold only the tokens the
+    grammar allowed, each with a finite logprob. The bug: masked tokens were listed as null."""
+    r = api.post(
+        "/completions",
+        json={
+            "model": "demo-model",
+            "prompt": "hi",
+            "response_format": strict("enum", ENUM),
+            "logprobs": 5,
+            "temperature": 0,
+            "max_tokens": 20,
+        },
+        headers={"cache-control": "no-store"},
+    )
+    assert r.status_code == 200, r.text
+    assert_valid(COMPLETION, r.json())
+    tops = r.json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert tops and all(top and all(math.isfinite(v) for v in top.values()) for top in tops)
 
 
 def test_every_choice_of_a_constrained_request_answers(api: httpx.Client) -> None:
