@@ -3,6 +3,12 @@
 Text is emitted only once it is stable: never half a UTF-8 character (the tokenizer renders an
 incomplete byte sequence as U+FFFD, which is held back), and never a tail that could still
 become a stop string. The deltas therefore concatenate to exactly the final text.
+
+Bytes that never complete a character are not held for ever: transformers' decode of a whole
+output shows them as U+FFFD (the Rust decoders' lossy UTF-8), and so do we, once more than
+`MAX_HELD_TOKENS` tokens are held and at the end (`flush`). Holding them for ever, as vLLM's and
+TGI's incremental detokenizers do, would decode an ever longer window twice per token
+(quadratic work, on the gateway's event loop) and drop the held bytes' text at the end.
 """
 
 from __future__ import annotations
@@ -94,6 +100,19 @@ def _failure_table(stop: str) -> tuple[int, ...]:
     return tuple(fail)
 
 
+MAX_HELD_TOKENS = 4
+"""Tokens held back while their text ends in an incomplete character. An incomplete UTF-8
+character has at most 3 bytes, and a token holds at least one (skipped special tokens aside),
+so it lies within the last 3 tokens: once more than 4 are held, the text of all but the last 3
+is taken as it decodes (U+FFFD for its invalid bytes, as the whole output's decode shows them)
+and only those 3 stay held. This bounds each decode's window, so detokenizing costs time
+linear in the tokens, whatever they are. (A character split by tokens that add no bytes, such
+as skipped special tokens, can then show as replacement characters where the whole output's
+decode would join it.)"""
+INCOMPLETE_TAIL_TOKENS = 3
+"""Tokens that may still hold the start of an incomplete character: they stay held."""
+
+
 @dataclass
 class IncrementalDetokenizer:
     tokenizer: Tokenizer
@@ -122,16 +141,27 @@ class IncrementalDetokenizer:
         self._decode()
         return self._emit(self._stable_end(read))
 
-    def _decode(self) -> None:
-        """Append the text the tokens so far add (none while a character is incomplete)."""
+    def _decode(self, final: bool = False) -> None:
+        """Append the text the tokens so far add: none while a character is incomplete, unless
+        more than MAX_HELD_TOKENS are held (then all but the last 3's) or `final`
+        (then all of it, incomplete bytes as U+FFFD)."""
         window = self.token_ids[self.prefix_offset :]
         context = self.tokenizer.decode(
             window[: self.read_offset - self.prefix_offset], skip_special_tokens=True
         )
         full = self.tokenizer.decode(window, skip_special_tokens=True)
-        if len(full) > len(context) and not full.endswith("\ufffd"):
-            self.text += full[len(context) :]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        if final or (len(full) > len(context) and not full.endswith("\ufffd")):
+            self._read(full[len(context) :], len(self.token_ids))
+        elif len(self.token_ids) - self.read_offset > MAX_HELD_TOKENS:
+            settled = window[:-INCOMPLETE_TAIL_TOKENS]
+            text = self.tokenizer.decode(settled, skip_special_tokens=True)
+            self._read(text[len(context) :], self.prefix_offset + len(settled))
+
+    def _read(self, text: str, read_offset: int) -> None:
+        """Take `text` as the text of the tokens up to `read_offset`; they become the next
+        decode's left context."""
+        self.text += text
+        self.prefix_offset, self.read_offset = self.read_offset, read_offset
 
     def _stable_end(self, read: int) -> int:
         """Where the text that may be handed out ends, the new text starting at `read`. Of the
@@ -146,7 +176,13 @@ class IncrementalDetokenizer:
         return len(self.text) - max((m.matched for m in self.matchers), default=0)
 
     def flush(self) -> str:
-        """At the end of generation, release whatever was held back."""
+        """At the end of generation, release whatever was held back: a tail that could have
+        begun a stop string, and the text of tokens that left a character incomplete (as
+        U+FFFD, as the whole output's decode shows it)."""
+        if not self.stopped and self.read_offset < len(self.token_ids):
+            read = len(self.text)
+            self._decode(final=True)
+            self._stable_end(read)
         return self._emit(len(self.text))
 
     def _emit(self, end: int) -> str:

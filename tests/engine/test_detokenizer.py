@@ -149,3 +149,65 @@ def test_the_choices_of_a_request_share_each_stop_strings_table(tokenizer: Any) 
     first, second = choices[0], choices[1]
     first.matchers[1].read("xy", 0)
     assert (first.matchers[1].matched, second.matchers[1].matched) == (2, 0)
+
+
+class _Counting:
+    """A decoder that counts the tokens it is asked to decode."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.decoded = 0
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        self.decoded += len(token_ids)
+        return str(self.inner.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+
+def _lead_byte(tokenizer: Any) -> int:
+    """The demo tokenizer's token for the lone byte 0xE2, which begins a 3-byte character (its
+    byte-level alphabet writes that byte as "â")."""
+    token = tokenizer.convert_tokens_to_ids("â")
+    assert tokenizer.decode([token]) == "\ufffd"
+    return int(token)
+
+
+def test_bytes_that_never_complete_a_character_cost_linear_work_and_show_as_replacements(
+    tokenizer: Any,
+) -> None:
+    """2,000 lone lead bytes (a tenant can force them with logit_bias) are detokenized with a
+    bounded window: a few tokens decoded per token, and the text is the whole output's decode,
+    one U+FFFD a byte. The bug: the window grew until a character completed, which it never
+    did, so each token decoded the whole run twice (about 4,000,000 tokens decoded here)."""
+    counting = _Counting(rust_decoder(tokenizer))
+    detok = IncrementalDetokenizer(counting)
+    ids = [_lead_byte(tokenizer)] * 2000
+    deltas = [detok.add(t) for t in ids] + [detok.flush()]
+    assert counting.decoded <= 20 * len(ids)
+    assert "".join(deltas) == tokenizer.decode(ids) == "\ufffd" * len(ids)
+    assert sum(map(len, deltas[:-1])) >= len(ids) - 4, "the run is shown as it goes"
+
+
+def test_random_runs_of_high_bytes_decode_as_the_whole_output_does(tokenizer: Any) -> None:
+    """Tokens drawn mostly from the single bytes 0x80-0xFF (lead bytes, continuation bytes, in
+    any order) among others: however characters complete or never do, the deltas join to
+    transformers' decode of the whole output."""
+    special = set(tokenizer.added_tokens_decoder)
+    vocab = [i for i in range(len(tokenizer)) if i not in special]
+    high = [i for i in vocab if all(ord(c) >= 0x80 for c in tokenizer.convert_ids_to_tokens(i))]
+    rng = random.Random(5)
+    for _ in range(500):
+        ids = [rng.choice(high if rng.random() < 0.7 else vocab) for _ in range(rng.randint(1, 30))]
+        detok = IncrementalDetokenizer(rust_decoder(tokenizer))
+        deltas = [detok.add(t) for t in ids] + [detok.flush()]
+        assert "".join(deltas) == tokenizer.decode(ids), ids
+
+
+def test_flush_releases_the_bytes_held_back_as_replacement_characters(tokenizer: Any) -> None:
+    """An output that ends inside a character ends with its held bytes shown as U+FFFD, as the
+    whole output's decode shows them. The bug: flush released only the text already decoded,
+    so an output of lone lead bytes answered "" while its tokens were billed."""
+    lead = _lead_byte(tokenizer)
+    for ids in ([lead], [lead] * 3, [*tokenizer.encode("ab"), lead]):
+        detok = IncrementalDetokenizer(tokenizer)
+        deltas = [detok.add(t) for t in ids] + [detok.flush()]
+        assert "".join(deltas) == tokenizer.decode(ids), ids
