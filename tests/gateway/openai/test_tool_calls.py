@@ -64,6 +64,54 @@ def test_a_named_tool_choice_returns_a_call_whose_arguments_validate(oai: openai
     jsonschema.validate(arguments, WEATHER["function"]["parameters"])  # type: ignore[arg-type]
 
 
+PYDANTIC_STYLE = {
+    "type": "function",
+    "function": {
+        "name": "locate",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "integer", "minimum": 0, "maximum": 9},
+                "twin": {"$ref": "#/properties/name"},
+                "place": {"$ref": "#/$defs/Place"},
+            },
+            "required": ["name", "twin", "place"],
+            "additionalProperties": False,
+            "$defs": {
+                "Place": {
+                    "type": "object",
+                    "properties": {"city": {"enum": ["Oslo", "Rome"]}},
+                    "required": ["city"],
+                    "additionalProperties": False,
+                }
+            },
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "tool_choice", [{"type": "function", "function": {"name": "locate"}}, "required"]
+)
+def test_a_forced_call_of_parameters_with_references_is_served(
+    api: httpx.Client, tool_choice: Any
+) -> None:
+    """Parameters as Pydantic writes them (`$defs` and "#/$defs/..."), and a reference to a
+    property of their own: the forced call's arguments validate against them. The bug: the
+    references resolved against the call's schema around the parameters, so "#/$defs/Place" was
+    refused (400) and "#/properties/name" meant the call's `name` (the function's name)."""
+    body = ask(tool_choice=tool_choice, parallel_tool_calls=False)
+    body |= {"tools": [PYDANTIC_STYLE], "max_tokens": 80}
+    r = api.post("/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert_valid(CHAT, r.json())
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    [call] = choice["message"]["tool_calls"]
+    arguments = json.loads(call["function"]["arguments"])
+    jsonschema.validate(arguments, PYDANTIC_STYLE["function"]["parameters"])  # type: ignore[index]
+
+
 def test_streamed_tool_call_deltas_reassemble_to_the_whole_call(api: httpx.Client) -> None:
     # One call: a list of parallel calls has no bound the random-weight model must reach.
     body = ask(tool_choice="required", parallel_tool_calls=False)

@@ -11,6 +11,8 @@ import jsonschema_rs
 import msgspec
 import pytest
 
+from loramux.engine.structured import StructuredOutput
+from loramux.engine.structured.schema import check_error
 from loramux.gateway.errors import BadRequest
 from loramux.gateway.openai.tools import (
     NO_TOOLS,
@@ -89,6 +91,84 @@ def test_required_without_parallel_calls_forces_exactly_one_call() -> None:
     v = validator(forced_call_schema(TOOLS, "required", parallel=False))
     assert v.is_valid(WEATHER) and v.is_valid(TIME)
     assert not v.is_valid([WEATHER])
+
+
+REFERRING = {
+    "type": "object",
+    "properties": {
+        "a": {"$ref": "#/$defs/Point"},
+        "name": {"type": "integer", "minimum": 0},
+        "b": {"$ref": "#/properties/name"},
+        "old": {"$ref": "#/definitions/Flag"},
+        "const": {"$ref": "#/$defs/Point"},
+        "tree": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2},
+        "tag": {"const": {"$ref": "#/$defs/Point"}},
+    },
+    "required": ["a"],
+    "additionalProperties": False,
+    "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+    "definitions": {"Flag": {"type": "boolean"}},
+}
+"""Parameters whose `$ref`s point into themselves, as a standalone schema reads them: Pydantic's
+`$defs`, draft-07's `definitions`, a property, the root; a property named like a keyword; and
+a `const` whose value merely looks like a reference."""
+REFERRING_TOOLS = msgspec.convert(
+    [
+        {"type": "function", "function": {"name": name, "parameters": REFERRING}}
+        for name in ("first", "second")
+    ],
+    list[Tool],
+)
+REFERRING_ARGUMENTS = [
+    ({"a": {"x": 1}}, True),
+    ({"a": {"x": 1}, "name": 3, "b": 4, "old": True, "const": {"x": 2}}, True),
+    ({"a": {"x": 1}, "tree": [{"a": {"x": 2}, "tree": []}]}, True),
+    ({"a": {"x": 1}, "tag": {"$ref": "#/$defs/Point"}}, True),
+    ({"a": {"x": "one"}}, False),
+    ({"a": {"x": 1}, "b": "second"}, False),
+    ({"a": {"x": 1}, "old": 1}, False),
+    ({"a": {"x": 1}, "const": {"x": "y"}}, False),
+    ({"a": {"x": 1}, "tree": [{"a": {"x": "z"}}]}, False),
+    ({"a": {"x": 1}, "tag": {"x": 1}}, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("choice", "parallel", "call"),
+    [
+        (NamedToolChoice("function", NamedFunction("second")), True, lambda c: c),
+        ("required", True, lambda c: [c]),
+        ("required", False, lambda c: c),
+    ],
+    ids=["named", "required", "required-one-call"],
+)
+def test_references_in_parameters_resolve_as_in_the_parameters_alone(
+    choice: Any, parallel: bool, call: Any
+) -> None:
+    """A forced call's arguments are valid exactly when they are valid against the function's
+    parameters alone, whatever those refer to, and the grammar library compiles the schema.
+    The bug: the parameters were nested in the call's schema with their references unchanged,
+    so "#/$defs/..." pointed at nothing (a 400 for Pydantic's schemas) and "#/properties/name"
+    at the call's own `name`, the function's name."""
+    schema = forced_call_schema(REFERRING_TOOLS, choice, parallel)
+    alone = jsonschema_rs.validator_for(REFERRING)
+    v = validator(schema)
+    for arguments, valid in REFERRING_ARGUMENTS:
+        assert alone.is_valid(arguments) is valid, arguments
+        assert v.is_valid(call({"name": "second", "arguments": arguments})) is valid, arguments
+    assert check_error(StructuredOutput("json_schema", schema)) is None
+
+
+def test_a_reference_the_parameters_cannot_resolve_stays_unresolvable() -> None:
+    """A reference to nothing in the parameters is not made to point into the call's schema:
+    the grammar library refuses it (the gateway's 400)."""
+    parameters = {"type": "object", "properties": {"a": {"$ref": "#/properties/arguments"}}}
+    tools = msgspec.convert(
+        [{"type": "function", "function": {"name": "f", "parameters": parameters}}], list[Tool]
+    )
+    schema = forced_call_schema(tools, NamedToolChoice("function", NamedFunction("f")), True)
+    assert schema is not None
+    assert "does not exist" in (check_error(StructuredOutput("json_schema", schema)) or "")
 
 
 @pytest.mark.parametrize("choice", ["auto", "none"])
