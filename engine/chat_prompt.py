@@ -89,12 +89,7 @@ class _ControlTokens:
 
     @staticmethod
     def of(tokenizer: Any) -> _ControlTokens:
-        template = chat_template(tokenizer)
-        ids = {
-            t.content: i
-            for i, t in tokenizer.added_tokens_decoder.items()
-            if t.special or (t.content in template and not t.content.isspace())
-        }
+        ids = control_tokens(tokenizer)
         in_user_text, in_prompt = _patterns(tuple(sorted(ids)))
         return _ControlTokens(ids, in_user_text, in_prompt)
 
@@ -109,6 +104,16 @@ class _ControlTokens:
         if isinstance(value, list | tuple):
             return [self.mark(v) for v in value]
         return value
+
+
+def control_tokens(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's control tokens (see the module docstring), each text with its id."""
+    template = chat_template(tokenizer)
+    return {
+        t.content: i
+        for i, t in tokenizer.added_tokens_decoder.items()
+        if t.special or (t.content in template and not t.content.isspace())
+    }
 
 
 @lru_cache(maxsize=8)

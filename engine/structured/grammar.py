@@ -15,6 +15,8 @@ results are cached by schema text, and the step thread only copies the cached ma
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -22,8 +24,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import llguidance
-import llguidance.hf
 
+from loramux.engine.chat_prompt import control_tokens
 from loramux.engine.structured import StructuredOutput, StructuredOutputError
 from loramux.engine.structured.schema import LIMITS, PANIC_ERROR, grammar_text, is_panic
 
@@ -94,8 +96,8 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int]):
         self.vocab_size = vocab_size
-        self._tokenizer = llguidance.hf.from_tokenizer(
-            tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids)
+        self._tokenizer = llguidance.LLTokenizer(
+            _text_only_tokenizer_json(tokenizer), n_vocab=vocab_size, eos_token=sorted(eos_ids)
         )
         self._cache: OrderedDict[tuple[str, str | None], CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
@@ -139,3 +141,38 @@ class GrammarCompiler:
         if not any(first):
             raise StructuredOutputError("the JSON schema allows no output at all")
         return matcher
+
+
+CONTROL_TEXT_PREFIX = "\x00"
+"""Put before each control token's text in the tokenizer llguidance reads: JSON output never
+holds a raw NUL (a string escapes it as \\u0000, and the output is compact), so no output's
+text contains a control token's text any more."""
+
+
+def _text_only_tokenizer_json(tokenizer: Any) -> str:
+    """The tokenizer as llguidance reads it (what `llguidance.hf.from_tokenizer` would serialize),
+    except that no text tokenizes into a control token.
+
+    Why: where the grammar forces bytes (a `const`, an `enum` value, a property name),
+    llguidance tokenizes them with this tokenizer, which (as a Hugging Face tokenizer does)
+    parses a control token's text into the token itself. A schema's `"<|im_end|>"` then became
+    the control token, which the grammar does not allow as text, and the request failed. Here
+    each control token (`engine.chat_prompt.control_tokens`: the rule that user text never
+    becomes one) is renamed, in the added tokens and the model's vocabulary, to a text that no
+    JSON output holds; ids stay, special tokens stay special (EOS is allowed by id), so the
+    forced text is generated as plain text, as any other text is."""
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise ValueError("only fast (Rust) tokenizers are supported")
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    data = json.loads(backend.to_str())
+    renamed = {text: CONTROL_TEXT_PREFIX + text for text in control_tokens(tokenizer)}
+    for token in data["added_tokens"]:
+        token["content"] = renamed.get(token["content"], token["content"])
+    vocab = data["model"].get("vocab")
+    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: text -> id
+        data["model"]["vocab"] = {renamed.get(text, text): i for text, i in vocab.items()}
+    elif isinstance(vocab, list):  # Unigram: [text, score] by id
+        data["model"]["vocab"] = [[renamed.get(text, text), score] for text, score in vocab]
+    return json.dumps(data)

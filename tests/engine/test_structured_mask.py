@@ -4,17 +4,22 @@ grammar are left alone, and a structured output crosses the engine channel uncha
 from __future__ import annotations
 
 import json
+import random
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+from loramux.engine.chat_prompt import control_tokens
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.service.wire import Generate, decode_to_engine, encode, error_from, failure
 from loramux.engine.structured import StructuredOutput, StructuredOutputError
-from loramux.engine.structured.grammar import GrammarCompiler
+from loramux.engine.structured.grammar import GrammarCompiler, GrammarMatcher
 from loramux.engine.structured.mask import GrammarBitmask, apply_token_mask_
 from loramux.engine.structured.schema import json_depth
+from tests.engine.chat_families import BUILDERS, family_tokenizer
 
 
 def _reference(logits: torch.Tensor, words: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -58,6 +63,41 @@ def test_compiled_grammars_are_cached_by_schema_text(demo_model_dir: object) -> 
     assert first.accept(tokenizer.encode("{")[0]) and second.ll.is_accepting() is False
     assert not first.accept(tokenizer.encode("x")[0]), "a token the grammar forbids fails it"
     assert first.error
+
+
+def _allowed(matcher: GrammarMatcher, vocab_size: int) -> list[int]:
+    words = torch.frombuffer(bytearray(matcher.ll.compute_bitmask()), dtype=torch.int32)
+    bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return [t for t in bits.flatten().nonzero().flatten().tolist() if t < vocab_size]
+
+
+@pytest.mark.parametrize("family", ["demo", *BUILDERS])
+def test_a_literal_holding_control_token_text_is_generated_as_text(
+    family: str, tokenizer: Any, tmp_path: Path
+) -> None:
+    """A `const` (or a property name) that holds a control token's text forces that text, and
+    the grammar allows it only as plain text: no control token is ever allowed before the value
+    is complete, and any walk through the masks spells the literal. The bug: the grammar
+    library tokenized forced text with the model's tokenizer, which parses control-token text
+    into the control token, so it allowed that token, then failed the request on it (500)."""
+    tok = tokenizer if family == "demo" else family_tokenizer(family, tmp_path)
+    control = control_tokens(tok)
+    eos = [tok.eos_token_id]
+    compiler = GrammarCompiler(tok, len(tok), eos)
+    rng = random.Random(3)
+    for text in control:
+        for value in ({"const": f"a{text}b"}, {"const": text}, {"enum": [text, "x"]}):
+            schema = {"type": "object", "properties": {text: value}, "required": [text]}
+            schema["additionalProperties"] = False
+            matcher = compiler.compile(
+                StructuredOutput("json_schema", json.dumps(schema))
+            ).matcher()
+            ids: list[int] = []
+            while (allowed := _allowed(matcher, len(tok))) != eos:
+                assert not set(allowed) & set(control.values()), (text, allowed)
+                ids.append(rng.choice(allowed))
+                assert matcher.accept(ids[-1]), matcher.error
+            assert json.loads(tok.decode(ids))[text] in (f"a{text}b", text, "x")
 
 
 def test_json_depth_counts_brackets_outside_strings_only() -> None:

@@ -211,3 +211,22 @@ def test_every_choice_of_a_constrained_request_answers(api: httpx.Client) -> Non
     for c in choices:
         assert c["finish_reason"] == "stop", c
         jsonschema.validate(json.loads(c["message"]["content"]), schema)
+
+
+def test_a_literal_holding_control_token_text_is_answered_as_text(api: httpx.Client) -> None:
+    """A `const` holding the text of the chat template's own control token is generated as
+    that text (user text never becomes a control token). The bug: the grammar library turned
+    the text into the control token and the request failed with 500 request_failed."""
+    r = api.post(
+        "/chat/completions",
+        json={
+            "model": "demo-model",
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": strict("control", {"const": "<|im_end|>"}),
+            "max_tokens": 20,
+        },
+        headers={"cache-control": "no-store"},
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == ('"<|im_end|>"', "stop")
