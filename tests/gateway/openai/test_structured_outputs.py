@@ -128,6 +128,25 @@ def test_an_uncompilable_schema_is_a_400_and_nothing_is_queued(
 ENUM = {"enum": ["ab", "cd"]}
 
 
+def constrained(
+    api: httpx.Client, schema: dict[str, Any], path: str = "/chat/completions", **body: Any
+) -> Any:
+    """The 200 response's body of a request for `schema`'s output, with `body`'s parameters
+    (a chat request unless `path` says otherwise)."""
+    prompt: dict[str, Any] = (
+        {"messages": [{"role": "user", "content": "hi"}]}
+        if path == "/chat/completions"
+        else {"prompt": "hi"}
+    )
+    r = api.post(
+        path,
+        json={"model": "demo-model", "response_format": strict("s", schema), **prompt, **body},
+        headers={"cache-control": "no-store"},
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def test_top_logprobs_of_a_constrained_output_list_only_tokens_the_grammar_allows(
     api: httpx.Client,
 ) -> None:
@@ -136,22 +155,9 @@ def test_top_logprobs_of_a_constrained_output_list_only_tokens_the_grammar_allow
     (each continues the text so far towards one of the enum's values), so fewer than asked.
     The bug: masked tokens (logprob -inf) filled the top list and were sent as
     `"logprob": null`, which OpenAI's schema refuses."""
-    r = api.post(
-        "/chat/completions",
-        json={
-            "model": "demo-model",
-            "messages": [{"role": "user", "content": "hi"}],
-            "response_format": strict("enum", ENUM),
-            "logprobs": True,
-            "top_logprobs": 5,
-            "temperature": 0,
-            "max_tokens": 20,
-        },
-        headers={"cache-control": "no-store"},
-    )
-    assert r.status_code == 200, r.text
-    assert_valid(CHAT, r.json())
-    choice = r.json()["choices"][0]
+    body = constrained(api, ENUM, logprobs=True, top_logprobs=5, temperature=0, max_tokens=20)
+    assert_valid(CHAT, body)
+    choice = body["choices"][0]
     assert json.loads(choice["message"]["content"]) in ENUM["enum"]
     values = [json.dumps(v) for v in ENUM["enum"]]
     text = ""
@@ -169,21 +175,9 @@ def test_legacy_completion_top_logprobs_of_a_constrained_output_are_numbers(
 ) -> None:
     """The legacy format's top logprobs (a map from text to number) hold only the tokens the
     grammar allowed, each with a finite logprob. The bug: masked tokens were listed as null."""
-    r = api.post(
-        "/completions",
-        json={
-            "model": "demo-model",
-            "prompt": "hi",
-            "response_format": strict("enum", ENUM),
-            "logprobs": 5,
-            "temperature": 0,
-            "max_tokens": 20,
-        },
-        headers={"cache-control": "no-store"},
-    )
-    assert r.status_code == 200, r.text
-    assert_valid(COMPLETION, r.json())
-    tops = r.json()["choices"][0]["logprobs"]["top_logprobs"]
+    body = constrained(api, ENUM, "/completions", logprobs=5, temperature=0, max_tokens=20)
+    assert_valid(COMPLETION, body)
+    tops = body["choices"][0]["logprobs"]["top_logprobs"]
     assert tops and all(top and all(math.isfinite(v) for v in top.values()) for top in tops)
 
 
@@ -192,21 +186,8 @@ def test_every_choice_of_a_constrained_request_answers(api: httpx.Client) -> Non
     three validate. The bug: the forked choices were masked by the wrong rows, and the request
     failed with 500 request_failed."""
     schema = SCHEMAS["enums"]
-    r = api.post(
-        "/chat/completions",
-        json={
-            "model": "demo-model",
-            "messages": [{"role": "user", "content": "hi"}],
-            "response_format": strict("enums", schema),
-            "n": 3,
-            "temperature": 1.0,
-            "seed": 2,
-            "max_tokens": 200,
-        },
-        headers={"cache-control": "no-store"},
-    )
-    assert r.status_code == 200, r.text
-    choices = r.json()["choices"]
+    body = constrained(api, schema, n=3, temperature=1.0, seed=2, max_tokens=200)
+    choices = body["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2]
     for c in choices:
         assert c["finish_reason"] == "stop", c
@@ -217,16 +198,5 @@ def test_a_literal_holding_control_token_text_is_answered_as_text(api: httpx.Cli
     """A `const` holding the text of the chat template's own control token is generated as
     that text (user text never becomes a control token). The bug: the grammar library turned
     the text into the control token and the request failed with 500 request_failed."""
-    r = api.post(
-        "/chat/completions",
-        json={
-            "model": "demo-model",
-            "messages": [{"role": "user", "content": "hi"}],
-            "response_format": strict("control", {"const": "<|im_end|>"}),
-            "max_tokens": 20,
-        },
-        headers={"cache-control": "no-store"},
-    )
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
+    choice = constrained(api, {"const": "<|im_end|>"}, max_tokens=20)["choices"][0]
     assert (choice["message"]["content"], choice["finish_reason"]) == ('"<|im_end|>"', "stop")
