@@ -12,9 +12,10 @@ either way, and the request asks it not to call.
 Each tool's `parameters` is a schema of its own: its local `$ref`s ("#/$defs/X", as Pydantic
 writes them; "#/properties/a"; "#") point into it, not into the wrapper built around it. So
 they are rewritten to the place the parameters take in the wrapper ("#/$defs/X" under a named
-function becomes "#/properties/arguments/$defs/X"), and resolve as they would standalone. Other
-references (another document, an anchor) are left as written: if the grammar library cannot
-resolve them, the request is refused (400) like any schema it cannot compile.
+function becomes "#/properties/arguments/$defs/X"), and resolve as they would standalone. Those
+under an `$id` already do, and other references (another document, an anchor) are left as
+written: if the grammar library cannot resolve them, the request is refused (400) like any
+schema it cannot compile.
 """
 
 from __future__ import annotations
@@ -78,10 +79,11 @@ SCHEMA_MAPS = frozenset(
 def _moved_refs(schema: Any, at: str) -> Any:
     """A copy of `schema` (a schema, or a list of them) as it reads at JSON pointer `at` of a
     larger schema: each local JSON-pointer `$ref` ("#", "#/...") gets `at` put in front of its
-    pointer. Data (`const`, `enum`, ...) is copied as it is."""
+    pointer. Data (`const`, `enum`, ...) is copied as it is, and so is a schema with an `$id`:
+    the references in it resolve against it, wherever it is."""
     if isinstance(schema, list):
         return [_moved_refs(item, at) for item in schema]
-    if not isinstance(schema, dict):
+    if not isinstance(schema, dict) or "$id" in schema:
         return schema
     moved: dict[str, Any] = {}
     for key, value in schema.items():

@@ -159,6 +159,21 @@ def test_references_in_parameters_resolve_as_in_the_parameters_alone(
     assert check_error(StructuredOutput("json_schema", schema)) is None
 
 
+def test_references_under_an_id_resolve_against_it() -> None:
+    """Parameters with an `$id` are a resource of their own: their references already resolve
+    against them inside the call's schema, and are left as written."""
+    parameters = REFERRING | {"$id": "https://example.com/referring"}
+    tools = msgspec.convert(
+        [{"type": "function", "function": {"name": "f", "parameters": parameters}}], list[Tool]
+    )
+    schema = forced_call_schema(tools, NamedToolChoice("function", NamedFunction("f")), True)
+    assert json.loads(schema or "")["properties"]["arguments"] == parameters
+    v = validator(schema)
+    for arguments, valid in REFERRING_ARGUMENTS:
+        assert v.is_valid({"name": "f", "arguments": arguments}) is valid, arguments
+    assert check_error(StructuredOutput("json_schema", schema or "")) is None
+
+
 def test_a_reference_the_parameters_cannot_resolve_stays_unresolvable() -> None:
     """A reference to nothing in the parameters is not made to point into the call's schema:
     the grammar library refuses it (the gateway's 400)."""
