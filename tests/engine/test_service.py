@@ -21,6 +21,7 @@ from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.service import serve_engine_in_thread
 from loramux.engine.service.runner import RunningEngineService
+from loramux.engine.service.server import MAX_MESSAGE_MB
 from loramux.engine.service.wire import (
     WIRE_VERSION,
     Abort,
@@ -111,6 +112,7 @@ def test_info_stats_and_metrics(gateway: Gateway, service: RunningEngineService)
         "max_model_len": 512,
         "vocab_size": 4096,
         "wire": WIRE_VERSION,
+        "max_message_bytes": MAX_MESSAGE_MB << 20,  # a gateway sizes adapter uploads by it
     }
     stats = wait_idle(gateway)
     assert stats["kv_blocks_total"] == stats["kv_blocks_free"] + stats["kv_blocks_used"] > 0
