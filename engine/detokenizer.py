@@ -100,17 +100,17 @@ def _failure_table(stop: str) -> tuple[int, ...]:
     return tuple(fail)
 
 
-MAX_HELD_TOKENS = 4
-"""Tokens held back while their text ends in an incomplete character. An incomplete UTF-8
-character has at most 3 bytes, and a token holds at least one (skipped special tokens aside),
-so it lies within the last 3 tokens: once more than 4 are held, the text of all but the last 3
-is taken as it decodes (U+FFFD for its invalid bytes, as the whole output's decode shows them)
-and only those 3 stay held. This bounds each decode's window, so detokenizing costs time
-linear in the tokens, whatever they are. (A character split by tokens that add no bytes, such
-as skipped special tokens, can then show as replacement characters where the whole output's
-decode would join it.)"""
+MAX_HELD_TOKENS = 16
+"""Tokens held back while their text ends in an incomplete character. Valid text held this
+long needs 16 tokens in a row that each end inside a character (byte-level merges that straddle
+characters), which real text does not produce; lone lead bytes that a tenant forces (logit_bias)
+do. Past it, the text of all but the last 1-3 tokens is taken as it decodes: up to the last
+token boundary that ends a character if one of them does, else with U+FFFD for the invalid
+bytes, as the whole output's decode shows them (an incomplete UTF-8 character has at most 3
+bytes, and a token holds at least one, skipped special tokens aside). This bounds each decode's
+window, so detokenizing costs time linear in the tokens, whatever they are."""
 INCOMPLETE_TAIL_TOKENS = 3
-"""Tokens that may still hold the start of an incomplete character: they stay held."""
+"""Tokens that may still hold the start of an incomplete character."""
 
 
 @dataclass
@@ -143,7 +143,7 @@ class IncrementalDetokenizer:
 
     def _decode(self, final: bool = False) -> None:
         """Append the text the tokens so far add: none while a character is incomplete, unless
-        more than MAX_HELD_TOKENS are held (then all but the last 3's) or `final`
+        more than MAX_HELD_TOKENS are held (then all but the last 1-3 tokens') or `final`
         (then all of it, incomplete bytes as U+FFFD)."""
         window = self.token_ids[self.prefix_offset :]
         context = self.tokenizer.decode(
@@ -153,9 +153,12 @@ class IncrementalDetokenizer:
         if final or (len(full) > len(context) and not full.endswith("\ufffd")):
             self._read(full[len(context) :], len(self.token_ids))
         elif len(self.token_ids) - self.read_offset > MAX_HELD_TOKENS:
-            settled = window[:-INCOMPLETE_TAIL_TOKENS]
-            text = self.tokenizer.decode(settled, skip_special_tokens=True)
-            self._read(text[len(context) :], self.prefix_offset + len(settled))
+            for held in range(1, INCOMPLETE_TAIL_TOKENS + 1):
+                settled = window[:-held]
+                text = self.tokenizer.decode(settled, skip_special_tokens=True)
+                if not text.endswith("\ufffd") or held == INCOMPLETE_TAIL_TOKENS:
+                    self._read(text[len(context) :], self.prefix_offset + len(settled))
+                    return
 
     def _read(self, text: str, read_offset: int) -> None:
         """Take `text` as the text of the tokens up to `read_offset`; they become the next
