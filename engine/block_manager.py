@@ -109,6 +109,10 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached_free = 0
+        """Free blocks that carry a hash (findable in the prefix cache), counted as they change:
+        `stats` is read off the step thread, and iterating `_free` there raised when the step
+        thread changed it meanwhile (and cost a pass over the pool per scrape)."""
         self._by_hash: dict[PrefixHash, int] = {}
         # Hash of each sequence's sealed blocks, so sealing stays O(new blocks).
         self._seq_hashes: dict[Sequence, list[PrefixHash]] = {}
@@ -119,9 +123,8 @@ class BlockManager:
         return len(self._free)
 
     def stats(self) -> BlockStats:
-        cached = sum(1 for i in self._free if self.blocks[i].hash is not None)
         free = len(self._free)
-        return BlockStats(len(self.blocks), len(self.blocks) - free, free, cached)
+        return BlockStats(len(self.blocks), len(self.blocks) - free, free, self._cached_free)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -162,6 +165,7 @@ class BlockManager:
             assert block.hash == h, "the pool changed between can_allocate and allocate"
             if block.ref_count == 0:
                 del self._free[block_id]
+                self._cached_free -= 1  # a prefix block carries its hash
             block.ref_count += 1
         seq.block_table = list(allocation.prefix.block_ids)
         self._seq_hashes[seq] = list(allocation.prefix.hashes)
@@ -214,6 +218,7 @@ class BlockManager:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:  # evict: this prefix is no longer findable
+            self._cached_free -= 1
             if self._by_hash.get(block.hash) == block_id:
                 del self._by_hash[block.hash]
             block.hash, block.token_ids = None, ()
@@ -246,6 +251,8 @@ class BlockManager:
                 self._free[block_id] = None
                 if block.hash is None:
                     self._free.move_to_end(block_id, last=False)
+                else:
+                    self._cached_free += 1
         seq.block_table = []
         seq.num_computed_tokens = 0
         self._seq_hashes.pop(seq, None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from loramux.engine.block_manager import BlockManager, prefix_root
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.sequence import Sequence
@@ -168,3 +170,27 @@ def test_a_fork_that_must_copy_needs_a_free_block() -> None:
     child = _seq("r", list(parent.token_ids))
     bm.fork(parent, child)
     assert not bm.can_append(child, 1), "the copy of the shared block needs a free one"
+
+
+def test_the_cached_free_count_follows_every_allocation_eviction_and_free() -> None:
+    """`stats` keeps the number of free blocks that carry a hash as they change, instead of
+    counting them by a pass over the free list: read off the step thread, that pass raised
+    when the step thread changed the list meanwhile (tests/engine/test_metrics.py).
+    Under shared prefixes, evictions and frees, the count is the pass's at every step."""
+    rng = random.Random(7)
+    pool = BlockManager(num_blocks=24, block_size=4)
+    live: list[Sequence] = []
+    for step in range(400):
+        if live and (rng.random() < 0.4 or pool.num_free_blocks < 6):
+            pool.free(live.pop(rng.randrange(len(live))))
+        else:
+            prompt = [1, 2, 3, 4, 5, 6, 7, 8][: rng.randint(1, 8)] + [rng.randint(9, 12)] * 5
+            seq = Sequence(f"s{step}", prompt, SamplingParams())
+            allocation = pool.can_allocate(seq, token_budget=64)
+            if allocation is not None:
+                pool.allocate(seq, allocation)
+                pool.seal_full_blocks(seq, len(prompt))
+                live.append(seq)
+        counted = sum(1 for i in pool._free if pool.blocks[i].hash is not None)
+        assert pool.stats().cached_free == counted, step
+    assert pool.stats().cached_free > 0
