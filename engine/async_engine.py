@@ -29,7 +29,7 @@ from loramux.engine.errors import (
     InvalidRequestError,
     RequestFailedError,
 )
-from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.llm_engine import Checked, LLMEngine
 from loramux.engine.lora.stats import AdapterStats
 from loramux.engine.outputs import EngineRequest, EngineStats, RequestOutput
 from loramux.engine.sequence import FinishReason
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class _Add:
     request: EngineRequest
-    prompt_ids: list[int]
+    checked: Checked
 
 
 @dataclass(frozen=True)
@@ -112,11 +112,11 @@ class AsyncEngine:
         """Validate (raising before anything is queued), then yield the request's deltas."""
         self._check_running()
         if request.params.structured is None:
-            prompt_ids = self.engine.validate(request)
+            checked = self.engine.checked(request)
         else:
-            # Compiling a grammar takes up to tens of milliseconds (bounded, see
-            # engine.structured.grammar): not on the event loop, nor on the step thread.
-            prompt_ids = await asyncio.to_thread(self.engine.validate, request)
+            # Compiling a grammar takes up to seconds (large schemas): not on the event loop,
+            # nor on the step thread, which gets the compiled grammar with the request.
+            checked = await asyncio.to_thread(self.engine.checked, request)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             # Under the lock the step loop takes to fail every stream: none is left behind.
@@ -130,7 +130,7 @@ class AsyncEngine:
                 raise EngineOverloadedError("the engine queue is full; retry later")
             self._streams[request.request_id] = stream
         self.start()
-        self._commands.put(_Add(request, prompt_ids))
+        self._commands.put(_Add(request, checked))
         finished = False
         try:
             while not finished:
@@ -195,7 +195,7 @@ class AsyncEngine:
         if stream is None:
             return  # consumer already gone
         try:
-            self.engine.add_request(cmd.request, cmd.prompt_ids)
+            self.engine.add_request(cmd.request, checked=cmd.checked)
         except EngineError as exc:
             log.info("request %s refused when queued: %s", cmd.request.request_id, exc)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)

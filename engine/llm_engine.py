@@ -23,7 +23,7 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import AutoTokenizer
@@ -66,6 +66,16 @@ NON_FINITE_LOGITS = (
     "an adapter with out-of-range weights does this"
 )
 STEP_FAILED = "the engine failed while computing this request; the error is in the engine's log"
+
+
+class Checked(NamedTuple):
+    """A request as `LLMEngine.checked` finds it: its prompt's ids, and its structured output
+    compiled (None without one)."""
+
+    prompt_ids: list[int]
+    grammar: CompiledGrammar | None
+
+
 GRAMMAR_FAILED = "the structured output's grammar could not follow this request's tokens"
 
 
@@ -177,9 +187,13 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> list[int]:
-        """Token ids of the request's prompt; raises InvalidRequestError and queues nothing.
-        Compiles (and caches) the request's structured output, if any: call it off the step
-        thread (the async facade does), and `add_request` finds the grammar compiled."""
+        """Token ids of the request's prompt; raises InvalidRequestError and queues nothing."""
+        return self.checked(request).prompt_ids
+
+    def checked(self, request: EngineRequest) -> Checked:
+        """The request's prompt ids and compiled structured output, if any; raises
+        InvalidRequestError and queues nothing. Compiling takes time: call it off the step
+        thread (the async facade does) and hand both to `add_request`."""
         if request.adapter is not None and (
             self.lora is None or not self.lora.is_servable(request.adapter)
         ):
@@ -193,8 +207,7 @@ class LLMEngine:
         ids = prompt_token_ids(
             self.tokenizer, request, self.model_config.vocab_size, self.max_model_len
         )
-        self._compiled_grammar(request)
-        return ids
+        return Checked(ids, self._compiled_grammar(request))
 
     def _compiled_grammar(self, request: EngineRequest) -> CompiledGrammar | None:
         """The request's structured output compiled (cached after the first time); raises
@@ -220,13 +233,23 @@ class LLMEngine:
                 f"n must be at most {self.config.max_num_seqs} on this engine (max_num_seqs)"
             )
 
-    def add_request(self, request: EngineRequest, prompt_ids: list[int] | None = None) -> None:
-        """Queue a request (`prompt_ids`: what `validate` returned for it). Raises before
-        changing anything when it cannot be queued."""
+    def add_request(
+        self,
+        request: EngineRequest,
+        prompt_ids: list[int] | None = None,
+        *,
+        checked: Checked | None = None,
+    ) -> None:
+        """Queue a request, given what `checked` returned for it (or its `prompt_ids` alone).
+        Raises before changing anything when it cannot be queued. Given `checked`, nothing is
+        compiled here, on the step thread: a grammar `checked` compiled may have left the
+        compiler's cache since (other requests' schemas), and compiling it again here stalled
+        every request's steps (a large schema: seconds)."""
         if self.outputs.open_choices(request.request_id):
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
-        ids = prompt_ids if prompt_ids is not None else self.validate(request)
-        compiled = self._compiled_grammar(request)
+        if checked is None and prompt_ids is not None:
+            checked = Checked(prompt_ids, self._compiled_grammar(request))
+        ids, compiled = checked if checked is not None else self.checked(request)
         params = request.params
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.eos_ids

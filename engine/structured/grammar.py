@@ -118,6 +118,11 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return compiled
 
+    def cached(self, spec: StructuredOutput) -> bool:
+        """Whether `spec`'s grammar is in the cache (`compile` would not compile it)."""
+        with self._lock:
+            return spec.cache_key in self._cache
+
     def _matcher(self, grammar: str) -> llguidance.LLMatcher:
         try:
             return self._checked_matcher(grammar)
