@@ -1,5 +1,5 @@
 """Word lists of the strict verifier (English): what carries no meaning of its own in a question,
-what negates, what counts, and what means the opposite.
+what negates, what counts, and what means the opposite; and the stemmer they are compared under.
 
 General-purpose English lists (function words, question phrasing, common opposites), not the
 benchmark's pairs; the verifier is conservative with them: when unsure it refuses the hit.
@@ -10,6 +10,20 @@ from __future__ import annotations
 
 def _words(text: str) -> list[str]:
     return text.split()
+
+
+def stem(word: str) -> str:
+    """A crude suffix stripper: enough to equate "closes", "closed", "closing" and "close"."""
+    for suffix, replacement in (("ies", "y"), ("ied", "y"), ("ing", ""), ("ed", ""), ("es", "")):
+        if word.endswith(suffix) and len(word) - len(suffix) >= 3:
+            word = word[: -len(suffix)] + replacement
+            break
+    else:
+        if word.endswith("s") and not word.endswith(("ss", "us", "is")) and len(word) > 3:
+            word = word[:-1]
+    if word.endswith("e") and len(word) > 3:
+        word = word[:-1]
+    return word
 
 
 STOPWORDS = frozenset(
@@ -154,7 +168,7 @@ OPPOSITES = [
         )
     ),
 ]
-"""Pairs that mean opposite things; compared after stemming (`verifier.stem`)."""
+"""Pairs that mean opposite things; compared after stemming (`stem`)."""
 
 OPPOSITE_PREFIX_PAIRS = (("up", "down"), ("in", "out"), ("over", "under"), ("pre", "post"))
 """`upload` / `download`, `inbound` / `outbound`: the same word after each prefix of a pair."""

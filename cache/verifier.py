@@ -5,6 +5,8 @@ Embedding similarity is blind to exactly what changes an answer: "convert 10 mil
 with all-MiniLM-L6-v2. The verifier compares the two questions' words instead, in this order,
 and names the first check that fails:
 
+- `length`: either has more than `MAX_CONTENT_WORDS` content words: such a question is not
+  compared (the checks below cost up to the square of its words), and never hits;
 - `number`: the multisets of numbers (digits and number words, "15%" = "15 percent") differ;
 - `negation`: one negates more often than the other ("not", "never", "without", "n't", …);
 - `entity`: a capitalized word of one (a name, not a sentence's first word) is absent from the
@@ -12,7 +14,8 @@ and names the first check that fails:
 - `unit`: the units and periods differ ("per month" / "per year", "Celsius" / "Fahrenheit";
   "annual" = "yearly");
 - `antonym`: a word only one has is the opposite of a word only the other has ("increase" /
-  "decrease", "install" / "uninstall", "zoom in" / "zoom out");
+  "decrease", "install" / "uninstall", "zoom in" / "zoom out";
+  `cache.opposites`);
 - `wording`: a content word of one has no counterpart in the other — neither the same word nor,
   when word vectors are given, a word at least `word_threshold` similar ("annual" meets
   "yearly", "modify" meets "change"; an added qualifier such as "international" meets nothing);
@@ -43,14 +46,13 @@ from loramux.cache.lexicon import (
     FRAME_WORDS,
     NEGATIONS,
     NUMBER_WORDS,
-    OPPOSITE_PREFIX_PAIRS,
-    OPPOSITE_PREFIXES,
-    OPPOSITES,
     RELATION_WORDS,
     STOPWORDS,
     SYMBOLS,
     UNITS,
+    stem,
 )
+from loramux.cache.opposites import has_opposites
 
 _WORD = re.compile(r"[^\W\d_]+|\d+(?:\.\d+)?|[%$€£+]|[,;:]")
 _CASED_WORD = re.compile(r"[^\W\d_]+")
@@ -63,15 +65,22 @@ WordSimilarity = Callable[[Sequence[str], Sequence[str]], npt.NDArray[np.float32
 
 DEFAULT_WORD_THRESHOLD = 0.5
 
+MAX_CONTENT_WORDS = 64
+"""Questions with more content words are refused unverified (`length`). The labelled questions
+have at most 8; the relation check compares up to n(n-1)/2 pairs of them, in constant time each."""
+
 
 @dataclass(frozen=True)
 class Verdict:
     accepted: bool
     reason: str
-    """"ok", or the first failed check: number, negation, entity, unit, antonym, wording,
-    relation."""
+    """"ok", or the first failed check: length, number, negation, entity, unit, antonym,
+    wording, relation."""
     substitutions: tuple[float, ...] = ()
     """Similarities of the content words matched to a different word (on acceptance)."""
+    compared: int = 0
+    """Pairs of matched words the relation check compared: the work that grows fastest with the
+    question, at most `MAX_CONTENT_WORDS`² / 2."""
 
 
 @dataclass(frozen=True)
@@ -98,42 +107,6 @@ class Question:
     """Stems in order with clause breaks (",", ";", ":") kept: what `relation` reads."""
 
 
-def stem(word: str) -> str:
-    """A crude suffix stripper: enough to equate "closes", "closed", "closing" and "close"."""
-    for suffix, replacement in (("ies", "y"), ("ied", "y"), ("ing", ""), ("ed", ""), ("es", "")):
-        if word.endswith(suffix) and len(word) - len(suffix) >= 3:
-            word = word[: -len(suffix)] + replacement
-            break
-    else:
-        if word.endswith("s") and not word.endswith(("ss", "us", "is")) and len(word) > 3:
-            word = word[:-1]
-    if word.endswith("e") and len(word) > 3:
-        word = word[:-1]
-    return word
-
-
-@functools.cache
-def _opposites() -> frozenset[tuple[str, str]]:
-    pairs = {(stem(a), stem(b)) for a, b in OPPOSITES}
-    return frozenset(pairs | {(b, a) for a, b in pairs})
-
-
-def _are_opposite(a: str, b: str) -> bool:
-    """Listed opposites (also as adverbs: "slowly" / "fast"), a word and its negating prefix
-    ("install" / "uninstall"), or one word after opposite prefixes ("upload" / "download")."""
-    a, b = (w.removesuffix("ly") if len(w) > 5 else w for w in (a, b))
-    if (a, b) in _opposites():
-        return True
-    longer, shorter = (a, b) if len(a) > len(b) else (b, a)
-    if len(shorter) >= 3 and any(longer == p + shorter for p in OPPOSITE_PREFIXES):
-        return True
-    return any(
-        a.startswith(x) and b.startswith(y) and a[len(x) :] == b[len(y) :] and len(a) - len(x) >= 3
-        for p in OPPOSITE_PREFIX_PAIRS
-        for x, y in (p, p[::-1])
-    )
-
-
 def _lower_words(text: str) -> list[str]:
     """Words, numbers, symbols and clause breaks, lower-cased and contractions expanded."""
     text = _THOUSANDS.sub("", text.lower().replace("’", "'"))
@@ -146,8 +119,10 @@ def _entities(text: str) -> frozenset[str]:
     found = set()
     for match in _CASED_WORD.finditer(text):
         word = match.group()
-        before = text[: match.start()].rstrip()
-        initial = not before or before[-1] in _SENTENCE_END
+        before = match.start() - 1
+        while before >= 0 and text[before].isspace():
+            before -= 1
+        initial = before < 0 or text[before] in _SENTENCE_END
         capitals = sum(c.isupper() for c in word)
         if word == "I" or capitals == 0 or (initial and capitals == 1 and word[0].isupper()):
             continue
@@ -213,6 +188,8 @@ def verify(
     """Whether the cached answer to `candidate` answers `query` (see the module docstring).
     Without `similarity`, a content word matches only the same word."""
     a, b = parse(query), parse(candidate)
+    if max(len(a.content), len(b.content)) > MAX_CONTENT_WORDS:
+        return Verdict(False, "length")
     if a.numbers != b.numbers:
         return Verdict(False, "number")
     if a.negations != b.negations:
@@ -221,14 +198,16 @@ def verify(
         return Verdict(False, "entity")
     if a.units != b.units:
         return Verdict(False, "unit")
-    if _has_opposites(a, b):
+    if has_opposites(Counter(a.tokens) - Counter(b.tokens), Counter(b.tokens) - Counter(a.tokens)):
         return Verdict(False, "antonym")
     matches = align(a, b, similarity, word_threshold)
     if len(matches) != len(a.content) or len(matches) != len(b.content):
         return Verdict(False, "wording")
-    if _relation_reversed(a, b, matches):
-        return Verdict(False, "relation")
-    return Verdict(True, "ok", tuple(sorted(s for s in matches.values() if s < 1.0)))
+    reversed_, compared = _relation_reversed(a, b, matches)
+    if reversed_:
+        return Verdict(False, "relation", compared=compared)
+    substitutions = tuple(sorted(s for s in matches.values() if s < 1.0))
+    return Verdict(True, "ok", substitutions, compared)
 
 
 def align(
@@ -256,25 +235,59 @@ def align(
     return matches
 
 
-def _relation_reversed(a: Question, b: Question, matches: dict[tuple[int, int], float]) -> bool:
+def _relation_reversed(
+    a: Question, b: Question, matches: dict[tuple[int, int], float]
+) -> tuple[bool, int]:
     """Two matched words in the opposite order, with the same relation between them in both
-    questions: a relation word, or a third matched word, in both spans, and no clause break."""
+    questions: a relation word, or a third matched word, in both spans, and no clause break;
+    and how many pairs of matched words were compared.
+
+    Each pair costs constant time: what a span holds is read from running counts, and the
+    matched words between the two (in `a`) are gathered as the second word moves right."""
     pairs = sorted(matches, key=lambda m: a.places[m[0]])
-    partner = dict(pairs)
+    relations = sorted(RELATION_WORDS & set(a.sequence) & set(b.sequence))
+    count_a = _running_counts(a.sequence, relations)
+    count_b = _running_counts(b.sequence, relations)
+    compared = 0
     for n, (i1, j1) in enumerate(pairs):
+        start_a, end_b = a.places[i1] + 1, b.places[j1]
+        inside = -1  # the rightmost b place, left of `end_b`, of a matched word passed in `a`
         for i2, j2 in pairs[n + 1 :]:
-            if b.places[j1] < b.places[j2]:
-                continue
-            span_a = a.sequence[a.places[i1] + 1 : a.places[i2]]
-            span_b = b.sequence[b.places[j2] + 1 : b.places[j1]]
-            if _CLAUSE_BREAK & (set(span_a) | set(span_b)):
-                continue
-            bridge = {w for w in span_a if w in RELATION_WORDS} & set(span_b)
-            inside_a = {i for i, _ in pairs if a.places[i1] < a.places[i] < a.places[i2]}
-            bridged = any(b.places[j2] < b.places[partner[i]] < b.places[j1] for i in inside_a)
-            if bridge or bridged:
-                return True
-    return False
+            compared += 1
+            end_a, start_b = a.places[i2], b.places[j2] + 1
+            if _holds(count_a, _CLAUSE, start_a, end_a):
+                break  # every later span of `a` holds this clause break too
+            if start_b <= end_b and not _holds(count_b, _CLAUSE, start_b, end_b):
+                bridge = any(
+                    _holds(count_a, w, start_a, end_a) and _holds(count_b, w, start_b, end_b)
+                    for w in relations
+                )
+                if bridge or inside >= start_b:
+                    return True, compared
+            if b.places[j2] < end_b:
+                inside = max(inside, b.places[j2])
+    return False, compared
+
+
+_CLAUSE = "<clause>"
+"""The running count of any clause break (`_CLAUSE_BREAK`)."""
+
+
+def _running_counts(sequence: Sequence[str], words: Sequence[str]) -> dict[str, list[int]]:
+    """For `_CLAUSE` and each of `words`: how many of `sequence[:k]` it is, for every k."""
+    counts: dict[str, list[int]] = {}
+    for word in (_CLAUSE, *words):
+        running, total = [0], 0
+        for w in sequence:
+            total += w in _CLAUSE_BREAK if word == _CLAUSE else w == word
+            running.append(total)
+        counts[word] = running
+    return counts
+
+
+def _holds(counts: dict[str, list[int]], word: str, start: int, end: int) -> bool:
+    """Whether `word` occurs in `sequence[start:end]` (`_running_counts`)."""
+    return end > start and counts[word][end] > counts[word][start]
 
 
 def _entities_match(a: Question, b: Question) -> bool:
@@ -283,9 +296,3 @@ def _entities_match(a: Question, b: Question) -> bool:
     return all(stem(e) in b_words for e in a.entities) and all(
         stem(e) in a_words for e in b.entities
     )
-
-
-def _has_opposites(a: Question, b: Question) -> bool:
-    only_a = Counter(a.tokens) - Counter(b.tokens)
-    only_b = Counter(b.tokens) - Counter(a.tokens)
-    return any(_are_opposite(x, y) for x in only_a for y in only_b)

@@ -3,10 +3,13 @@ refuses a close but different question."""
 
 from __future__ import annotations
 
+import string
+
 import pytest
 
 from loramux.cache.embedder import Embedder
-from loramux.cache.verifier import parse, stem, verify
+from loramux.cache.lexicon import FRAME_WORDS, NEGATIONS, NUMBER_WORDS, STOPWORDS, UNITS
+from loramux.cache.verifier import MAX_CONTENT_WORDS, parse, stem, verify
 
 SAME = [
     ("How do I reset my password?", "How can I reset my password"),
@@ -123,3 +126,38 @@ def test_a_synonym_is_matched_only_through_word_vectors(embedder: Embedder) -> N
 def test_hostile_text_is_parsed_without_error(embedder: Embedder) -> None:
     for text in ["", "   ", "?!?", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 " * 50, "<|im_start|>system", "9" * 400, "\x00\udcff"]:
         verify(text, "What is the capital of France?", embedder.words.similarity)
+
+
+def _two_letter_words(n: int) -> list[str]:
+    """`n` distinct content words ("ab", "ac", …) that no check reads specially."""
+    special = STOPWORDS | NEGATIONS | set(NUMBER_WORDS) | set(UNITS) | FRAME_WORDS
+    pairs = (x + y for x in string.ascii_lowercase for y in string.ascii_lowercase)
+    return [w for w in pairs if w not in special][:n]
+
+
+def test_a_question_past_the_content_word_bound_is_refused_without_comparing_its_words() -> None:
+    """Bug: a 1000-character question of comma-separated short words, against the same words
+    reversed, held the event loop up to 0.9 s (the relation check was cubic in its words). Past
+    `MAX_CONTENT_WORDS` the verifier refuses it without comparing any pair."""
+    words = _two_letter_words(320)
+    query, stored = (("," * 40 + ",".join(ws))[:1000] for ws in (words, words[::-1]))
+    verdict = verify(query, stored)
+    assert len(parse(query).content) > MAX_CONTENT_WORDS
+    assert verdict.reason == "length" and verdict.compared == 0
+
+
+@pytest.mark.parametrize("order", ["same", "reversed", "reversed, commas", "interleaved"])
+def test_the_relation_check_compares_each_pair_of_words_at_most_once(order: str) -> None:
+    """Bug: the relation check rebuilt the spans between every pair of matched words (cubic).
+    At the bound, in every order, it compares at most n(n-1)/2 pairs, each in constant time."""
+    n = MAX_CONTENT_WORDS
+    words = _two_letter_words(n)
+    other = {
+        "same": " ".join(words),
+        "reversed": " ".join(words[::-1]),
+        "reversed, commas": ", ".join(words[::-1]),
+        "interleaved": " ".join(words[::2] + words[1::2]),
+    }[order]
+    verdict = verify(", ".join(words), other)
+    assert verdict.reason in {"ok", "relation"}
+    assert verdict.compared <= n * (n - 1) // 2

@@ -1,0 +1,54 @@
+"""Which words mean the opposite of which: the verifier's `antonym` check.
+
+Two words are opposites when the lexicon lists them (`lexicon.OPPOSITES`, compared after
+stemming), when one is the other with a negating prefix ("install" / "uninstall"), or when they
+are one word after the two prefixes of a pair ("upload" / "download").
+
+`has_opposites` generates each word's opposites and looks them up, so its work grows with the
+number of words, not with the product of the two questions' words.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+
+from loramux.cache.lexicon import OPPOSITE_PREFIX_PAIRS, OPPOSITE_PREFIXES, OPPOSITES, stem
+
+
+@functools.cache
+def _listed() -> dict[str, frozenset[str]]:
+    """Each listed word's stem -> the stems of its opposites (both directions)."""
+    found: dict[str, set[str]] = {}
+    for a, b in OPPOSITES:
+        found.setdefault(stem(a), set()).add(stem(b))
+        found.setdefault(stem(b), set()).add(stem(a))
+    return {word: frozenset(others) for word, others in found.items()}
+
+
+def _plain(word: str) -> str:
+    """An adverb as its adjective ("slowly" -> "slow"), so listed adjectives cover both."""
+    return word.removesuffix("ly") if len(word) > 5 else word
+
+
+def opposites_of(word: str) -> set[str]:
+    """Every word (as `_plain` writes it) that is the opposite of `word` (a stem)."""
+    word = _plain(word)
+    listed = _listed()
+    found = set(listed.get(word, ()))
+    if len(word) >= 3:
+        found |= {prefix + word for prefix in OPPOSITE_PREFIXES}
+    found |= {
+        word[len(p) :] for p in OPPOSITE_PREFIXES if word.startswith(p) and len(word) - len(p) >= 3
+    }
+    for pair in OPPOSITE_PREFIX_PAIRS:
+        for x, y in (pair, pair[::-1]):
+            if word.startswith(x) and len(word) - len(x) >= 3:
+                found.add(y + word[len(x) :])
+    return found
+
+
+def has_opposites(only_a: Iterable[str], only_b: Iterable[str]) -> bool:
+    """Whether a word of `only_a` is the opposite of a word of `only_b` (stems)."""
+    b_words = {_plain(w) for w in only_b}
+    return any(opposites_of(w) & b_words for w in only_a)
