@@ -3,8 +3,8 @@
 A lookup first reads the exact entry (one GET). On a miss, when the policy allows semantic
 hits, it embeds the last user message and searches the request's bucket (`cache.keys`) for the
 most similar earlier questions; a candidate at or above the threshold becomes a hit only when
-the verifier accepts it (`cache.verifier`, with word vectors for soft alignment) and its
-response entry still exists. A store writes the exact entry and, when semantic, adds the
+the verifier accepts it (`cache.verifier`, with word vectors for soft alignment, on a thread)
+and its response entry still exists. A store writes the exact entry and, when semantic, adds the
 question to its bucket, pointing at that entry.
 
 Given a request id, a lookup that hits and a store both record which entry the request was
@@ -240,7 +240,10 @@ class ResponseCache:
             return Verdict(True, "ok")
         # Words not seen before are encoded off the event loop first; verify only reads them.
         await self.embedder.learn_words([*parse(question).words, *parse(candidate.question).words])
-        return verify(question, candidate.question, self.embedder.words.similarity)
+        # Bounded (`verifier.MAX_CONTENT_WORDS`) but pure Python: on a thread, so one tenant's
+        # candidates never hold the event loop that serves every tenant.
+        similarity = self.embedder.words.similarity
+        return await asyncio.to_thread(verify, question, candidate.question, similarity)
 
     async def _remember_request(
         self, tenant_id: str, request_id: str, entry_key: str, ttl: int

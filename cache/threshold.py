@@ -9,6 +9,7 @@ precision is at least `min_precision`). Candidate thresholds are the pairs' own 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -76,10 +77,15 @@ async def score_pairs(
     texts = [question_text(t) for a, b, _ in pairs for t in (a, b)]
     vectors = await embedder.embed(texts)
     await embedder.learn_words([w for t in texts for w in parse(t).words])
-    scored = []
-    for n, (_, _, same) in enumerate(pairs):
-        a, b = texts[2 * n], texts[2 * n + 1]
-        similarity = float(vectors[2 * n] @ vectors[2 * n + 1])
-        verdict = verify(b, a, embedder.words.similarity)
-        scored.append(ScoredPair(similarity, verdict.accepted, same))
-    return scored
+
+    def judge() -> list[ScoredPair]:
+        scored = []
+        for n, (_, _, same) in enumerate(pairs):
+            a, b = texts[2 * n], texts[2 * n + 1]
+            similarity = float(vectors[2 * n] @ vectors[2 * n + 1])
+            verdict = verify(b, a, embedder.words.similarity)
+            scored.append(ScoredPair(similarity, verdict.accepted, same))
+        return scored
+
+    # Up to thousands of verdicts: on a thread, as the cache's own, so the loop serves on.
+    return await asyncio.to_thread(judge)

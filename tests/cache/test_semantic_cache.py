@@ -4,10 +4,15 @@ different questions, other contexts, other tenants and other adapter versions mi
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections.abc import Sequence
 
 import pytest
 
+from loramux.cache.embedder import Embedder
+from loramux.cache.vectors import F32
 from loramux.cache.verifier import parse
+from loramux.cache.word_vectors import WordVectors
 from tests.cache.conftest import EXACT, SEMANTIC, MakeCache, answer, chat, until_missing
 
 PARAPHRASES = [
@@ -67,6 +72,31 @@ async def test_similarity_alone_would_serve_the_reversed_relation(make_cache: Ma
     assert hit is not None and hit.kind == "semantic"
     assert await cache.lookup(chat(asked), SEMANTIC) is None
     assert cache.stats.verifier_rejections == 1
+
+
+class WatchedWordVectors(WordVectors):
+    """The real word vectors, noting the thread each similarity is computed on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[int] = []
+
+    def similarity(self, a: Sequence[str], b: Sequence[str]) -> F32:
+        self.threads.append(threading.get_ident())
+        return super().similarity(a, b)
+
+
+async def test_the_verifier_runs_off_the_event_loop(make_cache: MakeCache) -> None:
+    """Bug: the verifier ran on the event loop, so one tenant's hits on long questions froze
+    the gateway for every tenant. It runs on a thread: the soft alignment it does (a synonym
+    here) is computed on a thread other than the loop's."""
+    cache = make_cache()
+    cache.embedder = Embedder()
+    cache.embedder.words = words = WatchedWordVectors()
+    await cache.store(chat("How do I modify my delivery address?"), SEMANTIC, answer("the answer"))
+    hit = await cache.lookup(chat("How do I change my delivery address?"), SEMANTIC)
+    assert hit is not None and hit.kind == "semantic"
+    assert words.threads and threading.get_ident() not in words.threads
 
 
 async def test_the_same_question_after_another_conversation_misses(make_cache: MakeCache) -> None:
