@@ -111,7 +111,59 @@ NUMBER_WORDS = {
     "triple": 3,
 }
 
-SYMBOLS = {"%": "percent", "$": "dollar", "€": "euro", "£": "pound", "+": "plus"}
+SYMBOLS = {
+    "%": "percent",
+    "$": "dollar",
+    "€": "euro",
+    "£": "pound",
+    "+": "plus",
+    "-": "minus",
+    "−": "minus",
+    "*": "times",
+    "×": "times",
+    "/": "divided",
+    "⁄": "divided",
+    "÷": "divided",
+    "^": "power",
+    "**": "power",
+}
+"""Symbols as the words they are read as; "-" and "/" only where the verifier reads them as
+operators (between numbers: "10 - 3", "12/4")."""
+
+OPERATORS = {
+    word: operator
+    for operator, words in {
+        "plus": "plus",
+        "minus": "minus",
+        "times": "times multiplied",
+        "divided": "divided",
+        "modulo": "modulo mod",
+    }.items()
+    for word in words.split()
+}
+"""Arithmetic operators, to one name each: "12 * 4", "12 times 4" and "12 multiplied by 4" ask the
+same, "12 / 4" another question. ("^" is read as "power", a content word, so "2^10" meets "2 to the
+power of 10".)"""
+
+THIRD_PERSON = frozenset(
+    _words("he him his himself she her hers herself they them their theirs themselves")
+)
+"""Pronouns that say who is meant: "what did he say to her" is not "what did she say to him".
+First and second person ("how do I…", "how do you…") are phrasing, and stay stopwords."""
+
+DISJUNCTIONS = frozenset(_words("or either"))
+"""Words that ask for a choice: "aspirin or ibuprofen" is not "aspirin with ibuprofen"."""
+
+CALENDAR = frozenset(
+    _words(
+        """
+    monday tuesday wednesday thursday friday saturday sunday january february april june july
+    august september october november december
+    """
+    )
+)
+"""Days and months: names, however written ("open on monday" is not "open on tuesday"). "May" and
+"March" count only when capitalized, like other names, as lower-cased they are a verb."""
 
 FUNCTION_OPPOSITES = [
     ("in", "out"),
@@ -167,11 +219,29 @@ OPPOSITES = [
     """
         )
     ),
+    *(
+        tuple(pair.split("/"))
+        for pair in _words(
+            """
+    parent/child ancestor/descendant predecessor/successor host/guest client/server
+    master/slave leader/follower teacher/student employer/employee landlord/tenant
+    creditor/debtor plaintiff/defendant caller/callee numerator/denominator
+    """
+        )
+    ),
 ]
-"""Pairs that mean opposite things; compared after stemming (`stem`)."""
+"""Pairs that mean opposite things, then the two sides of one relation (a parent's child is
+not its parent); compared after stemming (`stem`). Their "-er"/"-est" forms ("older" /
+"younger") are opposites too (`cache.opposites`)."""
 
-OPPOSITE_PREFIX_PAIRS = (("up", "down"), ("in", "out"), ("over", "under"), ("pre", "post"))
-"""`upload` / `download`, `inbound` / `outbound`: the same word after each prefix of a pair."""
+OPPOSITE_PREFIX_PAIRS = (
+    ("up", "down"),
+    ("in", "out"),
+    ("over", "under"),
+    ("pre", "post"),
+    ("super", "sub"),
+)
+"""`upload` / `download`, `superclass` / `subclass`: the same word after each prefix of a pair."""
 
 OPPOSITE_PREFIXES = ("un", "dis", "de", "in", "im", "il", "ir", "non", "anti", "counter")
 """`install` / `uninstall`, `connect` / `disconnect`: a word and the same word with one of

@@ -1,8 +1,11 @@
 """Which words mean the opposite of which: the verifier's `antonym` check.
 
 Two words are opposites when the lexicon lists them (`lexicon.OPPOSITES`, compared after
-stemming), when one is the other with a negating prefix ("install" / "uninstall"), or when they
-are one word after the two prefixes of a pair ("upload" / "download").
+stemming), when one is the other with a negating prefix ("install" / "uninstall"), when they are
+one word after the two prefixes of a pair ("upload" / "download"), or when they are the same
+derived form of listed opposites: comparatives, superlatives and agent nouns ("older" /
+"younger" from old / young, "fastest" / "slowest", "buyer" / "seller"), so a listed pair covers
+its "-er" and "-est" forms without listing each.
 
 `has_opposites` generates each word's opposites and looks them up, so its work grows with the
 number of words, not with the product of the two questions' words.
@@ -14,6 +17,9 @@ import functools
 from collections.abc import Iterable
 
 from loramux.cache.lexicon import OPPOSITE_PREFIX_PAIRS, OPPOSITE_PREFIXES, OPPOSITES, stem
+
+DEGREES = ("er", "est")
+"""Suffixes of comparatives, superlatives and agent nouns, as in "old-er", "old-est"."""
 
 
 @functools.cache
@@ -31,6 +37,28 @@ def _plain(word: str) -> str:
     return word.removesuffix("ly") if len(word) > 5 else word
 
 
+def _bases(word: str, suffix: str) -> set[str]:
+    """What `word` may be the `suffix` form of: "bigger" -> big(g), "easier" -> easy."""
+    root = word.removesuffix(suffix)
+    if root == word or len(root) < 2:
+        return set()
+    bases = {root}
+    if len(root) > 2 and root[-1] == root[-2]:
+        bases.add(root[:-1])
+    if root.endswith("i"):
+        bases.add(root[:-1] + "y")
+    return bases
+
+
+def _derived(base: str, suffix: str) -> set[str]:
+    """The ways `base` may be written with `suffix`: "old" -> older, "big" -> bigger, "easy" ->
+    easier ("larg", the stem of "large", -> larger)."""
+    forms = {base + suffix, base + base[-1] + suffix}
+    if base.endswith("y"):
+        forms.add(base[:-1] + "i" + suffix)
+    return forms
+
+
 def opposites_of(word: str) -> set[str]:
     """Every word (as `_plain` writes it) that is the opposite of `word` (a stem)."""
     word = _plain(word)
@@ -45,6 +73,10 @@ def opposites_of(word: str) -> set[str]:
         for x, y in (pair, pair[::-1]):
             if word.startswith(x) and len(word) - len(x) >= 3:
                 found.add(y + word[len(x) :])
+    for suffix in DEGREES:
+        for base in _bases(word, suffix):
+            for other in listed.get(base, ()):
+                found |= _derived(other, suffix)
     return found
 
 

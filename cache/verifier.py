@@ -7,14 +7,20 @@ and names the first check that fails:
 
 - `length`: either has more than `MAX_CONTENT_WORDS` content words: such a question is not
   compared (the checks below cost up to the square of its words), and never hits;
-- `number`: the multisets of numbers (digits and number words, "15%" = "15 percent") differ;
+- `number`: the multisets of numbers (digits with their sign, number words, "15%" = "15 percent")
+  or of arithmetic operators ("12 / 4" / "12 * 4"; "*" = "times" = "multiplied") differ;
 - `negation`: one negates more often than the other ("not", "never", "without", "n't", …);
-- `entity`: a capitalized word of one (a name, not a sentence's first word) is absent from the
-  other, in any case ("Tokyo" / "Osaka"; "france" still matches "France");
+- `pronoun`: the third-person pronouns differ ("what did he say to her" / "what did she say to
+  him": who is meant); "I" and "you" are phrasing;
+- `choice`: one asks for a choice ("or") more often than the other ("aspirin or ibuprofen" /
+  "aspirin with ibuprofen");
+- `entity`: a capitalized word of one (a name, not a sentence's first word), or a day or month
+  however written, is absent from the other, in any case ("Tokyo" / "Osaka"; "france" still
+  matches "France"; "monday" / "tuesday");
 - `unit`: the units and periods differ ("per month" / "per year", "Celsius" / "Fahrenheit";
   "annual" = "yearly");
 - `antonym`: a word only one has is the opposite of a word only the other has ("increase" /
-  "decrease", "install" / "uninstall", "zoom in" / "zoom out";
+  "decrease", "install" / "uninstall", "zoom in" / "zoom out", "older" / "younger";
   `cache.opposites`);
 - `wording`: a content word of one has no counterpart in the other — neither the same word nor,
   when word vectors are given, a word at least `word_threshold` similar ("annual" meets
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import re
+import unicodedata
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,19 +49,31 @@ import numpy as np
 import numpy.typing as npt
 
 from loramux.cache.lexicon import (
+    CALENDAR,
     CONTRACTIONS,
+    DISJUNCTIONS,
     FRAME_WORDS,
     NEGATIONS,
     NUMBER_WORDS,
+    OPERATORS,
     RELATION_WORDS,
     STOPWORDS,
     SYMBOLS,
+    THIRD_PERSON,
     UNITS,
     stem,
 )
 from loramux.cache.opposites import has_opposites
 
-_WORD = re.compile(r"[^\W\d_]+|\d+(?:\.\d+)?|[%$€£+]|[,;:]")
+_WORD = re.compile(
+    r"(?<![\w.])[-−]\d+(?:\.\d+)?"  # a signed number: "-40", not "COVID-19" or "3-5"
+    r"|\d+(?:\.\d+)?"
+    r"|[^\W\d_]+"
+    r"|(?<=[\d\s])[-−](?=\s*\d)"  # minus between numbers: "10 - 3", "10-3"
+    r"|(?<=[\d\s])[/⁄](?=\s*\d)|(?<=\d)[/⁄]"  # divided, next to a number: "12/4", "x / 2"
+    r"|\*\*|[%$€£+*×÷^]"
+    r"|[,;:]"
+)
 _CASED_WORD = re.compile(r"[^\W\d_]+")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
 _SENTENCE_END = ".!?:;\"'(["
@@ -74,8 +93,8 @@ have at most 8; the relation check compares up to n(n-1)/2 pairs of them, in con
 class Verdict:
     accepted: bool
     reason: str
-    """"ok", or the first failed check: length, number, negation, entity, unit, antonym,
-    wording, relation."""
+    """"ok", or the first failed check: length, number, negation, pronoun, choice, entity, unit,
+    antonym, wording, relation."""
     substitutions: tuple[float, ...] = ()
     """Similarities of the content words matched to a different word (on acceptance)."""
     compared: int = 0
@@ -90,15 +109,22 @@ class Question:
     tokens: tuple[str, ...]
     """Lower-cased words after contraction expansion, symbols spelled out, stemmed."""
     numbers: tuple[float, ...]
-    """Sorted."""
+    """Sorted, signed."""
+    operators: tuple[str, ...]
+    """Sorted arithmetic operators (`lexicon.OPERATORS`)."""
     negations: int
+    persons: tuple[str, ...]
+    """Sorted third-person pronouns (`lexicon.THIRD_PERSON`)."""
+    choices: int
+    """How often it asks for a choice (`lexicon.DISJUNCTIONS`)."""
     entities: frozenset[str]
-    """Lower-cased words written capitalized (not sentence-initially) or in capitals."""
+    """Lower-cased words written capitalized (not sentence-initially) or in capitals, and days
+    and months however written."""
     units: tuple[str, ...]
     """Sorted unit names (`lexicon.UNITS`)."""
     content: tuple[str, ...]
-    """Stems of the meaning-bearing words, numbers (`#<value>`) and unit names, in order, first
-    occurrence."""
+    """Stems of the meaning-bearing words, numbers (`#<value>`), unit and operator names, in
+    order, first occurrence."""
     words: tuple[str, ...]
     """The lower-cased word each `content` stem was first written as."""
     places: tuple[int, ...]
@@ -131,8 +157,8 @@ def _entities(text: str) -> frozenset[str]:
 
 
 def _number(word: str) -> float | None:
-    if word[0].isdigit():
-        return float(word)
+    if word[0].isdigit() or (len(word) > 1 and word[0] in "-−"):
+        return float(word.replace("−", "-"))
     value = NUMBER_WORDS.get(word)
     return None if value is None else float(value)
 
@@ -148,11 +174,13 @@ def _stems(words: list[str]) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=4096)
 def parse(text: str) -> Question:
+    # Compatibility forms as their plain letters and digits: "x²" is "x2", "½" is "1⁄2".
+    text = unicodedata.normalize("NFKC", text)
     written = _lower_words(text)
     words = [w for w in written if w not in _CLAUSE_BREAK]
     stems = _stems(words)
     sequence = [w if w in _CLAUSE_BREAK else stems[w] for w in written]
-    numbers, units = [], []
+    numbers, units, operators = [], [], []
     content: dict[str, tuple[str, int]] = {}
     for place, word in enumerate(written):
         value = None if word in _CLAUSE_BREAK else _number(word)
@@ -162,6 +190,9 @@ def parse(text: str) -> Question:
         elif word in UNITS:
             units.append(UNITS[word])
             content.setdefault(UNITS[word], (UNITS[word], place))
+        elif word in OPERATORS:
+            operators.append(OPERATORS[word])
+            content.setdefault(OPERATORS[word], (OPERATORS[word], place))
         elif word in _CLAUSE_BREAK or word in STOPWORDS or word in NEGATIONS:
             continue
         elif content or word not in FRAME_WORDS:
@@ -169,8 +200,11 @@ def parse(text: str) -> Question:
     return Question(
         tokens=tuple(stems[w] for w in words),
         numbers=tuple(sorted(numbers)),
+        operators=tuple(sorted(operators)),
         negations=sum(w in NEGATIONS for w in words),
-        entities=_entities(text),
+        persons=tuple(sorted(w for w in words if w in THIRD_PERSON)),
+        choices=sum(w in DISJUNCTIONS for w in words),
+        entities=_entities(text) | {w for w in words if stem(w) in CALENDAR},
         units=tuple(sorted(units)),
         content=tuple(content),
         words=tuple(word for word, _ in content.values()),
@@ -190,10 +224,14 @@ def verify(
     a, b = parse(query), parse(candidate)
     if max(len(a.content), len(b.content)) > MAX_CONTENT_WORDS:
         return Verdict(False, "length")
-    if a.numbers != b.numbers:
+    if a.numbers != b.numbers or a.operators != b.operators:
         return Verdict(False, "number")
     if a.negations != b.negations:
         return Verdict(False, "negation")
+    if a.persons != b.persons:
+        return Verdict(False, "pronoun")
+    if a.choices != b.choices:
+        return Verdict(False, "choice")
     if not _entities_match(a, b):
         return Verdict(False, "entity")
     if a.units != b.units:

@@ -37,7 +37,18 @@ CLOSE_BUT_DIFFERENT = {
         "How long does shipping take?",
         "How long does international shipping take?",
     ),
+    "a sign": ("Convert -40 Celsius to Fahrenheit", "Convert 40 Celsius to Fahrenheit"),
+    "a comparative": ("Who is older, Alice or Bob?", "Who is younger, Alice or Bob?"),
+    "a role": ("How do I kill the parent process?", "How do I kill the child process?"),
+    "pronouns": ("What did he say to her?", "What did she say to him?"),
+    "a choice": ("Can I take aspirin with ibuprofen?", "Can I take aspirin or ibuprofen?"),
+    "a weekday": (
+        "What time does the store open on monday?",
+        "What time does the store open on tuesday?",
+    ),
 }
+"""The last six were wrong hits (similarity 0.93-0.99, the verifier accepting them) until signs,
+comparatives of listed opposites, roles, third-person pronouns, "or" and days were read."""
 
 
 @pytest.mark.parametrize(("stored", "asked"), PARAPHRASES)

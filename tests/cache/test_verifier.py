@@ -19,6 +19,12 @@ SAME = [
     ("Is the museum open on Mondays?", "Is the museum open on Monday?"),
     ("Give me three tips for better sleep.", "Please give me 3 tips for better sleep"),
     ("How much does shipping cost for 1,000 units?", "How much does shipping cost for 1000 units?"),
+    ("What is 12 * 4?", "What is 12 multiplied by 4?"),
+    ("What is 10 - 3?", "What is 10 minus 3?"),
+    ("What is 2^10?", "What is 2 to the power of 10?"),
+    ("Is COVID-19 contagious?", "Is covid 19 contagious?"),
+    ("Can I take aspirin with ibuprofen?", "Can I take aspirin and ibuprofen?"),
+    ("How do I reset my password?", "How do you reset your password?"),
 ]
 
 DIFFERENT = [
@@ -126,6 +132,63 @@ def test_a_synonym_is_matched_only_through_word_vectors(embedder: Embedder) -> N
 def test_hostile_text_is_parsed_without_error(embedder: Embedder) -> None:
     for text in ["", "   ", "?!?", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 " * 50, "<|im_start|>system", "9" * 400, "\x00\udcff"]:
         verify(text, "What is the capital of France?", embedder.words.similarity)
+
+
+ANSWER_CHANGING = {
+    "signed number": ("Convert -40 Celsius to Fahrenheit", "Convert 40 Celsius to Fahrenheit"),
+    "signed amount": (
+        "My balance is -500 dollars, can I withdraw",
+        "My balance is 500 dollars, can I withdraw",
+    ),
+    "operator": ("What is 12 / 4", "What is 12 * 4"),
+    "power / product": ("What is 2^10", "What is 2*10"),
+    "fraction": ("What is ½ of 10", "What is ¼ of 10"),
+    "comparative": ("Who is older, Alice or Bob?", "Who is younger, Alice or Bob?"),
+    "role": ("How do I kill the parent process?", "How do I kill the child process?"),
+    "pronouns": ("What did he say to her?", "What did she say to him?"),
+    "choice": ("Can I take aspirin with ibuprofen?", "Can I take aspirin or ibuprofen?"),
+    "weekday": (
+        "What time does the store open on monday",
+        "What time does the store open on tuesday",
+    ),
+}
+"""Pairs the strict verifier accepted with word vectors (embedding similarity 0.82-0.99) though
+their answers differ: signs and operators never reached the number check, pronouns and "or"
+were stopwords, lower-case days were no names, and the word vectors matched "older" to
+"younger", "parent" to "child"."""
+
+REASONS = {
+    "signed number": "number",
+    "signed amount": "number",
+    "operator": "number",
+    "power / product": "number",
+    "fraction": "number",
+    "comparative": "antonym",
+    "role": "antonym",
+    "pronouns": "pronoun",
+    "choice": "choice",
+    "weekday": "entity",
+}
+
+
+@pytest.mark.parametrize("kind", ANSWER_CHANGING)
+def test_with_word_vectors_a_change_of_sign_operator_role_pronoun_choice_or_day_is_refused(
+    kind: str, embedder: Embedder
+) -> None:
+    """Bug: each pair was accepted (a wrong hit at the default threshold); now the check that
+    reads the difference refuses it, both ways."""
+    a, b = ANSWER_CHANGING[kind]
+    similarity = embedder.words.similarity
+    assert verify(a, b, similarity).reason == REASONS[kind]
+    assert verify(b, a, similarity).reason == REASONS[kind]
+
+
+def test_comparatives_superlatives_and_agent_nouns_of_listed_opposites_are_opposites() -> None:
+    """Bug: "older" / "younger" passed though old / young are listed; the "-er" and "-est"
+    forms of a listed pair are opposites by rule, without listing each."""
+    for a, b in [("older", "younger"), ("fastest", "slowest"), ("bigger", "smaller")]:
+        assert verify(f"Which car is {a}?", f"Which car is {b}?").reason == "antonym"
+    assert verify("Who is the buyer here?", "Who is the seller here?").reason == "antonym"
 
 
 def _two_letter_words(n: int) -> list[str]:
