@@ -5,6 +5,11 @@ once per process (every `Embedder` shares it), and runs on one worker thread so 
 never waits on it. Texts asked for while the worker is busy are encoded together in its next
 batch (micro-batching), and recent texts are remembered, so a lookup followed by the store of
 the same question embeds it once.
+
+The model reads at most `max_seq_length` (256) word pieces of a text and drops the rest: two
+texts that differ only after them embed alike (similarity 1.0), and 1000 characters of
+punctuation fill the window. Each encoding says whether the model read the whole text, so the
+semantic cache keeps longer questions to the exact cache (`embed_whole`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import asyncio
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +50,13 @@ def load_model(path: Path) -> Any:
         return _models[key]
 
 
+@dataclass(frozen=True)
+class Encoding:
+    vector: F32
+    whole: bool
+    """The model read every word piece of the text (it fits the model's window)."""
+
+
 class Embedder:
     """Unit-length float32 embeddings (`dim` values) of short texts."""
 
@@ -56,8 +69,8 @@ class Embedder:
         self.model_path = model_path
         self.max_batch = max_batch
         self.remember = remember
-        self._recent: OrderedDict[str, F32] = OrderedDict()
-        self._waiting: dict[str, asyncio.Future[F32]] = {}
+        self._recent: OrderedDict[str, Encoding] = OrderedDict()
+        self._waiting: dict[str, asyncio.Future[Encoding]] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedder")
         self._draining = False
         self.words = WordVectors(model_path)
@@ -70,20 +83,31 @@ class Embedder:
             await loop.run_in_executor(self._worker, self.words.learn, words)
 
     async def embed(self, texts: list[str]) -> F32:
-        """Embeddings of `texts`, one row each, normalized (cosine similarity = dot product)."""
+        """Embeddings of `texts`, one row each, normalized (cosine similarity = dot product);
+        of a text longer than the model's window, of its first word pieces only."""
+        rows = [e.vector for e in await self.encode(texts)]
+        return np.stack(rows) if rows else np.zeros((0, self.dim), dtype=np.float32)
+
+    async def embed_whole(self, text: str) -> F32 | None:
+        """The embedding of `text`, or None when it is longer than the model's window: the
+        vector would not see its tail."""
+        (encoding,) = await self.encode([text])
+        return encoding.vector if encoding.whole else None
+
+    async def encode(self, texts: list[str]) -> list[Encoding]:
+        """Each text's embedding, and whether the model read all of it."""
         futures = [self._future(text) for text in texts]
         if any(not f.done() for f in futures) and not self._draining:
             self._draining = True
             asyncio.get_running_loop().create_task(self._drain())
-        rows = [await f for f in futures]
-        return np.stack(rows) if rows else np.zeros((0, self.dim), dtype=np.float32)
+        return [await f for f in futures]
 
-    def _future(self, text: str) -> asyncio.Future[F32]:
+    def _future(self, text: str) -> asyncio.Future[Encoding]:
         loop = asyncio.get_running_loop()
         known = self._recent.get(text)
         if known is not None:
             self._recent.move_to_end(text)
-            done: asyncio.Future[F32] = loop.create_future()
+            done: asyncio.Future[Encoding] = loop.create_future()
             done.set_result(known)
             return done
         if text not in self._waiting:
@@ -97,27 +121,27 @@ class Embedder:
             while self._waiting:
                 batch = list(self._waiting)[: self.max_batch]
                 try:
-                    vectors = await loop.run_in_executor(self._worker, self._encode, batch)
+                    encodings = await loop.run_in_executor(self._worker, self._encode, batch)
                 except Exception as exc:
                     for text in batch:
                         future = self._waiting.pop(text)
                         if not future.done():
                             future.set_exception(exc)
                     continue
-                for text, vector in zip(batch, vectors, strict=True):
-                    self._remember(text, vector)
+                for text, encoding in zip(batch, encodings, strict=True):
+                    self._remember(text, encoding)
                     future = self._waiting.pop(text)
                     if not future.done():
-                        future.set_result(vector)
+                        future.set_result(encoding)
         finally:
             self._draining = False
 
-    def _remember(self, text: str, vector: F32) -> None:
-        self._recent[text] = vector
+    def _remember(self, text: str, encoding: Encoding) -> None:
+        self._recent[text] = encoding
         if len(self._recent) > self.remember:
             self._recent.popitem(last=False)
 
-    def _encode(self, texts: list[str]) -> F32:
+    def _encode(self, texts: list[str]) -> list[Encoding]:
         model = load_model(self.model_path or default_model_path())
         vectors = model.encode(
             texts,
@@ -126,7 +150,16 @@ class Embedder:
             normalize_embeddings=True,
             show_progress_bar=False,
         )
-        return np.asarray(vectors, dtype=np.float32)
+        # The window counts the special tokens too, as the model's own truncation does; one
+        # piece past it is enough to know a text does not fit.
+        window = model.max_seq_length
+        pieces = model.tokenizer(
+            texts, add_special_tokens=True, truncation=True, max_length=window + 1
+        )["input_ids"]
+        return [
+            Encoding(np.asarray(vector, dtype=np.float32), len(ids) <= window)
+            for vector, ids in zip(vectors, pieces, strict=True)
+        ]
 
     def warm(self) -> None:
         """Load the model now (blocking), e.g. in a startup thread."""

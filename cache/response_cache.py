@@ -5,7 +5,9 @@ hits, it embeds the last user message and searches the request's bucket (`cache.
 most similar earlier questions; a candidate at or above the threshold becomes a hit only when
 the verifier accepts it (`cache.verifier`, with word vectors for soft alignment, on a thread)
 and its response entry still exists. A store writes the exact entry and, when semantic, adds the
-question to its bucket, pointing at that entry.
+question to its bucket, pointing at that entry. A question longer than the embedder reads
+(`Embedder.embed_whole`) is neither looked up nor stored semantically: its vector would not see
+its tail.
 
 Given a request id, a lookup that hits and a store both record which entry the request was
 answered from (tenant-scoped, for the entry's lifetime), so an admin can report a wrong answer
@@ -210,7 +212,9 @@ class ResponseCache:
             raw = await self.index.prefetch(bucket, also_get=key)
         if raw is not None:
             return CacheHit(decode_response(raw), "exact", None), key
-        vector = (await self.embedder.embed([question]))[0]
+        vector = await self.embedder.embed_whole(question)
+        if vector is None:
+            return None  # longer than the embedder reads: exact hits only
         scope = self.keys.scope(req.tenant_id, req.adapter)
         tenant = self.tenant_stats(req.tenant_id)
         floor = policy.threshold - NEAR_MISS_MARGIN
@@ -305,7 +309,9 @@ class ResponseCache:
         question = semantic_question(req)
         if not policy.semantic or question is None:
             return
-        vector = (await self.embedder.embed([question]))[0]
+        vector = await self.embedder.embed_whole(question)
+        if vector is None:
+            return  # longer than the embedder reads: its tail would not be compared
         bucket = self.keys.bucket(req, self.embedder.model_id)
         async with asyncio.timeout(self.redis_timeout):
             await self.index.add(bucket, vector, question, key, policy.ttl)

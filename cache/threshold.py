@@ -73,18 +73,22 @@ async def score_pairs(
     embedder: Embedder, pairs: Sequence[tuple[str, str, bool]]
 ) -> list[ScoredPair]:
     """Each (cached question, asked question, same) as the cache would judge it: the cosine
-    similarity of their embeddings and the verifier's verdict (with word vectors)."""
+    similarity of their embeddings and the verifier's verdict (with word vectors); a pair with a
+    question longer than the embedder reads is never verified."""
     texts = [question_text(t) for a, b, _ in pairs for t in (a, b)]
-    vectors = await embedder.embed(texts)
+    encodings = await embedder.encode(texts)
     await embedder.learn_words([w for t in texts for w in parse(t).words])
 
     def judge() -> list[ScoredPair]:
         scored = []
         for n, (_, _, same) in enumerate(pairs):
             a, b = texts[2 * n], texts[2 * n + 1]
-            similarity = float(vectors[2 * n] @ vectors[2 * n + 1])
+            ea, eb = encodings[2 * n], encodings[2 * n + 1]
+            similarity = float(ea.vector @ eb.vector)
+            # A question longer than the embedder reads never hits (`ResponseCache`).
+            whole = ea.whole and eb.whole
             verdict = verify(b, a, embedder.words.similarity)
-            scored.append(ScoredPair(similarity, verdict.accepted, same))
+            scored.append(ScoredPair(similarity, whole and verdict.accepted, same))
         return scored
 
     # Up to thousands of verdicts: on a thread, as the cache's own, so the loop serves on.

@@ -40,3 +40,18 @@ async def test_no_texts_give_an_empty_matrix(embedder: Embedder) -> None:
 
 def test_the_model_is_loaded_once_per_process() -> None:
     assert load_model(default_model_path()) is load_model(default_model_path())
+
+
+async def test_a_text_longer_than_the_models_window_is_not_embedded_whole(
+    embedder: Embedder,
+) -> None:
+    """Bug: the model reads only its first 256 word pieces (special tokens included), so two
+    questions that differ after them embed alike, and 1000 characters of "#" fill the window.
+    Such a text has no whole embedding; one that fits has."""
+    tail_apart = ["#" * 256 + " apples", "#" * 256 + " oranges"]
+    vectors = await embedder.embed(tail_apart)
+    assert float(vectors[0] @ vectors[1]) > 0.9999  # why: the tails are never read
+    assert [await embedder.embed_whole(t) for t in tail_apart] == [None, None]
+    assert await embedder.embed_whole("#" * 255) is None
+    fits = await embedder.embed_whole("#" * 254)  # + [CLS] and [SEP]: 256 pieces
+    assert fits is not None and fits.shape == (embedder.dim,)

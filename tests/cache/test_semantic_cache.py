@@ -110,6 +110,24 @@ async def test_the_verifier_runs_off_the_event_loop(make_cache: MakeCache) -> No
     assert words.threads and threading.get_ident() not in words.threads
 
 
+async def test_a_question_longer_than_the_embedder_reads_is_cached_exactly_only(
+    make_cache: MakeCache,
+) -> None:
+    """Bug: the embedder reads the first 256 word pieces only, so a question that differs from a
+    stored one after them scored 1.0 and was served its answer. Such a question is neither
+    stored nor looked up semantically (the verifier off, so the embedding alone decides); asked
+    again word for word it is an exact hit."""
+    unverified = dataclasses.replace(SEMANTIC, verifier="off")
+    stored, asked = (
+        "#" * 256 + f" How many calories are in an {fruit}?" for fruit in ("apple", "egg")
+    )
+    cache = make_cache()
+    await cache.store(chat(stored), unverified, answer("95 calories"))
+    assert await cache.lookup(chat(asked), unverified) is None
+    hit = await cache.lookup(chat(stored), unverified)
+    assert hit is not None and hit.kind == "exact"
+
+
 async def test_the_same_question_after_another_conversation_misses(make_cache: MakeCache) -> None:
     cache = make_cache()
     about_paris = (("user", "Tell me about Paris."), ("assistant", "Paris is in France."))
