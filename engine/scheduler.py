@@ -22,6 +22,8 @@ Choices (n > 1). A request's choice 0 is scheduled like any sequence, holding th
 prompt forks them (`_fork`): they share its blocks, are running from then on, and sample their
 first tokens from the same logits row (`sample_rows`). From there each choice is an ordinary
 sequence: preempted and recomputed alone, its blocks copied on its first write to a shared one.
+A choice that ends before the fork (aborted alone) leaves `forks`, so it is never forked; a
+choice 0 that does hands its forks to the next choice, which computes the prompt in its place.
 """
 
 from __future__ import annotations
@@ -288,15 +290,34 @@ class Scheduler:
         self.stats.preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+        """Remove a finished or aborted sequence wherever it is and free its blocks. A choice
+        that has not forked yet leaves its choice 0's `forks`; a choice 0 that ends before
+        forking hands its forks on (`_hand_on_forks`)."""
         if seq in self.running:
             self.running.remove(seq)
             if self.adapters is not None:
                 self.adapters.release(seq)
+            self._hand_on_forks(seq, None)
         elif seq in self.waiting:
+            self._hand_on_forks(seq, self.waiting.index(seq))
             self.waiting.remove(seq)
+        else:
+            for parent in itertools.chain(self.waiting, self.running):
+                if seq in parent.forks:
+                    parent.forks.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def _hand_on_forks(self, seq: Sequence, position: int | None) -> None:
+        """`seq` (a choice 0) ends before its choices forked: the first of them takes its place
+        in the queue (`position`, or the head for a running `seq`: it was admitted already)
+        holding the others, and computes the prompt for them. They are scheduled from nowhere
+        else, so without this they would wait forever."""
+        if not seq.forks:
+            return
+        heir, *others = seq.forks
+        seq.forks, heir.forks = [], others
+        self.waiting.insert(0 if position is None else position, heir)
 
     # -- after a step --------------------------------------------------------------------------
     def postprocess(

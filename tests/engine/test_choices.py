@@ -217,3 +217,85 @@ def test_one_choice_aborted_alone_ends_while_the_others_go_on_unchanged(
     assert got[1] == solo[1][: len(got[1])] and len(got[1]) < len(solo[1])
     assert engine.stats().kv_blocks_used == 0
     assert engine.stats().aborted == 0
+
+
+@pytest.mark.parametrize("steps_before", [0, 1])
+def test_choice_0_aborted_before_the_fork_leaves_the_others_to_fork_from_the_prompt(
+    demo_model_dir: Path, reference: Any, steps_before: int
+) -> None:
+    """Bug: choice 0 aborted alone while still queued (or mid-way through a chunked prefill)
+    took the other choices with it, since its `forks` were the only place they were scheduled
+    from: they never ran nor ended, and the request's stream waited forever. Now choice 1
+    computes the prompt in its place and forks choice 2; both generate exactly what they
+    would in a request never aborted, and every block is freed."""
+    engine = make_engine(demo_model_dir, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    request = EngineRequest("r", params, prompt_token_ids=_prompt(8, 37))
+    engine.add_request(request)
+    outputs: list[RequestOutput] = []
+    for _ in range(steps_before):
+        outputs += engine.step()
+    final = engine.abort("r", choice=0)
+    assert final is not None and final.finish_reason is FinishReason.ABORT and not final.is_last
+    while engine.has_work:
+        outputs += engine.step()
+    ended = {o.index: o.finish_reason for o in outputs if o.finish_reason is not None}
+    assert ended == {1: FinishReason.LENGTH, 2: FinishReason.LENGTH}
+    assert outputs[-1].is_last and outputs[-1].usage is not None
+    solo = _solo(reference, request)
+    got = _choices(outputs)
+    assert (got[1], got[2]) == (solo[1], solo[2])
+    assert engine.stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("steps_before", [0, 1])
+def test_a_choice_aborted_before_the_fork_is_never_forked(
+    demo_model_dir: Path, reference: Any, steps_before: int
+) -> None:
+    """Bug: choice 1 aborted alone before the fork stayed in choice 0's `forks`, was forked
+    back to running and generated max_tokens tokens nobody received, holding blocks and a
+    seat. Now it never runs: only the other choices' tokens are generated, and they are
+    exactly what they would be in a request never aborted."""
+    engine = make_engine(demo_model_dir, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=4, n=3, ignore_eos=True)
+    request = EngineRequest("r", params, prompt_token_ids=_prompt(9, 37))
+    engine.add_request(request)
+    outputs: list[RequestOutput] = []
+    for _ in range(steps_before):
+        outputs += engine.step()
+    final = engine.abort("r", choice=1)
+    assert final is not None and final.finish_reason is FinishReason.ABORT
+    while engine.has_work:
+        outputs += engine.step()
+    assert engine.stats().generated_tokens == 2 * params.max_tokens
+    got = _choices(outputs)
+    solo = _solo(reference, request)
+    assert set(got) == {0, 2} and (got[0], got[2]) == (solo[0], solo[2])
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_a_choice_aborted_before_the_fork_pins_no_adapter(
+    demo_model_dir: Path, demo_adapter_dirs: list[Path]
+) -> None:
+    """Bug: the choice forked after its abort pinned its adapter's slot although its user had
+    been counted out, so retiring the adapter once the request ended made the next step vacate
+    a pinned slot and raise, stopping the engine for every tenant. Now the adapter is dropped
+    and the engine goes on."""
+    engine = make_engine(demo_model_dir)
+    digest = engine.register_adapter(demo_adapter_dirs[0])
+    params = SamplingParams(max_tokens=50, n=2, ignore_eos=True)
+    engine.add_request(EngineRequest("r", params, prompt_token_ids=_prompt(10, 35), adapter=digest))
+    engine.add_request(
+        EngineRequest("other", SamplingParams(max_tokens=8, ignore_eos=True), prompt_token_ids=[5])
+    )
+    engine.abort("r", choice=1)
+    while not any(s.index == 0 for s in engine.scheduler.running):
+        engine.step()
+    engine.abort("r")
+    engine.retire_adapter(digest)
+    outputs: list[RequestOutput] = []
+    while engine.has_work:
+        outputs += engine.step()
+    assert any(o.request_id == "other" and o.is_last for o in outputs)
+    assert engine.lora is not None and digest not in engine.lora.resident()
+    assert engine.stats().kv_blocks_used == 0
