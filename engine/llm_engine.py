@@ -11,8 +11,9 @@ device work is queued before the previous step is postprocessed, so the host sch
 prepares step N + 1 while the device computes step N; `step()` then returns step N's outputs.
 
 Faults stay with their requests: a step the device cannot compute fails the requests in it, a
-request whose logits are not finite or whose output cannot be made fails alone; only a broken
-device (or broken bookkeeping, which raises out of `step`) stops the engine.
+request whose logits are not finite, whose output cannot be made or whose adapter can no
+longer be read from disk fails alone; only a broken device (or broken bookkeeping, which
+raises out of `step`) stops the engine.
 
 Not thread-safe: one thread owns an LLMEngine (the async facade runs it off the event loop).
 """
@@ -77,6 +78,10 @@ class Checked(NamedTuple):
 
 
 GRAMMAR_FAILED = "the structured output's grammar could not follow this request's tokens"
+ADAPTER_UNREADABLE = (
+    "this request's adapter could not be loaded: its files were deleted or changed on disk "
+    "since it was registered; the error is in the engine's log"
+)
 
 
 class LLMEngine:
@@ -301,10 +306,14 @@ class LLMEngine:
         for chunk in batch.chunks:
             if chunk.seq.scheduled_time is None:
                 chunk.seq.scheduled_time = now
-        outputs: list[RequestOutput] = []
+        # Each request once: failing one choice ends its others, which may be waiting too.
+        outputs = [
+            self._fail(seq, ADAPTER_UNREADABLE) for seq in batch.failed if self.outputs.is_open(seq)
+        ]
         launched: LaunchedStep | None = None
         if batch.chunks:
-            launched, outputs = self._launch(batch)
+            launched, landed = self._launch(batch)
+            outputs += landed
         if self.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
         if launched is not None:

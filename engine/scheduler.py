@@ -43,7 +43,8 @@ class AdapterGate(Protocol):
 
     `acquire` pins the slot of an admitted sequence (after `readiness` said READY); `release`
     unpins it when the sequence is preempted or finishes. Slots and adapter memory are the
-    limit on distinct adapters in one step. With `may_defer`, an adapter that would take a
+    limit on distinct adapters in one step. FAILED: the adapter cannot be loaded; the request
+    is handed to the engine to fail (`SchedulerOutput.failed`). With `may_defer`, an adapter that would take a
     large share of the memory from resident ones is not READY (it lets smaller ones go first).
     """
 
@@ -95,6 +96,9 @@ def sample_rows(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)
+    """Waiting requests whose adapter could not be loaded: the engine fails them (they keep
+    their place in the queue until it does)."""
 
     @property
     def num_tokens(self) -> int:
@@ -186,7 +190,8 @@ class Scheduler:
         """Admit in arrival order.
 
         - A request whose adapter is still loading from disk is passed over: it loads off the
-          step loop and keeps its place.
+          step loop and keeps its place. One whose adapter failed to load is passed over too,
+          and handed to the engine to fail (`out.failed`).
         - A request that waits for an adapter slot (all slots pinned) may be overtaken only by
           requests that need no new slot (adapter already in one, or the base model), and only
           for `max_slot_wait_steps` steps; after that, admission stops until a slot frees, which
@@ -211,7 +216,9 @@ class Scheduler:
             readiness = (
                 self.adapters.readiness(seq, may_defer) if self.adapters else Readiness.READY
             )
-            if readiness is Readiness.LOADING or (
+            if readiness is Readiness.FAILED:
+                out.failed.append(seq)
+            if readiness in (Readiness.LOADING, Readiness.FAILED) or (
                 readiness is Readiness.NO_SLOT and slot_waiter is not None
             ):
                 passed.append(self.waiting.popleft())

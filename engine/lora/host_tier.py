@@ -4,7 +4,9 @@ Each adapter in the tier holds one buffer from a bounded, recycled pool (pinned 
 engine.lora.host_buffers). Loads from disk run on a small pool of loader threads, never on the
 step loop. The tier keeps, whatever their age, the adapters whose device copy is under way
 (`held`: the copy reads their host weights) and those `readiness` found here this step
-(`reserved`: a loader finishing before `acquire` must not evict them).
+(`reserved`: a loader finishing before `acquire` must not evict them). A load that fails (the
+folder deleted, unreadable, or changed on disk) is remembered (`failed`) until the manager
+forgets it, so that the requests waiting for it fail instead of starting a load every step.
 
 Locking: the tier shares its lock with the LoraManager that owns it, whose registry it must
 agree with, so a check of both is one atomic step. Methods marked "lock held" expect the caller
@@ -53,6 +55,7 @@ class HostTier:
         self._adapters: OrderedDict[str, LoraAdapter] = OrderedDict()
         self._buffer_of: dict[str, torch.Tensor] = {}
         self._loading: dict[str, Future[None]] = {}
+        self._failed: set[str] = set()
         self._lock = lock
         self._parse = parse
         self._loaded = loaded
@@ -106,8 +109,17 @@ class HostTier:
     def in_flight(self) -> int:
         return len(self._loading)
 
+    def failed(self, digest: str) -> bool:
+        """Its last load failed, and no load was started since."""
+        return digest in self._failed
+
+    def forget_failure(self, digest: str) -> None:
+        """Let the next request for `digest` try loading it again."""
+        self._failed.discard(digest)
+
     def load(self, digest: str, folder: Path) -> None:
         """Start reading `digest` from `folder` on a loader thread."""
+        self._failed.discard(digest)
         self._loading[digest] = self._loader.submit(self._load, digest, folder)
 
     # -- any thread ----------------------------------------------------------------------------
@@ -132,14 +144,19 @@ class HostTier:
                 self.buffers.give_back(buffer)
             with self._lock:
                 self._loading.pop(digest, None)
+                self._failed.add(digest)
             return
         with self._lock:
             self._loading.pop(digest, None)
             if adapter.digest != digest:
                 log.error(
-                    "adapter folder %s changed on disk: digest %s", folder, adapter.digest[:12]
+                    "adapter %s could not be reloaded: its folder %s changed on disk (digest %s)",
+                    digest[:12],
+                    folder,
+                    adapter.digest[:12],
                 )
                 self.buffers.give_back(taken[0])
+                self._failed.add(digest)
                 return
             self._loaded(digest, time.monotonic() - started)
             self.put(adapter, taken[0])

@@ -131,6 +131,7 @@ class LoraManager:
         with self._lock:
             self._folders[adapter.digest] = Path(folder)
             self._retired.discard(adapter.digest)
+            self.host.forget_failure(adapter.digest)
             self._loaded(adapter.digest, time.monotonic() - started)
             buffer = self.host_buffers.take(adapter_floats(adapter))
             self.host.put(move_into(adapter, buffer), buffer)
@@ -151,6 +152,9 @@ class LoraManager:
     # -- sequences (step thread) -------------------------------------------------------------
     def add_user(self, seq: Sequence) -> None:
         if seq.adapter_id != BASE_ADAPTER:
+            if seq.adapter_id not in self._users:  # a failed load is retried for new requests
+                with self._lock:
+                    self.host.forget_failure(seq.adapter_id)
             self._users[seq.adapter_id] = self._users.get(seq.adapter_id, 0) + 1
             stats = self.stats.setdefault(seq.adapter_id, AdapterStats())
             stats.requests += seq.index == 0  # a request's other choices are users, not requests
@@ -170,13 +174,16 @@ class LoraManager:
                 self._drop(digest)
 
     def readiness(self, seq: Sequence, may_defer: bool = False) -> Readiness:
-        """READY, LOADING or NO_SLOT (see Readiness); with `may_defer`, also NO_SLOT for an
-        adapter whose region is over LARGE_SHARE of the pool and does not fit without evicting."""
+        """READY, LOADING, NO_SLOT or FAILED (see Readiness); with `may_defer`, also NO_SLOT for
+        an adapter whose region is over LARGE_SHARE of the pool and does not fit without
+        evicting."""
         digest = seq.adapter_id
         if digest == BASE_ADAPTER or digest in self._slot_of:
             return Readiness.READY
         with self._lock:
             adapter = self.host.get(digest)
+            if adapter is None and self.host.failed(digest):
+                return Readiness.FAILED
             ready = (
                 adapter is not None
                 and self._can_place(adapter)
@@ -264,7 +271,12 @@ class LoraManager:
         if digest == BASE_ADAPTER:
             return
         with self._lock:
-            if digest in self.host or self.host.loading(digest) or digest not in self._folders:
+            if (
+                digest in self.host
+                or self.host.loading(digest)
+                or self.host.failed(digest)
+                or digest not in self._folders
+            ):
                 return
             if hint and (digest in self._retired or self.host.in_flight() >= self.max_hinted_loads):
                 return
@@ -389,6 +401,7 @@ class LoraManager:
         """Forget a retired adapter nobody uses any more (lock held)."""
         self._folders.pop(digest, None)
         self._retired.discard(digest)
+        self.host.forget_failure(digest)
         slot = self._slot_of.get(digest)
         if slot is not None:
             self._vacate(slot)

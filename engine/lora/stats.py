@@ -15,6 +15,10 @@ class Readiness(enum.Enum):
     NO_SLOT = "no_slot"
     """Its region does not fit even after evicting every unpinned adapter (or every slot is
     pinned): the adapters running sequences pin must finish first."""
+    FAILED = "failed"
+    """Its weights could not be read from its folder (deleted, unreadable, or changed on disk
+    since it was registered): the request fails; a request arriving after the last one
+    waiting for it has ended tries loading it again."""
 
 
 @dataclass

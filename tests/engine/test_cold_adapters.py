@@ -6,7 +6,9 @@ prefetch hints are bounded."""
 from __future__ import annotations
 
 import json
+import logging
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -16,8 +18,9 @@ import torch
 from peft import PeftModel
 
 from loramux.engine.llm_engine import LLMEngine
-from loramux.engine.outputs import EngineRequest
+from loramux.engine.outputs import EngineRequest, RequestOutput
 from loramux.engine.sampling import SamplingParams
+from loramux.engine.sequence import FinishReason
 from tests.adapters.peft_adapters import lora_key, save_weights
 from tests.engine.adapter_batches import run_tokens
 from tests.engine.conftest import make_engine
@@ -194,3 +197,59 @@ def test_prefetch_hints_are_bounded_and_ignore_unknown_and_retired_adapters(
     assert stats[digests[0]].hinted_loads == 0, "a retired adapter was loaded by a hint"
     assert 1 <= sum(s.hinted_loads for s in stats.values()) <= 11
     assert lora.host_buffers.counts().in_use == lora.host_tier_size() == 1
+
+
+@pytest.mark.parametrize("change", ["deleted", "changed"])
+def test_a_request_whose_adapter_can_no_longer_be_read_fails_and_the_engine_idles(
+    demo_model_dir: Path,
+    demo_adapter_dirs: list[Path],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    change: str,
+) -> None:
+    """Bug: a registered adapter that had left the host tier and whose folder was then deleted
+    (the gateway deletes a deleted adapter's files) or changed on disk failed to load, and the
+    failure was dropped: its request waited forever while every step started another load (the
+    step loop busy-spun). Now the load is tried once, the request fails with an error naming
+    its adapter, the engine idles, and a later request, once the folder is back, loads it again."""
+    folder = tmp_path / "adapter"
+    shutil.copytree(demo_adapter_dirs[0], folder)
+    engine = make_engine(demo_model_dir, max_loras=1, max_cpu_loras=1)
+    lora = engine.lora
+    assert lora is not None
+    digest = engine.register_adapter(folder)
+    engine.register_adapter(demo_adapter_dirs[1])  # takes the host tier's only place
+    assert digest not in lora.resident()
+    shutil.rmtree(folder)
+    if change == "changed":
+        shutil.copytree(demo_adapter_dirs[2], folder)
+    params = SamplingParams(max_tokens=3, n=2)
+
+    def run(request_id: str) -> list[RequestOutput]:
+        engine.add_request(
+            EngineRequest(request_id, params, prompt_token_ids=[1, 2, 3], adapter=digest)
+        )
+        outputs: list[RequestOutput] = []
+        deadline = time.monotonic() + 30
+        while engine.has_work:
+            assert time.monotonic() < deadline, "the request never ended"
+            outputs += engine.step()
+        return outputs
+
+    with caplog.at_level(logging.ERROR):
+        failed = run("r")
+    assert sum("could not be reloaded" in r.getMessage() for r in caplog.records) == 1
+    # The request fails as a whole: its last output says why, its other choice ends with it.
+    assert [(o.finish_reason, o.is_last) for o in failed] == [(FinishReason.ERROR, True)]
+    assert not engine.outputs.open_choices("r")
+    assert failed[-1].error is not None and "adapter" in failed[-1].error
+    assert engine.stats().kv_blocks_used == 0 and lora.in_flight_loads() == 0
+
+    shutil.rmtree(folder, ignore_errors=True)  # the adapter's files are back
+    shutil.copytree(demo_adapter_dirs[0], folder)
+    served = run("again")
+    assert {(o.index, o.finish_reason) for o in served if o.finish_reason} == {
+        (0, FinishReason.LENGTH),
+        (1, FinishReason.LENGTH),
+    }
+    assert digest in lora.resident()
