@@ -219,6 +219,22 @@ def test_one_choice_aborted_alone_ends_while_the_others_go_on_unchanged(
     assert engine.stats().aborted == 0
 
 
+def _abort_before_the_fork(
+    model_dir: Path, choice: int, steps_before: int
+) -> tuple[Any, EngineRequest, RequestOutput | None, list[RequestOutput]]:
+    """A request for 3 choices whose 37-token prompt takes 3 chunked steps, and choice `choice`
+    aborted alone after `steps_before` of them (before the fork): the engine, the request, the
+    abort's output and the outputs of those steps."""
+    engine = make_engine(model_dir, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    request = EngineRequest("r", params, prompt_token_ids=_prompt(8, 37))
+    engine.add_request(request)
+    outputs: list[RequestOutput] = []
+    for _ in range(steps_before):
+        outputs += engine.step()
+    return engine, request, engine.abort("r", choice=choice), outputs
+
+
 @pytest.mark.parametrize("steps_before", [0, 1])
 def test_choice_0_aborted_before_the_fork_leaves_the_others_to_fork_from_the_prompt(
     demo_model_dir: Path, reference: Any, steps_before: int
@@ -228,14 +244,7 @@ def test_choice_0_aborted_before_the_fork_leaves_the_others_to_fork_from_the_pro
     from: they never ran nor ended, and the request's stream waited forever. Now choice 1
     computes the prompt in its place and forks choice 2; both generate exactly what they
     would in a request never aborted, and every block is freed."""
-    engine = make_engine(demo_model_dir, max_num_batched_tokens=16)
-    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=3, ignore_eos=True)
-    request = EngineRequest("r", params, prompt_token_ids=_prompt(8, 37))
-    engine.add_request(request)
-    outputs: list[RequestOutput] = []
-    for _ in range(steps_before):
-        outputs += engine.step()
-    final = engine.abort("r", choice=0)
+    engine, request, final, outputs = _abort_before_the_fork(demo_model_dir, 0, steps_before)
     assert final is not None and final.finish_reason is FinishReason.ABORT and not final.is_last
     while engine.has_work:
         outputs += engine.step()
@@ -256,18 +265,11 @@ def test_a_choice_aborted_before_the_fork_is_never_forked(
     back to running and generated max_tokens tokens nobody received, holding blocks and a
     seat. Now it never runs: only the other choices' tokens are generated, and they are
     exactly what they would be in a request never aborted."""
-    engine = make_engine(demo_model_dir, max_num_batched_tokens=16)
-    params = SamplingParams(max_tokens=6, temperature=1.0, seed=4, n=3, ignore_eos=True)
-    request = EngineRequest("r", params, prompt_token_ids=_prompt(9, 37))
-    engine.add_request(request)
-    outputs: list[RequestOutput] = []
-    for _ in range(steps_before):
-        outputs += engine.step()
-    final = engine.abort("r", choice=1)
+    engine, request, final, outputs = _abort_before_the_fork(demo_model_dir, 1, steps_before)
     assert final is not None and final.finish_reason is FinishReason.ABORT
     while engine.has_work:
         outputs += engine.step()
-    assert engine.stats().generated_tokens == 2 * params.max_tokens
+    assert engine.stats().generated_tokens == 2 * request.params.max_tokens
     got = _choices(outputs)
     solo = _solo(reference, request)
     assert set(got) == {0, 2} and (got[0], got[2]) == (solo[0], solo[2])
