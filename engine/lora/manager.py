@@ -104,6 +104,8 @@ class LoraManager:
         self.steps = 0
         self.max_hinted_loads = 2 * workers
         self.on_load: Callable[[float], None] = lambda seconds: None
+        self.on_drop: Callable[[str], None] = lambda digest: None
+        """Told each retired adapter dropped (step thread, lock held: it must not wait)."""
         """Told each load's seconds (from a loader thread): the engine's metrics."""
         self.slots = [_Slot() for _ in range(max_loras)]
         self._slot_of: dict[str, int] = {}
@@ -148,6 +150,11 @@ class LoraManager:
     def is_servable(self, digest: str) -> bool:
         with self._lock:
             return digest in self._folders and digest not in self._retired
+
+    def holds(self, digest: str) -> bool:
+        """Whether `digest` is registered: servable, or retired and still in use."""
+        with self._lock:
+            return digest in self._folders
 
     # -- sequences (step thread) -------------------------------------------------------------
     def add_user(self, seq: Sequence) -> None:
@@ -407,3 +414,4 @@ class LoraManager:
             self._vacate(slot)
         self.host.held.discard(digest)
         self.host.evict(digest)
+        self.on_drop(digest)

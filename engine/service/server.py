@@ -27,8 +27,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import shutil
-import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -40,8 +38,6 @@ import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-from loramux.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE
-from loramux.adapters.store import AdapterStore
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.errors import InvalidRequestError
 from loramux.engine.outputs import EngineRequest, RequestOutput
@@ -51,6 +47,7 @@ from loramux.engine.service.curve import (
     secure_engine,
     uses_curve,
 )
+from loramux.engine.service.uploads import UploadedAdapters
 from loramux.engine.service.wire import (
     WIRE_VERSION,
     Abort,
@@ -97,20 +94,15 @@ class EngineServer:
     model_name: str
     token: str | None
     adapter_dir: Path | None = None
-    """Uploaded adapters are stored here; a temporary folder, removed by `close`, when None."""
+    """Uploaded adapters are stored here (engine.service.uploads: emptied at start); a
+    temporary folder, removed by `close`, when None."""
     max_message_mb: int = MAX_MESSAGE_MB
     heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS
     """A gateway silent this long is gone (heartbeats every fifth of it, at most 1 s apart)."""
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self._own_dir = self.adapter_dir is None
-        if self.adapter_dir is None:
-            self.adapter_dir = Path(tempfile.mkdtemp(prefix="loramux-engine-adapters-"))
-        lora = self.engine.engine.lora
-        self.store = (
-            None if lora is None else AdapterStore(self.adapter_dir, lora.base, lora.limits)
-        )
+        self.uploads = UploadedAdapters(self.engine, self.adapter_dir)
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -146,6 +138,7 @@ class EngineServer:
 
     async def serve(self) -> None:
         """Answer messages until cancelled."""
+        self.uploads.start()
         while True:
             frames = await self._socket.recv_multipart(copy=True)
             if len(frames) != 2:  # routing id and one frame, from a DEALER; a REQ sends 3
@@ -163,8 +156,7 @@ class EngineServer:
             self._authenticator.stop()
         self._socket.close(linger=0)
         self._context.term()
-        if self._own_dir and self.adapter_dir is not None:
-            shutil.rmtree(self.adapter_dir, ignore_errors=True)
+        self.uploads.close()
 
     def _handle(self, identity: bytes, frame: bytes) -> None:
         try:
@@ -374,30 +366,8 @@ class EngineServer:
             return engine.retire_adapter(call.digest)
         if call.config is None or call.weights is None:
             raise InvalidRequestError("register needs the adapter's config and weights")
-        await self.register(call.digest, call.config, call.weights)
+        await self.uploads.register(call.digest, call.config, call.weights)
         return call.digest
-
-    async def register(self, digest: str, config: bytes, weights: bytes) -> None:
-        """Store the uploaded adapter and serve it; refused unless its content has `digest`.
-
-        A refused upload registers nothing (a valid adapter that merely has another digest
-        stays in the content-addressed store, unserved)."""
-        if self.store is None:
-            raise InvalidRequestError("this engine was started without LoRA support")
-        try:
-            stored = self.store.get(digest)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from None
-        if stored is None:
-            with tempfile.TemporaryDirectory() as work:  # the store copies what it keeps
-                (Path(work) / CONFIG_FILE).write_bytes(config)
-                (Path(work) / WEIGHTS_FILE).write_bytes(weights)
-                stored = await asyncio.to_thread(self.store.put, Path(work))
-        if stored.digest != digest:
-            raise InvalidRequestError(
-                f"the uploaded adapter has digest {stored.digest}, not {digest!r}"
-            )
-        await self.engine.register_adapter(stored.path)
 
     def served_digests(self) -> list[str]:
         lora = self.engine.engine.lora

@@ -15,6 +15,7 @@ import zmq
 
 from loramux.adapters.base_spec import BaseModelSpec
 from loramux.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE, load_peft_adapter
+from loramux.adapters.store import AdapterStore
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.config import EngineConfig
 from loramux.engine.llm_engine import LLMEngine
@@ -38,6 +39,7 @@ from tests.engine.service_peer import (
     TOKEN,
     Gateway,
     failure_of,
+    gateway_at,
     generate,
     wait_idle,
 )
@@ -259,3 +261,33 @@ def test_a_prefetch_hint_loads_a_known_adapter_and_is_never_answered(
             assert isinstance(gateway.call("stats"), Reply)
         finally:
             context.destroy(linger=0)
+
+
+def test_uploaded_adapter_files_leave_the_engine_with_the_adapter(
+    demo_adapter_dirs: list[Path], demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """The engine's adapter folder is a cache of what gateways upload (they upload again
+    whatever it lacks): emptied at start, and a retired adapter's files go once the engine
+    drops it (its last request ended; here, the next step). Both used to stay for good, a
+    deleted tenant's weights included. The same bytes uploaded again serve again."""
+    folder = demo_adapter_dirs[1]
+    base = BaseModelSpec.from_model_dir(demo_model_dir)
+    left_over = AdapterStore(tmp_path, base).put(demo_adapter_dirs[2]).digest  # a previous run's
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=demo_model_dir, max_model_len=512)))
+    with (
+        serve_engine_in_thread(engine, "demo", adapter_dir=tmp_path, token=TOKEN) as running,
+        gateway_at(running.url) as peer,
+    ):
+        assert AdapterStore(tmp_path, base).digests() == [], left_over
+        digest = _digest(folder, demo_model_dir)
+        assert _upload(peer, digest, folder) == Reply("call-register", digest)
+        assert AdapterStore(tmp_path, base).digests() == [digest]
+        assert isinstance(peer.stream("on-it", adapter=digest)[-1], Delta)
+        assert peer.call("retire", digest=digest) == Reply("call-retire", True)
+        peer.stream("next-step")  # the engine drops the retired adapter between steps
+        deadline = time.monotonic() + 30
+        while AdapterStore(tmp_path, base).digests() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert AdapterStore(tmp_path, base).digests() == []
+        assert _upload(peer, digest, folder) == Reply("call-register", digest)
+        assert isinstance(peer.stream("again", adapter=digest)[-1], Delta)
