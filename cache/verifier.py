@@ -69,7 +69,7 @@ _WORD = re.compile(
     r"(?<![\w.])[-−]\d+(?:\.\d+)?"  # a signed number: "-40", not "COVID-19" or "3-5"
     r"|\d+(?:\.\d+)?"
     r"|[^\W\d_]+"
-    r"|(?<=[\d\s])[-−](?=\s*\d)"  # minus between numbers: "10 - 3", "10-3"
+    r"|(?<=\s)[-−](?=\s+\d)"  # minus, spaced: "10 - 3" ("10-3", "3-5 cups", "2020-2021" are ranges)
     r"|(?<=[\d\s])[/⁄](?=\s*\d)|(?<=\d)[/⁄]"  # divided, next to a number: "12/4", "x / 2"
     r"|\*\*|[%$€£+*×÷^]"
     r"|[,;:]"

@@ -4,11 +4,11 @@ Text is emitted only once it is stable: never half a UTF-8 character (the tokeni
 incomplete byte sequence as U+FFFD, which is held back), and never a tail that could still
 become a stop string. The deltas therefore concatenate to exactly the final text.
 
-Bytes that never complete a character are not held for ever: transformers' decode of a whole
-output shows them as U+FFFD (the Rust decoders' lossy UTF-8), and so do we, once more than
-`MAX_HELD_TOKENS` tokens are held and at the end (`flush`). Holding them for ever, as vLLM's and
-TGI's incremental detokenizers do, would decode an ever longer window twice per token
-(quadratic work, on the gateway's event loop) and drop the held bytes' text at the end.
+Bytes that never complete a character come out at the end (`flush`) as U+FFFD, as
+transformers' decode of the whole output shows them (the Rust decoders' lossy UTF-8); they were
+dropped. While a long run is held, only its last few tokens are decoded per token
+(`MAX_HELD_TOKENS`): decoding the whole held window twice per token, as vLLM's and TGI's
+incremental detokenizers do, costs work quadratic in the run, on the gateway's event loop.
 """
 
 from __future__ import annotations
@@ -100,17 +100,17 @@ def _failure_table(stop: str) -> tuple[int, ...]:
     return tuple(fail)
 
 
-MAX_HELD_TOKENS = 16
-"""Tokens held back while their text ends in an incomplete character. Valid text held this
-long needs 16 tokens in a row that each end inside a character (byte-level merges that straddle
-characters), which real text does not produce; lone lead bytes that a tenant forces (logit_bias)
-do. Past it, the text of all but the last 1-3 tokens is taken as it decodes: up to the last
-token boundary that ends a character if one of them does, else with U+FFFD for the invalid
-bytes, as the whole output's decode shows them (an incomplete UTF-8 character has at most 3
-bytes, and a token holds at least one, skipped special tokens aside). This bounds each decode's
-window, so detokenizing costs time linear in the tokens, whatever they are."""
-INCOMPLETE_TAIL_TOKENS = 3
-"""Tokens that may still hold the start of an incomplete character."""
+MAX_HELD_TOKENS = 4
+"""Tokens held back while their text ends in an incomplete character, past which completion is
+checked on the last TAIL_TOKENS tokens alone: the window is decoded again only once they end a
+character, and at the end. An incomplete UTF-8 character has at most 4 bytes and a token holds
+at least one (skipped special tokens aside), so those tokens hold the whole last character and
+their decode ends in U+FFFD exactly when the window's does. Decoding the growing window twice
+per token, as before, cost work quadratic in a run that never completes a character (lone lead
+bytes a tenant forces with logit_bias) or that completes one only at its end (byte-level merges
+that straddle characters); now the work per token is bounded, and nothing is cut inside a
+character: the run's text comes whole, when it completes or at `flush`."""
+TAIL_TOKENS = 4
 
 
 @dataclass
@@ -142,9 +142,14 @@ class IncrementalDetokenizer:
         return self._emit(self._stable_end(read))
 
     def _decode(self, final: bool = False) -> None:
-        """Append the text the tokens so far add: none while a character is incomplete, unless
-        more than MAX_HELD_TOKENS are held (then all but the last 1-3 tokens') or `final`
-        (then all of it, incomplete bytes as U+FFFD)."""
+        """Append the text the tokens so far add: none while a character is incomplete, or, at
+        the end (`final`), all of it (incomplete bytes as U+FFFD, as the whole output's decode
+        shows them)."""
+        held = len(self.token_ids) - self.read_offset
+        if not final and held > MAX_HELD_TOKENS:
+            tail = self.tokenizer.decode(self.token_ids[-TAIL_TOKENS:], skip_special_tokens=True)
+            if tail.endswith("\ufffd"):
+                return  # still inside a character: the window is not decoded again yet
         window = self.token_ids[self.prefix_offset :]
         context = self.tokenizer.decode(
             window[: self.read_offset - self.prefix_offset], skip_special_tokens=True
@@ -152,13 +157,6 @@ class IncrementalDetokenizer:
         full = self.tokenizer.decode(window, skip_special_tokens=True)
         if final or (len(full) > len(context) and not full.endswith("\ufffd")):
             self._read(full[len(context) :], len(self.token_ids))
-        elif len(self.token_ids) - self.read_offset > MAX_HELD_TOKENS:
-            for held in range(1, INCOMPLETE_TAIL_TOKENS + 1):
-                settled = window[:-held]
-                text = self.tokenizer.decode(settled, skip_special_tokens=True)
-                if not text.endswith("\ufffd") or held == INCOMPLETE_TAIL_TOKENS:
-                    self._read(text[len(context) :], self.prefix_offset + len(settled))
-                    return
 
     def _read(self, text: str, read_offset: int) -> None:
         """Take `text` as the text of the tokens up to `read_offset`; they become the next

@@ -96,7 +96,10 @@ class ChoiceRun:
                 break
         finish = FinishReason.STOP if detok.stopped else out.finish_reason
         if finish is not None:
+            stopped = detok.stopped
             text += detok.flush()
+            if detok.stopped and not stopped:  # the held bytes' U+FFFD completed a stop string
+                finish, self.stopped_at = FinishReason.STOP, self.received
             self.finish = finish
         logprobs = out.logprobs[: len(ids)] if out.logprobs is not None else None
         self._keep(text, ids, logprobs, offsets)

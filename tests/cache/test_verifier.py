@@ -25,6 +25,13 @@ SAME = [
     ("Is COVID-19 contagious?", "Is covid 19 contagious?"),
     ("Can I take aspirin with ibuprofen?", "Can I take aspirin and ibuprofen?"),
     ("How do I reset my password?", "How do you reset your password?"),
+    # Ranges, not subtraction (a hyphen between numbers read as minus refused these).
+    ("Is 3-5 cups of coffee a day too much?", "Is 3 to 5 cups of coffee a day too much?"),
+    ("What should kids aged 8-12 read?", "What should kids aged 8 to 12 read?"),
+    (
+        "What was the population of Paris in 2020-2021?",
+        "What was the population of Paris in 2020 and 2021?",
+    ),
 ]
 
 DIFFERENT = [

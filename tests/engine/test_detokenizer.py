@@ -183,16 +183,15 @@ def test_bytes_that_never_complete_a_character_cost_linear_work_and_show_as_repl
     tokenizer: Any,
 ) -> None:
     """2,000 lone lead bytes (a tenant can force them with logit_bias) are detokenized with a
-    bounded window: a few tokens decoded per token, and the text is the whole output's decode,
-    one U+FFFD a byte. The bug: the window grew until a character completed, which it never
-    did, so each token decoded the whole run twice (about 4,000,000 tokens decoded here)."""
+    few tokens decoded per token, and the text is the whole output's decode, one U+FFFD a byte,
+    at the end. The bug: each token decoded the whole held run twice (about 4,000,000 tokens
+    decoded here), and the run's text was dropped while its tokens were billed."""
     counting = _Counting(rust_decoder(tokenizer))
     detok = IncrementalDetokenizer(counting)
     ids = [_lead_byte(tokenizer)] * 2000
     deltas = [detok.add(t) for t in ids] + [detok.flush()]
-    assert counting.decoded <= 50 * len(ids)
+    assert counting.decoded <= 10 * len(ids)
     assert "".join(deltas) == tokenizer.decode(ids) == "\ufffd" * len(ids)
-    assert sum(map(len, deltas[:-1])) >= len(ids) - MAX_HELD_TOKENS, "shown as it goes"
 
 
 def test_random_runs_of_high_bytes_decode_as_the_whole_output_does(tokenizer: Any) -> None:
@@ -246,13 +245,14 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def test_valid_text_in_tokens_that_straddle_characters_decodes_exactly() -> None:
-    """12 tokens, none ending a character: the text is held until a token ends one (up to
-    MAX_HELD_TOKENS, which real text does not reach), and joins to the whole decode with no
-    U+FFFD before the end. Taking the text after 4 held tokens cut it inside characters, whose
-    bytes then showed as U+FFFD in valid text."""
+    """20 tokens, none but the last ending a character: the text comes whole when the last
+    one completes it, with a few tokens decoded per token meanwhile. Cutting such a run after
+    4, then 16, held tokens showed U+FFFD in valid text, and then dropped a character (found
+    by attacking the fixes)."""
     decoder, ids, text = _straddling_tokenizer()
-    assert decoder.decode(ids) == text and MAX_HELD_TOKENS >= 12
-    detok = IncrementalDetokenizer(decoder)
-    deltas = [detok.add(t) for t in ids[:12]] + [detok.flush()]
-    assert "".join(deltas) == decoder.decode(ids[:12])
-    assert "\ufffd" not in "".join(deltas[:-1])
+    assert decoder.decode(ids) == text and len(ids) > 4 * MAX_HELD_TOKENS
+    counting = _Counting(decoder)
+    detok = IncrementalDetokenizer(counting)
+    deltas = [detok.add(t) for t in ids] + [detok.flush()]
+    assert "".join(deltas) == text
+    assert counting.decoded <= 10 * len(ids) + 2 * len(ids)  # the run's decode, once complete

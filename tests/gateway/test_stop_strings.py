@@ -11,10 +11,16 @@ from typing import Any
 
 import httpx
 import pytest
+from transformers import AutoTokenizer
 
+from loramux.engine.detokenizer import IncrementalDetokenizer
+from loramux.engine.outputs import RequestOutput
+from loramux.engine.sequence import FinishReason
 from loramux.engine.service.runner import RunningEngineService
 from loramux.gateway.engine_client.remote import RemoteEngineClient
+from loramux.gateway.openai.generation import ChoiceRun
 from loramux.gateway.server import RunningServer
+from tests.engine.test_detokenizer import _lead_byte
 from tests.gateway.servers import ENGINE_TOKEN, engine_service, gateway_server
 from tests.gateway.tenants import TenantKey, new_tenant
 
@@ -96,3 +102,17 @@ def test_text_ends_before_the_stop_string_and_the_engine_sequence_is_aborted(
     after = _idle_stats(service)
     assert after.aborted == before.aborted + 1
     assert after.kv_blocks_used == 0
+
+
+def test_a_stop_string_completed_by_the_held_bytes_at_the_end_stops_the_choice(
+    demo_model_dir: Path,
+) -> None:
+    """An output that ends on a lone lead byte shows it as U+FFFD at the end (flush), which can
+    complete a stop string: the text ends before it and the choice finishes with `stop`. It
+    finished with `length`, its stop unrecorded (found by attacking the fixes)."""
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+    ids = [*tokenizer.encode("ab"), _lead_byte(tokenizer)]
+    run = ChoiceRun(0, IncrementalDetokenizer(tokenizer, stop=("\ufffd",)))
+    delta = run.take(RequestOutput("r", ids, FinishReason.LENGTH))
+    assert delta is not None and delta.text == "ab"
+    assert (delta.finish_reason, run.stopped_at) == (FinishReason.STOP, len(ids))
