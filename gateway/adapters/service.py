@@ -53,12 +53,12 @@ from loramux.gateway.catalog import (
     latest_versions_query,
     live_version,
 )
-from loramux.gateway.db import AdapterVersion, Tenant
+from loramux.gateway.db import AdapterVersion
 from loramux.gateway.db.adapter import SHARED_OWNER
 from loramux.gateway.db.base import utcnow
 from loramux.gateway.engine_client.base import EngineClient
 from loramux.gateway.errors import BadRequest, Conflict, NotFound
-from loramux.gateway.tenants.lookup import owner_id
+from loramux.gateway.tenants.lookup import lock_tenant, owner_id
 
 ADAPTER_NAME = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """1-64 letters, digits, '.', '_' or '-', starting with a letter or digit, without '..': a name
@@ -319,15 +319,15 @@ async def _claim(store: AdapterStore, digest: str) -> Claim:
 
 
 async def _lock_owner(session: AsyncSession, owner: str) -> None:
-    """The owner's row, locked until the transaction ends (on PostgreSQL; SQLite has one writer
-    at a time); NotFound when the tenant was deleted since the publish checked it. Its delete
-    locks the row too, before it soft-deletes the tenant's adapters: either it finds this
-    version, or this publish finds the tenant gone. A publish used to commit a live version of a
-    tenant deleted meanwhile, which no admin route could delete (they look the owner up)."""
+    """Lock the owner's row until the transaction ends; NotFound when the tenant was deleted
+    since the publish checked it. The lock is a write that changes nothing: a row lock on
+    PostgreSQL, and on SQLite the database's write lock, which a SELECT ... FOR UPDATE does not
+    take there. A tenant's delete writes first too (`tenants.service.lock_tenant`): either it
+    finds this version and deletes it, or this publish finds the tenant gone. A publish used to
+    commit a live version of a tenant deleted meanwhile, which no admin route could delete."""
     if owner == SHARED_OWNER:
         return
-    locked = select(Tenant.id).where(Tenant.id == owner).with_for_update()
-    if await session.scalar(locked) is None:
+    if not await lock_tenant(session, owner):
         raise NotFound(
             f"tenant {owner!r} was deleted while its adapter was being published",
             param="owner",

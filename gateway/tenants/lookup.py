@@ -6,7 +6,7 @@ a reference never means two tenants.
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loramux.gateway.admin.wire import check_display_name
@@ -27,6 +27,17 @@ async def get_tenant(session: AsyncSession, ref: str) -> Tenant:
             f"no tenant with the id or name {ref!r}", param="id", code="tenant_not_found"
         )
     return tenant
+
+
+async def lock_tenant(session: AsyncSession, tenant_id: str) -> bool:
+    """Lock the tenant's row until the session's transaction ends, by a write that changes
+    nothing (PostgreSQL: the row; SQLite: the database, which takes no lock for a read);
+    whether the tenant exists. A tenant's delete and a publish of its adapter both lock it
+    first, so the two never interleave."""
+    locked = await session.execute(
+        update(Tenant).where(Tenant.id == tenant_id).values(disabled=Tenant.disabled)
+    )
+    return bool(locked.rowcount)  # type: ignore[attr-defined]
 
 
 async def tenant_id_of(session: AsyncSession, ref: str) -> str:

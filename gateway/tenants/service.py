@@ -23,7 +23,7 @@ from loramux.gateway.db import ApiKey, Tenant
 from loramux.gateway.errors import Conflict
 from loramux.gateway.prefix_cache import SETTING as PREFIX_SCOPE
 from loramux.gateway.prefix_cache import scope_of
-from loramux.gateway.tenants.lookup import check_tenant_name, get_tenant
+from loramux.gateway.tenants.lookup import check_tenant_name, get_tenant, lock_tenant
 from loramux.gateway.tenants.schemas import TenantCreate, TenantOut, TenantPage, TenantUpdate
 
 
@@ -87,7 +87,7 @@ class TenantService:
         tenant = await get_tenant(self.session, ref)
         # Locked before its adapters are read: a publish under way either commits first, and
         # its version is soft-deleted here, or finds the tenant gone (adapters.service).
-        await self.session.refresh(tenant, with_for_update=True)
+        await lock_tenant(self.session, tenant.id)
         tenant_id = tenant.id
         key_ids = await _key_ids(self.session, tenant_id)
         versions, digests = await self.adapters.soft_delete_owned_by(tenant_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 
 from loramux.adapters.base_spec import BaseModelSpec
 from loramux.adapters.store import AdapterStore
+from loramux.gateway.adapters import service as service_module
 from loramux.gateway.adapters.service import AdapterService
 from loramux.gateway.adapters.service import _claim as claim_digest
 from loramux.gateway.errors import ServiceUnavailable
@@ -342,3 +344,44 @@ def publish_racing_owner_deletion(
     [digest] = digests
     assert digest not in server.state.store
     assert not engine.engine.engine.lora.is_servable(digest)  # type: ignore[attr-defined]
+
+
+def test_a_tenant_deleted_while_its_publish_holds_the_owner_lock_takes_the_new_version_along(
+    shared_gateway: RunningServer, demo_adapter_dirs: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The publish has checked and locked its owner, and not yet committed, when the tenant's
+    delete arrives: the delete waits for the publish's commit and then deletes its version
+    too. On SQLite a SELECT ... FOR UPDATE locked nothing, so the delete committed in between
+    and the publish left a live version of a deleted tenant (found by attacking the fixes)."""
+    server, real = shared_gateway, service_module._lock_owner
+    locked, may_commit = threading.Event(), threading.Event()
+
+    async def lock_owner(session: Any, owner: str) -> None:  # the real lock, then a pause
+        await real(session, owner)
+        locked.set()
+        await asyncio.to_thread(may_commit.wait, 30)
+
+    monkeypatch.setattr(service_module, "_lock_owner", lock_owner)
+    with admin_of(server) as admin:
+        tenant = new_tenant(admin, "locked")
+        published: list[httpx.Response] = []
+        deleted: list[httpx.Response] = []
+        folder = demo_adapter_dirs[19]
+        publishing = threading.Thread(
+            target=lambda: published.append(post_upload(admin, tenant.tenant_id, "o", folder))
+        )
+        publishing.start()
+        assert locked.wait(30)
+        deleting = threading.Thread(
+            target=lambda: deleted.append(admin.delete(f"/admin/tenants/{tenant.tenant_id}"))
+        )
+        deleting.start()
+        time.sleep(0.5)  # the delete reaches the owner's lock, held by the publish
+        may_commit.set()
+        publishing.join(60)
+        deleting.join(60)
+        monkeypatch.undo()
+        assert deleted[0].status_code == 200, deleted[0].text
+        assert published[0].status_code in (201, 404), published[0].text
+        listed = admin.get("/admin/adapters", params={"name": "o", "limit": 500}).json()
+        assert not [a for a in listed["items"] if a["owner"] == tenant.tenant_id]
