@@ -2,8 +2,10 @@
 own (its adapter folder), which is a cache of what gateways hold. Gateways upload an adapter
 again whenever the engine lacks it (after a restart, or once it was retired), so:
 
-- the folder is emptied when the service starts: what a previous run stored may since have
-  been deleted by its tenant, and nothing else would ever remove it;
+- each run stores in a folder of its own, removed when the service stops, and at a start the
+  folders of runs whose process is gone: what they stored may since have been deleted by its
+  tenant, and nothing else would ever remove it. Engines may share the adapter folder (one
+  per GPU on one volume): none removes another's live files;
 - a retired adapter's files are removed once the engine drops it (its last request ended):
   they used to stay for good, a deleted tenant's weights included.
 
@@ -16,7 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
+import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import AsyncIterator
@@ -33,15 +38,13 @@ log = logging.getLogger(__name__)
 class UploadedAdapters:
     def __init__(self, engine: AsyncEngine, folder: Path | None):
         self.engine = engine
-        self._own_folder = folder is None
-        if folder is None:
-            folder = Path(tempfile.mkdtemp(prefix="loramux-engine-adapters-"))
-        self.folder = folder
+        self._temporary = folder is None
+        self.root = (
+            Path(tempfile.mkdtemp(prefix="loramux-engine-adapters-")) if folder is None else folder
+        )
+        self.folder, self._alive = _own_run_folder(self.root)
         lora = engine.engine.lora
-        self.store = None if lora is None else AdapterStore(folder, lora.base, lora.limits)
-        if self.store is not None:
-            for digest in self.store.digests():  # a previous run's: see the module docstring
-                self.store.delete(digest)
+        self.store = None if lora is None else AdapterStore(self.folder, lora.base, lora.limits)
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
 
     def start(self) -> None:
@@ -103,5 +106,40 @@ class UploadedAdapters:
                 self._locks[digest] = (lock, users - 1)
 
     def close(self) -> None:
-        if self._own_folder:
-            shutil.rmtree(self.folder, ignore_errors=True)
+        shutil.rmtree(self.root if self._temporary else self.folder, ignore_errors=True)
+        os.close(self._alive)
+
+
+def _own_run_folder(root: Path) -> tuple[Path, int]:
+    """A folder of this run's own under `root`, marked alive by a lock held while the process
+    lives (`.alive`, flock), and the lock's descriptor. Engines may share `root` (one per GPU
+    on one volume): each removes only its own files, and, at its start, the folders of runs
+    whose process is gone (their lock is free) and files of the earlier flat layout."""
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"run-{os.getpid()}-{secrets.token_hex(4)}"
+    starting = root / f".{name}"  # locked before it is named: never seen unlocked
+    starting.mkdir()
+    alive = os.open(starting / ".alive", os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(alive, fcntl.LOCK_EX)
+    own = starting.rename(root / name)
+    for entry in root.iterdir():
+        if entry == own or entry.name.startswith("."):
+            continue
+        if not entry.name.startswith("run-") or _gone(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+    return own, alive
+
+
+def _gone(run: Path) -> bool:
+    """Whether the process that made `run` is gone: its `.alive` lock is free."""
+    try:
+        fd = os.open(run / ".alive", os.O_RDWR)
+    except OSError:  # removed meanwhile
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True

@@ -263,31 +263,66 @@ def test_a_prefetch_hint_loads_a_known_adapter_and_is_never_answered(
             context.destroy(linger=0)
 
 
+def _stored(root: Path) -> list[str]:
+    """The digests stored under an engine's adapter folder, whichever run stored them."""
+    return sorted(p.name for p in root.glob("run-*/*") if len(p.name) == 64)
+
+
 def test_uploaded_adapter_files_leave_the_engine_with_the_adapter(
     demo_adapter_dirs: list[Path], demo_model_dir: Path, tmp_path: Path
 ) -> None:
     """The engine's adapter folder is a cache of what gateways upload (they upload again
-    whatever it lacks): emptied at start, and a retired adapter's files go once the engine
-    drops it (its last request ended; here, the next step). Both used to stay for good, a
-    deleted tenant's weights included. The same bytes uploaded again serve again."""
+    whatever it lacks): a start removes what runs that are gone stored, and a retired
+    adapter's files go once the engine drops it (its last request ended; here, the next
+    step). Both used to stay for good, a deleted tenant's weights included. The same bytes
+    uploaded again serve again."""
     folder = demo_adapter_dirs[1]
     base = BaseModelSpec.from_model_dir(demo_model_dir)
-    left_over = AdapterStore(tmp_path, base).put(demo_adapter_dirs[2]).digest  # a previous run's
+    AdapterStore(tmp_path, base).put(demo_adapter_dirs[2])  # the earlier flat layout's
+    dead = tmp_path / "run-1-dead"
+    AdapterStore(dead, base).put(demo_adapter_dirs[3])
+    (dead / ".alive").touch()  # nobody holds its lock: its process is gone
     engine = AsyncEngine(LLMEngine(EngineConfig(model=demo_model_dir, max_model_len=512)))
     with (
         serve_engine_in_thread(engine, "demo", adapter_dir=tmp_path, token=TOKEN) as running,
         gateway_at(running.url) as peer,
     ):
-        assert AdapterStore(tmp_path, base).digests() == [], left_over
+        assert _stored(tmp_path) == [] and AdapterStore(tmp_path, base).digests() == []
         digest = _digest(folder, demo_model_dir)
         assert _upload(peer, digest, folder) == Reply("call-register", digest)
-        assert AdapterStore(tmp_path, base).digests() == [digest]
+        assert _stored(tmp_path) == [digest]
         assert isinstance(peer.stream("on-it", adapter=digest)[-1], Delta)
         assert peer.call("retire", digest=digest) == Reply("call-retire", True)
         peer.stream("next-step")  # the engine drops the retired adapter between steps
         deadline = time.monotonic() + 30
-        while AdapterStore(tmp_path, base).digests() and time.monotonic() < deadline:
+        while _stored(tmp_path) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert AdapterStore(tmp_path, base).digests() == []
+        assert _stored(tmp_path) == []
         assert _upload(peer, digest, folder) == Reply("call-register", digest)
         assert isinstance(peer.stream("again", adapter=digest)[-1], Delta)
+    assert _stored(tmp_path) == [], "a run's folder goes with it"
+
+
+def test_engines_sharing_an_adapter_folder_keep_each_other_s_files(
+    demo_adapter_dirs: list[Path], demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """Engines on one volume (one per GPU, as the compose file adds them) share the adapter
+    folder. Another engine's start removed every adapter stored there, so this one's adapter,
+    once out of its host tier, failed to load (found by attacking the fixes)."""
+    config = EngineConfig(model=demo_model_dir, max_model_len=512, max_loras=1, max_cpu_loras=1)
+    a, b = demo_adapter_dirs[4], demo_adapter_dirs[5]
+    da, db = _digest(a, demo_model_dir), _digest(b, demo_model_dir)
+    with (
+        serve_engine_in_thread(
+            AsyncEngine(LLMEngine(config)), "demo", adapter_dir=tmp_path, token=TOKEN
+        ) as one,
+        gateway_at(one.url) as peer,
+    ):
+        _upload(peer, da, a)
+        _upload(peer, db, b)
+        assert isinstance(peer.stream("b", adapter=db)[-1], Delta)  # `a` leaves the host tier
+        engine = AsyncEngine(LLMEngine(config))
+        with serve_engine_in_thread(engine, "demo", adapter_dir=tmp_path, token=TOKEN):
+            assert _stored(tmp_path) == sorted([da, db])
+        last = peer.stream("a", adapter=da)[-1]
+        assert isinstance(last, Delta) and last.finish_reason == "length", last
