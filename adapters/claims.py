@@ -5,9 +5,10 @@ bytes are published again).
 
 A publish claims its digest from its put until its row is committed (shared: any number of
 publishes of the same bytes at once); a cleanup (a failed publish undoing itself, a delete
-retiring a digest) goes ahead only while no one claims the digest, and holds everyone off until
-it has decided and acted (exclusive, never waiting: a claimed digest is simply left alone, its
-publisher takes care of it). A claim is a flock(2) lock on `<root>/.claims/<digest>`, so a
+retiring a digest) waits its turn among cleanups of the digest (`try_cleanup`), then goes ahead
+only while no one claims the digest, and holds everyone off until it has decided and acted
+(exclusive, never waiting: a claimed digest is simply left alone, its publisher takes care of
+it). A claim is a flock(2) lock on `<root>/.claims/<digest>`, so a
 process that dies drops its claims with it. The lock files stay (a few bytes per digest ever
 published): removing one while another process opens it would split the lock in two.
 """
@@ -73,6 +74,23 @@ class DigestClaims:
             raise
         return Claim(fd)
 
+    def try_cleanup(self, digest: str) -> Claim | None:
+        """The right to clean `digest` up, or None while another cleanup of it (in any process)
+        has it; never waits. Cleanups of one digest take turns, each deciding on what it reads
+        after the one before ended: a cleanup that found the digest locked used to take it for
+        a publish and leave it, though it was another cleanup, which had decided on an older
+        read (two tenants deleting identical adapters at once left the files for good)."""
+        fd = self._open(digest, ".cleanup")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        return Claim(fd)
+
     @contextlib.contextmanager
     def unclaimed(self, digest: str) -> Iterator[bool]:
         """Whether no one claims `digest` now; when True, no one can until the block ends.
@@ -88,11 +106,12 @@ class DigestClaims:
         finally:
             os.close(fd)
 
-    def _open(self, digest: str) -> int:
+    def _open(self, digest: str, suffix: str = "") -> int:
         if not _DIGEST.fullmatch(digest):
             raise ValueError(f"{digest!r} is not an adapter digest")
+        path = self.folder / f"{digest}{suffix}"
         try:
-            return os.open(self.folder / digest, os.O_CREAT | os.O_RDWR, 0o600)
+            return os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
         except FileNotFoundError:  # the folder was removed (an operator cleaning up): again
             self.folder.mkdir(parents=True, exist_ok=True)
-            return os.open(self.folder / digest, os.O_CREAT | os.O_RDWR, 0o600)
+            return os.open(path, os.O_CREAT | os.O_RDWR, 0o600)

@@ -39,9 +39,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loramux.adapters.archive import ArchiveLimits, extract_adapter_archive
-from loramux.adapters.claims import Claim
 from loramux.adapters.peft_format import MAX_CONFIG_BYTES
 from loramux.adapters.store import AdapterStore, StoredAdapter
+from loramux.gateway.adapters.claiming import claim, cleanup_turn
 from loramux.gateway.adapters.schemas import AdapterDetail, AdapterOut, AdapterPage, Published
 from loramux.gateway.adapters.shared_store import SharedAdapterStore
 from loramux.gateway.adapters.upload import AdapterUpload
@@ -65,8 +65,6 @@ ADAPTER_NAME = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 is safe in a URL path segment, a file name and `owner/name`, and never looks like an option
 (`-x`) or a path step (`.`, `..`)."""
 _README_ROOM = 1 << 20
-CLAIM_RETRY_SECONDS = 0.005
-"""The first pause before a publish tries its digest's claim again (doubling, to 0.2 s)."""
 
 
 def adapter_out(row: AdapterVersion) -> AdapterOut:
@@ -153,9 +151,9 @@ class AdapterService:
         the session is rolled back and, the claim released, the publish undone (`_discard`).
         Cancelled too (a worker shutting down): otherwise the stored folder, named by no row,
         stayed for good. The undoing is shielded from a second cancellation."""
-        claim = await _claim(self.store, digest)
+        held = await claim(self.store.claims, digest)
         try:
-            with claim:
+            with held:
                 yield
         except (Exception, asyncio.CancelledError):
             await asyncio.shield(self._undo(digest))
@@ -237,7 +235,7 @@ class AdapterService:
         """Undo steps 1-2 of a publish that failed later (`_retire`). Unless another publish of
         the same bytes (another adapter with identical content, in any worker) claims the
         digest: it is about to name it, and needs the folder and the engine's copy."""
-        with self.store.claims.unclaimed(digest) as free:
+        async with self._cleaning(digest) as free:
             if free:
                 await self._retire(digest)
 
@@ -245,9 +243,17 @@ class AdapterService:
         """Retire each digest that no live adapter serves any more (`_retire`), unless a publish
         of the same bytes claims it (it is about to serve it)."""
         for digest in sorted(set(digests)):
-            with self.store.claims.unclaimed(digest) as free:
+            async with self._cleaning(digest) as free:
                 if free:
                     await self._retire(digest)
+
+    @contextlib.asynccontextmanager
+    async def _cleaning(self, digest: str) -> AsyncIterator[bool]:
+        """This cleanup's turn among the digest's (adapters.claims), then whether no publish
+        claims it (when True, none can until the block ends)."""
+        claims = self.store.claims
+        with await cleanup_turn(claims, digest), claims.unclaimed(digest) as free:
+            yield free
 
     async def _retire(self, digest: str) -> None:
         """Unless a live adapter serves `digest`: retire it in the engine; and unless a live
@@ -305,17 +311,6 @@ class AdapterService:
             )
         )
         return len(ids), await _soft_delete(self.session, ids)
-
-
-async def _claim(store: AdapterStore, digest: str) -> Claim:
-    """A claim on `digest`, retried on the loop while a cleanup of the digest decides (a thread
-    waiting on the lock would hold a thread of the pool the cleanup needs to finish: enough
-    uploads of the same bytes deadlocked the worker)."""
-    pause = CLAIM_RETRY_SECONDS
-    while (claim := store.claims.try_claim(digest)) is None:
-        await asyncio.sleep(pause)
-        pause = min(pause * 2, 0.2)
-    return claim
 
 
 async def _lock_owner(session: AsyncSession, owner: str) -> None:

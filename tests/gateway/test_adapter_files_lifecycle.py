@@ -18,8 +18,8 @@ import pytest
 from loramux.adapters.base_spec import BaseModelSpec
 from loramux.adapters.store import AdapterStore
 from loramux.gateway.adapters import service as service_module
+from loramux.gateway.adapters.claiming import claim
 from loramux.gateway.adapters.service import AdapterService
-from loramux.gateway.adapters.service import _claim as claim_digest
 from loramux.gateway.errors import ServiceUnavailable
 from loramux.gateway.server import RunningServer
 from tests.adapters.claim_holder import claim_held_elsewhere
@@ -192,7 +192,7 @@ async def test_a_publish_cancelled_while_waiting_for_its_claim_holds_nothing(
     digest = "ab" * 32
     with store.claims.unclaimed(digest) as free:
         assert free
-        waiting = asyncio.ensure_future(claim_digest(store, digest))
+        waiting = asyncio.ensure_future(claim(store.claims, digest))
         await asyncio.sleep(0.1)  # the publish is waiting: it has tried and will try again
         assert not waiting.done()
         waiting.cancel()
@@ -213,15 +213,15 @@ async def test_publishes_waiting_for_a_claim_hold_no_thread_a_cleanup_needs(
     digest = "cd" * 32
     with store.claims.unclaimed(digest) as free:
         assert free
-        waiting = [asyncio.ensure_future(claim_digest(store, digest)) for _ in range(64)]
+        waiting = [asyncio.ensure_future(claim(store.claims, digest)) for _ in range(64)]
         await asyncio.sleep(0.1)
         assert await asyncio.wait_for(asyncio.to_thread(lambda: "ran"), 30) == "ran"
         assert not any(w.done() for w in waiting)
     claims = await asyncio.wait_for(asyncio.gather(*waiting), 30)
     with store.claims.unclaimed(digest) as free:
         assert not free
-    for claim in claims:
-        claim.release()
+    for held in claims:
+        held.release()
 
 
 def test_a_publish_cancelled_after_storing_its_files_removes_them(
@@ -385,3 +385,49 @@ def test_a_tenant_deleted_while_its_publish_holds_the_owner_lock_takes_the_new_v
         assert published[0].status_code in (201, 404), published[0].text
         listed = admin.get("/admin/adapters", params={"name": "o", "limit": 500}).json()
         assert not [a for a in listed["items"] if a["owner"] == tenant.tenant_id]
+
+
+def test_two_deletes_of_identical_adapters_at_once_leave_no_files(
+    shared_gateway: RunningServer, demo_adapter_dirs: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tenants A and B hold identical adapters (one digest) and delete them at once. A's
+    cleanup has read that B's still serves the digest (and leaves it) when B's cleanup comes:
+    it used to find the digest locked, take A's cleanup for a publish, and leave it too, so the
+    files stayed in both stores and the engine for good (found by attacking the fixes). Now
+    B's cleanup waits for A's and decides on what it reads then."""
+    server, shared = shared_gateway, shared_gateway.state.shared_store
+    assert shared is not None
+    real, first = service_module._serves, threading.Event()
+    read, may_go_on = threading.Event(), threading.Event()
+
+    async def serves(session: Any, digest: str) -> bool:  # the real read; the first one pauses
+        answer = await real(session, digest)
+        if not first.is_set():
+            first.set()
+            read.set()
+            await asyncio.to_thread(may_go_on.wait, 30)
+        return answer
+
+    folder = demo_adapter_dirs[20]
+    with admin_of(server) as admin:
+        a, b = new_tenant(admin, "twin-a"), new_tenant(admin, "twin-b")
+        digest = upload_adapter(admin, a.tenant_id, "x", folder)["digest"]
+        upload_adapter(admin, b.tenant_id, "y", folder)
+        monkeypatch.setattr(service_module, "_serves", serves)
+        answers: list[httpx.Response] = []
+        deletes = [
+            threading.Thread(target=lambda p=path: answers.append(admin.delete(p)))
+            for path in (f"/admin/adapters/{a.tenant_id}/x", f"/admin/adapters/{b.tenant_id}/y")
+        ]
+        deletes[0].start()
+        assert read.wait(30)  # A's cleanup read "B's adapter serves it"
+        deletes[1].start()
+        time.sleep(0.5)  # B's delete commits and reaches its cleanup
+        may_go_on.set()
+        for delete in deletes:
+            delete.join(60)
+        monkeypatch.undo()
+    assert [r.status_code for r in answers] == [200, 200]
+    assert digest not in server.state.store
+    assert not server.run(shared.has(digest))
+    assert not server.state.engine.engine.engine.lora.is_servable(digest)  # type: ignore[attr-defined]
