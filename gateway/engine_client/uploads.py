@@ -11,7 +11,6 @@ from pathlib import Path
 from loramux.adapters.errors import FileTooLarge
 from loramux.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE
 from loramux.engine.errors import UnknownAdapterError
-from loramux.engine.service.server import MAX_MESSAGE_MB
 from loramux.gateway.engine_client.channel import Channel
 from loramux.gateway.engine_client.routing import Endpoint
 
@@ -29,7 +28,8 @@ async def message_limit(endpoint: Endpoint, channel: Channel) -> int:
     connection)."""
     if endpoint.max_message_bytes is None:
         info = await channel.call("info", PROBE_SECONDS)
-        endpoint.max_message_bytes = int(info.get("max_message_bytes", MAX_MESSAGE_MB << 20))
+        # An engine of an earlier release does not say; it took messages of up to 512 MiB.
+        endpoint.max_message_bytes = int(info.get("max_message_bytes", 512 << 20))
     return endpoint.max_message_bytes
 
 
