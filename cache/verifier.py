@@ -69,13 +69,16 @@ _WORD = re.compile(
     r"(?<![\w.])[-−]\d+(?:\.\d+)?"  # a signed number: "-40", not "COVID-19" or "3-5"
     r"|\d+(?:\.\d+)?"
     r"|[^\W\d_]+"
-    r"|(?<=\s)[-−](?=\s+\d)"  # minus, spaced: "10 - 3" ("10-3", "3-5 cups", "2020-2021" are ranges)
+    r"|(?<=\s)[-−](?=\s+\d)"  # minus, spaced: "10 - 3" (unspaced, a range: _RANGE)
     r"|(?<=[\d\s])[/⁄](?=\s*\d)|(?<=\d)[/⁄]"  # divided, next to a number: "12/4", "x / 2"
     r"|\*\*|[%$€£+*×÷^]"
     r"|[,;:]"
 )
 _CASED_WORD = re.compile(r"[^\W\d_]+")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
+_RANGE = re.compile(r"(?<=\d)[-−](?=\d)")
+"""An unspaced hyphen between numbers, read as "to": "3-5 cups" is "3 to 5 cups", and "10-3"
+against "3-10" is a relation reversed (dropping the hyphen made them equal: a wrong hit)."""
 _SENTENCE_END = ".!?:;\"'(["
 _CLAUSE_BREAK = frozenset(",;:")
 
@@ -136,6 +139,7 @@ class Question:
 def _lower_words(text: str) -> list[str]:
     """Words, numbers, symbols and clause breaks, lower-cased and contractions expanded."""
     text = _THOUSANDS.sub("", text.lower().replace("’", "'"))
+    text = _RANGE.sub(" to ", text)
     for contraction, expansion in CONTRACTIONS.items():
         text = text.replace(contraction, expansion)
     return [SYMBOLS.get(w, w) for w in _WORD.findall(text)]

@@ -148,8 +148,11 @@ class IncrementalDetokenizer:
         held = len(self.token_ids) - self.read_offset
         if not final and held > MAX_HELD_TOKENS:
             tail = self.tokenizer.decode(self.token_ids[-TAIL_TOKENS:], skip_special_tokens=True)
-            if tail.endswith("\ufffd"):
-                return  # still inside a character: the window is not decoded again yet
+            if not tail or tail.endswith("\ufffd"):
+                # Still inside a character, or only skipped special tokens since: they add no
+                # text, so the window could not have completed one (decoding it again for each
+                # was quadratic work again: found by attacking this fix).
+                return
         window = self.token_ids[self.prefix_offset :]
         context = self.tokenizer.decode(
             window[: self.read_offset - self.prefix_offset], skip_special_tokens=True

@@ -47,6 +47,9 @@ DIFFERENT = [
     ("Convert 10 miles to kilometers.", "Convert 10 kilometers to miles.", "relation"),
     ("How do I redirect http to https?", "How do I redirect https to http?", "relation"),
     ("What is 2 to the power of 3?", "What is 3 to the power of 2?", "relation"),
+    # Unspaced hyphens are ranges, read as "to": their order still counts.
+    ("What is 10-3?", "What is 3-10?", "relation"),
+    ("Calculate 100-7", "Calculate 7-100", "relation"),
     ("How long does shipping take?", "How long does international shipping take?", "wording"),
     ("How do I make pancakes?", "How do I make waffles?", "wording"),
 ]

@@ -256,3 +256,22 @@ def test_valid_text_in_tokens_that_straddle_characters_decodes_exactly() -> None
     deltas = [detok.add(t) for t in ids] + [detok.flush()]
     assert "".join(deltas) == text
     assert counting.decoded <= 10 * len(ids) + 2 * len(ids)  # the run's decode, once complete
+
+
+def test_skipped_special_tokens_after_an_incomplete_character_cost_linear_work(
+    tokenizer: Any,
+) -> None:
+    """A lone lead byte, then 2,000 special tokens that decoding skips (a tenant can force them
+    with logit_bias): they add no text, so the held window is not decoded again for each. It
+    was, since their tail decoded to nothing rather than to U+FFFD: 2,012,990 tokens decoded."""
+    special = next(
+        i
+        for i, token in sorted(tokenizer.added_tokens_decoder.items())
+        if token.special and i != tokenizer.eos_token_id
+    )
+    counting = _Counting(rust_decoder(tokenizer))
+    detok = IncrementalDetokenizer(counting)
+    ids = [_lead_byte(tokenizer)] + [special] * 2000
+    deltas = [detok.add(t) for t in ids] + [detok.flush()]
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert counting.decoded <= 10 * len(ids)
