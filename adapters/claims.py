@@ -63,16 +63,7 @@ class DigestClaims:
         """A claim on `digest`, or None while a cleanup of it is deciding. Never waits: an
         event loop retries it (a thread blocked on the lock would be one fewer for the
         cleanup, which may need one to finish)."""
-        fd = self._open(digest)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        except BaseException:
-            os.close(fd)
-            raise
-        return Claim(fd)
+        return self._try(digest, "", fcntl.LOCK_SH)
 
     def try_cleanup(self, digest: str) -> Claim | None:
         """The right to clean `digest` up, or None while another cleanup of it (in any process)
@@ -80,9 +71,13 @@ class DigestClaims:
         after the one before ended: a cleanup that found the digest locked used to take it for
         a publish and leave it, though it was another cleanup, which had decided on an older
         read (two tenants deleting identical adapters at once left the files for good)."""
-        fd = self._open(digest, ".cleanup")
+        return self._try(digest, ".cleanup", fcntl.LOCK_EX)
+
+    def _try(self, digest: str, suffix: str, mode: int) -> Claim | None:
+        """The lock file `<digest><suffix>` locked in `mode` without waiting; None when taken."""
+        fd = self._open(digest, suffix)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return None
