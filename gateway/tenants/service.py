@@ -20,7 +20,7 @@ from loramux.gateway.admin.paging import Paging, page_of
 from loramux.gateway.admin.wire import Deleted, utc
 from loramux.gateway.auth.api_keys import ApiKeyAuth
 from loramux.gateway.db import ApiKey, Tenant
-from loramux.gateway.errors import Conflict
+from loramux.gateway.errors import Conflict, NotFound
 from loramux.gateway.prefix_cache import SETTING as PREFIX_SCOPE
 from loramux.gateway.prefix_cache import scope_of
 from loramux.gateway.tenants.lookup import check_tenant_name, get_tenant, lock_tenant
@@ -87,7 +87,11 @@ class TenantService:
         tenant = await get_tenant(self.session, ref)
         # Locked before its adapters are read: a publish under way either commits first, and
         # its version is soft-deleted here, or finds the tenant gone (adapters.service).
-        await lock_tenant(self.session, tenant.id)
+        if not await lock_tenant(self.session, tenant.id):
+            # Another delete committed between our read and our lock: it is gone.
+            raise NotFound(
+                f"no tenant with the id or name {ref!r}", param="id", code="tenant_not_found"
+            )
         tenant_id = tenant.id
         key_ids = await _key_ids(self.session, tenant_id)
         versions, digests = await self.adapters.soft_delete_owned_by(tenant_id)

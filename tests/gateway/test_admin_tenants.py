@@ -15,13 +15,16 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from loramux.gateway.adapters.service import AdapterService
 from loramux.gateway.auth.api_keys import ApiKeyAuth, Principal
 from loramux.gateway.db import ApiKey, Tenant
-from loramux.gateway.errors import Unauthorized
+from loramux.gateway.errors import NotFound, Unauthorized
 from loramux.gateway.keys.schemas import KeyCreate
 from loramux.gateway.keys.service import KeyService
 from loramux.gateway.server import RunningServer
-from tests.gateway.conftest import json_of
+from loramux.gateway.state import GatewayState
+from loramux.gateway.tenants.service import TenantService
+from tests.gateway.conftest import admin_client, json_of
 
 
 def unique(prefix: str) -> str:
@@ -305,3 +308,34 @@ def test_an_expiry_utc_cannot_express_is_400(admin: httpx.Client, expires_at: st
     assert response.status_code == 400, response.text
     assert json_of(response)["error"]["param"] == "expires_at"
     assert json_of(admin.get(f"/admin/tenants/{tenant['id']}/keys"))["items"] == []
+
+
+async def _delete_tenant(gw: GatewayState, ref: str) -> str:
+    """Delete a tenant through the admin API's own services, in a session of its own; what
+    the handler would have answered."""
+    async with gw.sessions() as session:
+        adapters = AdapterService(
+            session, gw.store, gw.engine, gw.catalog, gw.model_name, gw.shared_store
+        )
+        try:
+            await TenantService(session, gw.keys, adapters, gw.cache).delete(ref)
+        except NotFound:
+            return "404"
+        return "200"
+
+
+def test_two_deletes_of_one_tenant_at_once_are_one_200_and_one_404(
+    each_gateway: RunningServer,
+) -> None:
+    """Both read the tenant before either locked it; the one that locked second found the row
+    gone and still answered 200 (or failed on a row it could not delete), where a delete of a
+    tenant that is not there is a 404."""
+    gateway, admin = each_gateway, admin_client(each_gateway)
+    for _ in range(3):
+        tenant = json_of(admin.post("/admin/tenants", json={"name": unique("twice")}))
+
+        assert sorted(gateway.run(_delete_twice(gateway.state, tenant["id"]))) == ["200", "404"]
+
+
+async def _delete_twice(gw: GatewayState, ref: str) -> list[str]:
+    return list(await asyncio.gather(_delete_tenant(gw, ref), _delete_tenant(gw, ref)))
