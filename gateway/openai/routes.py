@@ -50,6 +50,9 @@ PRINCIPAL = "principal"
 """Where the guard leaves the caller, in the connection's state."""
 RUN = "run"
 """Where a completion leaves its engine run (a Generation), in the connection's state."""
+RESOLVED = "resolved_model"
+"""Where a completion leaves the model it resolved to (a ResolvedModel), in the connection's
+state: a refusal after it is recorded under that model."""
 
 COMPLETION_ERRORS = errors(400, 401, 403, 404, 413, 415, 429, 503, 504)
 
@@ -86,11 +89,13 @@ async def _respond(
 ) -> Response[Any]:
     state = request.scope["state"]
     cache_control = request.headers.get("cache-control")
+    principal = caller(request)
+    model = state[RESOLVED] = await service.resolve(principal, body)
     # A client that leaves while its prompt waits for a tokenizer thread is not tokenized for.
     gone = asyncio.ensure_future(_client_gone(request))
     try:
         prepared = await service.prepare(
-            caller(request), body, state["request_id"], state[ARRIVED], cache_control, gone
+            principal, body, model, state["request_id"], state[ARRIVED], cache_control, gone
         )
     finally:
         gone.cancel()
@@ -218,7 +223,10 @@ def openai_router(gw: GatewayState) -> Router:
             ),
             "models": Provide(lambda: model_directory, sync_to_thread=False, use_cache=True),
         },
-        middleware=[record_unmetered(gw.usage, PRINCIPAL), end_runs_with_their_response],
+        middleware=[
+            record_unmetered(gw.usage, PRINCIPAL, RESOLVED),
+            end_runs_with_their_response,
+        ],
     )
 
 

@@ -107,22 +107,26 @@ class CompletionService:
     """The tool-call format the model's chat template teaches; None when it renders no tools."""
 
     # -- preparing: everything that can refuse the request ---------------------------------------
+    async def resolve(self, principal: Principal, req: Body) -> ResolvedModel:
+        """The model the request names, for this caller; refuses what no model serves."""
+        refuse_unsupported(req)
+        return await self.catalog.resolve(principal, req.model)
+
     async def prepare(
         self,
         principal: Principal,
         req: Body,
+        model: ResolvedModel,
         request_id: str,
         arrived: float,
         cache_control: str | None = None,
         gone: asyncio.Future[None] | None = None,
     ) -> Prepared:
-        """Validate, resolve, tokenize, admit and look up the cache, then (on a miss) see the
-        adapter onto the engine; raises before anything is sent. `arrived` (time.perf_counter)
-        is when the request reached the gateway: its latency and time to first token count
-        from there. `gone` completes if the client closes its connection: a prompt not yet
-        tokenized then never is (ClientClosedRequest)."""
-        refuse_unsupported(req)
-        model = await self.catalog.resolve(principal, req.model)
+        """Validate, tokenize, admit and look up the cache, then (on a miss) see the adapter
+        onto the engine; raises before anything is sent. `model` is what `resolve` gave.
+        `arrived` (time.perf_counter) is when the request reached the gateway: its latency and
+        time to first token count from there. `gone` completes if the client closes its
+        connection: a prompt not yet tokenized then never is (ClientClosedRequest)."""
         meta = self._meta(req, request_id, model)
         tools = self._tool_use(req, meta.id)
         draft = self._draft(req, request_id, model, principal, tools)

@@ -17,6 +17,7 @@ from typing import Any
 from litestar.types import ASGIApp, Middleware, Receive, Scope, Send
 
 from loramux.gateway.auth.api_keys import Principal
+from loramux.gateway.catalog import ResolvedModel
 from loramux.gateway.errors import ANSWERED_WITH, GatewayError
 from loramux.gateway.metrics.routes import ARRIVED
 from loramux.gateway.usage.recorder import UsageRecord, UsageRecorder
@@ -27,8 +28,11 @@ UNRESOLVED_MODEL = ""
 """The model of a request refused before its model was resolved (or could be read)."""
 
 
-def record_unmetered(recorder: UsageRecorder, principal_key: str) -> Middleware:
-    """The middleware, reading the caller from the request's state at `principal_key`."""
+def record_unmetered(recorder: UsageRecorder, principal_key: str, model_key: str) -> Middleware:
+    """The middleware, reading the caller from the request's state at `principal_key`, and the
+    model the request resolved to, if it got that far, at `model_key` (a ResolvedModel): a
+    request refused after its model was resolved (a 429, say) is recorded under that model,
+    beside the requests it served."""
 
     def wrap(app: ASGIApp) -> ASGIApp:
         async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
@@ -46,7 +50,8 @@ def record_unmetered(recorder: UsageRecorder, principal_key: str) -> Middleware:
                     and error is not None
                     and not state.get(METERED)
                 ):
-                    recorder.record(_refused(state, principal, error, started))
+                    model = state.get(model_key)
+                    recorder.record(_refused(state, principal, model, error, started))
 
         return middleware
 
@@ -54,14 +59,18 @@ def record_unmetered(recorder: UsageRecorder, principal_key: str) -> Middleware:
 
 
 def _refused(
-    state: dict[str, Any], principal: Principal, error: GatewayError, started: float
+    state: dict[str, Any],
+    principal: Principal,
+    model: ResolvedModel | None,
+    error: GatewayError,
+    started: float,
 ) -> UsageRecord:
     return UsageRecord(
         request_id=state.get("request_id", ""),
         tenant_id=principal.tenant_id,
         key_id=principal.key_id,
-        model=UNRESOLVED_MODEL,
-        adapter_digest=None,
+        model=UNRESOLVED_MODEL if model is None else model.billed_as,
+        adapter_digest=None if model is None else model.digest,
         prompt_tokens=0,
         completion_tokens=0,
         cached_tokens=0,

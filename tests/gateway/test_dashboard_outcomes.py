@@ -128,6 +128,21 @@ def test_the_usage_api_counts_each_outcome_apart(operator: httpx.Client, mixed: 
     assert a["errors"] == 2 and b["errors"] == 3
 
 
+def test_a_refusal_after_its_model_resolved_is_counted_with_that_adapter(
+    operator: httpx.Client, mixed: Mixed
+) -> None:
+    """The 429 came after `support-bot` resolved: it is that adapter's refusal, beside its
+    requests, not a request of no model (found by attacking billing: it was recorded as "").
+    The 400 and the 404 never resolved a model, and stay under none."""
+    rows = operator.get(
+        "/admin/usage", params={"tenant": mixed.tenant.tenant_id, "group_by": "adapter"}
+    )
+    by_adapter = {r["group"]: r for r in json_of(rows)["rows"]}
+    assert by_adapter["support-bot"]["requests"] == 4
+    assert by_adapter["support-bot"]["refusals"]["requests"] == 1
+    assert by_adapter[""]["requests"] == 2 and by_adapter[""]["client_errors"] == 2
+
+
 @pytest.mark.skipif(
     shutil.which("chromium") is None and not os.environ.get("CI"),
     reason="Chromium is not installed (apt-get install chromium)",
