@@ -54,11 +54,10 @@ from loramux.gateway.catalog import (
     live_version,
 )
 from loramux.gateway.db import AdapterVersion
-from loramux.gateway.db.adapter import SHARED_OWNER
 from loramux.gateway.db.base import utcnow
 from loramux.gateway.engine_client.base import EngineClient
 from loramux.gateway.errors import BadRequest, Conflict, NotFound
-from loramux.gateway.tenants.lookup import lock_tenant, owner_id
+from loramux.gateway.tenants.lookup import lock_owner, owner_id
 
 ADAPTER_NAME = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """1-64 letters, digits, '.', '_' or '-', starting with a letter or digit, without '..': a name
@@ -143,7 +142,7 @@ class AdapterService:
             current = await latest_version(self.session, owner, name)
             if current is not None and current.digest == stored.digest:
                 return Published(adapter_out(current), created=False)
-            return Published(await self._publish_stored(owner, name, stored), created=True)
+            return await self._publish_stored(owner, name, stored)
 
     @contextlib.asynccontextmanager
     async def _claimed(self, digest: str) -> AsyncIterator[None]:
@@ -163,14 +162,16 @@ class AdapterService:
         await self.session.rollback()
         await self._discard(digest)
 
-    async def _publish_stored(self, owner: str, name: str, stored: StoredAdapter) -> AdapterOut:
+    async def _publish_stored(self, owner: str, name: str, stored: StoredAdapter) -> Published:
         """Steps 2-4, inside `_claimed(stored.digest)`."""
         await self.engine.ensure_adapter(stored.digest, stored.path)
         row, previous = await self._insert_version(owner, name, stored)
+        if not isinstance(row, AdapterVersion):  # the current version already holds these bytes
+            return Published(row, created=False)
         if previous is not None and previous != row.digest:
             await self.retire_unused([previous])
         self.catalog.invalidate()
-        return adapter_out(row)
+        return Published(adapter_out(row), created=True)
 
     async def make_current(self, owner_ref: str, name: str, version: int) -> Published:
         """Make live `version` the one that serves: published again as the newest version
@@ -187,7 +188,7 @@ class AdapterService:
                 code="adapter_files_missing",
             )
         async with self._claimed(stored.digest):
-            return Published(await self._publish_stored(owner, name, stored), created=True)
+            return await self._publish_stored(owner, name, stored)
 
     async def delete_version(self, owner_ref: str, name: str, version: int) -> Deleted:
         """Soft-delete one live version and retire its digest unless it still serves."""
@@ -201,11 +202,17 @@ class AdapterService:
 
     async def _insert_version(
         self, owner: str, name: str, stored: StoredAdapter
-    ) -> tuple[AdapterVersion, str | None]:
+    ) -> tuple[AdapterVersion | AdapterOut, str | None]:
         """The committed new row, and the digest of the version it replaces (None for the
-        first)."""
-        await _lock_owner(self.session, owner)
+        first); or the current version, when it already holds these bytes: published by an
+        upload of the same bytes that took the owner's lock first (a client retrying a timed-out
+        upload). Both used to publish, as versions n and n + 1 of one digest."""
+        await lock_owner(self.session, owner)
         previous = await latest_version(self.session, owner, name)
+        if previous is not None and previous.digest == stored.digest:
+            same = adapter_out(previous)
+            await self.session.rollback()
+            return same, None
         top = await self.session.scalar(
             select(func.max(AdapterVersion.version)).where(
                 AdapterVersion.owner == owner, AdapterVersion.name == name
@@ -224,6 +231,10 @@ class AdapterService:
         try:
             await self.session.commit()
         except IntegrityError:
+            await self.session.rollback()
+            won = await latest_version(self.session, owner, name)  # shared: no owner lock
+            if won is not None and won.digest == stored.digest:
+                return adapter_out(won), None
             raise Conflict(
                 f"another upload of {owner}/{name} finished first; retry",
                 param="name",
@@ -311,23 +322,6 @@ class AdapterService:
             )
         )
         return len(ids), await _soft_delete(self.session, ids)
-
-
-async def _lock_owner(session: AsyncSession, owner: str) -> None:
-    """Lock the owner's row until the transaction ends; NotFound when the tenant was deleted
-    since the publish checked it. The lock is a write that changes nothing: a row lock on
-    PostgreSQL, and on SQLite the database's write lock, which a SELECT ... FOR UPDATE does not
-    take there. A tenant's delete writes first too (`tenants.service.lock_tenant`): either it
-    finds this version and deletes it, or this publish finds the tenant gone. A publish used to
-    commit a live version of a tenant deleted meanwhile, which no admin route could delete."""
-    if owner == SHARED_OWNER:
-        return
-    if not await lock_tenant(session, owner):
-        raise NotFound(
-            f"tenant {owner!r} was deleted while its adapter was being published",
-            param="owner",
-            code="tenant_not_found",
-        )
 
 
 async def _named(session: AsyncSession, digest: str) -> bool:

@@ -40,6 +40,23 @@ async def lock_tenant(session: AsyncSession, tenant_id: str) -> bool:
     return bool(locked.rowcount)  # type: ignore[attr-defined]
 
 
+async def lock_owner(session: AsyncSession, owner: str) -> None:
+    """Lock an adapter owner's row until the transaction ends (a publish's; nothing for
+    `shared`); NotFound when the tenant was deleted since the publish checked it. The lock is a write that changes nothing: a row lock on
+    PostgreSQL, and on SQLite the database's write lock, which a SELECT ... FOR UPDATE does not
+    take there. A tenant's delete writes first too (`lock_tenant`): either it
+    finds this version and deletes it, or this publish finds the tenant gone. A publish used
+    to commit a live version of a tenant deleted meanwhile, which no admin route could delete."""
+    if owner == SHARED_OWNER:
+        return
+    if not await lock_tenant(session, owner):
+        raise NotFound(
+            f"tenant {owner!r} was deleted while its adapter was being published",
+            param="owner",
+            code="tenant_not_found",
+        )
+
+
 async def tenant_id_of(session: AsyncSession, ref: str) -> str:
     """The id of the tenant named `ref`, else `ref` itself: for filters over history, where a
     deleted tenant's id still names its rows."""

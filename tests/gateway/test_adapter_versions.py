@@ -4,6 +4,9 @@ time (the one before serves again when the current one goes)."""
 
 from __future__ import annotations
 
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -11,7 +14,7 @@ import openai
 import pytest
 
 from loramux.gateway.server import RunningServer
-from tests.gateway.conftest import json_of
+from tests.gateway.conftest import admin_client, json_of
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 
 PROMPT = [{"role": "user", "content": "Say something about adapters"}]
@@ -137,3 +140,46 @@ def test_a_version_number_no_version_can_have_is_a_404(
         admin.put(f"{path}/current", json={"version": version}),
     ):
         assert response.status_code in (400, 404), response.text
+
+
+def _upload_files(folder: Path) -> dict[str, tuple[str, bytes]]:
+    return {
+        part: (file, (folder / file).read_bytes())
+        for part, file in (
+            ("adapter_config", "adapter_config.json"),
+            ("adapter_model", "adapter_model.safetensors"),
+        )
+    }
+
+
+def _upload_twice_at_once(
+    admin: httpx.Client, owner: str, name: str, folder: Path
+) -> list[httpx.Response]:
+    start = threading.Barrier(2)
+
+    def upload(_: int) -> httpx.Response:
+        start.wait()
+        data = {"name": name, "owner": owner}
+        return admin.post("/admin/adapters", data=data, files=_upload_files(folder))
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(upload, range(2)))
+
+
+@pytest.mark.parametrize("owned_by", ["tenant", "shared"])
+def test_two_uploads_of_the_same_bytes_at_once_publish_one_version(
+    each_gateway: RunningServer, demo_adapter_dirs: list[Path], owned_by: str
+) -> None:
+    """A client retrying a timed-out upload: both uploads passed the "same bytes as the current
+    version?" check before either committed, then took turns on the owner's lock, and both
+    published (versions 1 and 2 of one digest; a shared owner, which has no row to lock, got
+    a 409). One version, and both answers name it (found by attacking the adapter publish)."""
+    admin = admin_client(each_gateway)
+    owner = new_tenant(admin, "twice").tenant_id if owned_by == "tenant" else "shared"
+    for attempt in range(3):
+        name = f"same-{uuid.uuid4().hex[:8]}-{attempt}"
+        answers = _upload_twice_at_once(admin, owner, name, demo_adapter_dirs[5])
+        assert sorted(a.status_code for a in answers) == [200, 201], [a.text for a in answers]
+        assert {json_of(a)["version"] for a in answers} == {1}
+        detail = json_of(admin.get(f"/admin/adapters/{owner}/{name}"))
+        assert [v["version"] for v in detail["versions"]] == [1]
