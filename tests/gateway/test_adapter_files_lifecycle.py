@@ -353,7 +353,7 @@ def test_a_tenant_deleted_while_its_publish_holds_the_owner_lock_takes_the_new_v
     delete arrives: the delete waits for the publish's commit and then deletes its version
     too. On SQLite a SELECT ... FOR UPDATE locked nothing, so the delete committed in between
     and the publish left a live version of a deleted tenant (found by attacking the fixes)."""
-    server, real = shared_gateway, service_module._lock_owner
+    server, real = shared_gateway, service_module.lock_owner
     locked, may_commit = threading.Event(), threading.Event()
 
     async def lock_owner(session: Any, owner: str) -> None:  # the real lock, then a pause
@@ -361,7 +361,7 @@ def test_a_tenant_deleted_while_its_publish_holds_the_owner_lock_takes_the_new_v
         locked.set()
         await asyncio.to_thread(may_commit.wait, 30)
 
-    monkeypatch.setattr(service_module, "_lock_owner", lock_owner)
+    monkeypatch.setattr(service_module, "lock_owner", lock_owner)
     with admin_of(server) as admin:
         tenant = new_tenant(admin, "locked")
         published: list[httpx.Response] = []
