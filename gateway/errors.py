@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import re
 from typing import Any, ClassVar
+from urllib.parse import unquote_to_bytes
 
 import msgspec
 from litestar import Request, Response
@@ -329,10 +330,13 @@ async def refuse_empty_segments(connection: ASGIConnection[Any, Any, Any, Any], 
 
 
 def _with_empty_segment(scope: Any) -> str:
-    """The path as the client sent it when it has an empty segment, else ''. The router
-    rewrites `scope["path"]` without them, so this reads `raw_path`."""
+    """The path, percent-decoded, when it has an empty segment, else ''. The router rewrites
+    `scope["path"]` without them, so this reads `raw_path`, decoded as the server decodes it
+    for the router: `/admin/tenants/%2Fvictim` is routed as `/admin/tenants//victim`, and
+    reached (and deleted) the tenant `victim` when only a literal `//` was refused."""
     raw = scope.get("raw_path") or scope["path"].encode()
-    return raw.decode("latin-1") if b"//" in raw else ""
+    decoded = unquote_to_bytes(raw) if b"%" in raw else raw
+    return decoded.decode("latin-1") if b"//" in decoded else ""
 
 
 def _empty_segment(path: str) -> NotFound:

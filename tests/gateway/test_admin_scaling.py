@@ -133,6 +133,9 @@ def test_names_that_would_read_as_an_owner_or_an_id_are_refused(
         ("GET", "/admin/adapters//support-bot"),
         ("DELETE", "/admin/adapters/shared//versions/1"),
         ("GET", "/admin//tenants"),
+        ("GET", "/admin/tenants/%2Fkeys"),  # an encoded slash is routed as a slash
+        ("POST", "/admin/tenants/%2f%2Fkeys"),
+        ("GET", "/admin/tenants/probe%2F%2Fkeys"),
     ],
 )
 def test_an_empty_path_segment_is_a_404_that_says_so(
@@ -142,6 +145,15 @@ def test_an_empty_path_segment_is_a_404_that_says_so(
     assert response.status_code == 404, response.text
     error = json_of(response)["error"]
     assert error["code"] == "empty_path_segment" and "empty segment" in error["message"]
+
+
+def test_an_encoded_empty_segment_deletes_nothing(admin: httpx.Client) -> None:
+    """`DELETE /admin/tenants/%2F<tenant>` was routed as `/admin/tenants//<tenant>`, past the
+    check for a literal `//`, and deleted that tenant (found by attacking the admin API)."""
+    bystander = new_tenant(admin, "bystander")
+    refused = admin.delete(f"/admin/tenants/%2F{bystander.tenant_id}")
+    assert refused.status_code == 404 and json_of(refused)["error"]["code"] == "empty_path_segment"
+    assert admin.get(f"/admin/tenants/{bystander.tenant_id}").status_code == 200
 
 
 def test_key_lists_filter_by_name(admin: httpx.Client) -> None:
