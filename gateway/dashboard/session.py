@@ -20,14 +20,17 @@ from datetime import UTC, datetime
 
 import jwt
 
+from loramux.gateway.admin.guard import ANONYMOUS
 from loramux.gateway.dashboard.sources import DashboardSources
 from loramux.gateway.db import ApiKey, Tenant
-from loramux.gateway.errors import Unauthorized
+from loramux.gateway.errors import GatewayError, Unauthorized
 
 COOKIE = "loramux_dashboard"
 AUDIENCE = "loramux-dashboard"
 SESSION_SECONDS = 15 * 60
 _LABEL = b"loramux dashboard session v1"
+LOGIN = "POST /dashboard/login"
+"""The audit log's target for an admin token refused at the dashboard's sign-in."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,14 @@ async def sign_in(src: DashboardSources, credential: str) -> Viewer:
     if credential.startswith("lmx-"):
         principal = await src.keys.authenticate(f"Bearer {credential}")
         return Viewer(principal.key_id, principal.tenant_id, now + SESSION_SECONDS)
-    identity = src.admin.verify(f"Bearer {credential}")
+    try:
+        identity = src.admin.verify(f"Bearer {credential}")
+    except GatewayError as exc:
+        # Audited as the admin API's guard audits a refused token: someone guessing admin
+        # tokens here instead was invisible in the audit log.
+        detail = {"error": exc.message[:500]}
+        await src.audit.write(ANONYMOUS, "admin.auth", LOGIN, exc.code or "denied", detail)
+        raise
     expires = min(now + SESSION_SECONDS, int(identity.claims["exp"]))
     return Viewer(identity.subject, None, expires)
 

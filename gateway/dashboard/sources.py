@@ -10,6 +10,7 @@ from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from loramux.cache.response_cache import ResponseCache
+from loramux.gateway.audit.service import AuditLog
 from loramux.gateway.auth.admin_jwt import AdminAuth
 from loramux.gateway.auth.api_keys import ApiKeyAuth
 from loramux.gateway.engine_client.base import EngineClient
@@ -29,6 +30,8 @@ class DashboardSources:
     """Signs dashboard sessions (through a derived key, `gateway.dashboard.session`)."""
     cache: ResponseCache
     """The response cache: its per-tenant counts (hits, near misses, refusals, wrong hits)."""
+    audit: AuditLog
+    """Where a refused admin token is recorded, as the admin API's guard records one."""
 
     @classmethod
     def of(cls, gw: GatewayState) -> DashboardSources:
@@ -41,4 +44,5 @@ class DashboardSources:
             gw.model_name,
             admin_secret(gw.settings),
             gw.cache,
+            AuditLog(gw.sessions),
         )

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import httpx
 
+from loramux.gateway.dashboard.session import LOGIN
 from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import admin_client, json_of
 
@@ -80,3 +81,20 @@ def test_an_action_on_a_reference_holding_nul_is_audited(each_gateway: RunningSe
     assert [(e["action"], e["target"], e["outcome"]) for e in entries] == [
         ("tenant.update", f"{marker}\\x00", "not_found")
     ]
+
+
+def test_an_admin_token_refused_at_the_dashboards_sign_in_is_audited(
+    gateway: RunningServer, admin: httpx.Client
+) -> None:
+    """The dashboard's sign-in takes admin tokens too: a refused one is audited there as the
+    admin API's guard audits it, so guessing tokens through the form shows in the audit log
+    (found by attacking the dashboard: 20 refused tokens left no entry)."""
+    marker = f"not-a-token-{uuid.uuid4().hex}"
+    with httpx.Client(base_url=gateway.url, timeout=30) as anonymous:
+        for _ in range(3):
+            refused = anonymous.post("/dashboard/login", data={"credential": marker})
+            assert refused.status_code == 401
+    entries = json_of(admin.get("/admin/audit", params={"limit": 500}))["items"]
+    ours = [e for e in entries if e["action"] == "admin.auth" and e["target"] == LOGIN]
+    assert len(ours) >= 3
+    assert {(e["actor"], e["outcome"]) for e in ours} == {("anonymous", "invalid_token")}
