@@ -49,6 +49,14 @@ class _Abort:
     choice: int | None = None
 
 
+@dataclass(frozen=True)
+class _Sweep:
+    """Drop retired adapters that no request uses (LLMEngine.sweep_adapters)."""
+
+
+_SWEEP = _Sweep()
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -58,7 +66,7 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Sweep | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -102,8 +110,14 @@ class AsyncEngine:
         self.engine.prefetch_adapter(digest)
 
     def retire_adapter(self, digest: str) -> bool:
-        """Refuse new requests for `digest`; it is unloaded once its in-flight requests end."""
-        return self.engine.retire_adapter(digest)
+        """Refuse new requests for `digest`; it is unloaded once its in-flight requests end.
+        The step thread is woken to drop it at once if none uses it: the drop happens between
+        steps, and an idle engine takes none, so it kept the adapter, and its uploaded files (a
+        deleted tenant's weights), until another request arrived."""
+        retired = self.engine.retire_adapter(digest)
+        if retired:
+            self._commands.put(_SWEEP)
+        return retired
 
     def adapter_stats(self) -> dict[str, AdapterStats]:
         return self.engine.adapter_stats()
@@ -183,6 +197,8 @@ class AsyncEngine:
                 return False
             if isinstance(cmd, _Add):
                 self._add(cmd)
+            elif isinstance(cmd, _Sweep):
+                self.engine.sweep_adapters()
             else:
                 final = self.engine.abort(cmd.request_id, cmd.choice)
                 if final is not None:

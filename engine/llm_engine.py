@@ -183,6 +183,12 @@ class LLMEngine:
         if self.lora is not None:
             self.lora.hint(digest)
 
+    def sweep_adapters(self) -> None:
+        """Drop retired adapters no request uses (step thread, between steps; `step` does it
+        too, before each step)."""
+        if self.lora is not None:
+            self.lora.sweep()
+
     def retire_adapter(self, digest: str) -> bool:
         """New requests for `digest` are refused at once; it is dropped when its last one ends."""
         return self.lora.retire(digest) if self.lora is not None else False

@@ -217,3 +217,21 @@ async def test_seeds_are_taken_modulo_two_to_the_64(engine: AsyncEngine) -> None
 
     assert await sampled("minus-one", -1) == await sampled("max", 2**64 - 1)
     assert await sampled("past", 2**64 + 5) == await sampled("five", 5)
+
+
+async def test_an_idle_engine_drops_a_retired_adapter_at_once(
+    engine: AsyncEngine, demo_adapter_dirs: list[Path]
+) -> None:
+    """A retired adapter is dropped between steps once no request uses it; an idle engine took
+    no step, so it kept the adapter (and the engine service its uploaded files: a deleted
+    tenant's weights) until an unrelated request came (found by attacking the engine
+    service)."""
+    lora = engine.engine.lora
+    assert lora is not None
+    digest = await engine.register_adapter(demo_adapter_dirs[3])
+    dropped = asyncio.get_running_loop().create_future()
+    loop = asyncio.get_running_loop()
+    lora.on_drop = lambda d: loop.call_soon_threadsafe(dropped.set_result, d)
+    assert engine.retire_adapter(digest)
+    assert await asyncio.wait_for(dropped, 10) == digest
+    assert not lora.holds(digest)
