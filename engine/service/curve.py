@@ -2,6 +2,9 @@
 frame encrypted and authenticated, and a peer without the token refused at the handshake,
 before ZeroMQ takes a byte of its messages (without it, ZeroMQ buffered an unauthenticated
 peer's whole message, up to the engine's 512 MiB limit, before the engine read its head).
+The handshake's own frames are read before any key is shown: what a stranger can make the
+engine buffer is bounded by the socket's frame limit and its handshake deadline
+(engine.service.server), not by CURVE.
 
 Nothing new is distributed: both key pairs derive from the engine token (HMAC-SHA256 of the
 token, a label for each end), so whoever holds the token, and only they, can derive them, as

@@ -18,7 +18,8 @@ import uvicorn
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.config import EngineConfig
 from loramux.engine.service.health import create_health_app
-from loramux.engine.service.server import HEARTBEAT_TIMEOUT_MS, MAX_MESSAGE_MB, EngineServer
+from loramux.engine.service.server import HEARTBEAT_TIMEOUT_MS, EngineServer
+from loramux.engine.service.uploads import MAX_ADAPTER_MB
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ async def serve_engine(
     bound: list[str] | None = None,
     stop: asyncio.Event | None = None,
     heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
-    max_message_mb: int = MAX_MESSAGE_MB,
+    max_adapter_mb: int = MAX_ADAPTER_MB,
 ) -> None:
     """Serve until the health server exits (a signal, in the foreground) or `stop` is set;
     then shut the engine down. Once listening, the channel's address and the health URL are
@@ -54,7 +55,7 @@ async def serve_engine(
         model_name,
         token,
         adapter_dir,
-        max_message_mb=max_message_mb,
+        max_adapter_mb=max_adapter_mb,
         heartbeat_timeout_ms=heartbeat_timeout_ms,
     )
     address = server.bind(listen.address)
@@ -151,7 +152,7 @@ def serve_engine_in_thread(
     adapter_dir: Path | None = None,
     token: str | None = None,
     heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
-    max_message_mb: int = MAX_MESSAGE_MB,
+    max_adapter_mb: int = MAX_ADAPTER_MB,
 ) -> Iterator[RunningEngineService]:
     """Serve `engine` from a background thread (on a free loopback port unless `address`
     says otherwise); stop it on exit."""
@@ -169,7 +170,7 @@ def serve_engine_in_thread(
         bound=bound,
         stop=stop,
         heartbeat_timeout_ms=heartbeat_timeout_ms,
-        max_message_mb=max_message_mb,
+        max_adapter_mb=max_adapter_mb,
     )
     thread = threading.Thread(target=loop.run_until_complete, args=(work,), daemon=True)
     thread.start()

@@ -19,7 +19,10 @@ again. Only the gateway that started a request can abort it.
 No message stops the server: one that is not a message, or not one of ours, is dropped (and
 logged, at most once per LOG_EVERY_SECONDS); one whose token is wrong is refused, having been
 read no further than its head; one that passes the token but not validation is answered
-with `invalid_request`.
+with `invalid_request`. No frame over MAX_FRAME_BYTES is taken (ZeroMQ drops the connection
+at its head; adapters arrive in parts, engine.service.upload_parts), a CURVE handshake's frames
+included, and a connection whose handshake is not done in HANDSHAKE_MS is closed: what a peer
+without a key can make the engine hold is one such frame per connection, that long.
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ from loramux.engine.service.curve import (
     secure_engine,
     uses_curve,
 )
-from loramux.engine.service.uploads import UploadedAdapters
+from loramux.engine.service.uploads import MAX_ADAPTER_MB, UploadedAdapters
 from loramux.engine.service.wire import (
+    MAX_FRAME_BYTES,
     WIRE_VERSION,
     Abort,
     Batch,
@@ -71,11 +75,10 @@ log = logging.getLogger(__name__)
 REFUSED = frozenset({"generate", "abort", "call"})
 """Kinds of message answered when their token is wrong (a Prefetch is a hint: never answered)."""
 
-MAX_MESSAGE_MB = 516
-"""Largest message the engine accepts: an adapter upload is one message, and the gateway's
-largest (LORAMUX_MAX_UPLOAD_MB, 512 by default, of weights and 1 MiB of config) fits with room
-for the message around it. A gateway refuses an adapter that would not fit (`info` tells it the
-limit): a message over it drops the gateway's connection, and every stream on it."""
+HANDSHAKE_MS = 5000
+"""A connection that has not completed its handshake (CURVE over tcp://) in this long is closed:
+ZeroMQ's default, 30 s, let a peer without a key hold a descriptor, and what it sent of a
+handshake frame (up to MAX_FRAME_BYTES), that long per connection."""
 SEND_QUEUE = 10_000
 """Messages queued for one gateway at most (a batch per step): past them it is not reading."""
 HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 1000, 5000
@@ -96,17 +99,19 @@ class EngineServer:
     adapter_dir: Path | None = None
     """Uploaded adapters are stored here (engine.service.uploads: emptied at start); a
     temporary folder, removed by `close`, when None."""
-    max_message_mb: int = MAX_MESSAGE_MB
+    max_adapter_mb: int = MAX_ADAPTER_MB
+    """The largest adapter (config and weights) a gateway may upload (in parts)."""
     heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS
     """A gateway silent this long is gone (heartbeats every fifth of it, at most 1 s apart)."""
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self.uploads = UploadedAdapters(self.engine, self.adapter_dir)
+        self.uploads = UploadedAdapters(self.engine, self.adapter_dir, self.max_adapter_mb)
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, self.max_message_mb << 20)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._socket.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDHWM, SEND_QUEUE)
         timeout = self.heartbeat_timeout_ms
@@ -334,7 +339,7 @@ class EngineServer:
 
     async def _answer(self, identity: bytes, call: Call) -> None:
         try:
-            reply: ToGateway = Reply(call.ref, await self._call(call))
+            reply: ToGateway = Reply(call.ref, await self._call(identity, call))
         except Exception as exc:
             known = failure(call.ref, True, exc)
             if known is None:
@@ -343,7 +348,7 @@ class EngineServer:
             reply = known
         await self._send(identity, reply)
 
-    async def _call(self, call: Call) -> Any:
+    async def _call(self, identity: bytes, call: Call) -> Any:
         engine = self.engine
         if call.op == "info":
             llm = engine.engine
@@ -352,7 +357,7 @@ class EngineServer:
                 "max_model_len": llm.max_model_len,
                 "vocab_size": llm.model_config.vocab_size,
                 "wire": WIRE_VERSION,
-                "max_message_bytes": self.max_message_mb << 20,
+                "max_adapter_bytes": self.uploads.max_adapter_bytes,
             }
         if call.op == "stats":
             return asdict(engine.stats())
@@ -364,10 +369,11 @@ class EngineServer:
             raise InvalidRequestError(f"{call.op} needs a digest")
         if call.op == "retire":
             return engine.retire_adapter(call.digest)
-        if call.config is None or call.weights is None:
-            raise InvalidRequestError("register needs the adapter's config and weights")
-        await self.uploads.register(call.digest, call.config, call.weights)
-        return call.digest
+        if call.weights is None or call.size is None:
+            raise InvalidRequestError("register-part needs a part of the weights and their size")
+        return await self.uploads.receive_part(
+            identity, call.digest, call.config, call.weights, call.offset, call.size
+        )
 
     def served_digests(self) -> list[str]:
         lora = self.engine.engine.lora

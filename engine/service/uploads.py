@@ -12,6 +12,9 @@ again whenever the engine lacks it (after a restart, or once it was retired), so
 A registration and a removal of the same digest never interleave (a lock per digest): a
 removal finds the digest registered again and leaves it, or a registration finds the files
 gone and stores them again from the bytes it carries.
+
+Gateways upload an adapter in parts (engine.service.upload_parts); once the last part is in,
+the whole adapter is stored and checked against the digest it was uploaded as.
 """
 
 from __future__ import annotations
@@ -27,16 +30,26 @@ import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from loramux.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE
 from loramux.adapters.store import AdapterStore
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.errors import InvalidRequestError
+from loramux.engine.service.upload_parts import UploadParts
 
 log = logging.getLogger(__name__)
 
 
+MAX_ADAPTER_MB = 513
+"""The largest adapter (config and weights) the engine takes: the gateway's largest upload
+(LORAMUX_MAX_UPLOAD_MB, 512 by default, of weights) and a config of at most 1 MiB. Gateways
+learn it from `info` and refuse a larger adapter (413) before sending it."""
+PARTIAL_UPLOADS = 4
+"""Uploads of the largest adapter that may be under way at once (their parts wait on disk)."""
+
+
 class UploadedAdapters:
-    def __init__(self, engine: AsyncEngine, folder: Path | None):
+    def __init__(
+        self, engine: AsyncEngine, folder: Path | None, max_adapter_mb: int = MAX_ADAPTER_MB
+    ):
         self.engine = engine
         self._temporary = folder is None
         self.root = (
@@ -46,6 +59,12 @@ class UploadedAdapters:
         lora = engine.engine.lora
         self.store = None if lora is None else AdapterStore(self.folder, lora.base, lora.limits)
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        self.max_adapter_bytes = max_adapter_mb << 20
+        self.parts = UploadParts(
+            self.folder / ".uploading",
+            self.max_adapter_bytes,
+            PARTIAL_UPLOADS * self.max_adapter_bytes,
+        )
 
     def start(self) -> None:
         """Remove each adapter the engine drops, from now on (call on the serving loop)."""
@@ -59,24 +78,50 @@ class UploadedAdapters:
 
         lora.on_drop = dropped
 
-    async def register(self, digest: str, config: bytes, weights: bytes) -> None:
-        """Store the uploaded adapter and serve it; refused unless its content has `digest`.
+    async def receive_part(
+        self,
+        gateway: bytes,
+        digest: str,
+        config: bytes | None,
+        part: bytes,
+        offset: int,
+        size: int,
+    ) -> int | str:
+        """Take one part of `gateway`'s upload of `digest` (engine.service.upload_parts): the
+        weights' bytes received so far, or, once the adapter is complete, `digest` with the
+        adapter registered (see `register`)."""
+        self._store_for(digest)
+        whole = await self.parts.receive((gateway, digest), config, part, offset, size)
+        if whole is None:
+            return offset + len(part)
+        try:
+            await self.register(digest, whole)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, whole, True)
+        return digest
+
+    def _store_for(self, digest: str) -> AdapterStore:
+        """The store, once `digest` is known to be a digest (InvalidRequestError otherwise,
+        as on an engine without LoRA support)."""
+        if self.store is None:
+            raise InvalidRequestError("this engine was started without LoRA support")
+        try:
+            self.store.get(digest)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        return self.store
+
+    async def register(self, digest: str, folder: Path) -> None:
+        """Store the adapter in `folder` (the store copies what it keeps) and serve it;
+        refused unless its content has `digest`.
 
         A refused upload registers nothing (a valid adapter that merely has another digest
         stays in the content-addressed store, unserved, until the next start)."""
-        if self.store is None:
-            raise InvalidRequestError("this engine was started without LoRA support")
-        store = self.store
-        try:
-            stored = store.get(digest)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from None
+        store = self._store_for(digest)
         async with self._lock(digest):
-            if stored is None or digest not in store:
-                with tempfile.TemporaryDirectory() as work:  # the store copies what it keeps
-                    (Path(work) / CONFIG_FILE).write_bytes(config)
-                    (Path(work) / WEIGHTS_FILE).write_bytes(weights)
-                    stored = await asyncio.to_thread(store.put, Path(work))
+            stored = store.get(digest)
+            if stored is None:
+                stored = await asyncio.to_thread(store.put, folder)
             if stored.digest != digest:
                 raise InvalidRequestError(
                     f"the uploaded adapter has digest {stored.digest}, not {digest!r}"
@@ -106,6 +151,7 @@ class UploadedAdapters:
                 self._locks[digest] = (lock, users - 1)
 
     def close(self) -> None:
+        self.parts.close()
         shutil.rmtree(self.root if self._temporary else self.folder, ignore_errors=True)
         os.close(self._alive)
 

@@ -23,8 +23,15 @@ Delta that carries `usage`.
     any of them, refused                          Failed(ref, call, kind, code, message)
 
 Requests carry token ids and outputs carry token ids: the engine never sees text. `Call.op` is
-one of `info`, `stats`, `metrics` (the engine's Prometheus text), `adapters` (the digests it serves), `register` (digest + PEFT files) and
-`retire`. Every typed error has one stable `code`, so the client re-raises the same class.
+one of `info`, `stats`, `metrics` (the engine's Prometheus text), `adapters` (the digests it
+serves), `register-part` and `retire`. Every typed error has one stable `code`, so the client
+re-raises the same class.
+
+No frame is larger than MAX_FRAME_BYTES (the engine's socket drops a connection that sends
+one, and with it every stream of that gateway): an adapter travels as `register-part` calls
+of at most UPLOAD_PART_BYTES of its weights each, in order (`offset`, the weights' whole
+`size` in each; the config in the first), each answered once stored; the last one's answer
+comes once the engine has checked the whole adapter against its digest and serves it.
 """
 
 from __future__ import annotations
@@ -47,9 +54,25 @@ from loramux.engine.outputs import RequestTimings, TokenLogprob, Usage
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.structured import StructuredOutputError
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 """This protocol's version, in the engine's `info` reply: a gateway refuses an engine that
-speaks another (2: stream messages travel in Batches; 3: an Abort may name one choice)."""
+speaks another (2: stream messages travel in Batches; 3: an Abort may name one choice; 4:
+adapters travel in parts, and no frame is over MAX_FRAME_BYTES)."""
+
+MAX_FRAME_BYTES = 16 << 20
+"""The largest frame the engine takes (its socket's ZMQ_MAXMSGSIZE). ZeroMQ reads a CURVE
+handshake's frames through the same decoder, before the peer has proven it holds a key: so
+this is also what a stranger's connection can make the engine buffer, until the handshake's
+deadline. A gateway never sends more: an adapter goes in parts, and a request that would not
+fit (a prompt is at most max_model_len token ids) is refused before it is sent."""
+UPLOAD_PART_BYTES = 8 << 20
+"""The weights a `register-part` carries at most (the first also carries the config, at most
+1 MiB): a part's frame fits MAX_FRAME_BYTES with room to spare."""
+MAX_TO_GATEWAY_BYTES = 64 << 20
+"""The largest frame a gateway takes from an engine (its socket's ZMQ_MAXMSGSIZE): a step's
+deltas for every request of that gateway, or a call's reply, are far less; a peer posing as an
+engine (at the engine's address) can make a gateway hold at most this per connection, and a
+gateway makes one connection per engine."""
 
 
 class UnauthorizedError(EngineError):
@@ -94,7 +117,8 @@ class Prefetch(msgspec.Struct, tag="prefetch", array_like=True):
     digest: Id
 
 
-Op = Literal["info", "stats", "metrics", "adapters", "register", "retire"]
+Op = Literal["info", "stats", "metrics", "adapters", "register-part", "retire"]
+Offset = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class Call(msgspec.Struct, tag="call", array_like=True):
@@ -103,7 +127,12 @@ class Call(msgspec.Struct, tag="call", array_like=True):
     op: Op
     digest: str | None = None
     config: bytes | None = None
+    """A `register-part`'s adapter config: in the upload's first part only."""
     weights: bytes | None = None
+    """A `register-part`'s part of the weights, which start at `offset` of the whole."""
+    offset: Offset = 0
+    size: Offset | None = None
+    """A `register-part`'s whole weights' size, in bytes."""
 
 
 class Delta(msgspec.Struct, tag="delta", array_like=True):

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from loramux.engine.errors import EngineError
 from loramux.engine.outputs import EngineRequest, EngineStats, RequestOutput
+from loramux.engine.service.wire import WIRE_VERSION
 
 
 class EngineTimeoutError(EngineError):
@@ -21,6 +22,17 @@ class EngineVersionError(EngineError):
     """The engine speaks another version of the engine channel (engine.service.wire's
     WIRE_VERSION): a gateway and an engine from different loramux releases. The gateway does
     not start against it, rather than fail on its first stream."""
+
+
+def require_wire(url: str, info: dict[str, Any]) -> dict[str, Any]:
+    """The `info` reply of engine `url`, unless it speaks another channel version
+    (EngineVersionError, naming both)."""
+    if info.get("wire") != WIRE_VERSION:
+        raise EngineVersionError(
+            f"engine {url} speaks engine channel version {info.get('wire', 1)}, "
+            f"this gateway version {WIRE_VERSION}: run the same loramux on both"
+        )
+    return info
 
 
 @dataclass(frozen=True)

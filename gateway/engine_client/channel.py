@@ -8,6 +8,9 @@ while there is none, sending fails after CONNECT_WAIT_SECONDS instead of waiting
 that may never come back. Heartbeats find a peer that vanished without closing its socket.
 Over tcp:// with a token the connection runs CURVE (engine.service.curve); a handshake the
 engine refuses (another token) is logged, and sends fail as for an unreachable engine.
+No frame crosses over its limit (engine.service.wire): a message over the engine's is refused
+(invalid_request) before it is sent, since the engine would drop the connection and every
+stream on it; the socket takes frames of at most MAX_TO_GATEWAY_BYTES from the engine.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from loramux.engine.errors import EngineStoppedError
+from loramux.engine.errors import EngineStoppedError, InvalidRequestError
 from loramux.engine.service.curve import CurveKeys, secure_gateway, uses_curve
 from loramux.engine.service.wire import (
+    MAX_FRAME_BYTES,
+    MAX_TO_GATEWAY_BYTES,
     Abort,
     Call,
     Delta,
@@ -79,6 +84,7 @@ class Channel:
             (zmq.RECONNECT_IVL_MAX, 1000),
             (zmq.HEARTBEAT_IVL, HEARTBEAT_MS),
             (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
+            (zmq.MAXMSGSIZE, MAX_TO_GATEWAY_BYTES),
         ):
             self.socket.setsockopt(option, value)
         if token and uses_curve(endpoint.url, token):
@@ -100,7 +106,13 @@ class Channel:
 
     async def send(self, message: ToEngine) -> None:
         """Queue `message` on the live connection; EngineStoppedError (and the endpoint marked
-        down) when there is none."""
+        down) when there is none; InvalidRequestError when it is over the engine's frame limit."""
+        frame = encode(message)
+        if len(frame) > MAX_FRAME_BYTES:
+            raise InvalidRequestError(
+                f"the message to the engine would be {len(frame)} bytes; the engine channel "
+                f"carries at most {MAX_FRAME_BYTES}"
+            )
         if not self._connected.is_set():
             try:
                 await asyncio.wait_for(self._connected.wait(), CONNECT_WAIT_SECONDS)
@@ -108,7 +120,7 @@ class Channel:
                 self.endpoint.mark_down()
                 raise EngineStoppedError(f"engine {self.endpoint.url} is unreachable") from None
         try:
-            await self.socket.send(encode(message), zmq.NOBLOCK)
+            await self.socket.send(frame, zmq.NOBLOCK)
         except zmq.Again:
             self.endpoint.mark_down()
             raise EngineStoppedError(f"engine {self.endpoint.url} is unreachable") from None

@@ -31,11 +31,11 @@ from loramux.engine.errors import (
 from loramux.engine.outputs import EngineRequest, EngineStats, RequestOutput
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.sequence import FinishReason
-from loramux.engine.service.wire import WIRE_VERSION, Delta, Generate
-from loramux.gateway.engine_client.base import EngineInfo, EngineTimeoutError, EngineVersionError
+from loramux.engine.service.wire import UPLOAD_PART_BYTES, Delta, Generate
+from loramux.gateway.engine_client.base import EngineInfo, EngineTimeoutError, require_wire
 from loramux.gateway.engine_client.channel import Channel, StreamItem, StreamSink
 from loramux.gateway.engine_client.routing import Endpoint, adapter_key, affinity_key, route
-from loramux.gateway.engine_client.uploads import message_limit, read_adapter
+from loramux.gateway.engine_client.uploads import send_adapter
 from loramux.gateway.settings import ENGINE_FIRST_OUTPUT_SECONDS
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ T = TypeVar("T")
 
 LOAD_REFRESH_SECONDS = 0.5
 """Engine loads (for routing) are refreshed from stats at most this often."""
-CALL_SECONDS, PROBE_SECONDS, UPLOAD_SECONDS = 30.0, 5.0, 300.0
+CALL_SECONDS, PROBE_SECONDS = 30.0, 5.0
 MAX_WIRE_INT = 2**63 - 1
 """msgpack carries 64-bit integers; a larger top_k keeps every token all the same."""
 
@@ -55,12 +55,15 @@ class RemoteEngineClient:
         urls: list[str],
         token: str | None = None,
         first_output_seconds: float = ENGINE_FIRST_OUTPUT_SECONDS,
+        upload_part_bytes: int = UPLOAD_PART_BYTES,
     ):
         if not urls:
             raise ValueError("a remote engine client needs at least one engine URL")
         self._endpoints = [Endpoint(url) for url in urls]
         self._token = token
         self._first_output_seconds = first_output_seconds
+        self._part_bytes = upload_part_bytes
+        """The weights each part of an adapter upload carries (engine.service.wire)."""
         self._context: zmq.asyncio.Context | None = None
         self._channels: dict[str, Channel] = {}
         self._folders: dict[str, Path] = {}
@@ -95,12 +98,9 @@ class RemoteEngineClient:
 
     async def info(self) -> EngineInfo:
         async def call(endpoint: Endpoint) -> EngineInfo:
-            body = await self._channel(endpoint).call("info", CALL_SECONDS)
-            if body.get("wire") != WIRE_VERSION:
-                raise EngineVersionError(
-                    f"engine {endpoint.url} speaks engine channel version {body.get('wire', 1)}, "
-                    f"this gateway version {WIRE_VERSION}: run the same loramux on both"
-                )
+            body = require_wire(
+                endpoint.url, await self._channel(endpoint).call("info", CALL_SECONDS)
+            )
             return EngineInfo(body["model_name"], body["max_model_len"], body["vocab_size"])
 
         return await self._on_engine("info", None, call)
@@ -299,11 +299,7 @@ class RemoteEngineClient:
         async with self._upload_locks.setdefault(digest, asyncio.Lock()):
             if digest in endpoint.adapters:
                 return
-            limit = await message_limit(endpoint, self._channel(endpoint))
-            config, weights = await asyncio.to_thread(read_adapter, folder, limit, endpoint.url)
-            await self._channel(endpoint).call(
-                "register", UPLOAD_SECONDS, digest=digest, config=config, weights=weights
-            )
+            await send_adapter(self._channel(endpoint), digest, folder, self._part_bytes)
             endpoint.adapters.add(digest)
 
     def _refresh_loads_soon(self) -> None:

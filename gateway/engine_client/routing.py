@@ -33,8 +33,8 @@ class Endpoint:
     load: int = 0
     down_until: float = 0.0
     adapters: set[str] = field(default_factory=set)
-    max_message_bytes: int | None = None
-    """The largest message it takes (an adapter upload is one), once learned."""
+    max_adapter_bytes: int | None = None
+    """The largest adapter it takes (config and weights, uploaded in parts), once learned."""
 
     def is_down(self, now: float) -> bool:
         return now < self.down_until
@@ -42,7 +42,7 @@ class Endpoint:
     def mark_down(self) -> None:
         self.down_until = time.monotonic() + DOWN_SECONDS
         self.adapters.clear()  # it may come back as a fresh process
-        self.max_message_bytes = None
+        self.max_adapter_bytes = None
 
 
 def adapter_key(digest: str) -> str:

@@ -1,49 +1,90 @@
-"""An adapter's files on their way to an engine over the channel: one `register` message, which
-must fit the engine's message limit. The engine drops a connection that sends more, and with it
-every stream of that gateway, whichever tenant's: so an adapter that would not fit is refused
-(413 `file_too_large`) before its files are read.
+"""An adapter's files on their way to an engine over the channel: `register-part` calls
+(engine.service.wire) of at most a part's size of weights each, read from disk one part at a
+time and sent once the engine has stored the one before. No frame is larger than the engine's
+frame limit, however large the adapter. An adapter over the engine's adapter limit (its `info`)
+is refused (413 `file_too_large`) before any of it is read or sent.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+from io import BufferedReader
 from pathlib import Path
 
 from loramux.adapters.errors import FileTooLarge
 from loramux.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE
 from loramux.engine.errors import UnknownAdapterError
+from loramux.gateway.engine_client.base import require_wire
 from loramux.gateway.engine_client.channel import Channel
-from loramux.gateway.engine_client.routing import Endpoint
 
 DELETED = "this adapter was deleted"
 """A request for an adapter whose files are gone: its delete reached this worker's store
 before its catalog (up to its ttl): a 404, as from a fresh catalog, and the engine is not given
 the digest again (a retired digest registered anew stayed in the engine for good)."""
-UPLOAD_ROOM = 64 << 10
-"""What a register message holds besides the files: the token, ids and msgpack's framing."""
 PROBE_SECONDS = 5.0
+PART_SECONDS, LAST_PART_SECONDS = 30.0, 300.0
+"""How long a part's answer may take: the last one's comes once the engine has checked and
+loaded the whole adapter."""
 
 
-async def message_limit(endpoint: Endpoint, channel: Channel) -> int:
-    """The largest message the engine at `endpoint` takes (its `info`; learned once per
-    connection)."""
-    if endpoint.max_message_bytes is None:
-        info = await channel.call("info", PROBE_SECONDS)
-        # An engine of an earlier release does not say; it took messages of up to 512 MiB.
-        endpoint.max_message_bytes = int(info.get("max_message_bytes", 512 << 20))
-    return endpoint.max_message_bytes
+async def adapter_limit(channel: Channel) -> int:
+    """The largest adapter (config and weights) the channel's engine takes (its `info`,
+    learned once per connection); EngineVersionError for an engine of another release."""
+    endpoint = channel.endpoint
+    if endpoint.max_adapter_bytes is None:
+        info = require_wire(endpoint.url, await channel.call("info", PROBE_SECONDS))
+        endpoint.max_adapter_bytes = int(info["max_adapter_bytes"])
+    return endpoint.max_adapter_bytes
 
 
-def read_adapter(folder: Path, limit: int, url: str) -> tuple[bytes, bytes]:
-    """The adapter's config and weights, unless with the message around them they are over
-    `limit` (FileTooLarge, before they are read), or gone (UnknownAdapterError)."""
-    config, weights = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+async def send_adapter(channel: Channel, digest: str, folder: Path, part_bytes: int) -> None:
+    """Upload the adapter in `folder` as `digest`, in parts of `part_bytes` of weights; returns
+    once the engine serves it. Typed errors as the engine raised them; FileTooLarge (nothing
+    sent) over the engine's limit; UnknownAdapterError when the files are gone."""
+    limit = await adapter_limit(channel)
+    config, weights = await asyncio.to_thread(_open_adapter, folder, limit, channel.endpoint.url)
     try:
-        size = config.stat().st_size + weights.stat().st_size
+        size, offset = os.fstat(weights.fileno()).st_size, 0
+        while True:
+            part = await asyncio.to_thread(weights.read, min(part_bytes, size - offset))
+            if len(part) != min(part_bytes, size - offset):
+                raise UnknownAdapterError(DELETED)  # its files changed under it
+            last = offset + len(part) == size
+            await channel.call(
+                "register-part",
+                LAST_PART_SECONDS if last else PART_SECONDS,
+                digest=digest,
+                config=config if offset == 0 else None,
+                weights=part,
+                offset=offset,
+                size=size,
+            )
+            if last:
+                return
+            offset += len(part)
+    finally:
+        weights.close()
+
+
+def _open_adapter(folder: Path, limit: int, url: str) -> tuple[bytes, BufferedReader]:
+    """The adapter's config and its weights file, open; FileTooLarge (before either is read)
+    when together they are over `limit`, UnknownAdapterError when they are gone."""
+    try:
+        weights = (folder / WEIGHTS_FILE).open("rb")
     except FileNotFoundError:  # deleted since a catalog (another worker's) resolved it
         raise UnknownAdapterError(DELETED) from None
-    if size + UPLOAD_ROOM > limit:
-        raise FileTooLarge(
-            f"the adapter's files hold {size} bytes; engine {url} takes adapters of at most "
-            f"{limit - UPLOAD_ROOM} bytes (its message limit)"
-        )
-    return config.read_bytes(), weights.read_bytes()
+    try:
+        size = (folder / CONFIG_FILE).stat().st_size + os.fstat(weights.fileno()).st_size
+        if size > limit:
+            raise FileTooLarge(
+                f"the adapter's files hold {size} bytes; engine {url} takes adapters of at most "
+                f"{limit} bytes"
+            )
+        return (folder / CONFIG_FILE).read_bytes(), weights
+    except FileNotFoundError:
+        weights.close()
+        raise UnknownAdapterError(DELETED) from None
+    except BaseException:
+        weights.close()
+        raise

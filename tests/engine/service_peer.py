@@ -20,6 +20,7 @@ from loramux.engine.service import serve_engine_in_thread
 from loramux.engine.service.curve import CurveKeys, uses_curve
 from loramux.engine.service.runner import RunningEngineService
 from loramux.engine.service.wire import (
+    UPLOAD_PART_BYTES,
     Call,
     Delta,
     Failed,
@@ -67,6 +68,22 @@ class Gateway:
     def call(self, op: Any, token: str = TOKEN, **fields: Any) -> ToGateway:
         self.send(Call(token, f"call-{op}", op, **fields))
         return self.receive()
+
+    def upload(
+        self, digest: str, config: bytes, weights: bytes, part_bytes: int = UPLOAD_PART_BYTES
+    ) -> list[ToGateway]:
+        """Upload an adapter as a gateway does, in `register-part` calls of at most
+        `part_bytes` of weights, each sent once the one before is answered; the answers, up
+        to the last part's or the first refusal."""
+        answers: list[ToGateway] = []
+        for offset in range(0, max(len(weights), 1), part_bytes):
+            part = weights[offset : offset + part_bytes]
+            first = config if offset == 0 else None
+            fields = {"digest": digest, "config": first, "offset": offset, "size": len(weights)}
+            answers.append(self.call("register-part", weights=part, **fields))
+            if not isinstance(answers[-1], Reply):
+                break
+        return answers
 
     def stream(self, request_id: str, **fields: Any) -> list[ToGateway]:
         self.send(generate(request_id, **fields))

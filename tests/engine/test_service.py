@@ -5,6 +5,7 @@ message (tests.engine.service_peer); hostile peers are test_service_hostile_peer
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -14,15 +15,18 @@ import pytest
 import zmq
 
 from loramux.adapters.base_spec import BaseModelSpec
+from loramux.adapters.errors import FileTooLarge
 from loramux.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE, load_peft_adapter
 from loramux.adapters.store import AdapterStore
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.config import EngineConfig
+from loramux.engine.errors import EngineOverloadedError
 from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.service import serve_engine_in_thread
 from loramux.engine.service.runner import RunningEngineService
-from loramux.engine.service.server import MAX_MESSAGE_MB
+from loramux.engine.service.upload_parts import UploadParts
+from loramux.engine.service.uploads import MAX_ADAPTER_MB
 from loramux.engine.service.wire import (
     WIRE_VERSION,
     Abort,
@@ -55,7 +59,7 @@ def _digest(folder: Path, model_dir: Path) -> str:
 
 def _upload(gateway: Gateway, digest: str, folder: Path) -> ToGateway:
     config, weights = (folder / CONFIG_FILE).read_bytes(), (folder / WEIGHTS_FILE).read_bytes()
-    return gateway.call("register", digest=digest, config=config, weights=weights)
+    return gateway.upload(digest, config, weights)[-1]
 
 
 def test_generate_streams_token_id_deltas_ending_with_usage(gateway: Gateway) -> None:
@@ -114,7 +118,7 @@ def test_info_stats_and_metrics(gateway: Gateway, service: RunningEngineService)
         "max_model_len": 512,
         "vocab_size": 4096,
         "wire": WIRE_VERSION,
-        "max_message_bytes": MAX_MESSAGE_MB << 20,  # a gateway sizes adapter uploads by it
+        "max_adapter_bytes": MAX_ADAPTER_MB << 20,  # a gateway refuses larger adapters by it
     }
     stats = wait_idle(gateway)
     assert stats["kv_blocks_total"] == stats["kv_blocks_free"] + stats["kv_blocks_used"] > 0
@@ -129,7 +133,7 @@ def test_uploaded_adapter_is_served_listed_then_retired(
 ) -> None:
     folder = demo_adapter_dirs[0]
     digest = _digest(folder, demo_model_dir)
-    assert _upload(gateway, digest, folder) == Reply("call-register", digest)
+    assert _upload(gateway, digest, folder) == Reply("call-register-part", digest)
     assert isinstance(_upload(gateway, digest, folder), Reply)  # idempotent
     listed = gateway.call("adapters")
     assert isinstance(listed, Reply) and digest in listed.value
@@ -151,7 +155,7 @@ def test_upload_with_a_digest_that_is_not_its_content_is_refused(
     served = gateway.call("adapters")
     assert isinstance(served, Reply) and claimed not in served.value and actual not in served.value
     assert failure_of(_upload(gateway, "../../etc", demo_adapter_dirs[2])).code == "invalid_request"
-    assert failure_of(gateway.call("register", digest="1" * 64)).code == "invalid_request"
+    assert failure_of(gateway.call("register-part", digest="1" * 64)).code == "invalid_request"
 
 
 def test_a_broken_adapter_is_refused_with_its_adapter_code(
@@ -162,6 +166,68 @@ def test_a_broken_adapter_is_refused_with_its_adapter_code(
     (folder / CONFIG_FILE).write_text('{"peft_type": "IA3"}')
     (folder / WEIGHTS_FILE).write_bytes((demo_adapter_dirs[0] / WEIGHTS_FILE).read_bytes())
     assert failure_of(_upload(gateway, "1" * 64, folder)).kind == "adapter"
+
+
+def test_an_adapter_larger_than_a_part_arrives_in_parts_and_serves(
+    gateway: Gateway, demo_adapter_dirs: list[Path], demo_model_dir: Path
+) -> None:
+    """Each part is answered with the weights' bytes stored so far; the last with the digest,
+    once the whole adapter is checked and served. No frame carries the whole adapter."""
+    folder = demo_adapter_dirs[6]
+    digest = _digest(folder, demo_model_dir)
+    config, weights = (folder / CONFIG_FILE).read_bytes(), (folder / WEIGHTS_FILE).read_bytes()
+    part = 256 << 10
+    assert len(weights) > 3 * part
+    answers = gateway.upload(digest, config, weights, part_bytes=part)
+    assert len(answers) == -(-len(weights) // part)
+    assert [a.value for a in answers[:-1]] == list(range(part, len(weights), part))  # type: ignore[union-attr]
+    assert answers[-1] == Reply("call-register-part", digest)
+    last = gateway.stream("parts-1", adapter=digest)[-1]
+    assert isinstance(last, Delta) and last.finish_reason == "length"
+
+
+def test_adapter_parts_out_of_order_or_over_the_limit_are_refused(
+    gateway: Gateway, demo_adapter_dirs: list[Path], demo_model_dir: Path
+) -> None:
+    """A part that does not continue its upload ends it (invalid_request), a part with no
+    upload under way is refused, and an adapter over the engine's limit is refused at its
+    first part with the adapter code a gateway answers 413 for."""
+    folder = demo_adapter_dirs[7]
+    digest = _digest(folder, demo_model_dir)
+    config, weights = (folder / CONFIG_FILE).read_bytes(), (folder / WEIGHTS_FILE).read_bytes()
+    fields = {"digest": digest, "size": len(weights)}
+    first = gateway.call("register-part", config=config, weights=weights[:1000], **fields)
+    assert first == Reply("call-register-part", 1000)
+    skipped = gateway.call("register-part", weights=weights[2000:3000], offset=2000, **fields)
+    assert failure_of(skipped).code == "invalid_request"
+    resumed = gateway.call("register-part", weights=weights[1000:], offset=1000, **fields)
+    assert failure_of(resumed).code == "invalid_request"  # the upload ended with the bad part
+    too_large = {"digest": digest, "size": MAX_ADAPTER_MB << 20}
+    refused = failure_of(gateway.call("register-part", config=config, weights=b"", **too_large))
+    assert (refused.kind, refused.code) == ("adapter", "file_too_large")
+    assert _upload(gateway, digest, folder) == Reply("call-register-part", digest)
+
+
+async def test_uploads_under_way_are_bounded_and_dropped_once_abandoned(tmp_path: Path) -> None:
+    """Parts wait on disk: the uploads under way together announce at most the engine's bound
+    (past it a new one is refused as overloaded, so the gateway tries another engine), and one
+    whose parts stop coming is dropped with its files, freeing its share."""
+    parts = UploadParts(tmp_path, max_adapter_bytes=1000, max_partial_bytes=1500)
+    parts.abandoned_seconds = 0.2
+    assert await parts.receive((b"gw", "a"), b"{}", b"x" * 100, 0, 900) is None
+    with pytest.raises(EngineOverloadedError):
+        await parts.receive((b"gw", "b"), b"{}", b"y" * 100, 0, 900)
+    with pytest.raises(FileTooLarge):
+        await parts.receive((b"gw", "c"), b"{}", b"", 0, 1000)
+    assert len(list(tmp_path.iterdir())) == 1
+    async with asyncio.timeout(10):
+        while parts.reserved:  # the abandonment timer fires
+            await asyncio.sleep(0.01)
+    assert list(tmp_path.iterdir()) == []
+    whole = await parts.receive((b"gw", "b"), b"{}", b"y" * 900, 0, 900)
+    assert whole is not None and (whole / WEIGHTS_FILE).read_bytes() == b"y" * 900
+    assert parts.reserved == 0
+    parts.close()
 
 
 def test_a_gateway_that_goes_away_mid_stream_has_its_request_aborted(
@@ -289,7 +355,7 @@ def test_uploaded_adapter_files_leave_the_engine_with_the_adapter(
     ):
         assert _stored(tmp_path) == [] and AdapterStore(tmp_path, base).digests() == []
         digest = _digest(folder, demo_model_dir)
-        assert _upload(peer, digest, folder) == Reply("call-register", digest)
+        assert _upload(peer, digest, folder) == Reply("call-register-part", digest)
         assert _stored(tmp_path) == [digest]
         assert isinstance(peer.stream("on-it", adapter=digest)[-1], Delta)
         assert peer.call("retire", digest=digest) == Reply("call-retire", True)
@@ -298,7 +364,7 @@ def test_uploaded_adapter_files_leave_the_engine_with_the_adapter(
         while _stored(tmp_path) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert _stored(tmp_path) == []
-        assert _upload(peer, digest, folder) == Reply("call-register", digest)
+        assert _upload(peer, digest, folder) == Reply("call-register-part", digest)
         assert isinstance(peer.stream("again", adapter=digest)[-1], Delta)
     assert _stored(tmp_path) == [], "a run's folder goes with it"
 

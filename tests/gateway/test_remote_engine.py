@@ -31,6 +31,7 @@ from loramux.engine.sequence import FinishReason
 from loramux.engine.service import serve_engine_in_thread
 from loramux.engine.service.runner import RunningEngineService
 from loramux.engine.service.wire import (
+    MAX_FRAME_BYTES,
     WIRE_VERSION,
     Call,
     Reply,
@@ -379,25 +380,24 @@ async def test_a_sink_that_fails_ends_its_own_stream_aborted_and_no_other(
     assert stats.kv_blocks_used == 0
 
 
-async def test_an_adapter_over_the_engines_message_limit_is_refused_before_it_is_sent(
+async def test_an_adapter_over_the_engines_limit_is_refused_before_it_is_sent(
     demo_model_dir: Path, local: LLMEngine, demo_adapter_dirs: list[Path]
 ) -> None:
-    """An upload is one message. One over the engine's limit (scaled down here to 2 MiB; the
-    adapter's weights are 4.6 MB) made the engine drop the gateway's connection: the upload
-    got a 503, and every stream on that connection, any tenant's, ended with
-    `engine_unavailable`; the client then tried, and cut, every other engine too. Now it is
-    refused with its size and the engine's limit, and the stream under way runs on."""
+    """An adapter over the engine's limit (scaled down here to 2 MiB; the adapter's weights
+    are 4.6 MB) is refused with its size and the engine's limit before any of it is sent, and
+    the stream under way runs on. (When an upload was one message, one over the limit made the
+    engine drop the gateway's connection, and every stream on it, any tenant's.)"""
     big, small = demo_adapter_dirs[15], demo_adapter_dirs[0]
     assert (big / "adapter_model.safetensors").stat().st_size > 2 << 20
     engine = AsyncEngine(LLMEngine(EngineConfig(model=demo_model_dir, max_model_len=512)))
-    with serve_engine_in_thread(engine, "demo", token=ENGINE_TOKEN, max_message_mb=2) as served:
+    with serve_engine_in_thread(engine, "demo", token=ENGINE_TOKEN, max_adapter_mb=2) as served:
         client = RemoteEngineClient([served.url], ENGINE_TOKEN)
         await client.start()
         try:
             params = SamplingParams(max_tokens=48, ignore_eos=True)
             stream = client.generate(EngineRequest("bystander", params, prompt_token_ids=IMPORT_OS))
             first = await anext(stream)
-            with pytest.raises(FileTooLarge, match="at most 2031616 bytes"):
+            with pytest.raises(FileTooLarge, match="at most 2097152 bytes"):
                 await client.ensure_adapter(local.register_adapter(big), big)
             await client.ensure_adapter(local.register_adapter(small), small)
             outputs = [first] + [out async for out in stream]
@@ -405,3 +405,37 @@ async def test_an_adapter_over_the_engines_message_limit_is_refused_before_it_is
             await client.close()
     assert sum(len(out.token_ids) for out in outputs) == 48
     assert outputs[-1].finish_reason == FinishReason.LENGTH
+
+
+async def test_an_adapter_larger_than_a_part_crosses_in_parts_and_serves_the_same(
+    services: list[RunningEngineService], local: LLMEngine, demo_adapter_dirs: list[Path]
+) -> None:
+    """Uploads travel in parts (here of 512 KiB; 8 MiB by default) so that no frame is over
+    the engine's small frame limit: a 4.6 MB adapter arrives whole and serves the tokens the
+    local engine gives."""
+    big = demo_adapter_dirs[15]
+    assert (big / "adapter_model.safetensors").stat().st_size > 8 * (512 << 10)
+    client = RemoteEngineClient([services[1].url], ENGINE_TOKEN, upload_part_bytes=512 << 10)
+    try:
+        digest = local.register_adapter(big)
+        await client.ensure_adapter(digest, big)
+        request = EngineRequest("parts-1", PARAMS, prompt_token_ids=CLASS_TREE, adapter=digest)
+        assert _tokens(await _collect(client, request)) == _tokens(_local(local, request))
+    finally:
+        await client.close()
+
+
+async def test_a_message_over_the_frame_limit_is_refused_before_it_is_sent(
+    client: RemoteEngineClient,
+) -> None:
+    """The engine drops a connection that sends a frame over its limit, and with it every
+    stream of that gateway: a request that would not fit is refused alone (invalid_request),
+    and the stream under way runs on."""
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    stream = client.generate(EngineRequest("beside-it", params, prompt_token_ids=IMPORT_OS))
+    first = await anext(stream)
+    huge = SamplingParams(max_tokens=4, stop=("x" * MAX_FRAME_BYTES,))
+    with pytest.raises(InvalidRequestError, match="carries at most"):
+        await _collect(client, EngineRequest("huge", huge, prompt_token_ids=IMPORT_OS))
+    outputs = [first] + [out async for out in stream]
+    assert sum(len(out.token_ids) for out in outputs) == 48
