@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import resource
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +22,12 @@ from loramux.engine.config import EngineConfig
 from loramux.engine.service.health import create_health_app
 from loramux.engine.service.server import HEARTBEAT_TIMEOUT_MS, EngineServer
 from loramux.engine.service.uploads import MAX_ADAPTER_MB
+
+log = logging.getLogger(__name__)
+
+NR_OPEN = 1 << 20
+"""The kernel's usual cap on a process's open files (fs.nr_open), taken for an unlimited hard
+limit, which a soft limit cannot be."""
 
 
 @dataclass(frozen=True)
@@ -110,14 +118,34 @@ def run_engine_service(
     log_level: str = "info",
 ) -> None:
     """Build the engine from `config` and serve it until interrupted (blocks). The process is the
-    engine's own: its torch gets `config.cpu_threads` threads."""
+    engine's own: its torch gets `config.cpu_threads` threads, and it may open as many files as
+    its hard limit allows."""
     use_cpu_threads(config)
+    raise_open_file_limit()
     engine = AsyncEngine.from_config(config)
     asyncio.run(
         serve_engine(
             engine, model_name, listen, adapter_dir=adapter_dir, token=token, log_level=log_level
         )
     )
+
+
+def raise_open_file_limit() -> None:
+    """Raise this process's soft limit on open files to its hard limit (logged). Every
+    connection to the channel holds a descriptor until its handshake ends or fails (at most
+    engine.service.server's HANDSHAKE_MS): at a service's usual soft limit of 1,024, a peer
+    without a key holding that many idle connections left the engine none for its gateways.
+    The channel's tcp:// port should still be reachable from the gateways' hosts alone."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = NR_OPEN if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft >= wanted:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("could not raise the open files limit from %d to %d: %s", soft, wanted, exc)
+        return
+    log.info("raised the open files limit from %d to %d (the hard limit)", soft, wanted)
 
 
 def use_cpu_threads(config: EngineConfig) -> None:

@@ -2,21 +2,33 @@
 refused: ZeroMQ reads the handshake's frames through the same decoder as messages, so the
 socket's frame limit (ZMQ_MAXMSGSIZE) bounds what one connection may make the engine buffer,
 and its handshake deadline (ZMQ_HANDSHAKE_IVL) how long a connection that never completes one
-is kept (engine.service.server)."""
+is kept (engine.service.server); the engine process takes as many descriptors as it may
+(engine.service.runner), so a stranger's idle connections do not lock its gateways out."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import resource
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
 
 from loramux.engine.service.runner import RunningEngineService
 from loramux.engine.service.server import HANDSHAKE_MS
 from loramux.engine.service.wire import Reply
+from loramux.gateway.engine_client.remote import RemoteEngineClient
 from tests.engine import service_peer
-from tests.engine.service_peer import Gateway
+from tests.engine.service_peer import TOKEN, Gateway
+from tests.gateway.serve_process import free_port, wait_for
 
 service, gateway = service_peer.service, service_peer.gateway
 
@@ -115,3 +127,111 @@ def test_a_connection_that_never_completes_its_handshake_is_closed_within_second
         assert closed_by_the_engine(silent, deadline), "a silent connection was kept"
         assert closed_by_the_engine(stalled, deadline), "a stalled handshake was kept"
     assert isinstance(gateway.call("info"), Reply)
+
+
+SOFT_FDS = 1024
+"""A service's usual soft limit on open files (systemd's default LimitNOFILE soft value)."""
+
+
+@contextlib.contextmanager
+def engine_process(
+    model_dir: Path, data_dir: Path, soft_fds: int
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`loramux engine` on a loopback tcp:// port with a token, started with a soft limit of
+    `soft_fds` open files (the hard limit left as it is), once /health answers; its channel's
+    port is `proc.port`."""
+    port, health = free_port(), free_port()
+    command = [sys.executable, "-m", "loramux.gateway.cli", "engine", "--health-port", str(health)]
+    command += ["--address", f"tcp://127.0.0.1:{port}"]
+    env = os.environ | {
+        "LORAMUX_MODEL": str(model_dir),
+        "LORAMUX_MODEL_NAME": "demo-model",
+        "LORAMUX_DATA_DIR": str(data_dir),
+        "LORAMUX_ENGINE_TOKEN": TOKEN,
+    }
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+
+    def lower_the_soft_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft_fds, hard))
+
+    log = data_dir / "engine.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            command,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lower_the_soft_limit,
+        )
+
+    def healthy() -> bool:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            return httpx.get(f"http://127.0.0.1:{health}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(healthy, 240, "the engine answers /health")
+        proc.port = port  # type: ignore[attr-defined]
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+async def model_name(url: str) -> str:
+    client = RemoteEngineClient([url], TOKEN)
+    try:
+        return (await client.info()).model_name
+    finally:
+        await client.close()
+
+
+def open_files(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def connect_paced(pid: int, port: int, count: int) -> list[socket.socket]:
+    """`count` plain TCP connections to the engine `pid` on `port`, 50 at a time, each 50 once
+    the engine has taken the ones before (or is full): its accept queue (ZMQ_BACKLOG, 100)
+    never overflows, so no connection waits a second for its SYN to be sent again, and they
+    all reach the engine well within its handshake deadline, as a stranger's would."""
+    base, strangers = open_files(pid), []
+    while len(strangers) < count:
+        for _ in range(min(50, count - len(strangers))):
+            strangers.append(socket.create_connection(("127.0.0.1", port)))
+        taken = min(base + len(strangers), SOFT_FDS) - 8
+        wait_for(lambda: open_files(pid) >= taken, 4, f"the engine takes {taken} descriptors")  # noqa: B023
+    return strangers
+
+
+async def test_idle_connections_of_a_keyless_peer_do_not_lock_gateways_out(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """1,074 plain TCP connections that never send a byte took every descriptor of an engine
+    started with the usual soft limit of 1,024 open files: a gateway holding the token found
+    the engine unreachable (for as long as the stranger kept opening them; each lasts until
+    the handshake deadline). The engine now raises its soft limit to the hard one at start
+    (the port should still be firewalled to the gateways' hosts: docs/architecture.md)."""
+    count = SOFT_FDS + 50
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 2 * count + 256:
+        pytest.skip(f"the hard limit on open files ({hard}) leaves no room above {SOFT_FDS}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, count + 256), hard))
+    try:
+        with engine_process(demo_model_dir, tmp_path, SOFT_FDS) as engine:
+            url = f"tcp://127.0.0.1:{engine.port}"  # type: ignore[attr-defined]
+            assert await model_name(url) == "demo-model"
+            strangers = connect_paced(engine.pid, engine.port, count)  # type: ignore[attr-defined]
+            try:
+                assert await model_name(url) == "demo-model"
+            finally:
+                for stranger in strangers:
+                    stranger.close()
+            limits = Path(f"/proc/{engine.pid}/limits").read_text()
+            assert f"Max open files            {hard}" in limits
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
