@@ -111,7 +111,8 @@ class QuotaService:
     async def admit(self, principal: Principal, prompt_tokens: int, max_tokens: int) -> Admission:
         """Reserve `prompt_tokens + max_tokens` in every limit of the principal, or refuse:
         RateLimited / InsufficientQuota (429), or ServiceUnavailable (503) when the limits cannot
-        be read or checked. Raises nothing else."""
+        be read or checked. Raises nothing else, but CancelledError: a caller cancelled (a
+        client disconnect) while its script is in flight leaves nothing reserved."""
         try:
             limits = await self.config.limits(principal.tenant_id, principal.key_id)
         except Exception:
@@ -155,11 +156,13 @@ class QuotaService:
             if reply.status == NEEDS_SEED:
                 seeds = await self._read_seeds(principal.tenant_id, buckets, reply.missing)
                 reply = await self._run_admit(buckets, member, tokens, seeds)
+        except asyncio.CancelledError:
+            # The caller left (a client disconnect) with a script sent: Redis still runs it.
+            self._release_lost(member, tokens, buckets)
+            raise
         except REDIS_DOWN as exc:
             self.known.clear()  # Redis may come back without its windows
-            # Had the script run and only its reply been lost, this releases what it reserved.
-            lost = Reservation(member, tokens, tuple(buckets))
-            self._spawn(self._settle_now(lost, 0, quiet=True))
+            self._release_lost(member, tokens, buckets)
             self._redis_down(exc)
             return None
         except RedisError:
@@ -211,6 +214,13 @@ class QuotaService:
                     "token budget unavailable; try again shortly", code="quota_unavailable"
                 ) from None
         return seeds
+
+    def _release_lost(self, member: str, tokens: int, buckets: list[Bucket]) -> None:
+        """An admission whose reply never came (lost with Redis, or its caller cancelled): had
+        the script run, settling with 0 releases what it reserved, in a task of its own. The
+        scripts are idempotent, so a script that never ran leaves nothing to release."""
+        lost = Reservation(member, tokens, tuple(buckets))
+        self._spawn(self._settle_now(lost, 0, quiet=True))
 
     def _redis_down(self, exc: BaseException) -> None:
         """Refuse (raise), or admit unchecked, as configured; counted and logged either way."""

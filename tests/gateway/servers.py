@@ -1,5 +1,6 @@
 """Servers for gateway tests: a gateway on loopback, engine services, and a TCP relay that can
-cut every connection through it (a network failure between a gateway and its engine)."""
+cut every connection through it (a network failure between a gateway and its engine, or its
+Redis)."""
 
 from __future__ import annotations
 
@@ -71,8 +72,9 @@ def engine_service(
 
 class TcpRelay:
     """Relays TCP connections from a port of 127.0.0.1 to `target`; `cut()` closes every
-    connection under way, as a network failure would. `seen` keeps every byte relayed, both
-    ways: what an eavesdropper on the network reads."""
+    connection under way, as a network failure would; `block()` also refuses new ones until
+    `unblock()` (a failure that lasts). `seen` keeps every byte relayed, both ways: what an
+    eavesdropper on the network reads."""
 
     def __init__(self, target_port: int):
         self.target_port = target_port
@@ -80,12 +82,32 @@ class TcpRelay:
         self.port = int(self._listener.getsockname()[1])
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
+        self._relayed = threading.Condition(self._lock)
         self.seen = bytearray()
+        self.blocked = False
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
     def url(self) -> str:
         return f"tcp://127.0.0.1:{self.port}"
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def wait_seen(self, marker: bytes, after: int = 0, timeout: float = 30) -> None:
+        """Returns once `marker` has been relayed at or past offset `after` of `seen` (blocks:
+        call it on a thread from async code)."""
+        with self._relayed:
+            if not self._relayed.wait_for(lambda: marker in self.seen[after:], timeout):
+                raise TimeoutError(f"{marker!r} was not relayed within {timeout} s")
+
+    def block(self) -> None:
+        self.blocked = True
+        self.cut()
+
+    def unblock(self) -> None:
+        self.blocked = False
 
     def cut(self) -> None:
         with self._lock:
@@ -105,6 +127,9 @@ class TcpRelay:
                 inbound, _ = self._listener.accept()
             except OSError:
                 return
+            if self.blocked:
+                inbound.close()
+                continue
             outbound = socket.create_connection(("127.0.0.1", self.target_port))
             with self._lock:
                 self._sockets += [inbound, outbound]
@@ -116,6 +141,7 @@ class TcpRelay:
             while data := source.recv(65536):
                 with self._lock:
                     self.seen += data
+                    self._relayed.notify_all()
                 sink.sendall(data)
         with contextlib.suppress(OSError):
             sink.shutdown(socket.SHUT_WR)
