@@ -230,10 +230,14 @@ class QuotaSettings:
         default_factory=lambda: _env("QUOTA_SLOT_LEASE_SECONDS", 30.0, float)
     )
     """LORAMUX_QUOTA_SLOT_LEASE_SECONDS: a concurrency slot not renewed for this long (its gateway died) is freed."""
+    max_unsettled: int = field(default_factory=lambda: _env("QUOTA_MAX_UNSETTLED", 100_000, int))
+    """LORAMUX_QUOTA_MAX_UNSETTLED: settlements a gateway keeps while Redis cannot take them, retried until it answers; past this, the oldest is dropped (its reservation stays charged)."""
 
     def __post_init__(self) -> None:
         if self.on_redis_down not in ("reject", "allow"):
             raise ValueError("LORAMUX_QUOTA_ON_REDIS_DOWN must be 'reject' or 'allow'")
+        if self.max_unsettled < 1:
+            raise ValueError("LORAMUX_QUOTA_MAX_UNSETTLED must be at least 1")
 
 
 @dataclass(frozen=True)

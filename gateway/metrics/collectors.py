@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-QUOTA_REDIS_DOWN = ("refused", "unchecked", "unsettled")
+QUOTA_REDIS_DOWN = ("refused", "unchecked", "unsettled", "dropped")
 USAGE_DROPS = ("buffer_full", "refused", "shutdown")
 """The labels these counts take (gateway.quotas.service, gateway.usage.recorder): each is
 exposed from the start, at 0, so a rate over it is 0 rather than missing."""

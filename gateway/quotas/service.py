@@ -18,7 +18,8 @@ Redis unavailable (no connection, or no answer within LORAMUX_QUOTA_REDIS_TIMEOU
 LORAMUX_QUOTA_ON_REDIS_DOWN=reject (the default) a request with limits gets 503
 `quota_unavailable`; with `allow` it is admitted unchecked, without rate-limit headers. Either
 way it is counted in `QuotaService.redis_down` (`refused`, `unchecked`; `unsettled` for
-settlements that could not reach Redis) and logged at most every 10 s. There is never a
+settlements that could not reach Redis, kept and tried again until it answers, and `dropped` for
+those given up: gateway.quotas.unsettled) and logged at most every 10 s. There is never a
 per-process fallback limiter: limits hold across processes or are explicitly not enforced.
 (`allow` also admits unchecked when this gateway is too overloaded to hear Redis in time.) When Redis
 loses its data (a restart without persistence), windows and slots start empty and budget
@@ -54,6 +55,7 @@ from loramux.gateway.quotas.ledger import spent_in_period
 from loramux.gateway.quotas.readings import NEEDS_SEED, REFUSED, ScriptReply, parse_reply
 from loramux.gateway.quotas.scripts import ADMIT, SETTLE
 from loramux.gateway.quotas.single_flight import SingleFlight
+from loramux.gateway.quotas.unsettled import Unsettled
 from loramux.gateway.settings import QuotaSettings
 
 log = logging.getLogger(__name__)
@@ -87,11 +89,14 @@ class QuotaService:
         self.leases = LeaseKeeper(redis, int(settings.slot_lease_seconds * 1000), self._now_ms)
         self.redis_down: Counter[str] = Counter()
         """What Redis being unavailable did: `refused` (503), `unchecked` (admitted without a
-        check, `allow`), `unsettled` (settlements lost; their slots expire with their lease)."""
+        check, `allow`), `unsettled` (settlements Redis did not take at once, then retried),
+        `dropped` (settlements given up: their reservations stay charged)."""
         self._admit = redis.register_script(ADMIT)
         self._settle = redis.register_script(SETTLE)
         self._seeds: SingleFlight[str, int] = SingleFlight()
         self._settling: set[asyncio.Task[None]] = set()
+        self.unsettled = Unsettled(self._settle_once, settings.max_unsettled, self.redis_down)
+        """Settlements waiting for Redis to answer again."""
         self._down_logged = -DOWN_LOG_INTERVAL
         self.known = KnownRefusals(clock or time.monotonic)
         """Principals whose requests are refused for now whatever they ask."""
@@ -140,10 +145,12 @@ class QuotaService:
         return Admission(now, rate_limit_headers(reply.readings), reservation, self._release)
 
     async def close(self) -> None:
-        """Stop renewing slots and wait for settlements under way."""
+        """Stop renewing slots, wait for settlements under way, and try those waiting for
+        Redis once more."""
         await self.leases.close()
         if self._settling:
             await asyncio.gather(*self._settling, return_exceptions=True)
+        await self.unsettled.close()
 
     # -- Redis -------------------------------------------------------------------------------
     async def _check(
@@ -258,16 +265,23 @@ class QuotaService:
         return task
 
     async def _settle_now(self, r: Reservation, used_tokens: int, quiet: bool = False) -> None:
-        keys = [k for b in r.buckets for k in b.keys]
-        args: list[int | str] = [r.member, used_tokens, *(b.kind for b in r.buckets)]
+        """Settle, or keep the settlement to try again while Redis does not take it (counted
+        as `unsettled` unless `quiet`: an admission whose reply was lost)."""
         try:
-            async with asyncio.timeout(self.timeout):
-                await _once_more_on_reconnect(
-                    lambda: self._settle(keys=keys, args=args), self.known.clear
-                )
+            await self._settle_once(r, used_tokens)
         except (*REDIS_DOWN, RedisError) as exc:
             if not quiet:
                 self._note_outage("unsettled", exc)
+            self.unsettled.put(r, used_tokens)
+
+    async def _settle_once(self, r: Reservation, used_tokens: int) -> None:
+        """One settlement round trip (raises when Redis does not take it)."""
+        keys = [k for b in r.buckets for k in b.keys]
+        args: list[int | str] = [r.member, used_tokens, *(b.kind for b in r.buckets)]
+        async with asyncio.timeout(self.timeout):
+            await _once_more_on_reconnect(
+                lambda: self._settle(keys=keys, args=args), self.known.clear
+            )
 
     # -- clocks ------------------------------------------------------------------------------
     def _now(self) -> datetime:

@@ -1,13 +1,19 @@
 """When Redis cannot be reached, admission does what LORAMUX_QUOTA_ON_REDIS_DOWN says — `reject`
 (503 quota_unavailable) or `allow` (admitted unchecked, counted) — and never limits per process;
-once Redis is back, limits apply again."""
+once Redis is back, limits apply again, and the settlements it could not take are made."""
 
 from __future__ import annotations
 
 import socket
+from datetime import UTC, datetime
 
+from redis.asyncio import Redis
+
+from loramux.gateway.auth.api_keys import Principal
 from loramux.gateway.errors import InsufficientQuota, ServiceUnavailable
+from loramux.gateway.quotas.buckets import budget_period, scope_prefix
 from tests.gateway.quotas.rig import QuotaRig, refusal
+from tests.gateway.servers import TcpRelay
 from tests.redis import RedisServer
 
 LIMITED = {"rpm": 2, "token_budget": 1000, "budget_period": "day"}
@@ -76,3 +82,76 @@ async def test_a_redis_that_does_not_answer_counts_as_down(rig: QuotaRig) -> Non
         svc = rig.service(url, on_redis_down="reject", redis_timeout_ms=200)
         p = await rig.principal(tenant=LIMITED)
         assert isinstance(await refusal(svc.admit(p, 1, 1)), ServiceUnavailable)
+
+
+async def day_ledger(rig: QuotaRig, server: RedisServer, p: Principal) -> dict[bytes, bytes]:
+    """The tenant's budget ledger of the clock's day, read straight from the server."""
+    day = budget_period("day", datetime.fromtimestamp(rig.clock(), UTC))
+    check = Redis.from_url(server.url)
+    try:
+        return dict(await check.hgetall(f"{scope_prefix(p.tenant_id, None)}:budget:{day.name}"))
+    finally:
+        await check.aclose()
+
+
+BUDGET = {"token_budget": 10_000, "budget_period": "day"}
+
+
+async def test_a_settlement_lost_to_a_network_failure_is_made_once_redis_answers(
+    rig: QuotaRig, own_redis: RedisServer
+) -> None:
+    """Redis keeps its data through a network failure; the settlement it missed is tried again
+    until it answers, so the ledger charges what was used, not the whole reservation."""
+    relay = TcpRelay(own_redis.port)
+    try:
+        svc = rig.service(relay.redis_url, redis_timeout_ms=1000)
+        p = await rig.principal(tenant=BUDGET)
+        admission = await svc.admit(p, 100, 8000)  # reserves 8,100 of 10,000
+        relay.block()
+        await admission.settle(150)
+        assert svc.redis_down["unsettled"] == 1 and len(svc.unsettled) == 1
+        relay.unblock()
+        await svc.unsettled.settled()
+        assert await day_ledger(rig, own_redis, p) == {b"spent": b"150"}
+        await (await svc.admit(p, 0, 5000)).settle(0)
+    finally:
+        relay.close()
+
+
+async def test_closing_tries_the_settlements_waiting_for_redis_once_more(
+    rig: QuotaRig, own_redis: RedisServer
+) -> None:
+    relay = TcpRelay(own_redis.port)
+    try:
+        svc = rig.service(relay.redis_url, redis_timeout_ms=1000)
+        p = await rig.principal(tenant=BUDGET)
+        admission = await svc.admit(p, 100, 8000)
+        relay.block()
+        await admission.settle(150)
+        relay.unblock()
+        await svc.close()
+        assert await day_ledger(rig, own_redis, p) == {b"spent": b"150"}
+        assert svc.redis_down["dropped"] == 0
+    finally:
+        relay.close()
+
+
+async def test_past_its_bound_the_oldest_waiting_settlement_is_dropped_and_counted(
+    rig: QuotaRig, own_redis: RedisServer
+) -> None:
+    relay = TcpRelay(own_redis.port)
+    try:
+        svc = rig.service(relay.redis_url, redis_timeout_ms=1000, max_unsettled=1)
+        p = await rig.principal(tenant=BUDGET)
+        first, second = await svc.admit(p, 0, 1000), await svc.admit(p, 0, 2000)
+        relay.block()
+        await first.settle(10)
+        await second.settle(20)
+        assert (len(svc.unsettled), svc.redis_down["dropped"]) == (1, 1)
+        relay.unblock()
+        await svc.unsettled.settled()
+        ledger = await day_ledger(rig, own_redis, p)
+    finally:
+        relay.close()
+    # The first request's reservation stays charged; the second is charged what it used.
+    assert int(ledger.pop(b"spent")) == 1000 + 20 and list(ledger.values()) == [b"1000"]
