@@ -145,6 +145,11 @@ async def build_state(
     limits = AdapterLimits(
         max_rank=settings.engine.max_lora_rank, max_file_bytes=settings.server.max_upload_mb << 20
     )
+    usage = UsageRecorder(
+        sessions,
+        interval=settings.server.usage_flush_seconds,
+        max_buffered=settings.server.usage_max_buffered,
+    )
     return GatewayState(
         settings=settings,
         db=db,
@@ -156,11 +161,7 @@ async def build_state(
         store=AdapterStore(settings.adapter_dir, base, limits),
         shared_store=shared_store(settings, db),
         metrics=Metrics(),
-        usage=UsageRecorder(
-            sessions,
-            interval=settings.server.usage_flush_seconds,
-            max_buffered=settings.server.usage_max_buffered,
-        ),
+        usage=usage,
         model_name=info.model_name,
         max_model_len=info.max_model_len,
         prompts=PromptTokens(model_dir, info.vocab_size, info.max_model_len),
@@ -173,5 +174,5 @@ async def build_state(
             mirror_bytes=settings.cache.mirror_mb << 20,
             redis_timeout=settings.cache.redis_timeout_ms / 1000,
         ),
-        quotas=QuotaService(redis, sessions, settings.quotas),
+        quotas=QuotaService(redis, sessions, settings.quotas, usage=usage),
     )

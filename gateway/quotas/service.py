@@ -57,6 +57,7 @@ from loramux.gateway.quotas.scripts import ADMIT, SETTLE
 from loramux.gateway.quotas.single_flight import SingleFlight
 from loramux.gateway.quotas.unsettled import Unsettled
 from loramux.gateway.settings import QuotaSettings
+from loramux.gateway.usage import UsageRecorder
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,8 @@ class QuotaService:
     """Admission for every request of one gateway process (one event loop).
 
     `clock`: seconds since the epoch, for tests; by default windows and slot leases use Redis's
-    clock (one clock for every gateway) and budget periods this machine's UTC date.
+    clock (one clock for every gateway) and budget periods this machine's UTC date. `usage`:
+    this process's usage recorder, whose events not yet written a rebuilt ledger counts.
     """
 
     def __init__(
@@ -79,11 +81,13 @@ class QuotaService:
         sessions: async_sessionmaker[AsyncSession],
         settings: QuotaSettings,
         clock: Callable[[], float] | None = None,
+        usage: UsageRecorder | None = None,
     ):
         self.redis = redis
         self.sessions = sessions
         self.settings = settings
         self.clock = clock
+        self.usage = usage
         self.config = QuotaConfig(sessions, settings.config_cache_seconds)
         self.timeout = settings.redis_timeout_ms / 1000
         self.leases = LeaseKeeper(redis, int(settings.slot_lease_seconds * 1000), self._now_ms)
@@ -202,8 +206,8 @@ class QuotaService:
     async def _read_seeds(
         self, tenant_id: str, buckets: list[Bucket], missing: list[int]
     ) -> dict[int, int]:
-        """Spent tokens of each missing ledger's scope and period, from SQL (shared by
-        concurrent admissions that miss the same ledger)."""
+        """Spent tokens of each missing ledger's scope and period, from SQL and this process's
+        unwritten usage events (shared by concurrent admissions that miss the same ledger)."""
         seeds: dict[int, int] = {}
         for index in missing:
             b = buckets[index]
@@ -211,7 +215,9 @@ class QuotaService:
 
             async def read(b: Bucket = b) -> int:
                 assert b.period is not None
-                return await spent_in_period(self.sessions, tenant_id, b.key_id, b.period)
+                return await spent_in_period(
+                    self.sessions, tenant_id, b.key_id, b.period, self.usage
+                )
 
             try:
                 seeds[index] = await self._seeds.run(b.keys[0], read)

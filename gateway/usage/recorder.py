@@ -215,6 +215,23 @@ class UsageRecorder:
         """Events waiting to be written."""
         return len(self._buffer)
 
+    def unwritten(
+        self, tenant_id: str, key_id: str | None, start: datetime, end: datetime
+    ) -> list[tuple[str, int]]:
+        """The request id and billable tokens (prompt plus completion) of each buffered event of
+        `tenant_id` (of `key_id` alone when given) admitted in [start, end) that bills any,
+        oldest first: usage this process served that SQL may not hold yet. An event leaves the
+        buffer only after its write committed, and writes take the buffer's head, so of these
+        events, the ones in SQL at any later moment are always the first few."""
+        found = []
+        for e in self._buffer:
+            tokens = e.prompt_tokens + e.completion_tokens
+            if tokens and e.tenant_id == tenant_id and key_id in (None, e.key_id):
+                admitted = as_utc(e.admitted_at or e.created_at)
+                if start <= admitted < end:
+                    found.append((e.request_id, tokens))
+        return found
+
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="usage-recorder")

@@ -17,6 +17,7 @@ from loramux.gateway.db import ApiKey, Quota, Tenant, UsageEvent
 from loramux.gateway.errors import GatewayError
 from loramux.gateway.quotas import Admission, QuotaService
 from loramux.gateway.settings import QuotaSettings
+from loramux.gateway.usage import UsageRecorder
 
 
 class Clock:
@@ -57,9 +58,15 @@ class QuotaRig:
     clock: Clock
     services: list[QuotaService]
 
-    def service(self, redis_url: str | None = None, **overrides: Any) -> QuotaService:
+    def service(
+        self, redis_url: str | None = None, usage: UsageRecorder | None = None, **overrides: Any
+    ) -> QuotaService:
+        """A service over `redis_url` (the rig's Redis by default), with the settings' overrides;
+        `usage`: the process's usage recorder, whose unwritten events ledgers count."""
         redis = redis_client(redis_url or self.redis_url)
-        svc = QuotaService(redis, self.sessions, settings(**overrides), clock=self.clock)
+        svc = QuotaService(
+            redis, self.sessions, settings(**overrides), clock=self.clock, usage=usage
+        )
         self.services.append(svc)
         return svc
 

@@ -5,13 +5,17 @@ from the usage events in SQL when Redis has lost it."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import insert
 
 from loramux.gateway.auth.api_keys import Principal
 from loramux.gateway.errors import InsufficientQuota
 from loramux.gateway.quotas import QuotaService
 from loramux.gateway.quotas.buckets import budget_period, scope_prefix
 from loramux.gateway.usage import UsageRecord, UsageRecorder
+from loramux.gateway.usage.recorder import event_row, usage_events
 from tests.gateway.quotas.rig import QuotaRig, refusal
 
 
@@ -129,11 +133,16 @@ async def test_a_request_spanning_a_period_boundary_is_charged_in_its_admission_
 
 
 def usage(
-    p: Principal, prompt: int, completion: int, finished: datetime, admitted: datetime
+    p: Principal,
+    prompt: int,
+    completion: int,
+    finished: datetime,
+    admitted: datetime,
+    request_id: str = "spanning",
 ) -> UsageRecord:
     """The usage event the gateway records for a request of `p` that ended at `finished`."""
     return UsageRecord(
-        request_id="spanning",
+        request_id=request_id,
         tenant_id=p.tenant_id,
         key_id=p.key_id,
         model="m",
@@ -148,3 +157,52 @@ def usage(
         created_at=finished,
         admitted_at=admitted,
     )
+
+
+async def spent(svc: QuotaService, p: Principal, key_id: str | None, day: str) -> int:
+    return int(await svc.redis.hget(f"{scope_prefix(p.tenant_id, key_id)}:budget:{day}", "spent"))
+
+
+async def test_a_ledger_rebuilt_while_usage_waits_for_the_database_counts_that_usage(
+    rig: QuotaRig,
+) -> None:
+    """While the database cannot take writes, usage events wait in the recorder's buffer. A
+    ledger rebuilt meanwhile (Redis lost its data) counts this process's waiting events of its
+    scope and period, as it will once they are in SQL."""
+    recorder = UsageRecorder(rig.sessions)  # never flushed here, as during a database outage
+    svc = rig.service(usage=recorder)
+    budget = {"token_budget": 10_000, "budget_period": "day"}
+    p = await rig.principal(tenant=budget, key=budget)
+    now = datetime.fromtimestamp(rig.clock(), UTC)
+    day = budget_period("day", now)
+    served = await svc.admit(p, 1000, 5000)
+    recorder.record(usage(p, 1000, 2000, now, served.admitted_at, "req_served"))
+    await served.settle(3000)
+    other_key = usage(p, 400, 100, now, now, "req_other_key")
+    recorder.record(replace(other_key, key_id="another-key"))  # the tenant's, not the key's
+    yesterday = day.start - timedelta(seconds=1)
+    recorder.record(usage(p, 700, 0, now, yesterday, "req_yesterday"))  # charged to yesterday
+    recorder.record(usage(p, 0, 0, now, now, "req_cache_hit"))
+    ledgers = [f"{scope_prefix(p.tenant_id, k)}:budget:{day.name}" for k in (None, p.key_id)]
+    await svc.redis.delete(*ledgers)  # Redis lost its data
+
+    await (await svc.admit(p, 0, 0)).settle(0)  # rebuilds both ledgers
+    assert await spent(svc, p, None, day.name) == 3500
+    assert await spent(svc, p, p.key_id, day.name) == 3000
+
+
+async def test_an_event_written_as_its_ledger_is_rebuilt_counts_once(rig: QuotaRig) -> None:
+    """An event leaves the recorder's buffer only after its write committed: a ledger seeded in
+    between finds it in SQL and in the buffer, and counts it once."""
+    recorder = UsageRecorder(rig.sessions)
+    svc = rig.service(usage=recorder)
+    p = await rig.principal(tenant={"token_budget": 10_000, "budget_period": "day"})
+    now = datetime.fromtimestamp(rig.clock(), UTC)
+    written = usage(p, 1000, 2000, now, now, "req_written")
+    recorder.record(written)
+    recorder.record(usage(p, 10, 20, now, now, "req_waiting"))
+    async with rig.sessions() as session, session.begin():  # committed, still buffered
+        await session.execute(insert(usage_events), [event_row(written)])
+
+    await (await svc.admit(p, 0, 0)).settle(0)  # seeds the ledger
+    assert await spent(svc, p, None, budget_period("day", now).name) == 3030
