@@ -32,15 +32,23 @@ class Metering:
         completion = run.completion_tokens
         await p.admission.settle((p.prompt_tokens if completion else 0) + completion)
 
-    async def settle_hit(self, p: Prepared) -> None:
-        """A cache hit consumes no tokens."""
+    async def settle_hit(self, p: Prepared, served: bool) -> None:
+        """A cache hit's end, metered and settled once, by whichever comes first: its replay's
+        end, or its response's (a response can end before its replay starts: a client gone
+        when the response starts). `served`: replayed to its end; else the client left (499).
+        A cache hit consumes no tokens."""
         hit = p.cache.hit
         assert hit is not None, "settle_hit settles a cache hit"
+        if p.ended:
+            return
+        p.ended = True
         r = hit.response
+        status, finish = (200, r.finish_reason) if served else (499, "abort")
+        ttft = time.perf_counter() - p.started if served else None
         try:
-            self._meter(p, 0, 0, 0, 200, time.perf_counter() - p.started, r.finish_reason)
+            self._meter(p, 0, 0, 0, status, ttft, finish)
             usage = (r.prompt_tokens, r.completion_tokens)
-            tracing.describe_result(p.meta.id, p.model.name, usage, r.finish_reason, hit.kind, None)
+            tracing.describe_result(p.meta.id, p.model.name, usage, finish, hit.kind, None)
         finally:
             await p.admission.settle(0)
 

@@ -93,6 +93,9 @@ class Prepared:
     """The engine request, once started (`CompletionService.start`)."""
     answers: list[Answer] = field(default_factory=list)
     """Each choice whole, once the run has ended."""
+    ended: bool = False
+    """A cache hit's end has been metered and its reservation settled (by whichever ended
+    first: its replay, or its response)."""
 
     def headers(self) -> dict[str, str]:
         headers = dict(self.admission.headers)

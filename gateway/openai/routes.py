@@ -8,6 +8,7 @@ an anyio task group on every request, a tenth of a millisecond for values alread
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Annotated, Any
@@ -53,6 +54,9 @@ RUN = "run"
 RESOLVED = "resolved_model"
 """Where a completion leaves the model it resolved to (a ResolvedModel), in the connection's
 state: a refusal after it is recorded under that model."""
+HIT = "hit"
+"""Where a completion answered from the response cache leaves how to end it (meter and settle
+it), in the connection's state."""
 
 COMPLETION_ERRORS = errors(400, 401, 403, 404, 413, 415, 429, 503, 504)
 
@@ -105,6 +109,8 @@ async def _respond(
         # One turn of the loop: the run's task sends the request to the engine now, so that
         # its prefill overlaps the start of the response.
         await asyncio.sleep(0)
+    else:
+        request.state[HIT] = partial(service.end_hit, prepared)
     headers = prepared.headers()
     if prepared.stream:
         headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -117,15 +123,21 @@ def end_runs_with_their_response(app: ASGIApp) -> ASGIApp:
     """The router's middleware: a run starts before its response (`CompletionService.start`),
     and whatever becomes of the response (sent to its end, an error, or a client gone before
     its stream was read at all), the run ends with it: aborted if still going. A response that
-    was sent to its end waited for its run to end, and aborting an ended run does nothing."""
+    was sent to its end waited for its run to end, and aborting an ended run does nothing.
+    A cache hit, which has no run, ends with its response likewise: metered and settled
+    (`CompletionService.end_hit`), unless its replay to the end already did."""
 
     async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await app(scope, receive, send)
         finally:
-            run: Generation | None = scope.get("state", {}).get(RUN)
+            state = scope.get("state", {})
+            run: Generation | None = state.get(RUN)
             if run is not None:
                 run.abort()
+            end_hit: Callable[[], Awaitable[None]] | None = state.get(HIT)
+            if end_hit is not None:
+                await end_hit()
 
     return middleware
 

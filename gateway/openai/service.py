@@ -16,7 +16,8 @@ reserves n × max_tokens.
 
 Cache hits count as one request against request and concurrency limits but consume no tokens:
 their reservation is settled with 0, and their usage event records 0 billable tokens (the
-response's `usage` still shows the original counts, as the client expects). A request for more
+response's `usage` still shows the original counts, as the client expects), exactly once, when
+the replay or the response ends (`end_hit`; 499 when the client left before the replay ended). A request for more
 than one choice is neither looked up nor stored: the cache keeps one choice per entry.
 """
 
@@ -274,8 +275,9 @@ class CompletionService:
     # -- answering: one sequence of parts, streamed or gathered ------------------------------------
     def start(self, p: Prepared) -> Generation | None:
         """Hand the request to the engine now, before the response starts (its prefill then
-        overlaps the response's start); None for a cache hit. Whoever starts a run aborts it if
-        its response ends early (`Generation.abort` does nothing once it ended)."""
+        overlaps the response's start); None for a cache hit (see `end_hit`). Whoever starts a
+        run aborts it if its response ends early (`Generation.abort` does nothing once it
+        ended)."""
         if p.cache.hit is not None:
             return None
         if p.run is None:
@@ -305,6 +307,7 @@ class CompletionService:
 
     async def _replay(self, p: Prepared, hit: CacheHit) -> AsyncIterator[Part | Ending]:
         answer = replayed(hit.response, p.meta.kind)
+        served = False
         try:
             pacing = p.cache.policy.pacing
             for part, delay in replay_parts(answer, hit.response.completion_tokens, pacing):
@@ -313,8 +316,15 @@ class CompletionService:
                 yield part
             usage = Usage.of(hit.response.prompt_tokens, hit.response.completion_tokens, 0)
             yield Ending([answer], usage)
+            served = True
         finally:
-            await self.metering.settle_hit(p)
+            await self.metering.settle_hit(p, served)
+
+    async def end_hit(self, p: Prepared) -> None:
+        """A cache hit's response ended: metered (a 499) and settled unless its replay ended
+        first. A stream whose response never started is never read, so its replay never
+        starts, nor ends; whoever sends a hit's response calls this once it has ended."""
+        await self.metering.settle_hit(p, served=False)
 
     async def complete(
         self, p: Prepared, client_gone: Callable[[], Awaitable[None]]

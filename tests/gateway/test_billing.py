@@ -221,16 +221,13 @@ class ConnectionBroke(OSError):
     """What a server's `send` raises once the client's connection is gone."""
 
 
-def test_a_stream_whose_response_never_starts_is_aborted_and_billed(
-    gateway: RunningServer, admin: httpx.Client
-) -> None:
-    """The engine gets a request before its response starts (gateway.openai.routes). Here the
-    connection breaks at the response's first message, so its stream is never read: the run is
-    aborted all the same, and billed for what the engine generated, as for any client that
-    left."""
-    tenant = budgeted(admin)
-    before = idle(gateway)
-    body = json.dumps(chat(stream=True)).encode()
+def request_broken_at_start(
+    gateway: RunningServer, body: dict[str, Any], headers: dict[str, str]
+) -> list[dict[str, Any]]:
+    """Sends a request straight to the gateway's ASGI app, whose connection breaks at the
+    response's first message (`send` raises), as a client gone when the response starts would
+    make it; returns the messages the app sent."""
+    raw = json.dumps(body).encode()
     scope = {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -244,14 +241,14 @@ def test_a_stream_whose_response_never_starts_is_aborted_and_billed(
         "headers": [
             (b"host", b"loramux"),
             (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            *((k.encode(), v.encode()) for k, v in headers(tenant).items()),
+            (b"content-length", str(len(raw)).encode()),
+            *((k.encode(), v.encode()) for k, v in headers.items()),
         ],
         "client": ("127.0.0.1", 50000),
         "server": ("127.0.0.1", 80),
         "state": {},
     }
-    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    messages = [{"type": "http.request", "body": raw, "more_body": False}]
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
@@ -271,6 +268,19 @@ def test_a_stream_whose_response_never_starts_is_aborted_and_billed(
             await gateway.server.config.loaded_app(scope, receive, send)
 
     gateway.run(request())
+    return sent
+
+
+def test_a_stream_whose_response_never_starts_is_aborted_and_billed(
+    gateway: RunningServer, admin: httpx.Client
+) -> None:
+    """The engine gets a request before its response starts (gateway.openai.routes). Here the
+    connection breaks at the response's first message, so its stream is never read: the run is
+    aborted all the same, and billed for what the engine generated, as for any client that
+    left."""
+    tenant = budgeted(admin)
+    before = idle(gateway)
+    sent = request_broken_at_start(gateway, chat(stream=True), headers(tenant))
     assert [m["type"] for m in sent] == ["http.response.start"]  # not a byte of the stream
     after = idle(gateway)
     [event] = usage_events(gateway, tenant, 1)
@@ -278,6 +288,32 @@ def test_a_stream_whose_response_never_starts_is_aborted_and_billed(
     assert event.status == 499
     assert event.completion_tokens == generated < MAX_TOKENS  # aborted, not run to its end
     assert ledger_spent(gateway, tenant) == billed([event])
+
+
+def test_a_streamed_cache_hit_whose_response_never_starts_is_metered_and_settled(
+    gateway: RunningServer, admin: httpx.Client
+) -> None:
+    """A cache hit has no run to abort, and its stream, never read, never replays: its response's
+    end meters it (a 499, billed nothing) and settles its reservation all the same."""
+    tenant = new_tenant(admin, "billing")
+    quota = {"max_concurrent": 1, "token_budget": 10_000_000, "budget_period": "month"}
+    assert admin.put(f"/admin/tenants/{tenant.tenant_id}/quotas", json=quota).status_code == 200
+    question = chat(stream=False) | {"max_tokens": 8}
+    auth = {"authorization": f"Bearer {tenant.key}"}
+    url = f"{gateway.url}/v1/chat/completions"
+    first = httpx.post(url, json=question, headers=auth, timeout=60)
+    assert (first.status_code, first.headers["x-cache"]) == (200, "miss")
+
+    sent = request_broken_at_start(gateway, question | {"stream": True}, auth)
+    assert [m["type"] for m in sent] == ["http.response.start"]
+    assert (b"x-cache", b"exact") in sent[0]["headers"]
+    # Its concurrency slot, the tenant's only one, was freed when its response ended.
+    after = httpx.post(url, json=question, headers=auth, timeout=60)
+    assert after.status_code == 200, after.text
+    events = usage_events(gateway, tenant, 3)
+    outcomes = sorted((e.status, e.cache, e.prompt_tokens + e.completion_tokens) for e in events)
+    assert outcomes == [(200, "exact", 0), (200, "miss", billed(events)), (499, "exact", 0)]
+    assert ledger_spent(gateway, tenant) == billed(events)
 
 
 def _open_request(
