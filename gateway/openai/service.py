@@ -17,8 +17,9 @@ reserves n × max_tokens.
 Cache hits count as one request against request and concurrency limits but consume no tokens:
 their reservation is settled with 0, and their usage event records 0 billable tokens (the
 response's `usage` still shows the original counts, as the client expects), exactly once, when
-the replay or the response ends (`end_hit`; 499 when the client left before the replay ended). A request for more
-than one choice is neither looked up nor stored: the cache keeps one choice per entry.
+the replay or the response ends (`end_hit`; 499 when the client left before the replay ended).
+A request for more than one choice is neither looked up nor stored: the cache keeps one choice
+per entry.
 """
 
 from __future__ import annotations
