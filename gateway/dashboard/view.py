@@ -37,9 +37,10 @@ from loramux.gateway.usage.recorder import day_of, hour_of
 
 PERCENTILES = (0.5, 0.9, 0.99)
 MAX_DAYS = 366
-NOT_SERVED = "(refused before the engine)"
-"""The row of requests refused before they reached the engine (a quota, a bad body, an unknown
-model): usage records them without a model."""
+NOT_SERVED = "(no model)"
+"""The row of requests refused before their model was known (a bad body, an unknown model):
+usage records them without a model. One refused after its model resolved (a 429, say) is in
+that model's row."""
 
 
 @dataclass(frozen=True)

@@ -170,12 +170,12 @@ def test_outcomes_adapters_and_key_limits_in_a_real_browser(
                 row.locator("[data-testid=group]").inner_text(): row
                 for row in page.locator("[data-testid=breakdown-row]").all()
             }
-            refused = "(refused before the engine)"
-            assert set(rows) == {"support-bot", "old-bot", "broken-bot", refused}
+            unresolved = "(no model)"
+            assert set(rows) == {"support-bot", "old-bot", "broken-bot", unresolved}
             assert number(rows["broken-bot"], "[data-testid=server-errors]") == 1
-            assert number(rows["support-bot"], "[data-testid=requests]") == 3
-            assert number(rows[refused], "[data-testid=refusals]") == 1
-            assert number(rows[refused], "[data-testid=client-errors]") == 2
+            assert number(rows["support-bot"], "[data-testid=requests]") == 4
+            assert number(rows["support-bot"], "[data-testid=refusals]") == 1
+            assert number(rows[unresolved], "[data-testid=client-errors]") == 2
             assert number(rows["support-bot"], "[data-testid=aborts]") == 1
             assert rows["old-bot"].locator("[data-testid=deleted]").count() == 1
             assert rows["support-bot"].locator("[data-testid=deleted]").count() == 0
