@@ -14,7 +14,7 @@ from loramux.engine.metrics import REQUEST_BUCKETS, TTFT_BUCKETS
 from loramux.gateway.metrics.routes import CHAT, COMPLETIONS
 
 COMPLETION_ROUTES = (CHAT, COMPLETIONS)
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "tool_calls", "abort", "error")
 CACHE_KINDS = ("exact", "semantic")
 REFUSALS = ("requests", "tokens", "concurrency", "budget", "backlog")
 MODEL_KINDS = ("base", "adapter")

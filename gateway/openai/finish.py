@@ -9,6 +9,7 @@ from loramux.gateway import tracing
 from loramux.gateway.metrics import Metrics, completion_route
 from loramux.gateway.openai.generation import Generation
 from loramux.gateway.openai.prepared import Prepared
+from loramux.gateway.openai.responses import Answer
 from loramux.gateway.usage import UsageRecord, UsageRecorder
 
 
@@ -21,8 +22,9 @@ class Metering:
         """A run's usage: the prompt counts only when a token was generated."""
         completion = run.completion_tokens
         prompt = p.prompt_tokens if completion else 0
-        finish = run_finish(run)
-        self._meter(p, prompt, completion, run.cached_tokens, run.status, run.ttft, finish)
+        cached = run.cached_tokens if completion else 0  # of a prompt billed, or none
+        finish = run_finish(run, p.answers)
+        self._meter(p, prompt, completion, cached, run.status, run.ttft, finish)
         usage = (p.prompt_tokens, completion)
         tracing.describe_result(
             p.meta.id, p.model.name, usage, finish, p.cache.outcome, run.timings
@@ -47,7 +49,7 @@ class Metering:
         ttft = time.perf_counter() - p.started if served else None
         try:
             self._meter(p, 0, 0, 0, status, ttft, finish)
-            usage = (r.prompt_tokens, r.completion_tokens)
+            usage = (p.prompt_tokens, r.completion_tokens)
             tracing.describe_result(p.meta.id, p.model.name, usage, finish, hit.kind, None)
         finally:
             await p.admission.settle(0)
@@ -90,11 +92,13 @@ class Metering:
         )
 
 
-def run_finish(run: Generation) -> str:
-    """How a run ended, for metrics and traces: the first choice's finish reason when it was
-    served, `abort` when the client left, `error` otherwise."""
+def run_finish(run: Generation, answers: list[Answer]) -> str:
+    """How a run ended, for metrics and traces: the first choice's finish reason as its client
+    got it when it was served (`tool_calls` for a reply read as tool calls, as a cache hit of it
+    counts; the engine's `stop` was counted), `abort` when the client left, `error` otherwise."""
     if run.status == 499:
         return "abort"
     if run.status != 200:
         return "error"
-    return run.choices[0].finish or "error"
+    given = answers[0].finish_reason if answers else None
+    return given or run.choices[0].finish or "error"

@@ -315,7 +315,8 @@ class CompletionService:
                 if delay:
                     await asyncio.sleep(delay)
                 yield part
-            usage = Usage.of(hit.response.prompt_tokens, hit.response.completion_tokens, 0)
+            # This request's prompt: a semantic hit's cached answer came from another one.
+            usage = Usage.of(p.prompt_tokens, hit.response.completion_tokens, 0)
             yield Ending([answer], usage)
             served = True
         finally:

@@ -4,6 +4,7 @@ report), the tenant's counts and a threshold tuned from its own labelled pairs."
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,6 +88,37 @@ def test_a_paraphrase_of_each_kind_is_a_semantic_hit(
     hit = ask(api, tenant, asked)
     assert hit.headers["x-cache"] == "semantic"
     assert hit.json()["choices"][0]["message"] == original.json()["choices"][0]["message"]
+
+
+def test_a_semantic_hit_reports_its_own_prompts_tokens(
+    admin: httpx.Client, api: httpx.Client
+) -> None:
+    """The answer is another prompt's, but `usage.prompt_tokens` is this request's prompt, in a
+    whole response and in a stream's usage chunk (it reported the cached prompt's: found by
+    attacking billing)."""
+    stored, asked = PARAPHRASES["question / imperative"]
+    own = ask(api, new_tenant(admin, "plain"), asked).json()["usage"]["prompt_tokens"]
+    tenant = semantic_tenant(admin)
+    assert ask(api, tenant, stored).json()["usage"]["prompt_tokens"] != own
+    hit = ask(api, tenant, asked)
+    assert hit.headers["x-cache"] == "semantic"
+    assert hit.json()["usage"]["prompt_tokens"] == own
+    body = {
+        "model": "demo-model",
+        "messages": [
+            {"role": "system", "content": "You answer briefly."},
+            {"role": "user", "content": asked},
+        ],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"authorization": f"Bearer {tenant.key}"}
+    with api.stream("POST", "/v1/chat/completions", json=body, headers=headers) as streamed:
+        assert streamed.headers["x-cache"] == "semantic"
+        chunks = [line for line in streamed.iter_lines() if line.startswith("data: {")]
+    assert json.loads(chunks[-1].removeprefix("data: "))["usage"]["prompt_tokens"] == own
 
 
 def test_every_change_that_changes_the_answer_misses(

@@ -15,11 +15,15 @@ import jsonschema
 import openai
 import pytest
 
+from loramux.gateway.server import RunningServer
 from tests.gateway.openai.openapi_schemas import CHAT, CHUNK, assert_valid
 from tests.gateway.openai.tools.tool_adapter import MESSAGES as ADAPTER_MESSAGES
 from tests.gateway.openai.tools.tool_adapter import TOOLS as ADAPTER_TOOLS
 from tests.gateway.openai.tools.tool_adapter import build_tool_calling_adapter
 from tests.gateway.tenants import TenantKey, upload_adapter
+from tests.gateway.test_metrics import scrape, total
+
+SUCCESS = "loramux_request_success_total"
 
 WEATHER = {
     "type": "function",
@@ -149,13 +153,26 @@ def test_streamed_tool_call_deltas_reassemble_to_the_whole_call(api: httpx.Clien
     ]
 
 
-def test_a_cache_hit_replays_the_tool_calls_exactly(api: httpx.Client) -> None:
+def test_a_cache_hit_replays_the_tool_calls_exactly(
+    api: httpx.Client, gateway: RunningServer
+) -> None:
+    """And both count as the finish reason their clients got, `tool_calls`: the engine's answer
+    was counted as `stop` and the hit as `tool_calls` (found by attacking the metrics)."""
     body = ask(tool_choice=NAMED)
+    before, _ = scrape(gateway)
     first = api.post("/chat/completions", json=body)
     hit = api.post("/chat/completions", json=body)
+    after, _ = scrape(gateway)
     assert (first.headers["x-cache"], hit.headers["x-cache"]) == ("miss", "exact")
     assert hit.json()["choices"] == first.json()["choices"]
     assert hit.json()["choices"][0]["message"]["tool_calls"]
+    assert first.json()["choices"][0]["finish_reason"] == "tool_calls"
+    counted = {
+        reason: total(after, SUCCESS, finished_reason=reason)
+        - total(before, SUCCESS, finished_reason=reason)
+        for reason in ("stop", "length", "tool_calls")
+    }
+    assert counted == {"stop": 0, "length": 0, "tool_calls": 2}
 
 
 def test_tools_reach_the_template_and_tool_turns_are_served(api: httpx.Client) -> None:
