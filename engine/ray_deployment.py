@@ -10,16 +10,27 @@ machines), and registers it; Ray Serve's LRU over
 `max_num_models_per_replica` (the engine's CPU adapter tier) then decides what each replica is
 known to hold.
 
+With a shared adapter store a replica keeps what it fetched in an adapter folder of its own
+(engine.adapter_folder: `<temporary folder>/loramux-replica-adapters/run-<pid>-<hex>`, removed
+when Ray Serve stops the replica, and by the next replica to start on the host when it was
+killed), and a digest's files leave it when the engine drops the digest. Deletes reach the
+replica by polling: a handle cannot broadcast a retire to every replica, and no replica is told
+of a delete, so every RETIRE_CHECK_SECONDS each replica asks the shared store which of the
+digests in its folder it still has, and retires the others (see `_retire_deleted`).
+
 Requests and outputs cross Ray as the engine's own dataclasses (EngineRequest, RequestOutput),
 pickled by Ray; a Ray client never sends text, only token ids, like the ZeroMQ channel.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import os
 import tempfile
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,19 +38,29 @@ from typing import Any, Protocol
 from ray import serve
 
 from loramux.adapters.store import AdapterStore, StoredAdapter
+from loramux.engine.adapter_folder import EngineAdapterFolder
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.config import EngineConfig
 from loramux.engine.errors import InvalidRequestError, UnknownAdapterError
 from loramux.engine.outputs import EngineRequest, RequestOutput
 
+log = logging.getLogger(__name__)
+
 BASE_MODEL_ID = "base"
 """The multiplexed model id of requests without an adapter (never a digest: digests are hex)."""
+REPLICA_ADAPTERS = "loramux-replica-adapters"
+"""The root of the replicas' own adapter folders, in the host's temporary folder."""
+RETIRE_CHECK_SECONDS = 1.0
+"""How often a replica asks the shared store which of its adapters were deleted: the most a
+deleted adapter's weights stay on its disk, past its last request and the query's time."""
 
 
 class AdapterSource(Protocol):
     """Where a replica fetches adapters it has not stored itself (gateway.adapters.shared_store)."""
 
     async def fetch(self, digest: str, into: AdapterStore) -> StoredAdapter | None: ...
+
+    async def present(self, digests: Collection[str]) -> set[str]: ...
 
 
 @dataclass(frozen=True)
@@ -70,10 +91,18 @@ class EngineReplica:
         self.source = None if adapter_source is None else adapter_source()
         self.engine = AsyncEngine.from_config(config)
         self.engine.start()
+        self._closed = False
+        self._checks: asyncio.Task[None] | None = None
         lora = self.engine.engine.lora
-        if self.source is not None:  # a store of its own, filled from the shared one
-            adapter_dir = Path(tempfile.mkdtemp(prefix="loramux-replica-adapters-"))
-        self.store = None if lora is None else AdapterStore(adapter_dir, lora.base, lora.limits)
+        self.folder: EngineAdapterFolder | None = None
+        """With a shared adapter store: this replica's own folder, filled from it."""
+        self.store: AdapterStore | None = None
+        if lora is not None and self.source is not None:
+            root = Path(tempfile.gettempdir()) / REPLICA_ADAPTERS
+            self.folder = EngineAdapterFolder(self.engine, root)
+            self.store = self.folder.store
+        elif lora is not None:  # the gateways' store, on a volume they share with replicas
+            self.store = AdapterStore(adapter_dir, lora.base, lora.limits)
         self.served: Counter[str] = Counter()
         capacity = config.max_cpu_loras if lora is not None else 1
 
@@ -91,16 +120,59 @@ class EngineReplica:
             return digest
         if self.store is None:
             raise InvalidRequestError("this engine was started without LoRA support")
+        if self.folder is not None and self.source is not None:
+            self._start_checks(self.folder, self.source)
+            source = self.source
+
+            async def fetch(into: AdapterStore) -> StoredAdapter | None:
+                return await source.fetch(digest, into)
+
+            if not await self.folder.register_from(digest, fetch):
+                raise UnknownAdapterError(f"unknown adapter {digest!r}")
+            return digest
         try:
             stored = self.store.get(digest)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
-        if stored is None and self.source is not None:
-            stored = await self.source.fetch(digest, self.store)
         if stored is None:
             raise UnknownAdapterError(f"unknown adapter {digest!r}")
         await self.engine.register_adapter(stored.path)
         return digest
+
+    def _start_checks(self, folder: EngineAdapterFolder, source: AdapterSource) -> None:
+        """From the first adapter on: its files leave with it, and deletes are looked for."""
+        if self._checks is None:
+            folder.start()
+            self._checks = asyncio.get_running_loop().create_task(
+                self._retire_deleted(folder, source)
+            )
+
+    async def _retire_deleted(self, folder: EngineAdapterFolder, source: AdapterSource) -> None:
+        """Every RETIRE_CHECK_SECONDS, retire the digests in this replica's folder that the
+        shared store no longer has: the last live version naming them was deleted (tenants'
+        deletes included), and the gateways already resolve no request to them. Requests in
+        flight finish; the engine then drops the digest and its files go (at once when none
+        uses it). A digest the engine does not hold (its registration failed) goes at once.
+
+        Polling, because no replica is told of a delete (a handle reaches one replica, not
+        each) and the gateway has no list of replicas; a per-request check would miss the
+        idle replica that keeps a deleted tenant's weights. One indexed query a second per
+        replica costs little. A digest stored again later (the same bytes re-uploaded) is
+        registered again on its next request (`generate`)."""
+        while True:
+            await asyncio.sleep(RETIRE_CHECK_SECONDS)
+            assert folder.store is not None  # a folder is made only for a LoRA engine
+            stored = await asyncio.to_thread(folder.store.digests)
+            if not stored:
+                continue
+            try:
+                gone = set(stored) - await source.present(stored)
+            except Exception:  # the database unreachable for now: the next round asks again
+                log.warning("could not check the shared adapter store", exc_info=True)
+                continue
+            for digest in sorted(gone):
+                if not self.engine.retire_adapter(digest):
+                    await folder.remove(digest)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """The request's outputs; typed engine errors are raised before the first one. Ray
@@ -112,6 +184,11 @@ class EngineReplica:
         # from gateway.engine_client.ray) only steered Ray Serve's choice of this replica.
         digest = request.adapter or BASE_MODEL_ID
         await self._load(digest)
+        lora = self.engine.engine.lora
+        if digest != BASE_MODEL_ID and lora is not None and not lora.is_servable(digest):
+            # Retired here since Ray Serve's cache took it (deleted, then stored again): the
+            # cache does not call the loader again, so register it anew (or refuse it).
+            await self._register(digest)
         self.served[digest] += 1
         outputs = self.engine.generate(request)
         try:
@@ -148,6 +225,23 @@ class EngineReplica:
         """Ray Serve's health check: a replica whose step thread died is restarted."""
         if not self.engine.running:
             raise RuntimeError("the engine's step loop is not running")
+
+    def __del__(self) -> None:
+        """Ray Serve calls this when it stops the replica (scaled down, redeployed, deleted,
+        shut down), after its requests drained: the engine stops and the replica's adapter
+        folder is removed. A replica killed outright leaves its folder to the next replica that
+        starts on the host (engine.adapter_folder). Python may call it again, or on a replica
+        whose constructor failed: it acts once, on what was built."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        if self._checks is not None:
+            with contextlib.suppress(RuntimeError):  # its loop already closed
+                self._checks.cancel()
+        self.engine.shutdown()
+        folder = getattr(self, "folder", None)
+        if folder is not None:
+            folder.close()
 
 
 @dataclass(frozen=True)

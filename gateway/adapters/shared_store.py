@@ -9,6 +9,8 @@ shared directory (`LORAMUX_ADAPTER_STORE_URL`; see docs/architecture.md).
   again and names them by the digest of what it copied: bytes changed in the database give
   another digest and are refused (`TamperedAdapter`), never served under the asked name.
 - `delete` removes a digest's files: replicas that never fetched it can no longer serve it.
+- `present` says which of some digests it still has: replicas retire the others (and remove
+  their copies), since a handle cannot tell every replica of a delete.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 import re
 import shutil
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 
 from sqlalchemy import delete, insert, select
@@ -35,6 +38,8 @@ log = logging.getLogger(__name__)
 PART_BYTES = 8 << 20
 """Bytes per stored part: far below any database's limit per value (PostgreSQL: 1 GiB)."""
 FILES = (CONFIG_FILE, WEIGHTS_FILE)
+PRESENT_BATCH = 500
+"""Digests per query of `present` (bound parameters stay far below every database's limit)."""
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
@@ -61,6 +66,17 @@ class SharedAdapterStore:
         query = select(AdapterFilePart.part).where(AdapterFilePart.digest == _checked(digest))
         async with self.engine.connect() as conn:
             return (await conn.scalar(query.limit(1))) is not None
+
+    async def present(self, digests: Collection[str]) -> set[str]:
+        """Which of `digests` the store has (one query per PRESENT_BATCH of them)."""
+        wanted = sorted({_checked(d) for d in digests})
+        found: set[str] = set()
+        async with self.engine.connect() as conn:
+            for i in range(0, len(wanted), PRESENT_BATCH):
+                batch = wanted[i : i + PRESENT_BATCH]
+                query = select(AdapterFilePart.digest).where(AdapterFilePart.digest.in_(batch))
+                found.update(await conn.scalars(query.distinct()))
+        return found
 
     async def put(self, stored: StoredAdapter) -> None:
         """Copy the stored adapter's files in; nothing when the digest is already there."""

@@ -143,9 +143,11 @@ class RayEngineClient:
         Ray Serve's multiplexing then loads the adapter there (engine.ray_deployment)."""
 
     async def retire_adapter(self, digest: str) -> None:
-        """Nothing to do here: a handle cannot reach every replica, and none needs telling.
-        Gateways resolve adapters by name, so a deleted one gets no new request on any
-        replica; in-flight ones finish, and the engine's own adapter tiers drop it as unused."""
+        """Nothing to do here: a handle cannot reach every replica. Gateways resolve adapters
+        by name, so a deleted one gets no new request on any replica; each replica finds the
+        delete itself, within about a second, by asking the shared store which of its adapters
+        it still has, and retires the others: in-flight requests finish, then the adapter and
+        its files there go (engine.ray_deployment RETIRE_CHECK_SECONDS)."""
 
     async def stats(self) -> list[EngineStats]:
         return [EngineStats(**s.engine) for s in await self.replica_stats()]

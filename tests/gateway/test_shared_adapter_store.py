@@ -13,6 +13,7 @@ from sqlalchemy import func, select, update
 
 from loramux.adapters.base_spec import BaseModelSpec
 from loramux.adapters.store import AdapterStore, StoredAdapter
+from loramux.gateway.adapters import shared_store
 from loramux.gateway.adapters.shared_store import FILES, SharedAdapterStore, TamperedAdapter
 from loramux.gateway.db import AdapterFilePart
 from loramux.gateway.db.migrate import upgrade
@@ -93,6 +94,20 @@ async def test_a_deleted_or_never_stored_digest_cannot_be_fetched(
     assert replica.digests() == []
 
 
+async def test_present_names_the_stored_digests_among_many(
+    shared: SharedAdapterStore, uploaded: StoredAdapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What engine replicas ask every second (engine.ray_deployment): which of the digests they
+    hold copies of are still stored; those not are retired there."""
+    monkeypatch.setattr(shared_store, "PRESENT_BATCH", 3)  # several queries: batches add up
+    await shared.put(uploaded)
+    others = [f"{n:064x}" for n in range(7)]
+    assert await shared.present([*others, uploaded.digest]) == {uploaded.digest}
+    assert await shared.present([]) == set()
+    await shared.delete(uploaded.digest)
+    assert await shared.present([uploaded.digest]) == set()
+
+
 async def test_bytes_changed_in_the_database_are_refused_and_leave_nothing_behind(
     shared: SharedAdapterStore, uploaded: StoredAdapter, tmp_path: Path, demo_model_dir: Path
 ) -> None:
@@ -132,3 +147,5 @@ async def test_what_is_not_a_digest_is_refused(
         await shared.fetch(digest, local_store(tmp_path / "replica", demo_model_dir))  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         await shared.has(digest)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        await shared.present([digest])  # type: ignore[list-item]

@@ -1,13 +1,18 @@
 """The engine on Ray Serve: requests for one adapter keep landing on the replica that holds it
-and equal PEFT's, replicas load adapters they never saw from the shared store, and a replica
+and equal PEFT's, replicas load adapters they never saw from the shared store, a replica's own
+adapter folder loses what the shared store deleted and goes with the replica, and a replica
 killed mid-stream ends its streams cleanly and is brought back."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import os
 import random
+import secrets
 import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -15,11 +20,22 @@ from typing import Any
 import pytest
 import torch
 
+from loramux.adapters.base_spec import BaseModelSpec
+from loramux.adapters.store import AdapterStore
+from loramux.engine.config import EngineConfig
 from loramux.engine.errors import EngineStoppedError, InvalidRequestError, UnknownAdapterError
 from loramux.engine.outputs import EngineRequest, RequestOutput
+from loramux.engine.ray_deployment import (
+    REPLICA_ADAPTERS,
+    EngineDeploymentOptions,
+    engine_deployment,
+)
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.sequence import FinishReason
-from tests.ray.conftest import ENGINE_REPLICAS, RayEngines
+from loramux.gateway.adapters.shared_store import SharedAdapterStore
+from loramux.gateway.db.migrate import upgrade
+from loramux.gateway.engine_client.ray import RayEngineClient
+from tests.ray.conftest import ENGINE_REPLICAS, RayEngines, serve
 
 pytestmark = pytest.mark.ray
 
@@ -210,6 +226,61 @@ async def poll(condition: Any, what: str, seconds: float = 120) -> Any:
             return found
         await asyncio.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def stored_digests(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if len(p.name) == 64)
+
+
+async def test_a_replicas_own_adapter_folder_loses_deleted_adapters_and_leaves_with_it(
+    ray_engines: RayEngines, demo_model_dir: Path, demo_adapter_dirs: list[Path], tmp_path: Path
+) -> None:
+    """With the shared store (the database), a replica fetches adapters into a folder of its
+    own. An adapter deleted from the shared store leaves that folder within seconds although no
+    replica is told (it used to stay for good, a deleted tenant's weights included); the same
+    bytes stored again serve again from the replica that still counts them as loaded. The
+    folder goes when Ray Serve stops the replica, and a starting replica removes the folders of
+    replicas killed outright (they piled up in the temporary folder)."""
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    await asyncio.to_thread(upgrade, url)
+    shared = SharedAdapterStore.from_url(url)
+    kept, gone = ray_engines.digests[:2]
+    for digest in (kept, gone):
+        stored = ray_engines.store.get(digest)
+        assert stored is not None
+        await shared.put(stored)
+    root = Path(tempfile.gettempdir()) / REPLICA_ADAPTERS
+    dead = root / f"run-1-{secrets.token_hex(4)}"  # a replica killed outright: lock free
+    AdapterStore(dead, BaseModelSpec.from_model_dir(demo_model_dir)).put(demo_adapter_dirs[3])
+    (dead / ".alive").touch()
+    config = EngineConfig(model=demo_model_dir, max_model_len=512, num_kv_blocks=256)
+    options = EngineDeploymentOptions(num_replicas=1, num_cpus=0.5)
+    source = functools.partial(SharedAdapterStore.from_url, url)
+    app: Any = engine_deployment(config, "demo", tmp_path / "not-shared", options, source)
+    try:
+        handle = serve.run(app, name="own-folder", route_prefix=None)
+        engines = dataclasses.replace(ray_engines, client=RayEngineClient(handle))
+        for i, digest in enumerate((kept, gone)):
+            assert len(await generate(engines, f"own-{i}", digest, i)) == MAX_TOKENS
+        (stats,) = await engines.client.replica_stats()
+        folder = Path(stats.adapter_root)
+        assert folder.parent == root and not dead.exists()
+        assert stored_digests(folder) == sorted([kept, gone])
+
+        await shared.delete(gone)  # as the delete of its last live version does
+        await poll(lambda: _true(gone not in stored_digests(folder)), "the copy to go", 60)
+        assert stored_digests(folder) == [kept]
+        stored = ray_engines.store.get(gone)
+        assert stored is not None
+        await shared.put(stored)  # the same bytes uploaded again
+        assert len(await generate(engines, "again", gone, 2)) == MAX_TOKENS
+        assert stored_digests(folder) == sorted([kept, gone])
+
+        serve.delete("own-folder")  # blocks until the replica stopped
+        assert not folder.exists()
+    finally:
+        serve.delete("own-folder")
+        await shared.close()
 
 
 async def test_killing_a_replica_mid_stream_ends_its_streams_cleanly_and_ray_restarts_it(

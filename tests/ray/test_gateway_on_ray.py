@@ -145,6 +145,31 @@ async def test_an_adapter_uploaded_through_a_gateway_serves_from_an_engine_repli
         assert time.monotonic() < deadline, "a gateway still serves the deleted adapter"
 
 
+async def test_a_deleted_tenants_adapter_weights_leave_the_engine_replicas_disk(
+    ray_gateway: RayGateway, admin: httpx.Client, demo_adapter_dirs: list[Path]
+) -> None:
+    """Deleting a tenant deletes its adapters' files from the gateway's store and the shared
+    store; the engine replica that fetched a copy is told by no one (a handle reaches one
+    replica), and finds out within about a second by asking the shared store. The copy used to
+    stay on the replica's disk for good."""
+    tenant = new_tenant(admin)
+    digest = upload_adapter(admin, tenant.tenant_id, "secret", demo_adapter_dirs[21])["digest"]
+    r = await chat(ray_gateway.url, tenant, "secret")
+    assert r.status_code == 200, r.text
+    engines = serve.get_deployment_handle("LoramuxEngine", app_name="loramux")
+    stats = await engines.options(multiplexed_model_id=digest).stats.remote()
+    copy = Path(stats.adapter_root) / digest
+    assert copy.is_dir(), "the replica that served it fetched a copy"
+
+    deleted = admin.delete(f"/admin/tenants/{tenant.tenant_id}")
+    assert deleted.status_code == 200, deleted.text
+    assert not (ray_gateway.settings.adapter_dir / digest).exists()
+    deadline = time.monotonic() + 30  # a second's check, slow on 2 shared cores
+    while copy.exists():
+        assert time.monotonic() < deadline, "the deleted tenant's weights stay on the replica"
+        await asyncio.sleep(0.05)
+
+
 @dataclass
 class StreamEnd:
     status: int
