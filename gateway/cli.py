@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TypeAlias
 
-from loramux.gateway.settings import Settings, private_folder
+from loramux.gateway.settings import Settings, StartError, private_folder
 
 log = logging.getLogger("loramux")
 
@@ -267,7 +267,10 @@ def main(argv: list[str] | None = None) -> None:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     args = build_parser().parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except StartError as exc:  # the operator's to fix: one line, no traceback
+        sys.exit(f"loramux {args.command}: {exc}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ demo model built there on first start, a private redis-server and an engine proc
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -27,13 +28,68 @@ ENGINE_FIRST_OUTPUT_SECONDS = 120.0
 for a long queue, or the prefill of a long prompt on slow hardware."""
 
 
+class StartError(Exception):
+    """What keeps a `loramux` command from starting, said in one line: the command line prints
+    it without a traceback (gateway.cli `main`), since the operator has something to fix in the
+    configuration or the host, not a bug to read a stack for."""
+
+
+class ConfigError(StartError, ValueError):
+    """A setting that cannot be used; the message names its LORAMUX_* variable and the value."""
+
+
+_KINDS = {int: "an integer", float: "a number"}
+
+
 def _env(name: str, default: Any, cast: type = str) -> Any:
+    """LORAMUX_`name` cast to `cast`, or `default` when unset or empty; ConfigError naming the
+    variable and its value when it is not of that type (a bare ValueError named neither)."""
     raw = os.environ.get(f"LORAMUX_{name}")
     if raw is None or raw == "":
         return default
     if cast is bool:
         return raw.strip().lower() in ("1", "true", "yes", "on")
-    return cast(raw)
+    try:
+        return cast(raw)
+    except ValueError:
+        kind = _KINDS.get(cast, f"a {cast.__name__}")
+        raise ConfigError(f"LORAMUX_{name} must be {kind}, not {raw!r}") from None
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The values a numeric setting may take, `low` to `high` inclusive (`low` exclusive with
+    `above`); NaN and infinity never: a key cache of inf seconds would keep revoked keys
+    working for good, and a lease of nan seconds becomes int(nan) in Redis."""
+
+    variable: str
+    """The setting's variable without `LORAMUX_`."""
+    low: float
+    high: float = math.inf
+    above: bool = False
+
+    def admits(self, value: float) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        return (self.low < value if self.above else self.low <= value) and value <= self.high
+
+    def check(self, value: float | None) -> None:
+        """ConfigError naming the variable when `value` (None: unset) is out of bounds."""
+        if value is None or self.admits(value):
+            return
+        if self.above:
+            wanted = f"a number above {self.low:g}"
+        elif self.high == math.inf:
+            wanted = f"at least {self.low:g}"
+        else:
+            wanted = f"within {self.low:g}..{self.high:g}"
+        raise ConfigError(f"LORAMUX_{self.variable} must be {wanted}, not {value!r}")
+
+
+def check_bounds(settings: object, bounds: dict[str, Bound]) -> None:
+    """Check each field of `settings` that `bounds` names against its bound."""
+    for name, bound in bounds.items():
+        bound.check(getattr(settings, name))
 
 
 def _engine_default(name: str) -> Any:
@@ -150,6 +206,13 @@ class EngineSettings:
         )
 
 
+SERVER_BOUNDS = {
+    "engine_first_output_seconds": Bound("ENGINE_FIRST_OUTPUT_SECONDS", 0, above=True),
+    "key_cache_seconds": Bound("KEY_CACHE_SECONDS", 0),
+    "usage_flush_seconds": Bound("USAGE_FLUSH_SECONDS", 0, above=True),
+}
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     host: str = field(default_factory=lambda: _env("HOST", "127.0.0.1"))
@@ -210,10 +273,14 @@ class ServerSettings:
     """LORAMUX_DEMO_ADAPTERS: shared demo adapters uploaded on first start with the demo model."""
 
     def __post_init__(self) -> None:
-        if not 0 < self.engine_first_output_seconds < float("inf"):
-            raise ValueError("LORAMUX_ENGINE_FIRST_OUTPUT_SECONDS must be a positive number")
-        if not 0 < self.usage_flush_seconds < float("inf"):
-            raise ValueError("LORAMUX_USAGE_FLUSH_SECONDS must be a positive number")
+        check_bounds(self, SERVER_BOUNDS)
+
+
+QUOTA_BOUNDS = {
+    "config_cache_seconds": Bound("QUOTA_CONFIG_CACHE_SECONDS", 0),
+    # Leases count in milliseconds in Redis; a day is far beyond any request's run.
+    "slot_lease_seconds": Bound("QUOTA_SLOT_LEASE_SECONDS", 0.001, 86400),
+}
 
 
 @dataclass(frozen=True)
@@ -235,9 +302,12 @@ class QuotaSettings:
 
     def __post_init__(self) -> None:
         if self.on_redis_down not in ("reject", "allow"):
-            raise ValueError("LORAMUX_QUOTA_ON_REDIS_DOWN must be 'reject' or 'allow'")
+            raise ConfigError(
+                f"LORAMUX_QUOTA_ON_REDIS_DOWN must be 'reject' or 'allow', not {self.on_redis_down!r}"
+            )
         if self.max_unsettled < 1:
-            raise ValueError("LORAMUX_QUOTA_MAX_UNSETTLED must be at least 1")
+            raise ConfigError("LORAMUX_QUOTA_MAX_UNSETTLED must be at least 1")
+        check_bounds(self, QUOTA_BOUNDS)
 
 
 @dataclass(frozen=True)

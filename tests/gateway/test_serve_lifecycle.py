@@ -7,6 +7,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +24,7 @@ from loramux.engine.config import EngineConfig
 from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.service import serve_engine_in_thread
 from loramux.gateway.auth.admin_jwt import AdminAuth
-from tests.gateway.serve_process import START_SECONDS, Serve, alive, serve, wait_for
+from tests.gateway.serve_process import START_SECONDS, Serve, alive, free_port, serve, wait_for
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 
 SECRET = "lifecycle-test-secret-" + "x" * 32
@@ -139,6 +141,39 @@ def test_sigkill_of_serve_takes_its_children_with_it(env: dict[str, str], tmp_pa
         running.proc.kill()
         running.proc.wait(timeout=30)
         wait_for(lambda: not any(alive(pid) for pid in children), 30, "the children died too")
+
+
+# -- a start refused ------------------------------------------------------------------------------
+
+
+def _refusal(env: dict[str, str], data_dir: Path) -> str:
+    """What `loramux serve` says when it refuses to start: it exits 1 within seconds, having
+    started nothing, with one line on stderr and no traceback."""
+    run = subprocess.run(
+        [sys.executable, "-m", "loramux.gateway.cli", "serve", "--port", str(free_port())],
+        env=os.environ | {"LORAMUX_DATA_DIR": str(data_dir)} | env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert run.returncode == 1, run.stderr[-2000:]
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("loramux serve: "), run.stderr[-2000:]
+    assert not (data_dir / "redis").exists()  # no child was started
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("MAX_BODY_KB", "1e3"),
+    ],
+)
+def test_a_bad_setting_is_one_line_naming_it_before_anything_starts(
+    env: dict[str, str], tmp_path: Path, name: str, value: str
+) -> None:
+    line = _refusal(env | {f"LORAMUX_{name}": value}, tmp_path / "data")
+    assert f"LORAMUX_{name}" in line and value in line
 
 
 # -- a child that dies is restarted --------------------------------------------------------------

@@ -142,6 +142,54 @@ def test_a_usage_flush_interval_that_is_not_a_positive_number_is_refused(
         ServerSettings()
 
 
+def _refused(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> str:
+    """The message of the error that LORAMUX_`name`=`value` gets from the settings (a
+    ConfigError, which `loramux` prints as one line)."""
+    monkeypatch.setenv(f"LORAMUX_{name}", value)
+    with pytest.raises(ValueError) as refused:
+        Settings()
+    return str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("PORT", "abc"),
+        ("PORT", "8000.0"),
+        ("KV_CACHE_MB", "nan"),
+        ("MAX_BODY_KB", "1e3"),
+        ("QUOTA_REDIS_TIMEOUT_MS", "1.5"),
+        ("ENGINE_THREADS", "two"),
+        ("KEY_CACHE_SECONDS", "soon"),
+    ],
+)
+def test_a_variable_that_is_not_a_number_is_refused_by_name_and_value(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    """int() and float() alone say "invalid literal ... 'abc'", naming no variable."""
+    assert f"LORAMUX_{name} must be" in _refused(monkeypatch, name, value)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ENGINE_FIRST_OUTPUT_SECONDS",
+        "KEY_CACHE_SECONDS",
+        "USAGE_FLUSH_SECONDS",
+        "QUOTA_CONFIG_CACHE_SECONDS",
+        "QUOTA_SLOT_LEASE_SECONDS",
+    ],
+)
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_nan_and_infinity_are_refused_for_every_float_setting(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    """LORAMUX_KEY_CACHE_SECONDS=inf kept revoked keys working for good, and
+    LORAMUX_QUOTA_SLOT_LEASE_SECONDS=nan became int(nan * 1000) at the first request."""
+    message = _refused(monkeypatch, name, value)
+    assert f"LORAMUX_{name} must be" in message and value.lstrip("-") in message
+
+
 @pytest.mark.parametrize(
     ("files", "cpus"),
     [
