@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TypeAlias
 
-from loramux.gateway.settings import Settings, StartError, private_folder
+from loramux.gateway.settings import PORTS, Settings, StartError, private_folder
 
 log = logging.getLogger("loramux")
 
@@ -89,7 +89,7 @@ def _serve(args: argparse.Namespace) -> None:
     settings = Settings()
     model_dir = ensure_model(settings)
     host = args.host or settings.server.host
-    port = args.port or settings.server.port
+    port = settings.server.port if args.port is None else args.port
     workers = args.workers or default_workers()
     control = Path(args.control_socket) if args.control_socket else None
     bind = Bind(host, port, workers, args.reuse_port, control)
@@ -188,7 +188,7 @@ def _add_serve(sub: Subcommands) -> None:
         "LORAMUX_REDIS_URL and LORAMUX_ENGINE_URLS name external ones",
     )
     p.add_argument("--host", default=None)
-    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--port", type=_port, default=None, help="1 to 65535 (default: LORAMUX_PORT)")
     p.add_argument(
         "--workers",
         type=int,
@@ -199,6 +199,17 @@ def _add_serve(sub: Subcommands) -> None:
     p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--control-socket", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_serve)
+
+
+def _port(text: str) -> int:
+    """--port's value, refused by argparse before anything starts when it is no port."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not PORTS.admits(port):
+        raise argparse.ArgumentTypeError(f"must be an integer within 1..65535, not {text!r}")
+    return port
 
 
 def _add_engine(sub: Subcommands) -> None:

@@ -206,7 +206,12 @@ class EngineSettings:
         )
 
 
+PORTS = Bound("PORT", 1, 65535)
+"""Ports serve may listen on; not 0 (any free port): its workers would each get another, and
+the first start's hint could not name it."""
+
 SERVER_BOUNDS = {
+    "port": PORTS,
     "engine_first_output_seconds": Bound("ENGINE_FIRST_OUTPUT_SECONDS", 0, above=True),
     "key_cache_seconds": Bound("KEY_CACHE_SECONDS", 0),
     "usage_flush_seconds": Bound("USAGE_FLUSH_SECONDS", 0, above=True),
@@ -218,7 +223,7 @@ class ServerSettings:
     host: str = field(default_factory=lambda: _env("HOST", "127.0.0.1"))
     """LORAMUX_HOST: address `loramux serve` listens on."""
     port: int = field(default_factory=lambda: _env("PORT", 8000, int))
-    """LORAMUX_PORT: port `loramux serve` listens on."""
+    """LORAMUX_PORT: port `loramux serve` listens on, 1 to 65535."""
     database_url: str | None = field(default_factory=lambda: _env("DATABASE_URL", None))
     """LORAMUX_DATABASE_URL: SQLAlchemy URL (sqlite:///… or postgresql://…); SQLite in the data dir by default."""
     adapter_store_url: str | None = field(default_factory=lambda: _env("ADAPTER_STORE_URL", None))

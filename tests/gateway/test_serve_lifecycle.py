@@ -167,6 +167,7 @@ def _refusal(env: dict[str, str], data_dir: Path) -> str:
     ("name", "value"),
     [
         ("MAX_BODY_KB", "1e3"),
+        ("PORT", "70000"),
     ],
 )
 def test_a_bad_setting_is_one_line_naming_it_before_anything_starts(

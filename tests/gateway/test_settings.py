@@ -9,6 +9,7 @@ import pytest
 
 from loramux.engine.config import EngineConfig
 from loramux.gateway import serve_workers
+from loramux.gateway.cli import build_parser
 from loramux.gateway.engine_child import engine_child
 from loramux.gateway.serve_workers import (
     available_cores,
@@ -168,6 +169,20 @@ def test_a_variable_that_is_not_a_number_is_refused_by_name_and_value(
 ) -> None:
     """int() and float() alone say "invalid literal ... 'abc'", naming no variable."""
     assert f"LORAMUX_{name} must be" in _refused(monkeypatch, name, value)
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "65536", "70000", str(2**64 + 8000)])
+def test_a_port_out_of_range_is_refused_before_serve_starts_anything(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    """Found only by the bind, after redis-server and the engine had started and the demo
+    tenant's key was printed (2**64 + 8000 even bound 8000 in one path)."""
+    assert f"LORAMUX_PORT must be within 1..65535, not {value}" in _refused(
+        monkeypatch, "PORT", value
+    )
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--port", value])
+    assert "--port: must be an integer within 1..65535" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
