@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import TypeAlias
 
-from loramux.gateway.settings import PORTS, Settings, StartError, private_folder
+from loramux.gateway.setting_checks import StartError
+from loramux.gateway.settings import PORTS, Settings, private_folder
 
 log = logging.getLogger("loramux")
 

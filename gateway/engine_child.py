@@ -55,7 +55,8 @@ def engine_child(settings: Settings, workers: int) -> EngineChild:
     argv += ("--health-port", health.rsplit(":", 1)[1], "--log-level", "warning")
     env = {k: v for k, v in os.environ.items() if k != "LORAMUX_ENGINE_URLS"}
     env |= {"LORAMUX_ENGINE_TOKEN": token, "LORAMUX_DATA_DIR": str(settings.data_dir)}
-    env["LORAMUX_ENGINE_THREADS"] = str(settings.engine.engine_threads or engine_threads(workers))
+    threads = settings.engine.engine_threads  # never 0: the settings refuse it
+    env["LORAMUX_ENGINE_THREADS"] = str(engine_threads(workers) if threads is None else threads)
 
     async def ready() -> bool:
         async with httpx.AsyncClient(timeout=2.0) as client:  # /health needs no token

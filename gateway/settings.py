@@ -7,13 +7,12 @@ demo model built there on first start, a private redis-server and an engine proc
 
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from loramux.engine.config import EngineConfig
+from loramux.engine.config import MAX_CPU_THREADS, EngineConfig
+from loramux.gateway.setting_checks import Bound, ConfigError, check_bounds, env_value
 
 
 def private_folder(path: Path) -> Path:
@@ -28,73 +27,27 @@ ENGINE_FIRST_OUTPUT_SECONDS = 120.0
 for a long queue, or the prefill of a long prompt on slow hardware."""
 
 
-class StartError(Exception):
-    """What keeps a `loramux` command from starting, said in one line: the command line prints
-    it without a traceback (gateway.cli `main`), since the operator has something to fix in the
-    configuration or the host, not a bug to read a stack for."""
-
-
-class ConfigError(StartError, ValueError):
-    """A setting that cannot be used; the message names its LORAMUX_* variable and the value."""
-
-
-_KINDS = {int: "an integer", float: "a number"}
-
-
-def _env(name: str, default: Any, cast: type = str) -> Any:
-    """LORAMUX_`name` cast to `cast`, or `default` when unset or empty; ConfigError naming the
-    variable and its value when it is not of that type (a bare ValueError named neither)."""
-    raw = os.environ.get(f"LORAMUX_{name}")
-    if raw is None or raw == "":
-        return default
-    if cast is bool:
-        return raw.strip().lower() in ("1", "true", "yes", "on")
-    try:
-        return cast(raw)
-    except ValueError:
-        kind = _KINDS.get(cast, f"a {cast.__name__}")
-        raise ConfigError(f"LORAMUX_{name} must be {kind}, not {raw!r}") from None
-
-
-@dataclass(frozen=True)
-class Bound:
-    """The values a numeric setting may take, `low` to `high` inclusive (`low` exclusive with
-    `above`); NaN and infinity never: a key cache of inf seconds would keep revoked keys
-    working for good, and a lease of nan seconds becomes int(nan) in Redis."""
-
-    variable: str
-    """The setting's variable without `LORAMUX_`."""
-    low: float
-    high: float = math.inf
-    above: bool = False
-
-    def admits(self, value: float) -> bool:
-        if isinstance(value, float) and not math.isfinite(value):
-            return False
-        return (self.low < value if self.above else self.low <= value) and value <= self.high
-
-    def check(self, value: float | None) -> None:
-        """ConfigError naming the variable when `value` (None: unset) is out of bounds."""
-        if value is None or self.admits(value):
-            return
-        if self.above:
-            wanted = f"a number above {self.low:g}"
-        elif self.high == math.inf:
-            wanted = f"at least {self.low:g}"
-        else:
-            wanted = f"within {self.low:g}..{self.high:g}"
-        raise ConfigError(f"LORAMUX_{self.variable} must be {wanted}, not {value!r}")
-
-
-def check_bounds(settings: object, bounds: dict[str, Bound]) -> None:
-    """Check each field of `settings` that `bounds` names against its bound."""
-    for name, bound in bounds.items():
-        bound.check(getattr(settings, name))
-
-
 def _engine_default(name: str) -> Any:
     """EngineConfig's own default of its field `name`: the settings never repeat one."""
     return EngineConfig.__dataclass_fields__[name].default
+
+
+ENGINE_BOUNDS = {
+    "kv_cache_mb": Bound("KV_CACHE_MB", 1),
+    "max_num_seqs": Bound("MAX_NUM_SEQS", 1),
+    "max_num_batched_tokens": Bound("MAX_BATCHED_TOKENS", 1),
+    "max_model_len": Bound("MAX_MODEL_LEN", 1),
+    "max_loras": Bound("MAX_LORAS", 1),
+    "lora_memory_mb": Bound("LORA_MEMORY_MB", 1),
+    "max_cpu_loras": Bound("MAX_CPU_LORAS", 1),
+    "max_lora_rank": Bound("MAX_LORA_RANK", 1, 256),
+    "lora_load_workers": Bound("LORA_LOAD_WORKERS", 1),
+    "lora_copy_groups_per_step": Bound("LORA_COPY_GROUPS_PER_STEP", 1),
+    # 0 is no count of threads: refused here, as `loramux engine` always did, not taken as unset.
+    "engine_threads": Bound("ENGINE_THREADS", 1, MAX_CPU_THREADS),
+}
+"""EngineConfig refuses most of these too, but only in the engine's process, naming its own
+field: here they are refused where the settings are read, by their variable."""
 
 
 @dataclass(frozen=True)
@@ -102,83 +55,95 @@ class EngineSettings:
     """The engine's knobs; each defaults to EngineConfig's own default. `engine_config` is the
     one mapping to EngineConfig, used by serve's engine, the command line and the benchmarks."""
 
-    dtype: str = field(default_factory=lambda: _env("DTYPE", _engine_default("dtype")))
+    dtype: str = field(default_factory=lambda: env_value("DTYPE", _engine_default("dtype")))
     """LORAMUX_DTYPE: float32, float16 or bfloat16."""
-    device: str = field(default_factory=lambda: _env("DEVICE", _engine_default("device")))
+    device: str = field(default_factory=lambda: env_value("DEVICE", _engine_default("device")))
     """LORAMUX_DEVICE: torch device of the engine (cpu, cuda, cuda:1)."""
     kv_cache_mb: int = field(
-        default_factory=lambda: _env("KV_CACHE_MB", _engine_default("kv_cache_bytes") >> 20, int)
+        default_factory=lambda: env_value(
+            "KV_CACHE_MB", _engine_default("kv_cache_bytes") >> 20, int
+        )
     )
     """LORAMUX_KV_CACHE_MB: memory budget of the paged KV cache (and, on CUDA, decode graphs)."""
     max_num_seqs: int = field(
-        default_factory=lambda: _env("MAX_NUM_SEQS", _engine_default("max_num_seqs"), int)
+        default_factory=lambda: env_value("MAX_NUM_SEQS", _engine_default("max_num_seqs"), int)
     )
     """LORAMUX_MAX_NUM_SEQS: sequences running in one step at most."""
     max_num_batched_tokens: int = field(
-        default_factory=lambda: _env(
+        default_factory=lambda: env_value(
             "MAX_BATCHED_TOKENS", _engine_default("max_num_batched_tokens"), int
         )
     )
     """LORAMUX_MAX_BATCHED_TOKENS: token budget per step (decode tokens plus prefill chunks)."""
     max_model_len: int | None = field(
-        default_factory=lambda: _env("MAX_MODEL_LEN", _engine_default("max_model_len"), int)
+        default_factory=lambda: env_value("MAX_MODEL_LEN", _engine_default("max_model_len"), int)
     )
     """LORAMUX_MAX_MODEL_LEN: longest prompt plus completion; the model's context by default."""
     max_loras: int = field(
-        default_factory=lambda: _env("MAX_LORAS", _engine_default("max_loras"), int)
+        default_factory=lambda: env_value("MAX_LORAS", _engine_default("max_loras"), int)
     )
     """LORAMUX_MAX_LORAS: adapters resident on the device at once at most (distinct adapters in
     one step); how many fit is up to LORAMUX_LORA_MEMORY_MB."""
-    lora_memory_mb: int | None = field(default_factory=lambda: _env("LORA_MEMORY_MB", None, int))
+    lora_memory_mb: int | None = field(
+        default_factory=lambda: env_value("LORA_MEMORY_MB", None, int)
+    )
     """LORAMUX_LORA_MEMORY_MB: device memory for resident adapters, each at its own ranks; unset:
     room for LORAMUX_MAX_LORAS adapters of LORAMUX_MAX_LORA_RANK on every projection."""
     max_cpu_loras: int = field(
-        default_factory=lambda: _env("MAX_CPU_LORAS", _engine_default("max_cpu_loras"), int)
+        default_factory=lambda: env_value("MAX_CPU_LORAS", _engine_default("max_cpu_loras"), int)
     )
     """LORAMUX_MAX_CPU_LORAS: adapters kept parsed in host memory."""
     max_lora_rank: int = field(
-        default_factory=lambda: _env("MAX_LORA_RANK", _engine_default("max_lora_rank"), int)
+        default_factory=lambda: env_value("MAX_LORA_RANK", _engine_default("max_lora_rank"), int)
     )
     """LORAMUX_MAX_LORA_RANK: largest adapter rank accepted (up to 256); uploads above are refused."""
     lora_load_workers: int | None = field(
-        default_factory=lambda: _env("LORA_LOAD_WORKERS", _engine_default("lora_load_workers"), int)
+        default_factory=lambda: env_value(
+            "LORA_LOAD_WORKERS", _engine_default("lora_load_workers"), int
+        )
     )
     """LORAMUX_LORA_LOAD_WORKERS: threads reading adapters from disk in parallel; unset: the
     cores, at most 4."""
     lora_copy_groups_per_step: int = field(
-        default_factory=lambda: _env(
+        default_factory=lambda: env_value(
             "LORA_COPY_GROUPS_PER_STEP", _engine_default("lora_copy_groups_per_step"), int
         )
     )
     """LORAMUX_LORA_COPY_GROUPS_PER_STEP: on the CPU, (layer, projection group) blocks of adapter
     weights copied into device slots per step (requests run on the host path meanwhile)."""
     prefix_caching: bool = field(
-        default_factory=lambda: _env(
+        default_factory=lambda: env_value(
             "PREFIX_CACHING", _engine_default("enable_prefix_caching"), bool
         )
     )
     """LORAMUX_PREFIX_CACHING: reuse the KV blocks of a prefix seen before (same tokens, same
     adapter, same tenant); 0 turns it off."""
     cuda_graphs: bool = field(
-        default_factory=lambda: _env("CUDA_GRAPHS", _engine_default("cuda_graphs"), bool)
+        default_factory=lambda: env_value("CUDA_GRAPHS", _engine_default("cuda_graphs"), bool)
     )
     """LORAMUX_CUDA_GRAPHS: on CUDA, decode steps replay captured CUDA graphs; 0 turns it off."""
     fused_kernels: bool = field(
-        default_factory=lambda: _env("FUSED_KERNELS", _engine_default("fused_kernels"), bool)
+        default_factory=lambda: env_value("FUSED_KERNELS", _engine_default("fused_kernels"), bool)
     )
     """LORAMUX_FUSED_KERNELS: on CUDA, the residual add with RMSNorm and rotary embedding with the
     KV cache write run as fused Triton kernels; 0 runs their torch forms."""
     async_scheduling: bool | None = field(
-        default_factory=lambda: _env("ASYNC_SCHEDULING", _engine_default("async_scheduling"), bool)
+        default_factory=lambda: env_value(
+            "ASYNC_SCHEDULING", _engine_default("async_scheduling"), bool
+        )
     )
     """LORAMUX_ASYNC_SCHEDULING: prepare step N + 1 while the device computes step N; unset: on
     CUDA only, 1: everywhere, 0: never."""
     engine_threads: int | None = field(
-        default_factory=lambda: _env("ENGINE_THREADS", _engine_default("cpu_threads"), int)
+        default_factory=lambda: env_value("ENGINE_THREADS", _engine_default("cpu_threads"), int)
     )
     """LORAMUX_ENGINE_THREADS: torch's threads in the engine's process (on a CPU, the cores the
     model runs on); unset: every core for `loramux engine`, and the cores its gateway workers
-    leave for the engine `loramux serve` starts."""
+    leave for the engine `loramux serve` starts; 1 to 4096 (0 is refused, as by `loramux
+    engine`)."""
+
+    def __post_init__(self) -> None:
+        check_bounds(self, ENGINE_BOUNDS)
 
     def engine_config(self, model: Path, *, random_weights: bool = False) -> EngineConfig:
         """The engine's config for the model folder `model` (`random_weights`: seeded random
@@ -215,66 +180,82 @@ SERVER_BOUNDS = {
     "engine_first_output_seconds": Bound("ENGINE_FIRST_OUTPUT_SECONDS", 0, above=True),
     "key_cache_seconds": Bound("KEY_CACHE_SECONDS", 0),
     "usage_flush_seconds": Bound("USAGE_FLUSH_SECONDS", 0, above=True),
+    "admin_token_max_ttl": Bound("ADMIN_TOKEN_MAX_TTL", 1),
+    "max_upload_mb": Bound("MAX_UPLOAD_MB", 1),
+    "max_body_kb": Bound("MAX_BODY_KB", 1),  # -1 answered every request with a body 413
+    "default_max_tokens": Bound("DEFAULT_MAX_TOKENS", 1),
+    "usage_max_buffered": Bound("USAGE_MAX_BUFFERED", 1),
+    "demo_adapters": Bound("DEMO_ADAPTERS", 0),
 }
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    host: str = field(default_factory=lambda: _env("HOST", "127.0.0.1"))
+    host: str = field(default_factory=lambda: env_value("HOST", "127.0.0.1"))
     """LORAMUX_HOST: address `loramux serve` listens on."""
-    port: int = field(default_factory=lambda: _env("PORT", 8000, int))
+    port: int = field(default_factory=lambda: env_value("PORT", 8000, int))
     """LORAMUX_PORT: port `loramux serve` listens on, 1 to 65535."""
-    database_url: str | None = field(default_factory=lambda: _env("DATABASE_URL", None))
+    database_url: str | None = field(default_factory=lambda: env_value("DATABASE_URL", None))
     """LORAMUX_DATABASE_URL: SQLAlchemy URL (sqlite:///… or postgresql://…); SQLite in the data dir by default."""
-    adapter_store_url: str | None = field(default_factory=lambda: _env("ADAPTER_STORE_URL", None))
+    adapter_store_url: str | None = field(
+        default_factory=lambda: env_value("ADAPTER_STORE_URL", None)
+    )
     """LORAMUX_ADAPTER_STORE_URL: where engine replicas fetch adapters uploaded elsewhere: `db`
     (the gateway's database) or a SQLAlchemy URL; unset: only the data dir's adapter store."""
-    redis_url: str | None = field(default_factory=lambda: _env("REDIS_URL", None))
+    redis_url: str | None = field(default_factory=lambda: env_value("REDIS_URL", None))
     """LORAMUX_REDIS_URL: Redis for quotas (and the response cache unless LORAMUX_CACHE_REDIS_URL); unset: `serve` starts its own redis-server."""
-    admin_secret: str | None = field(default_factory=lambda: _env("ADMIN_SECRET", None))
+    admin_secret: str | None = field(default_factory=lambda: env_value("ADMIN_SECRET", None))
     """LORAMUX_ADMIN_SECRET: signs admin JWTs (HS256); generated and kept in the data dir when unset."""
-    admin_public_key: str | None = field(default_factory=lambda: _env("ADMIN_PUBLIC_KEY", None))
+    admin_public_key: str | None = field(
+        default_factory=lambda: env_value("ADMIN_PUBLIC_KEY", None)
+    )
     """LORAMUX_ADMIN_PUBLIC_KEY: PEM public key; when set, admin JWTs are RS256, minted elsewhere."""
     admin_token_max_ttl: int = field(
-        default_factory=lambda: _env("ADMIN_TOKEN_MAX_TTL", 24 * 3600, int)
+        default_factory=lambda: env_value("ADMIN_TOKEN_MAX_TTL", 24 * 3600, int)
     )
     """LORAMUX_ADMIN_TOKEN_MAX_TTL: longest lifetime in seconds of an admin JWT, minted or accepted (exp - iat and exp - now)."""
     engine_urls: tuple[str, ...] = field(
-        default_factory=lambda: tuple(u for u in _env("ENGINE_URLS", "").split(",") if u.strip())
+        default_factory=lambda: tuple(
+            u for u in env_value("ENGINE_URLS", "").split(",") if u.strip()
+        )
     )
     """LORAMUX_ENGINE_URLS: comma-separated engine services; unset: `serve` starts its own."""
-    engine_token: str | None = field(default_factory=lambda: _env("ENGINE_TOKEN", None))
+    engine_token: str | None = field(default_factory=lambda: env_value("ENGINE_TOKEN", None))
     """LORAMUX_ENGINE_TOKEN: shared secret of gateways and engine services; unset: no check."""
-    metrics_token: str | None = field(default_factory=lambda: _env("METRICS_TOKEN", None))
+    metrics_token: str | None = field(default_factory=lambda: env_value("METRICS_TOKEN", None))
     """LORAMUX_METRICS_TOKEN: gateways' and engines' /metrics answer only `Authorization:
     Bearer <token>`; unset: anyone who reaches the port."""
     engine_first_output_seconds: float = field(
-        default_factory=lambda: _env(
+        default_factory=lambda: env_value(
             "ENGINE_FIRST_OUTPUT_SECONDS", ENGINE_FIRST_OUTPUT_SECONDS, float
         )
     )
     """LORAMUX_ENGINE_FIRST_OUTPUT_SECONDS: an engine that gives no first output of a request
     for this long (hung, or far behind) has the request aborted; the client gets 504
     engine_timeout."""
-    model_name: str | None = field(default_factory=lambda: _env("MODEL_NAME", None))
+    model_name: str | None = field(default_factory=lambda: env_value("MODEL_NAME", None))
     """LORAMUX_MODEL_NAME: the base model's id in the API; the model folder's name by default."""
-    key_cache_seconds: float = field(default_factory=lambda: _env("KEY_CACHE_SECONDS", 2.0, float))
+    key_cache_seconds: float = field(
+        default_factory=lambda: env_value("KEY_CACHE_SECONDS", 2.0, float)
+    )
     """LORAMUX_KEY_CACHE_SECONDS: how long an API-key lookup is cached (revocation delay)."""
-    max_upload_mb: int = field(default_factory=lambda: _env("MAX_UPLOAD_MB", 512, int))
+    max_upload_mb: int = field(default_factory=lambda: env_value("MAX_UPLOAD_MB", 512, int))
     """LORAMUX_MAX_UPLOAD_MB: largest adapter upload accepted."""
-    max_body_kb: int = field(default_factory=lambda: _env("MAX_BODY_KB", 1024, int))
+    max_body_kb: int = field(default_factory=lambda: env_value("MAX_BODY_KB", 1024, int))
     """LORAMUX_MAX_BODY_KB: largest API request body accepted (413 beyond)."""
-    default_max_tokens: int = field(default_factory=lambda: _env("DEFAULT_MAX_TOKENS", 1024, int))
+    default_max_tokens: int = field(
+        default_factory=lambda: env_value("DEFAULT_MAX_TOKENS", 1024, int)
+    )
     """LORAMUX_DEFAULT_MAX_TOKENS: completion cap when a request gives no max_tokens (and the context allows)."""
     usage_max_buffered: int = field(
-        default_factory=lambda: _env("USAGE_MAX_BUFFERED", 250_000, int)
+        default_factory=lambda: env_value("USAGE_MAX_BUFFERED", 250_000, int)
     )
     """LORAMUX_USAGE_MAX_BUFFERED: usage events held in memory while the database is unavailable (about 0.5 KB each); past this they are dropped, logged and counted."""
     usage_flush_seconds: float = field(
-        default_factory=lambda: _env("USAGE_FLUSH_SECONDS", 0.5, float)
+        default_factory=lambda: env_value("USAGE_FLUSH_SECONDS", 0.5, float)
     )
     """LORAMUX_USAGE_FLUSH_SECONDS: how often usage events are written to the database (sooner when many are waiting)."""
-    demo_adapters: int = field(default_factory=lambda: _env("DEMO_ADAPTERS", 4, int))
+    demo_adapters: int = field(default_factory=lambda: env_value("DEMO_ADAPTERS", 4, int))
     """LORAMUX_DEMO_ADAPTERS: shared demo adapters uploaded on first start with the demo model."""
 
     def __post_init__(self) -> None:
@@ -285,21 +266,24 @@ QUOTA_BOUNDS = {
     "config_cache_seconds": Bound("QUOTA_CONFIG_CACHE_SECONDS", 0),
     # Leases count in milliseconds in Redis; a day is far beyond any request's run.
     "slot_lease_seconds": Bound("QUOTA_SLOT_LEASE_SECONDS", 0.001, 86400),
+    "redis_timeout_ms": Bound("QUOTA_REDIS_TIMEOUT_MS", 1),
 }
 
 
 @dataclass(frozen=True)
 class QuotaSettings:
-    on_redis_down: str = field(default_factory=lambda: _env("QUOTA_ON_REDIS_DOWN", "reject"))
+    on_redis_down: str = field(default_factory=lambda: env_value("QUOTA_ON_REDIS_DOWN", "reject"))
     """LORAMUX_QUOTA_ON_REDIS_DOWN: `reject` (503 quota_unavailable) or `allow` (admit unchecked, logged and counted) when Redis cannot be reached."""
-    redis_timeout_ms: int = field(default_factory=lambda: _env("QUOTA_REDIS_TIMEOUT_MS", 1000, int))
+    redis_timeout_ms: int = field(
+        default_factory=lambda: env_value("QUOTA_REDIS_TIMEOUT_MS", 1000, int)
+    )
     """LORAMUX_QUOTA_REDIS_TIMEOUT_MS: how long an admission waits for Redis before Redis counts as down."""
     config_cache_seconds: float = field(
-        default_factory=lambda: _env("QUOTA_CONFIG_CACHE_SECONDS", 1.0, float)
+        default_factory=lambda: env_value("QUOTA_CONFIG_CACHE_SECONDS", 1.0, float)
     )
     """LORAMUX_QUOTA_CONFIG_CACHE_SECONDS: how long a key's quota rows are cached (delay before a quota change applies)."""
     slot_lease_seconds: float = field(
-        default_factory=lambda: _env("QUOTA_SLOT_LEASE_SECONDS", 30.0, float)
+        default_factory=lambda: env_value("QUOTA_SLOT_LEASE_SECONDS", 30.0, float)
     )
     """LORAMUX_QUOTA_SLOT_LEASE_SECONDS: a concurrency slot not renewed for this long (its gateway died) is freed."""
     max_unsettled: int = field(default_factory=lambda: _env("QUOTA_MAX_UNSETTLED", 100_000, int))
@@ -315,26 +299,40 @@ class QuotaSettings:
         check_bounds(self, QUOTA_BOUNDS)
 
 
+CACHE_BOUNDS = {
+    "max_entries_per_bucket": Bound("CACHE_MAX_ENTRIES_PER_BUCKET", 1),
+    "mirror_mb": Bound("CACHE_MIRROR_MB", 0),  # 0: only the bucket being searched is kept
+    "redis_timeout_ms": Bound("CACHE_REDIS_TIMEOUT_MS", 1),
+}
+
+
 @dataclass(frozen=True)
 class CacheSettings:
-    redis_url: str | None = field(default_factory=lambda: _env("CACHE_REDIS_URL", None))
+    redis_url: str | None = field(default_factory=lambda: env_value("CACHE_REDIS_URL", None))
     """LORAMUX_CACHE_REDIS_URL: the response cache's own Redis (allkeys-lru), apart from the quotas' (noeviction); LORAMUX_REDIS_URL when unset."""
     max_entries_per_bucket: int = field(
-        default_factory=lambda: _env("CACHE_MAX_ENTRIES_PER_BUCKET", 10_000, int)
+        default_factory=lambda: env_value("CACHE_MAX_ENTRIES_PER_BUCKET", 10_000, int)
     )
     """LORAMUX_CACHE_MAX_ENTRIES_PER_BUCKET: semantic entries kept per conversation context (least recently used out first)."""
-    mirror_mb: int = field(default_factory=lambda: _env("CACHE_MIRROR_MB", 256, int))
+    mirror_mb: int = field(default_factory=lambda: env_value("CACHE_MIRROR_MB", 256, int))
     """LORAMUX_CACHE_MIRROR_MB: memory for this process's copies of the semantic buckets it searches."""
-    redis_timeout_ms: int = field(default_factory=lambda: _env("CACHE_REDIS_TIMEOUT_MS", 500, int))
+    redis_timeout_ms: int = field(
+        default_factory=lambda: env_value("CACHE_REDIS_TIMEOUT_MS", 500, int)
+    )
     """LORAMUX_CACHE_REDIS_TIMEOUT_MS: a cache lookup or store waiting longer on Redis is given up (served uncached)."""
+
+    def __post_init__(self) -> None:
+        check_bounds(self, CACHE_BOUNDS)
 
 
 @dataclass(frozen=True)
 class Settings:
-    data_dir: Path = field(default_factory=lambda: Path(_env("DATA_DIR", "./.loramux")).resolve())
+    data_dir: Path = field(
+        default_factory=lambda: Path(env_value("DATA_DIR", "./.loramux")).resolve()
+    )
     """LORAMUX_DATA_DIR: where the database, adapters, secrets and the demo model live (created
     0700 by `private_folder`)."""
-    model: Path | None = field(default_factory=lambda: _env("MODEL", None, Path))
+    model: Path | None = field(default_factory=lambda: env_value("MODEL", None, Path))
     """LORAMUX_MODEL: a Hugging Face folder of a Llama-family model; the demo model when unset."""
     engine: EngineSettings = field(default_factory=EngineSettings)
     server: ServerSettings = field(default_factory=ServerSettings)

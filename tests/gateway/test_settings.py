@@ -86,7 +86,7 @@ def test_an_adapter_memory_that_is_not_positive_is_refused(
     clean_env: pytest.MonkeyPatch, value: str
 ) -> None:
     clean_env.setenv("LORAMUX_LORA_MEMORY_MB", value)
-    with pytest.raises(ValueError, match="lora_memory_bytes"):
+    with pytest.raises(ValueError, match="LORAMUX_LORA_MEMORY_MB"):
         EngineSettings().engine_config(MODEL)
 
 
@@ -95,7 +95,7 @@ def test_engine_threads_out_of_range_are_refused_before_the_engine_starts(
     clean_env: pytest.MonkeyPatch, value: str
 ) -> None:
     clean_env.setenv("LORAMUX_ENGINE_THREADS", value)
-    with pytest.raises(ValueError, match="cpu_threads"):
+    with pytest.raises(ValueError, match="LORAMUX_ENGINE_THREADS"):
         EngineSettings().engine_config(MODEL)
 
 
@@ -130,7 +130,7 @@ def test_fields_given_in_code_win_over_the_environment(clean_env: pytest.MonkeyP
 
 def test_an_invalid_setting_is_refused_by_the_engine_config(clean_env: pytest.MonkeyPatch) -> None:
     clean_env.setenv("LORAMUX_MAX_LORA_RANK", "512")
-    with pytest.raises(ValueError, match="max_lora_rank"):
+    with pytest.raises(ValueError, match=r"LORAMUX_MAX_LORA_RANK must be within 1\.\.256, not 512"):
         EngineSettings().engine_config(MODEL)
 
 
@@ -183,6 +183,49 @@ def test_a_port_out_of_range_is_refused_before_serve_starts_anything(
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--port", value])
     assert "--port: must be an integer within 1..65535" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("KV_CACHE_MB", "0"),
+        ("MAX_NUM_SEQS", "0"),
+        ("MAX_BATCHED_TOKENS", "-5"),
+        ("MAX_MODEL_LEN", "0"),
+        ("MAX_LORAS", "0"),
+        ("MAX_CPU_LORAS", "-1"),
+        ("LORA_LOAD_WORKERS", "0"),
+        ("LORA_COPY_GROUPS_PER_STEP", "0"),
+        ("ENGINE_THREADS", "0"),
+        ("ADMIN_TOKEN_MAX_TTL", "0"),
+        ("MAX_UPLOAD_MB", "0"),
+        ("MAX_BODY_KB", "-1"),
+        ("DEFAULT_MAX_TOKENS", "0"),
+        ("USAGE_MAX_BUFFERED", "-3"),
+        ("DEMO_ADAPTERS", "-1"),
+        ("KEY_CACHE_SECONDS", "-1"),
+        ("QUOTA_REDIS_TIMEOUT_MS", "0"),
+        ("QUOTA_CONFIG_CACHE_SECONDS", "-0.5"),
+        ("QUOTA_SLOT_LEASE_SECONDS", "0"),
+        ("CACHE_MAX_ENTRIES_PER_BUCKET", "0"),
+        ("CACHE_MIRROR_MB", "-1"),
+        ("CACHE_REDIS_TIMEOUT_MS", "-100"),
+    ],
+)
+def test_a_size_count_or_timeout_out_of_its_bounds_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    """LORAMUX_MAX_BODY_KB=-1 was served, answering every request with a body 413;
+    LORAMUX_ENGINE_THREADS=0 was taken as unset by serve and refused by `loramux engine`."""
+    assert f"LORAMUX_{name} must be" in _refused(monkeypatch, name, value)
+
+
+def test_engine_threads_0_is_refused_alike_by_serve_and_the_engine(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    clean_env.setenv("LORAMUX_ENGINE_THREADS", "0")
+    with pytest.raises(ValueError, match=r"LORAMUX_ENGINE_THREADS must be within 1\.\.4096, not 0"):
+        engine_child(Settings(data_dir=tmp_path), 1)
 
 
 @pytest.mark.parametrize(
