@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import TypeAlias
 
-from loramux.gateway.setting_checks import StartError
-from loramux.gateway.settings import PORTS, Settings, private_folder
+from loramux.gateway.setting_checks import ConfigError, StartError
+from loramux.gateway.settings import PORTS, Settings
 
 log = logging.getLogger("loramux")
 
@@ -32,10 +32,17 @@ def _demo_adapters(args: argparse.Namespace) -> None:
 
 
 def ensure_model(settings: Settings) -> Path:
-    """The configured model folder; the demo model is built there on first start."""
-    private_folder(settings.data_dir)
+    """The configured model folder; the demo model is built there on first start. A ConfigError
+    when the data directory cannot be used or LORAMUX_MODEL names no model folder: found here,
+    before serve starts an engine that would fail on it."""
+    settings.create_data_dir()
     folder = settings.model_dir
-    if settings.model is None and not (folder / "config.json").is_file():
+    if settings.model is not None:
+        if not (folder / "config.json").is_file():
+            raise ConfigError(
+                f"LORAMUX_MODEL={folder} is not a model folder: it has no config.json"
+            )
+    elif not (folder / "config.json").is_file():
         from loramux.engine.demo_model import build_demo_model
 
         log.info("building the demo model in %s", folder)

@@ -19,13 +19,14 @@ from pathlib import Path
 import redis
 import redis.asyncio
 
+from loramux.gateway.setting_checks import StartError
 from loramux.gateway.supervisor import ChildSpec, spawn, stop_group
 
 START_SECONDS = 10.0
 
 
-class RedisUnavailable(RuntimeError):
-    pass
+class RedisUnavailable(StartError):
+    """No redis-server to start, or it did not start: serve says so in one line."""
 
 
 def redis_child(data_dir: Path) -> tuple[ChildSpec, str]:
@@ -39,7 +40,8 @@ def redis_child(data_dir: Path) -> tuple[ChildSpec, str]:
         finally:
             await client.aclose()
 
-    return ChildSpec("redis-server", tuple(argv), ready, START_SECONDS, quiet=True), url
+    log = f"see {data_dir.resolve() / 'redis' / 'redis.log'}"
+    return ChildSpec("redis-server", tuple(argv), ready, START_SECONDS, quiet=True, output=log), url
 
 
 @contextlib.contextmanager

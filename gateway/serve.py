@@ -34,6 +34,7 @@ from loramux.gateway.serve_workers import (
     metrics_folder,
     worker_child,
 )
+from loramux.gateway.setting_checks import StartError
 from loramux.gateway.settings import Settings
 from loramux.gateway.supervisor import SupervisedChild, Supervisor
 
@@ -57,7 +58,9 @@ class Bind:
 
 
 async def serve_forever(settings: Settings, model_dir: Path, bind: Bind) -> None:
-    """Run until SIGTERM or SIGINT; however it ends, no child outlives it."""
+    """Run until SIGTERM or SIGINT; however it ends, no child outlives it. An OSError before
+    the gateway serves (a folder it cannot make, no file descriptors left) is a StartError: the
+    operator's to fix, said in one line."""
     with StopSignals() as stop, Supervisor() as children:
         try:
             await _serve(settings, model_dir, bind, children, stop)
@@ -65,6 +68,10 @@ async def serve_forever(settings: Settings, model_dir: Path, bind: Bind) -> None
             if stop.received is None:
                 raise
             log.info("stopped by %s", stop.received.name)
+        except OSError as exc:
+            if stop.serving:
+                raise
+            raise StartError(f"could not start: {exc}") from exc
 
 
 async def _serve(
@@ -180,6 +187,11 @@ class StopSignals:
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    @property
+    def serving(self) -> bool:
+        """The HTTP server was started: serve is past its start."""
+        return self._server is not None
 
     async def serve(self, server: uvicorn.Server, sockets: list[socket.socket] | None) -> None:
         self._server = server

@@ -7,11 +7,12 @@ demo model built there on first start, a private redis-server and an engine proc
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from loramux.engine.config import MAX_CPU_THREADS, EngineConfig
+from loramux.engine.config import DTYPES, MAX_CPU_THREADS, EngineConfig
 from loramux.gateway.setting_checks import Bound, ConfigError, check_bounds, env_value
 
 
@@ -143,6 +144,10 @@ class EngineSettings:
     engine`)."""
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(
+                f"LORAMUX_DTYPE must be one of {', '.join(DTYPES)}, not {self.dtype!r}"
+            )
         check_bounds(self, ENGINE_BOUNDS)
 
     def engine_config(self, model: Path, *, random_weights: bool = False) -> EngineConfig:
@@ -361,6 +366,20 @@ class Settings:
     @property
     def model_dir(self) -> Path:
         return self.model if self.model is not None else self.data_dir / "demo-model"
+
+    def create_data_dir(self) -> Path:
+        """The data directory, created owner-only when missing (`private_folder`); a ConfigError
+        naming LORAMUX_DATA_DIR when it cannot be created or written, before a command starts
+        anything that would fail in it later, with a traceback."""
+        try:
+            private_folder(self.data_dir)
+        except OSError as exc:
+            raise ConfigError(
+                f"LORAMUX_DATA_DIR={self.data_dir} cannot be created: {exc.strerror or exc}"
+            ) from None
+        if not os.access(self.data_dir, os.W_OK | os.X_OK):
+            raise ConfigError(f"LORAMUX_DATA_DIR={self.data_dir} is not writable by this user")
+        return self.data_dir
 
     def describe(self) -> dict[str, Any]:
         """Settings as plain values, for logs and `/ready`."""

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from loramux.gateway.setting_checks import StartError
+
 log = logging.getLogger(__name__)
 
 STOP_SECONDS = 10.0
@@ -51,8 +53,9 @@ _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 
 
-class ChildFailed(RuntimeError):
-    """A child exited, or did not become ready in time, on serve's first start."""
+class ChildFailed(StartError):
+    """A child exited, or did not become ready in time, on serve's first start: serve does not
+    start (one line, saying where the child's own account is)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,8 @@ class ChildSpec:
     """The child's environment; serve's own when None."""
     quiet: bool = False
     """Discard the child's stdout (it logs elsewhere)."""
+    output: str = "its output is above"
+    """Where the child says why it failed, for the one line of a ChildFailed."""
 
 
 def spawn(argv: list[str] | tuple[str, ...], **popen: Any) -> subprocess.Popen[bytes]:
@@ -156,7 +161,9 @@ class SupervisedChild:
         if not self.up:
             assert self.proc is not None
             code = await asyncio.to_thread(self.proc.wait)
-            raise ChildFailed(f"{self.spec.name} {describe_exit(code)} before it was ready")
+            raise ChildFailed(
+                f"{self.spec.name} {describe_exit(code)} before it was ready ({self.spec.output})"
+            )
         self._watch = asyncio.create_task(self._supervise(), name=f"supervise {self.spec.name}")
 
     def terminate(self) -> None:

@@ -146,21 +146,21 @@ def test_sigkill_of_serve_takes_its_children_with_it(env: dict[str, str], tmp_pa
 # -- a start refused ------------------------------------------------------------------------------
 
 
-def _refusal(env: dict[str, str], data_dir: Path) -> str:
-    """What `loramux serve` says when it refuses to start: it exits 1 within seconds, having
-    started nothing, with one line on stderr and no traceback."""
+def _refusal(env: dict[str, str], data_dir: Path, *args: str) -> str:
+    """What `loramux serve` says when it refuses to start: it exits 1 within seconds with one
+    line on stderr (the last; no traceback)."""
     run = subprocess.run(
-        [sys.executable, "-m", "loramux.gateway.cli", "serve", "--port", str(free_port())],
+        [sys.executable, "-m", "loramux.gateway.cli", "serve", "--port", str(free_port()), *args],
         env=os.environ | {"LORAMUX_DATA_DIR": str(data_dir)} | env,
         capture_output=True,
         text=True,
         timeout=30,
     )
     assert run.returncode == 1, run.stderr[-2000:]
-    lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("loramux serve: "), run.stderr[-2000:]
-    assert not (data_dir / "redis").exists()  # no child was started
-    return lines[0]
+    assert "Traceback" not in run.stderr, run.stderr[-2000:]
+    line = run.stderr.strip().splitlines()[-1]
+    assert line.startswith("loramux serve: "), run.stderr[-2000:]
+    return line
 
 
 @pytest.mark.parametrize(
@@ -168,13 +168,37 @@ def _refusal(env: dict[str, str], data_dir: Path) -> str:
     [
         ("MAX_BODY_KB", "1e3"),
         ("PORT", "70000"),
+        ("DTYPE", "float8"),
+        ("MODEL", "/nonexistent/model"),
+        ("DATA_DIR", "/proc/loramux"),
     ],
 )
 def test_a_bad_setting_is_one_line_naming_it_before_anything_starts(
     env: dict[str, str], tmp_path: Path, name: str, value: str
 ) -> None:
+    """Found before any child starts: not by the engine failing to load, nor by a traceback."""
     line = _refusal(env | {f"LORAMUX_{name}": value}, tmp_path / "data")
     assert f"LORAMUX_{name}" in line and value in line
+    assert not (tmp_path / "data" / "redis").exists()  # no child was started
+
+
+def test_a_child_that_fails_at_start_or_an_os_error_is_one_line(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """Not ChildFailed or OSError under chained tracebacks. redis-server cannot replace a
+    directory where its socket goes; a file where its folder goes stops serve itself. With
+    --workers 2 serve waits for its redis-server before importing the gateway: quick."""
+    external = env | {"LORAMUX_ENGINE_URLS": f"ipc://{tmp_path / 'no-engine.sock'}"}
+    (tmp_path / "child" / "redis" / "redis.sock").mkdir(parents=True)
+    line = _refusal(external, tmp_path / "child", "--workers", "2")
+    log = tmp_path / "child" / "redis" / "redis.log"
+    assert (
+        line == f"loramux serve: redis-server exited with status 1 before it was ready (see {log})"
+    )
+    (tmp_path / "oserror").mkdir()
+    (tmp_path / "oserror" / "redis").touch()
+    line = _refusal(external, tmp_path / "oserror", "--workers", "2")
+    assert line.startswith("loramux serve: could not start: [Errno 17] File exists"), line
 
 
 # -- a child that dies is restarted --------------------------------------------------------------
