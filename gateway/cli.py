@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -87,7 +88,7 @@ def _chat(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> None:
     """The gateway with its private redis-server and its engine as supervised child processes
     (each only when no external one is configured); see gateway.serve."""
-    from loramux.gateway.serve import Bind, serve_forever
+    from loramux.gateway.serve import Bind, claim_data_dir, serve_forever
     from loramux.gateway.serve_workers import default_workers
 
     if args.workers is not None and args.workers < 1:
@@ -95,13 +96,19 @@ def _serve(args: argparse.Namespace) -> None:
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per call to the engine
     settings = Settings()
-    model_dir = ensure_model(settings)
-    host = args.host or settings.server.host
-    port = settings.server.port if args.port is None else args.port
-    workers = args.workers or default_workers()
-    control = Path(args.control_socket) if args.control_socket else None
-    bind = Bind(host, port, workers, args.reuse_port, control)
-    asyncio.run(serve_forever(settings, model_dir, bind))
+    data_dir = settings.create_data_dir()
+    # Only a serve that starts a private redis-server or engine claims the data directory (their
+    # sockets are at fixed paths in it): not its workers, which use their parent's, nor gateways
+    # with external ones sharing a volume (docker compose --scale gateway=N).
+    private = settings.server.redis_url is None or not settings.server.engine_urls
+    with claim_data_dir(data_dir) if private else contextlib.nullcontext():
+        model_dir = ensure_model(settings)
+        host = args.host or settings.server.host
+        port = settings.server.port if args.port is None else args.port
+        workers = args.workers or default_workers()
+        control = Path(args.control_socket) if args.control_socket else None
+        bind = Bind(host, port, workers, args.reuse_port, control)
+        asyncio.run(serve_forever(settings, model_dir, bind))
 
 
 def _engine(args: argparse.Namespace) -> None:

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import importlib
 import logging
+import os
 import signal
 import socket
 from collections.abc import Iterator
@@ -40,6 +42,8 @@ from loramux.gateway.supervisor import SupervisedChild, Supervisor
 
 log = logging.getLogger(__name__)
 
+LOCK_FILE = "serve.lock"
+"""In the data directory: locked (flock) by the serve that runs on it, and holding its pid."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 GRACEFUL_SECONDS = 30
 """On stop, requests in flight get this long to finish before they are cut."""
@@ -55,6 +59,31 @@ class Bind:
     """Bind the port with SO_REUSEPORT: this process is one of several workers."""
     control_socket: Path | None = None
     """A worker's own Unix socket, where its parent probes it."""
+
+
+@contextlib.contextmanager
+def claim_data_dir(data_dir: Path) -> Iterator[None]:
+    """Hold the data directory for this serve (a flock on LOCK_FILE, with this pid written in
+    it) until the block ends; a StartError at once, naming the pid, when another serve holds it.
+    Two serves on one data directory would start redis-server and the engine on the same socket
+    paths, and the second, stopping, left the first without a Redis socket. The kernel drops the
+    lock when this process exits, however it exits; the file stays (unlinking it would race a
+    serve starting)."""
+    fd = os.open(data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise StartError(
+                f"the data directory {data_dir} (LORAMUX_DATA_DIR) is in use by another loramux "
+                f"serve, pid {holder}: stop it, or give this one a data directory of its own"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 async def serve_forever(settings: Settings, model_dir: Path, bind: Bind) -> None:

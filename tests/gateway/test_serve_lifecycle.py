@@ -231,6 +231,18 @@ def _health(running: Serve) -> dict[str, Any]:
     return body
 
 
+def test_a_second_serve_on_the_same_data_dir_is_refused_and_harms_nothing(
+    running: Serve, env: dict[str, str]
+) -> None:
+    """It started its own redis-server and engine on the first's socket paths; stopping, it
+    left the first serve's Redis without a socket file."""
+    line = _refusal(env, running.data_dir)
+    assert str(running.data_dir) in line and f"pid {running.proc.pid}" in line, line
+    assert (running.data_dir / "redis" / "redis.sock").exists()
+    assert (running.data_dir / "serve.lock").read_text().strip() == str(running.proc.pid)
+    assert httpx.get(f"{running.url}/ready", timeout=10).status_code == 200
+
+
 def test_a_killed_private_redis_is_restarted_and_limited_requests_succeed_again(
     running: Serve,
 ) -> None:
