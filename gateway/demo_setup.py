@@ -14,9 +14,10 @@ from loramux.gateway.state import GatewayState
 log = logging.getLogger(__name__)
 
 
-async def first_start(gw: GatewayState, model_dir: Path) -> None:
+async def first_start(gw: GatewayState, model_dir: Path, url: str) -> None:
     """On an empty database, create tenant `demo` and its key; with the demo model, also upload
-    shared demo adapters. Prints the key once, with an example request."""
+    shared demo adapters. Prints the key once, with an example request to `url`, where serve
+    listens (its --port, not only LORAMUX_PORT)."""
     async with gw.sessions() as session:
         if await session.scalar(select(func.count()).select_from(Tenant)):
             return
@@ -31,12 +32,11 @@ async def first_start(gw: GatewayState, model_dir: Path) -> None:
     names: list[str] = []
     if gw.settings.model is None and gw.settings.server.demo_adapters > 0:
         names = await _upload_demo_adapters(gw, model_dir, gw.settings.server.demo_adapters)
-    base = f"http://{gw.settings.server.host}:{gw.settings.server.port}"
     model = names[0] if names else gw.model_name
     print(
         f"\nloramux: created tenant 'demo' with API key (shown once):\n\n    {key.key}\n\n"
         f"models: {', '.join([gw.model_name, *names])}\ntry:\n"
-        f"    curl {base}/v1/chat/completions -H 'Authorization: Bearer {key.key}' "
+        f"    curl {url}/v1/chat/completions -H 'Authorization: Bearer {key.key}' "
         f"-H 'Content-Type: application/json' "
         f'-d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "hello"}}]}}\'\n',
         flush=True,

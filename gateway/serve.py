@@ -60,6 +60,12 @@ class Bind:
     control_socket: Path | None = None
     """A worker's own Unix socket, where its parent probes it."""
 
+    @property
+    def url(self) -> str:
+        """Where clients reach this serve (for the first start's example request)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
 
 @contextlib.contextmanager
 def claim_data_dir(data_dir: Path) -> Iterator[None]:
@@ -140,7 +146,7 @@ async def _serve(
         await child.started()
     state = await build_state(settings, engine_client(settings, model_dir), model_dir, redis_url)
     state.children = children
-    await first_start(state, model_dir)
+    await first_start(state, model_dir, bind.url)
     config = uvicorn.Config(
         create_app(state),
         host=bind.host,

@@ -87,6 +87,9 @@ def test_sigterm_lets_a_stream_finish_then_stops_serve_and_every_child_it_starte
     env: dict[str, str], tmp_path: Path
 ) -> None:
     with serve(tmp_path, env) as running:
+        # The first start's example request names the port given by --port, not LORAMUX_PORT's.
+        output = (tmp_path / "serve.log").read_text()
+        assert f"curl {running.url}/v1/chat/completions" in output, output[-2000:]
         names = list(running.children().values())
         assert len(names) == 2, names
         assert any("redis-server" in n for n in names) and any(" engine " in n for n in names)
