@@ -1,4 +1,5 @@
-"""First start on embedded defaults: a demo tenant with a key (printed once) and shared demo adapters."""
+"""First start on embedded defaults: a demo tenant with a key (printed once) and shared demo
+adapters; a first start that was stopped midway is finished by the next start."""
 
 from __future__ import annotations
 
@@ -7,20 +8,51 @@ from pathlib import Path
 
 from sqlalchemy import func, select
 
-from loramux.gateway.auth.api_keys import mint_key
+from loramux.gateway.auth.api_keys import NewKey, mint_key
 from loramux.gateway.db import ApiKey, Tenant
 from loramux.gateway.state import GatewayState
 
 log = logging.getLogger(__name__)
 
 
+PENDING = "first-start.pending"
+"""In the data directory from before the demo tenant is created until the demo adapters are
+uploaded: a start that finds it finishes what a stopped first start left undone."""
+
+
 async def first_start(gw: GatewayState, model_dir: Path, url: str) -> None:
-    """On an empty database, create tenant `demo` and its key; with the demo model, also upload
-    shared demo adapters. Prints the key once, with an example request to `url`, where serve
-    listens (its --port, not only LORAMUX_PORT)."""
+    """On an empty database, create tenant `demo` and its key and print the key (once, with an
+    example request to `url`, where serve listens) right after the commit; then, with the demo
+    model, upload shared demo adapters, which takes seconds each. A first start stopped before
+    its end (SIGTERM while uploading) left a tenant whose key nobody had seen; now the key is
+    shown first, and the next start finds PENDING and uploads the adapters (an upload of the
+    same bytes answers the version already there), so no start leaves a half-made first start."""
+    pending = gw.settings.data_dir / PENDING
+    names = _demo_adapter_names(gw)
     async with gw.sessions() as session:
-        if await session.scalar(select(func.count()).select_from(Tenant)):
+        has_tenants = bool(await session.scalar(select(func.count()).select_from(Tenant)))
+    if has_tenants:
+        if not pending.exists():
             return
+        log.info("finishing the first start, which was stopped before it ended")
+    else:
+        pending.touch()
+        key = await _create_demo_tenant(gw)
+        _print_key(key, [gw.model_name, *names], url)
+    if names:
+        await _upload_demo_adapters(gw, model_dir, len(names))
+    pending.unlink(missing_ok=True)
+
+
+def _demo_adapter_names(gw: GatewayState) -> list[str]:
+    """The shared demo adapters of a first start: only with the demo model."""
+    count = gw.settings.server.demo_adapters if gw.settings.model is None else 0
+    return [f"demo-{i}" for i in range(count)]
+
+
+async def _create_demo_tenant(gw: GatewayState) -> NewKey:
+    """Tenant `demo` and its API key, committed together: the key's secret is in the result
+    only (the database keeps its hash)."""
     key = mint_key()
     async with gw.sessions() as session, session.begin():
         tenant = Tenant(name="demo")
@@ -29,13 +61,16 @@ async def first_start(gw: GatewayState, model_dir: Path, url: str) -> None:
         session.add(
             ApiKey(id=key.id, tenant_id=tenant.id, name="demo", secret_hash=key.secret_hash)
         )
-    names: list[str] = []
-    if gw.settings.model is None and gw.settings.server.demo_adapters > 0:
-        names = await _upload_demo_adapters(gw, model_dir, gw.settings.server.demo_adapters)
-    model = names[0] if names else gw.model_name
+    return key
+
+
+def _print_key(key: NewKey, models: list[str], url: str) -> None:
+    """The demo key, its only showing, with an example request for the first adapter (the
+    base model without one)."""
+    model = models[1] if len(models) > 1 else models[0]
     print(
         f"\nloramux: created tenant 'demo' with API key (shown once):\n\n    {key.key}\n\n"
-        f"models: {', '.join([gw.model_name, *names])}\ntry:\n"
+        f"models: {', '.join(models)}\ntry:\n"
         f"    curl {url}/v1/chat/completions -H 'Authorization: Bearer {key.key}' "
         f"-H 'Content-Type: application/json' "
         f'-d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "hello"}}]}}\'\n',

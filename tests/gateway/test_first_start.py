@@ -1,0 +1,92 @@
+"""The first start of `loramux serve` on embedded defaults (gateway.demo_setup): tenant `demo`,
+its API key shown once, and shared demo adapters; a first start stopped midway is finished by
+the next start, never left half made."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from loramux.gateway.db import AdapterVersion
+from loramux.gateway.db.adapter import SHARED_OWNER
+from loramux.gateway.db.migrate import upgrade
+from loramux.gateway.demo_setup import first_start
+from loramux.gateway.server import engine_client
+from loramux.gateway.settings import EngineSettings, ServerSettings, Settings
+from loramux.gateway.state import GatewayState, build_state
+
+URL = "http://127.0.0.1:46815"
+
+
+@pytest.fixture
+async def demo_state(
+    tmp_path: Path, demo_model_dir: Path, redis_url: str
+) -> AsyncIterator[GatewayState]:
+    """A gateway's state as serve builds it on embedded defaults: the demo model in the data
+    directory (LORAMUX_MODEL unset), two demo adapters to upload on first start."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "demo-model").symlink_to(demo_model_dir)
+    settings = Settings(
+        data_dir=data,
+        model=None,
+        engine=EngineSettings(max_model_len=512, kv_cache_mb=16),
+        server=ServerSettings(demo_adapters=2),
+    )
+    await asyncio.to_thread(upgrade, settings.database_url)
+    client = engine_client(settings, settings.model_dir)
+    state = await build_state(settings, client, settings.model_dir, redis_url)
+    yield state
+    await state.close()
+
+
+class StopAtTheKey(io.StringIO):
+    """Standard output that cancels `task` (a first start) as soon as a key is written to it:
+    as a SIGTERM right after the key was shown cancels serve's start."""
+
+    task: asyncio.Task[None] | None = None
+
+    def write(self, text: str) -> int:
+        if "lmx-" in text and self.task is not None:
+            self.task.cancel()
+        return super().write(text)
+
+
+async def _demo_adapters(gw: GatewayState) -> list[tuple[str, int]]:
+    async with gw.sessions() as session:
+        rows = await session.execute(
+            select(AdapterVersion.name, AdapterVersion.version)
+            .where(AdapterVersion.owner == SHARED_OWNER)
+            .order_by(AdapterVersion.name)
+        )
+        return [(name, version) for name, version in rows]
+
+
+async def test_the_key_is_shown_before_the_adapters_and_a_stopped_first_start_is_finished(
+    demo_state: GatewayState,
+) -> None:
+    """The key was printed only after the demo adapters' upload (seconds each): a SIGTERM
+    meanwhile left tenant `demo` with a key nobody saw, and every later start did nothing since
+    a tenant existed."""
+    out = StopAtTheKey()
+    with contextlib.redirect_stdout(out):
+        out.task = asyncio.create_task(first_start(demo_state, demo_state.settings.model_dir, URL))
+        with pytest.raises(asyncio.CancelledError):
+            await out.task
+    [key] = set(re.findall(r"lmx-[\w.-]+", out.getvalue()))
+    assert f"curl {URL}/v1/chat/completions" in out.getvalue()
+    assert await _demo_adapters(demo_state) == []  # the key came first
+    assert (await demo_state.keys.authenticate(f"Bearer {key}")).tenant_name == "demo"
+
+    again = io.StringIO()
+    with contextlib.redirect_stdout(again):
+        await first_start(demo_state, demo_state.settings.model_dir, URL)
+    assert "lmx-" not in again.getvalue()  # the key is shown once
+    assert await _demo_adapters(demo_state) == [("demo-0", 1), ("demo-1", 1)]
