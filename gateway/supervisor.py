@@ -196,23 +196,45 @@ class SupervisedChild:
             self.last_exit = describe_exit(code)
             ran = time.monotonic() - self._started_at
             self.short_runs = 0 if ran >= STABLE_SECONDS else self.short_runs + 1
-            delay = min(MAX_BACKOFF, FIRST_BACKOFF * 2 ** max(0, self.short_runs - 1))
             log.error(
                 "%s (pid %d) %s after %.1f s; restarting it in %.2f s",
                 self.spec.name,
                 self.proc.pid,
                 self.last_exit,
                 ran,
-                delay,
+                self._backoff(),
             )
-            await asyncio.sleep(delay)
-            if self._stopping:
+            if not await self._relaunch():
                 return
-            self.launch()
             await self._until_ready()
             if self.up:
                 self.restarts += 1
                 log.warning("%s is back (pid %d)", self.spec.name, self.proc.pid)
+
+    def _backoff(self) -> float:
+        return min(MAX_BACKOFF, FIRST_BACKOFF * 2 ** max(0, self.short_runs - 1))
+
+    async def _relaunch(self) -> bool:
+        """After the backoff, spawn the child again; False when it is being stopped. A spawn
+        that fails (no file descriptors or memory left, its program or the data directory
+        removed) counts as a short run and is tried again after the next backoff: it ended the
+        supervising task before, silently, and the child stayed down for good."""
+        while True:
+            await asyncio.sleep(self._backoff())
+            if self._stopping:
+                return False
+            try:
+                self.launch()
+                return True
+            except (OSError, subprocess.SubprocessError) as exc:
+                self.short_runs += 1
+                self.last_exit = f"could not be started: {exc}"
+                log.error(
+                    "%s could not be started (%s); trying again in %.2f s",
+                    self.spec.name,
+                    exc,
+                    self._backoff(),
+                )
 
     def launch(self) -> None:
         """Spawn the child process (not waiting for it to be ready)."""

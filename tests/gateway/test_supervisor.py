@@ -97,3 +97,25 @@ async def test_a_child_that_keeps_dying_soon_after_its_start_is_failing(
     await _until(lambda: child.failing, 60, f"it exited {FAILING_EXITS} times")
     assert supervisor.failing and supervisor.report()["sh"]["failing"]
     assert child.last_exit == "exited with status 1"
+
+
+async def test_a_restart_that_cannot_spawn_the_child_is_retried_until_it_can(
+    supervisor: Supervisor, tmp_path: Path
+) -> None:
+    """A spawn that raised (no file descriptors left, the program or data directory removed)
+    ended the supervising task quietly: the child was never restarted, /health degraded for
+    good. Here the child's program is gone when it dies, and back a moment later."""
+    program = tmp_path / "child"
+    program.write_text("#!/bin/sh\nexec sleep 60\n")
+    program.chmod(0o755)
+    child = supervisor.spawn(ChildSpec("sh", (str(program),), _ready, 30))
+    await child.started()
+    assert child.proc is not None
+    hidden = program.rename(tmp_path / "hidden")
+    os.kill(child.proc.pid, signal.SIGKILL)
+    await _until(
+        lambda: (child.last_exit or "").startswith("could not be started"), 30, "a spawn failed"
+    )
+    hidden.rename(program)
+    await _until(lambda: child.restarts == 1 and child.up, 30, "the child is back")
+    assert child.proc is not None and alive(child.proc.pid)
