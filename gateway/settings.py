@@ -272,6 +272,7 @@ QUOTA_BOUNDS = {
     # Leases count in milliseconds in Redis; a day is far beyond any request's run.
     "slot_lease_seconds": Bound("QUOTA_SLOT_LEASE_SECONDS", 0.001, 86400),
     "redis_timeout_ms": Bound("QUOTA_REDIS_TIMEOUT_MS", 1),
+    "max_unsettled": Bound("QUOTA_MAX_UNSETTLED", 1),
 }
 
 
@@ -291,7 +292,9 @@ class QuotaSettings:
         default_factory=lambda: env_value("QUOTA_SLOT_LEASE_SECONDS", 30.0, float)
     )
     """LORAMUX_QUOTA_SLOT_LEASE_SECONDS: a concurrency slot not renewed for this long (its gateway died) is freed."""
-    max_unsettled: int = field(default_factory=lambda: _env("QUOTA_MAX_UNSETTLED", 100_000, int))
+    max_unsettled: int = field(
+        default_factory=lambda: env_value("QUOTA_MAX_UNSETTLED", 100_000, int)
+    )
     """LORAMUX_QUOTA_MAX_UNSETTLED: settlements a gateway keeps while Redis cannot take them, retried until it answers; past this, the oldest is dropped (its reservation stays charged)."""
 
     def __post_init__(self) -> None:
@@ -299,8 +302,6 @@ class QuotaSettings:
             raise ConfigError(
                 f"LORAMUX_QUOTA_ON_REDIS_DOWN must be 'reject' or 'allow', not {self.on_redis_down!r}"
             )
-        if self.max_unsettled < 1:
-            raise ConfigError("LORAMUX_QUOTA_MAX_UNSETTLED must be at least 1")
         check_bounds(self, QUOTA_BOUNDS)
 
 
