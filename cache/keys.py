@@ -11,7 +11,15 @@ tenant id can spell a pattern that matches another tenant's keys.
 - semantic bucket: `<prefix>:<T>:<A>:s:{<bucket>}:<part>`, where the bucket hashes every field
   except the last user message — tenant, base model, adapter, parameters, the system prompt and
   every earlier turn — so the same question after a different conversation lands elsewhere.
-  The `{…}` hash tag keeps a bucket's keys in one cluster slot, as its Lua scripts need.
+  The `{…}` hash tag keeps a bucket's keys together;
+- purge epoch: `<prefix>:purged:<T>` and `<prefix>:purged:<T>:<A>`, outside the scopes they
+  guard (a purge's SCAN never meets them), a random id each purge of that scope sets (a
+  `gone:` tombstone for a deleted tenant), kept for the longest entry lifetime: every write of
+  an entry, a request record or a semantic-index entry checks them in its script
+  (`cache.types.Fence`).
+
+The scripts take keys of several hash slots (an entry, its record, the epochs): one Redis
+server, not a Cluster.
 """
 
 from __future__ import annotations
@@ -137,6 +145,15 @@ class Keyspace:
         """The key prefix of a tenant's entries, or of one adapter's entries of that tenant."""
         base = f"{self.prefix}:{_short(tenant_id)}:"
         return base if adapter is None else f"{base}{_short(adapter)}:"
+
+    def epoch(self, tenant_id: str, adapter: str | None = None) -> str:
+        """The purge-epoch key of a tenant's scope, or of one adapter's scope of that tenant."""
+        base = f"{self.prefix}:purged:{_short(tenant_id)}"
+        return base if adapter is None else f"{base}:{_short(adapter)}"
+
+    def epochs(self, req: CacheRequest) -> tuple[str, str]:
+        """The purge-epoch keys a write of `req`'s answer checks: its tenant's and its adapter's."""
+        return self.epoch(req.tenant_id), self.epoch(req.tenant_id, req.adapter)
 
     def request(self, tenant_id: str, request_id: str) -> str:
         """Which entry answered a request (`…:r:<hash of the request id>`): found only under the

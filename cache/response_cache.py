@@ -13,6 +13,15 @@ Given a request id, a lookup that hits and a store both record which entry the r
 answered from (tenant-scoped, for the entry's lifetime), so an admin can report a wrong answer
 by request id: `report_wrong_hit` deletes the entry, and the next identical request misses.
 
+A purge is final for what came before it. A request's lookup (`begin`) reads the purge epochs
+of its tenant and adapter scopes in the same round trip, and every write its answer makes (the
+entry, the request record, the semantic index's entry) carries them as a `Fence` into the one
+script that writes, which refuses it when a purge of either scope ran since. A purge first moves
+its scope's epoch, then deletes what its SCAN finds: an answer made before the purge is either
+deleted by it or never written. Deleting a tenant leaves a tombstone for its epoch (kept for the
+longest entry lifetime, `MAX_TTL`) that refuses every write of that tenant, including those of a
+gateway process that still authenticates its keys for a moment.
+
 Failure is a miss, never an error: every Redis failure (down, restarting, slow beyond
 `redis_timeout`) and every embedder failure is logged (at most once per `log_every` seconds per
 operation), counted in `stats.errors`, and answered with None. The Redis client reconnects by
@@ -25,18 +34,29 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis.asyncio
 from redis.exceptions import ResponseError
 
+from loramux.cache import scripts
 from loramux.cache.embedder import Embedder
-from loramux.cache.keys import Keyspace, semantic_question
+from loramux.cache.keys import BucketKeys, Keyspace, semantic_question
 from loramux.cache.semantic_index import Candidate, CoreVectorIndex
 from loramux.cache.tenant_stats import NEAR_MISS_MARGIN, TenantCacheStats
-from loramux.cache.types import CachedResponse, CacheHit, CachePolicy, CacheRequest
+from loramux.cache.types import (
+    MAX_TTL,
+    CachedResponse,
+    CacheHit,
+    CachePolicy,
+    CacheRequest,
+    Consulted,
+    Fence,
+)
 from loramux.cache.verifier import Verdict, parse, verify
 from loramux.cache.vset_index import VectorSetIndex
 
@@ -53,6 +73,8 @@ class CacheStats:
     verifier_rejections: int = 0
     """Candidates above the similarity threshold that the verifier refused."""
     stores: int = 0
+    fenced: int = 0
+    """Writes refused because a purge (or the tenant's deletion) came after their lookup."""
     errors: int = 0
     """Lookups and stores that failed (Redis or embedder) and were served as misses / dropped."""
 
@@ -116,6 +138,9 @@ class ResponseCache:
         """The server's own vector search, if any ("vset" or "search"); None on core Redis."""
         self._last_log: dict[str, float] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self._store_script = redis.register_script(scripts.STORE)
+        self._remember_script = redis.register_script(scripts.REMEMBER)
+        self._purge_epoch = redis.register_script(scripts.PURGE_EPOCH)
 
     @property
     def errors(self) -> int:
@@ -172,20 +197,37 @@ class ResponseCache:
     async def lookup(
         self, req: CacheRequest, policy: CachePolicy, request_id: str | None = None
     ) -> CacheHit | None:
-        """The cached answer to `req`, exact first, then semantic; None on a miss or failure.
-        A hit is recorded under `request_id`, when given (see `report_wrong_hit`)."""
+        """The cached answer to `req` (see `begin`), without the fence."""
         if not policy.lookup:
             return None
+        return (await self.begin(req, policy, request_id)).hit
+
+    async def begin(
+        self, req: CacheRequest, policy: CachePolicy, request_id: str | None = None
+    ) -> Consulted:
+        """The cached answer to `req`, exact first, then semantic (None on a miss, a failure or
+        when the policy looks nothing up), and the fence a store of the request's answer
+        carries: the purge epochs, read in the lookup's first round trip (alone when the policy
+        only stores). A hit is recorded under `request_id`, when given (see `report_wrong_hit`).
+        """
+        if not policy.lookup and not policy.store:
+            return Consulted(None, None)
+        epochs = self.keys.epochs(req)
+        fence = Fence(epochs, None)  # until read
+        if not policy.lookup:
+            return Consulted(None, await self._read_fence(epochs))
         tenant = self.tenant_stats(req.tenant_id)
         tenant.lookups += 1
         try:
-            found = await self._lookup(req, policy)
+            fence, found, pending = await self._first_read(req, policy, epochs)
+            if pending is not None:
+                found = await self._semantic(req, policy, *pending)
             if found is not None and request_id is not None:
-                await self._remember_request(req.tenant_id, request_id, found[1], policy.ttl)
+                await self._remember_request(req.tenant_id, request_id, found[1], policy.ttl, fence)
         except Exception as exc:
             self._failed("lookup", exc)
             tenant.misses += 1
-            return None
+            return Consulted(None, fence)
         hit = found[0] if found is not None else None
         if hit is None:
             self.stats.misses += 1
@@ -196,22 +238,45 @@ class ResponseCache:
         else:
             self.stats.semantic_hits += 1
             tenant.semantic_hits += 1
-        return hit
+        return Consulted(hit, fence)
 
-    async def _lookup(self, req: CacheRequest, policy: CachePolicy) -> tuple[CacheHit, str] | None:
-        """The hit and the key of the entry it came from."""
+    async def _read_fence(self, epochs: tuple[str, str]) -> Fence:
+        """The fence of a request that stores without looking up."""
+        try:
+            async with asyncio.timeout(self.redis_timeout):
+                seen = await self.redis.mget(list(epochs))
+        except Exception as exc:
+            self._failed("lookup", exc)
+            return Fence(epochs, None)
+        return _fence(epochs, seen)
+
+    async def _first_read(
+        self, req: CacheRequest, policy: CachePolicy, epochs: tuple[str, str]
+    ) -> tuple[Fence, tuple[CacheHit, str] | None, tuple[str, BucketKeys] | None]:
+        """One round trip: the fence, an exact hit with its entry's key, and (on an exact miss
+        when the policy allows semantic hits) the question and bucket left to search."""
         key = self.keys.exact(req)
         question = semantic_question(req) if policy.semantic else None
+        values: Sequence[bytes | str | None]
         if question is None:
             async with asyncio.timeout(self.redis_timeout):
-                raw = await self.redis.get(key)
-            return None if raw is None else (CacheHit(decode_response(raw), "exact", None), key)
-        bucket = self.keys.bucket(req, self.embedder.model_id)
-        async with asyncio.timeout(self.redis_timeout):
-            # the exact entry and (core index) the bucket's news, in one round trip
-            raw = await self.index.prefetch(bucket, also_get=key)
+                values = await self.redis.mget([key, *epochs])
+            pending = None
+        else:
+            bucket = self.keys.bucket(req, self.embedder.model_id)
+            async with asyncio.timeout(self.redis_timeout):
+                # with (core index) the bucket's news
+                values = await self.index.prefetch(bucket, also_get=[key, *epochs])
+            pending = (question, bucket)
+        raw, *seen = values
         if raw is not None:
-            return CacheHit(decode_response(raw), "exact", None), key
+            return _fence(epochs, seen), (CacheHit(decode_response(raw), "exact", None), key), None
+        return _fence(epochs, seen), None, pending
+
+    async def _semantic(
+        self, req: CacheRequest, policy: CachePolicy, question: str, bucket: BucketKeys
+    ) -> tuple[CacheHit, str] | None:
+        """The best verified semantic candidate in the (prefetched) bucket, and its entry's key."""
         vector = await self.embedder.embed_whole(question)
         if vector is None:
             return None  # longer than the embedder reads: exact hits only
@@ -250,10 +315,16 @@ class ResponseCache:
         return await asyncio.to_thread(verify, question, candidate.question, similarity)
 
     async def _remember_request(
-        self, tenant_id: str, request_id: str, entry_key: str, ttl: int
+        self, tenant_id: str, request_id: str, entry_key: str, ttl: int, fence: Fence
     ) -> None:
+        """Record which entry answered the request, unless a purge came since its lookup."""
+        record = self.keys.request(tenant_id, request_id)
         async with asyncio.timeout(self.redis_timeout):
-            await self.redis.set(self.keys.request(tenant_id, request_id), entry_key, ex=ttl)
+            done = await self._remember_script(
+                keys=[*fence.keys, record], args=[*fence.args(), entry_key, ttl]
+            )
+        if not done:
+            self.stats.fenced += 1
 
     async def report_wrong_hit(self, tenant_id: str, request_id: str) -> bool:
         """Invalidate the entry that answered `request_id` of `tenant_id` (so the next identical
@@ -277,17 +348,22 @@ class ResponseCache:
         policy: CachePolicy,
         response: CachedResponse,
         request_id: str | None = None,
+        fence: Fence | None = None,
     ) -> None:
         """Keep `response` as the answer to `req` for `policy.ttl` seconds, recorded under
-        `request_id` when given; never raises."""
+        `request_id` when given, unless a purge came since `fence` was read (`begin`); without
+        a fence, only the tenant's deletion refuses it. Never raises."""
         if not policy.store:
             return
         try:
-            await self._store(req, policy, response, request_id)
+            stored = await self._store(req, policy, response, request_id, fence)
         except Exception as exc:
             self._failed("store", exc)
             return
-        self.stats.stores += 1
+        if stored:
+            self.stats.stores += 1
+        else:
+            self.stats.fenced += 1
 
     async def _store(
         self,
@@ -295,26 +371,29 @@ class ResponseCache:
         policy: CachePolicy,
         response: CachedResponse,
         request_id: str | None,
-    ) -> None:
-        """The entry and the request's record of it in one round trip (a response waits for
-        it), both or neither (a transaction: Redis refusing the entry, out of memory, must not
-        keep a record that points at nothing), then the semantic index's entry."""
+        fence: Fence | None,
+    ) -> bool:
+        """The entry, then the request's record of it, in one script (a response waits for
+        it; a record never points at an entry Redis refused, out of memory), then the semantic
+        index's entry, each checked against the fence; False when the fence refused them."""
+        fence = fence or Fence(self.keys.epochs(req), None)
         key = self.keys.exact(req)
+        keys = [*fence.keys, key]
+        if request_id is not None:
+            keys.append(self.keys.request(req.tenant_id, request_id))
         async with asyncio.timeout(self.redis_timeout):
-            async with self.redis.pipeline(transaction=True) as pipe:
-                if request_id is not None:
-                    pipe.set(self.keys.request(req.tenant_id, request_id), key, ex=policy.ttl)
-                pipe.set(key, encode_response(response), ex=policy.ttl)
-                await pipe.execute()
+            stored = await self._store_script(
+                keys=keys, args=[*fence.args(), encode_response(response), policy.ttl]
+            )
         question = semantic_question(req)
-        if not policy.semantic or question is None:
-            return
+        if not stored or not policy.semantic or question is None:
+            return bool(stored)
         vector = await self.embedder.embed_whole(question)
         if vector is None:
-            return  # longer than the embedder reads: its tail would not be compared
+            return True  # longer than the embedder reads: its tail would not be compared
         bucket = self.keys.bucket(req, self.embedder.model_id)
         async with asyncio.timeout(self.redis_timeout):
-            await self.index.add(bucket, vector, question, key, policy.ttl)
+            return await self.index.add(bucket, vector, question, key, policy.ttl, fence)
 
     def store_in_background(
         self,
@@ -322,11 +401,12 @@ class ResponseCache:
         policy: CachePolicy,
         response: CachedResponse,
         request_id: str | None = None,
+        fence: Fence | None = None,
     ) -> None:
         """`store` without waiting for it (the response need not wait for the embedder)."""
         if not policy.store:
             return
-        stored = self.store(req, policy, response, request_id)
+        stored = self.store(req, policy, response, request_id, fence)
         task = asyncio.get_running_loop().create_task(stored)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -336,9 +416,18 @@ class ResponseCache:
         while self._background:
             await asyncio.gather(*self._background)
 
-    async def purge(self, tenant_id: str, adapter: str | None = None) -> int:
+    async def purge(
+        self, tenant_id: str, adapter: str | None = None, *, tenant_deleted: bool = False
+    ) -> int:
         """Delete a tenant's entries (of one adapter digest, or "base", when given); returns the
-        number of responses removed. Raises on Redis errors (an operator asked for it)."""
+        number of responses removed. The scope's purge epoch moves first, so no request whose
+        lookup came before the purge writes after it; `tenant_deleted` makes the tenant's epoch
+        a tombstone that refuses every later write of the tenant. Raises on Redis errors (an
+        operator asked for it)."""
+        if tenant_deleted and adapter is not None:
+            raise ValueError("a deleted tenant is purged whole")
+        epoch = ("gone:" if tenant_deleted else "") + secrets.token_hex(8)
+        await self._purge_epoch(keys=[self.keys.epoch(tenant_id, adapter)], args=[epoch, MAX_TTL])
         pattern = _glob_escape(self.keys.scope(tenant_id, adapter)) + "*"
         removed = 0
         batch: list[bytes] = []
@@ -367,6 +456,12 @@ class ResponseCache:
                 exc,
                 exc_info=not isinstance(exc, (OSError, TimeoutError, redis.RedisError)),
             )
+
+
+def _fence(epochs: tuple[str, str], seen: Sequence[bytes | str | None]) -> Fence:
+    """A fence from the epochs' values as MGET read them (None: never purged)."""
+    tenant, adapter = (v.decode() if isinstance(v, bytes) else v or "" for v in seen)
+    return Fence(epochs, (tenant, adapter))
 
 
 def _glob_escape(text: str) -> str:

@@ -1,14 +1,80 @@
-"""Lua scripts of the core-Redis semantic index: each runs atomically on the server.
+"""Lua scripts of the response cache: each runs atomically on the server.
 
-ADD takes a bucket's keys in `BucketKeys.all()` order: KEYS[1] info, [2] vectors, [3] meta,
-[4] lru, [5] expiry, [6] free, [7] log, [8] by_response; SYNC and LOAD take info, vectors, meta
-and log.
+Every script that writes what a request's answer left (STORE, REMEMBER, ADD, VADD) first checks
+its fence (`FENCE`, see `cache.types.Fence`), so a purge that ran since the request's lookup, or
+its tenant's deletion, refuses the write in the same step; PURGE_EPOCH is what a purge sets.
+
+ADD (the core-Redis semantic index) takes a bucket's keys in `BucketKeys.all()` order: KEYS[1]
+info, [2] vectors, [3] meta, [4] lru, [5] expiry, [6] free, [7] log, [8] by_response, then the
+two epoch keys when fenced; SYNC and LOAD take info, vectors, meta and log.
 The bucket's version is head + LLEN(log): every change of a slot appends the slot to the log,
 and a process that has applied the log up to version v asks only for what came after v.
 """
 
-ADD = """
+FENCE = """
+-- Whether a write may go ahead: its tenant is not deleted (a 'gone:' tombstone) and, unless it
+-- read no epochs ('*'), neither its tenant's nor its adapter's scope was purged since it read
+-- them ('' for an epoch that was not set).
+local function fence_holds(tenant_key, adapter_key, tenant_seen, adapter_seen)
+  local tenant = redis.call('GET', tenant_key) or ''
+  if string.sub(tenant, 1, 5) == 'gone:' then return false end
+  if tenant_seen == '*' then return true end
+  return tenant == tenant_seen and (redis.call('GET', adapter_key) or '') == adapter_seen
+end
+"""
+
+STORE = (
+    FENCE
+    + """
+-- KEYS: tenant epoch, adapter epoch, entry[, request record]
+-- ARGV: tenant seen, adapter seen, response, ttl_s -> 1 stored, 0 refused
+-- The entry first: a record never points at an entry Redis refused (out of memory).
+if not fence_holds(KEYS[1], KEYS[2], ARGV[1], ARGV[2]) then return 0 end
+redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[4])
+if KEYS[4] then redis.call('SET', KEYS[4], KEYS[3], 'EX', ARGV[4]) end
+return 1
+"""
+)
+
+REMEMBER = (
+    FENCE
+    + """
+-- KEYS: tenant epoch, adapter epoch, request record
+-- ARGV: tenant seen, adapter seen, entry key, ttl_s -> 1 recorded, 0 refused
+if not fence_holds(KEYS[1], KEYS[2], ARGV[1], ARGV[2]) then return 0 end
+redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[4])
+return 1
+"""
+)
+
+PURGE_EPOCH = """
+-- KEYS: an epoch; ARGV: its new value, ttl_s. A tombstone stays one (a deleted tenant's purge).
+local now = redis.call('GET', KEYS[1])
+if now and string.sub(now, 1, 5) == 'gone:' then ARGV[1] = now end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return 1
+"""
+
+VADD = (
+    FENCE
+    + """
+-- KEYS: vector set[, tenant epoch, adapter epoch: when fenced]
+-- ARGV: tenant seen, adapter seen, fp32 vector, element, attributes, ttl_s
+-- -> the set's size after the add, or -1 when refused
+if #KEYS == 3 and not fence_holds(KEYS[2], KEYS[3], ARGV[1], ARGV[2]) then return -1 end
+redis.call('VADD', KEYS[1], 'FP32', ARGV[3], ARGV[4], 'Q8', 'SETATTR', ARGV[5])
+redis.call('EXPIRE', KEYS[1], ARGV[6], 'NX')
+redis.call('EXPIRE', KEYS[1], ARGV[6], 'GT')
+return redis.call('VCARD', KEYS[1])
+"""
+)
+
+ADD = (
+    FENCE
+    + """
 -- ARGV: now_ms, ttl_ms, record, meta_json, response_key, max_entries, record_size, log_cap, epoch
+--       [, tenant seen, adapter seen: with KEYS[9], KEYS[10]] -> the slot, or false when refused
+if #KEYS == 10 and not fence_holds(KEYS[9], KEYS[10], ARGV[10], ARGV[11]) then return false end
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
 local size = tonumber(ARGV[7])
 if redis.call('EXISTS', KEYS[1]) == 0 then
@@ -57,6 +123,7 @@ for i = 1, 8 do
 end
 return slot
 """
+)
 
 SYNC = """
 -- ARGV: epoch, applied, max_changes, record_size

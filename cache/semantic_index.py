@@ -2,13 +2,14 @@
 
 Redis holds each bucket (see `cache.keys.BucketKeys`): the records of all slots packed into one
 string, the live slots' metadata, LRU and expiry order, and a log of changed slots. Writes are
-one Lua script each (`scripts.ADD`): sweep expired entries, evict least recently used ones while
-the bucket is full, write the record in place (SETRANGE), log the slot.
+one Lua script each (`scripts.ADD`): check the request's fence (`cache.types.Fence`), sweep
+expired entries, evict least recently used ones while the bucket is full, write the record in
+place (SETRANGE), log the slot.
 
-Each process keeps an in-memory copy of the buckets it searches (`BucketMirror`). A lookup
-first `refresh`es the copy — one round trip that asks for the slots changed since the copy's
-log position (`scripts.SYNC`) and can read one more key alongside (the exact entry) — so an
-entry stored by any process is seen by the next lookup in every process. `candidates` then
+Each process keeps an in-memory copy of the buckets it searches (`BucketMirror`). A lookup first
+`refresh`es the copy — one round trip that asks for the slots changed since the copy's log
+position (`scripts.SYNC`) and can read more keys alongside (the exact entry, the purge epochs) —
+so an entry stored by any process is seen by the next lookup in every process. `candidates` then
 scores the copy with numpy, locally, and `fetch` reads the chosen entry's response and marks it
 used, in one more round trip. A copy too far behind (or of an older incarnation of the bucket)
 is reloaded whole. Copies are dropped, least recently used first, beyond `mirror_bytes`.
@@ -22,6 +23,7 @@ import json
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +32,7 @@ from redis.exceptions import NoScriptError
 
 from loramux.cache import scripts
 from loramux.cache.keys import BucketKeys
+from loramux.cache.types import Fence
 from loramux.cache.vectors import F32, BucketMirror, encode, record_size
 
 MAX_DELTA = 4096
@@ -102,14 +105,25 @@ class CoreVectorIndex:
             await self.redis.script_load(text)
 
     async def add(
-        self, bucket: BucketKeys, vector: F32, question: str, response_key: str, ttl: int
-    ) -> None:
-        """Insert (or refresh) the entry for `response_key`, evicting as the bucket needs."""
+        self,
+        bucket: BucketKeys,
+        vector: F32,
+        question: str,
+        response_key: str,
+        ttl: int,
+        fence: Fence | None = None,
+    ) -> bool:
+        """Insert (or refresh) the entry for `response_key`, evicting as the bucket needs;
+        False when its `fence` refused it (a purge since the request's lookup)."""
         now = _now_ms()
         meta = json.dumps({"k": response_key, "q": question, "x": now + ttl * 1000})
         args = [now, ttl * 1000, encode(vector), meta, response_key, self.max_entries]
         args += [self._record_size, LOG_CAP, secrets.token_hex(8)]
-        await self._run([("add", bucket.all(), args)])
+        keys = bucket.all()
+        if fence is not None:
+            keys, args = [*keys, *fence.keys], [*args, *fence.args()]
+        (slot,) = await self._run([("add", keys, args)])
+        return slot is not None
 
     async def search(
         self, bucket: BucketKeys, query: F32, threshold: float, limit: int
@@ -118,8 +132,8 @@ class CoreVectorIndex:
         await self.refresh(bucket)
         return self.candidates(bucket, query, threshold, limit)
 
-    async def refresh(self, bucket: BucketKeys, also_get: str | None = None) -> bytes | None:
-        """Bring this process's copy of the bucket up to date; returns the value of the key
+    async def refresh(self, bucket: BucketKeys, also_get: Sequence[str] = ()) -> list[bytes | None]:
+        """Bring this process's copy of the bucket up to date; returns the values of the keys
         `also_get`, read in the same round trip."""
         mirror = self._mirrors.get(bucket.info)
         if mirror is None:
@@ -130,8 +144,8 @@ class CoreVectorIndex:
             copy = mirror.copy
             args = [copy.epoch, copy.applied, self.max_delta, self._record_size]
             reads: list[tuple[str, list[str], list[Any]]] = [("sync", keys, args)]
-            if also_get is not None:
-                reads.insert(0, ("get", [also_get], []))
+            if also_get:
+                reads.insert(0, ("mget", list(also_get), []))
             replies = await self._run(reads)
             reply = replies[-1]
             if reply[0] and reply[2] == b"reload":
@@ -147,9 +161,11 @@ class CoreVectorIndex:
             self._shrink(keep=bucket.info)
         else:
             self._drop(bucket.info)
-        return replies[0] if also_get is not None else None
+        return list(replies[0]) if also_get else []
 
-    async def prefetch(self, bucket: BucketKeys, also_get: str | None = None) -> bytes | None:
+    async def prefetch(
+        self, bucket: BucketKeys, also_get: Sequence[str] = ()
+    ) -> list[bytes | None]:
         """`refresh` (what a lookup does before it knows its query vector)."""
         return await self.refresh(bucket, also_get)
 
@@ -192,14 +208,14 @@ class CoreVectorIndex:
         return response
 
     async def _run(self, commands: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
-        """Run GETs and scripts (by name) in one round trip; loads the scripts and retries once
+        """Run MGETs and scripts (by name) in one round trip; loads the scripts and retries once
         when the server does not know them (after a restart)."""
         for attempt in range(2):
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for name, keys, args in commands:
-                        if name == "get":
-                            pipe.get(keys[0])
+                        if name == "mget":
+                            pipe.mget(keys)
                         else:
                             pipe.evalsha(_SHA[name], len(keys), *keys, *args)
                     return await pipe.execute()

@@ -13,6 +13,9 @@ from typing import Any, Literal
 
 from loramux.cache.pacing import Pacing
 
+MAX_TTL = 7 * 86400
+"""The longest an entry may live (seconds); also how long a purge's epoch is remembered."""
+
 RequestKind = Literal["chat", "text"]
 HitKind = Literal["exact", "semantic"]
 VerifierName = Literal["strict", "off"]
@@ -76,3 +79,34 @@ class CacheHit:
     response: CachedResponse
     kind: HitKind
     similarity: float | None
+
+
+@dataclass(frozen=True)
+class Fence:
+    """What a write of a request's answer (its entry, its request record, its semantic-index
+    entry) is checked against, atomically, in the script that writes it (`cache.scripts.FENCE`):
+    the purge epochs of the request's tenant scope and adapter scope, as read when its lookup
+    ran, before the engine made the answer. A purge moves its scope's epoch before it deletes,
+    so an answer made before a purge (or a hit read before it) is never written after it; a
+    deleted tenant's epoch is a tombstone that refuses every write.
+
+    `keys` are the two epochs' Redis keys; `seen` their values then ('' for none), or None for a
+    write that read none (then only a tombstone refuses it): one whose lookup failed (Redis
+    down or restarting) stores when Redis is back, as a cache that resumes by itself should,
+    and a purge between the two is not seen."""
+
+    keys: tuple[str, str]
+    seen: tuple[str, str] | None
+
+    def args(self) -> list[str]:
+        """The script's arguments: the epochs seen, '*' each for any."""
+        return list(self.seen) if self.seen is not None else ["*", "*"]
+
+
+@dataclass(frozen=True)
+class Consulted:
+    """What a request's lookup found (None: a miss, or no lookup) and the fence a store of its
+    answer carries (None when it may not store)."""
+
+    hit: CacheHit | None
+    fence: Fence | None

@@ -8,7 +8,8 @@ embedding, quantized to int8 by the server (`Q8`), and the attributes {"q": ques
 with exploration factor `ef`, skips expired elements (`FILTER .x > now`) and returns the best
 matches with their attributes. `VSIM` scores are (1 + cosine) / 2; candidates carry the cosine.
 
-Vector sets keep no per-element lifetime or use order: expired elements stop being returned at
+An add is one script (`scripts.VADD`) that checks the request's fence (`cache.types.Fence`) before
+it adds. Vector sets keep no per-element lifetime or use order: expired elements stop being returned at
 once and go when the bucket key expires (each store extends it to the longest entry lifetime);
 a bucket past `max_entries` after an add drops elements chosen at random (the core index evicts
 the least recently used one instead).
@@ -18,12 +19,15 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import Redis
 
+from loramux.cache import scripts
 from loramux.cache.keys import BucketKeys
 from loramux.cache.semantic_index import Candidate
+from loramux.cache.types import Fence
 from loramux.cache.vectors import F32
 
 DEFAULT_EF = 200
@@ -46,27 +50,31 @@ class VectorSetIndex:
         self.dim = dim
         self.max_entries = max_entries
         self.ef = ef
+        self._add = redis.register_script(scripts.VADD)
 
     async def load_scripts(self) -> None:
-        """Nothing to load: vector sets are built into the server."""
+        """Nothing to load: the add script loads itself when the server lacks it."""
 
     async def add(
-        self, bucket: BucketKeys, vector: F32, question: str, response_key: str, ttl: int
-    ) -> None:
-        """Insert (or replace) the entry for `response_key`."""
+        self,
+        bucket: BucketKeys,
+        vector: F32,
+        question: str,
+        response_key: str,
+        ttl: int,
+        fence: Fence | None = None,
+    ) -> bool:
+        """Insert (or replace) the entry for `response_key`; False when its `fence` refused it
+        (a purge since the request's lookup). Unfenced, only a deleted tenant refuses it."""
         attributes = json.dumps({"q": question, "x": _now_ms() + ttl * 1000})
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.execute_command(
-                "VADD", bucket.vset, "FP32", vector.astype("<f4").tobytes(), response_key,
-                "Q8", "SETATTR", attributes,
-            )  # fmt: skip
-            pipe.expire(bucket.vset, ttl, nx=True)
-            pipe.expire(bucket.vset, ttl, gt=True)
-            pipe.execute_command("VCARD", bucket.vset)
-            *_, size = await pipe.execute()
+        epochs, seen = (fence.keys, fence.args()) if fence is not None else ((), ["*", "*"])
+        size = await self._add(
+            keys=[bucket.vset, *epochs],
+            args=[*seen, vector.astype("<f4").tobytes(), response_key, attributes, ttl],
+        )
         excess = int(size) - self.max_entries
-        if excess <= 0:
-            return
+        if int(size) < 0 or excess <= 0:
+            return int(size) >= 0
         # Distinct random members, one more than needed so the new entry can be spared.
         sample = await self.redis.execute_command("VRANDMEMBER", bucket.vset, excess + 1)
         victims = [m for m in sample if m != response_key.encode()][:excess]
@@ -74,10 +82,16 @@ class VectorSetIndex:
             for victim in victims:
                 pipe.execute_command("VREM", bucket.vset, victim)
             await pipe.execute()
+        return True
 
-    async def prefetch(self, bucket: BucketKeys, also_get: str | None = None) -> bytes | None:
-        """The value of `also_get` (nothing to bring up to date: the search runs on the server)."""
-        return None if also_get is None else _as_bytes(await self.redis.get(also_get))
+    async def prefetch(
+        self, bucket: BucketKeys, also_get: Sequence[str] = ()
+    ) -> list[bytes | None]:
+        """The values of `also_get` (nothing to bring up to date: the search runs on the
+        server)."""
+        if not also_get:
+            return []
+        return [_as_bytes(value) for value in await self.redis.mget(list(also_get))]
 
     async def nearest(
         self, bucket: BucketKeys, query: F32, threshold: float, limit: int

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from loramux.cache.types import CacheHit, CachePolicy, CacheRequest
+from loramux.cache.types import CacheHit, CachePolicy, CacheRequest, Fence
 from loramux.engine.outputs import EngineRequest
 from loramux.gateway.auth.api_keys import Principal
 from loramux.gateway.catalog import ResolvedModel
@@ -64,6 +64,8 @@ class CacheLookup:
     key: CacheRequest
     policy: CachePolicy
     hit: CacheHit | None
+    fence: Fence | None = None
+    """What a store of the answer is checked against (`cache.types.Fence`)."""
 
     @property
     def outcome(self) -> str:

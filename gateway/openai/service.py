@@ -32,7 +32,7 @@ from functools import partial
 
 from loramux.adapters.store import AdapterStore
 from loramux.cache.response_cache import ResponseCache
-from loramux.cache.types import CacheHit, CachePolicy, CacheRequest
+from loramux.cache.types import CacheHit, CachePolicy, CacheRequest, Consulted
 from loramux.engine.errors import PromptTooLongError
 from loramux.engine.outputs import EngineRequest
 from loramux.engine.structured import StructuredOutputError
@@ -142,8 +142,8 @@ class CompletionService:
             cache = cache_plan(
                 self.limits.base_model, principal, req, tokenized.text_request, cache_control
             )
-            hit = await self._cache_hit(*cache, completion_route(meta.kind), request_id)
-            if hit is None:
+            consulted = await self._consult_cache(*cache, completion_route(meta.kind), request_id)
+            if consulted.hit is None:
                 await self._engage(model)
         except BaseException:
             await admission.settle(0)
@@ -158,7 +158,7 @@ class CompletionService:
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             admission=admission,
-            cache=CacheLookup(*cache, hit),
+            cache=CacheLookup(*cache, consulted.hit, consulted.fence),
             tools=tools,
             started=arrived,
         )
@@ -253,18 +253,20 @@ class CompletionService:
             self.metering.metrics.admission.quota_refusals.labels(reason).inc()
             raise
 
-    async def _cache_hit(
+    async def _consult_cache(
         self, key: CacheRequest, policy: CachePolicy, route: str, request_id: str
-    ) -> CacheHit | None:
+    ) -> Consulted:
+        """The cache's hit, if any, and the fence a store of this request's answer carries
+        (`ResponseCache.begin`: a purge after this point refuses that store)."""
         if not policy.lookup:
-            return None
+            return await self.cache.begin(key, policy)
         families = self.metering.metrics.admission
         families.cache_lookups.labels(route).inc()
         with tracing.step("response_cache.lookup"):
-            hit = await self.cache.lookup(key, policy, request_id)
-        if hit is not None:
-            families.cache_hits.labels(route, hit.kind).inc()
-        return hit
+            consulted = await self.cache.begin(key, policy, request_id)
+        if consulted.hit is not None:
+            families.cache_hits.labels(route, consulted.hit.kind).inc()
+        return consulted
 
     def _meta(self, req: Body, request_id: str, model: ResolvedModel) -> ResponseMeta:
         kind: Kind = "chat" if isinstance(req, ChatCompletionRequest) else "text"
@@ -382,7 +384,8 @@ class CompletionService:
             self.metering.meter_run(p, run)
             if run.status == 200 and run.finished and p.cache.policy.store:
                 entry = cached(p.answers[0], p.prompt_tokens, completion)
-                await self.cache.store(p.cache.key, p.cache.policy, entry, p.request.request_id)
+                request_id, fence = p.request.request_id, p.cache.fence
+                await self.cache.store(p.cache.key, p.cache.policy, entry, request_id, fence)
         finally:
             await self.metering.settle_run(p, run)
 

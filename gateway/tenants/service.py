@@ -1,8 +1,9 @@
 """Tenants: names are unique; deleting one removes its keys, quotas and private adapters.
 
 Keys and quotas go with the tenant's row (foreign keys cascade); its adapter versions are
-soft-deleted and their digests retired in the engine (requests in flight finish). Usage and
-audit rows stay: they are history. Disabling a tenant or deleting it drops its keys from this
+soft-deleted and their digests retired in the engine (requests in flight finish); its response-
+cache entries are purged, and a tombstone refuses any it would store later (a request in flight,
+or one another process admits before it notices). Usage and audit rows stay: they are history. Disabling a tenant or deleting it drops its keys from this
 process's key cache at once; other gateway processes notice within LORAMUX_KEY_CACHE_SECONDS.
 A tenant's `prefix_cache_scope` (gateway.prefix_cache) lives in `Tenant.settings` and takes
 effect the same way.
@@ -101,7 +102,9 @@ class TenantService:
             self.keys.forget(key_id)
         await self.adapters.retire_unused(digests)
         self.adapters.catalog.invalidate()
-        purged = await self.response_cache.purge(tenant_id)
+        # A tombstone: a request in flight, or one another process still admits for a moment
+        # (its key cache), can store nothing of this tenant after its purge.
+        purged = await self.response_cache.purge(tenant_id, tenant_deleted=True)
         return Deleted(
             tenant_id,
             detail={"keys": len(key_ids), "adapter_versions": versions, "cache_entries": purged},

@@ -119,3 +119,26 @@ async def test_vector_sets_can_be_turned_off_for_the_core_index(
     await cache.start()
     assert cache.vector_search == "vset" and isinstance(cache.index, CoreVectorIndex)
     await cache.redis.aclose()
+
+
+async def test_on_redis_8_a_purge_refuses_an_index_entry_looked_up_before_it(
+    redis8_server: RedisServer, embedder: Embedder
+) -> None:
+    """The vector set's add checks the request's fence in the same script (`scripts.VADD`)."""
+    prefix = f"test-{uuid.uuid4().hex[:8]}"
+    asker, purger = [await _started(redis8_server.url, embedder, prefix) for _ in range(2)]
+    req = chat("How do I cancel my subscription?")
+    consulted = await asker.begin(req, SEMANTIC)
+    assert consulted.fence is not None
+    await purger.purge("tenant-a")
+    bucket = asker.keys.bucket(req, embedder.model_id)
+    vector = _unit(np.random.default_rng(3).standard_normal((1, embedder.dim)))[0]
+    key = asker.keys.exact(req)
+    assert not await asker.index.add(bucket, vector, "q", key, 60, consulted.fence)
+    assert await asker.redis.exists(bucket.vset) == 0
+    fresh = await asker.begin(req, SEMANTIC)
+    assert fresh.fence is not None
+    assert await asker.index.add(bucket, vector, "q", key, 60, fresh.fence)
+    assert await asker.redis.exists(bucket.vset) == 1
+    for cache in (asker, purger):
+        await cache.redis.aclose()

@@ -1,0 +1,123 @@
+"""A purge is final: an answer a request made before it (its lookup came first) is never written
+after it, nor is anything of a deleted tenant, whichever process stores it.
+
+Each test interleaves the race by hand: a request's lookup (`begin`), then the purge (another
+process's, through its own client), then the request's store carrying the fence it read."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from loramux.cache.response_cache import ResponseCache
+from loramux.cache.types import MAX_TTL, CachePolicy, CacheRequest
+from tests.cache.conftest import EXACT, SEMANTIC, MakeCache, answer, chat
+
+QUESTION = "How do I reset my password?"
+ADAPTER = "a" * 64
+
+
+async def scope_keys(cache: ResponseCache, tenant_id: str) -> list[bytes]:
+    """Every key in the tenant's scope: entries, request records, semantic buckets."""
+    pattern = cache.keys.scope(tenant_id) + "*"
+    return [key async for key in cache.redis.scan_iter(match=pattern)]
+
+
+async def store_after_purge(
+    asker: ResponseCache, purger: ResponseCache, req: CacheRequest, policy: CachePolicy, **purge
+) -> None:
+    """`asker` looks `req` up (a miss), `purger` purges, then `asker` stores its answer."""
+    consulted = await asker.begin(req, policy, "req-1")
+    assert consulted.hit is None and consulted.fence is not None
+    await purger.purge(req.tenant_id, **purge)
+    await asker.store(req, policy, answer("Click reset."), "req-1", consulted.fence)
+
+
+@pytest.mark.parametrize("policy", [EXACT, SEMANTIC], ids=["exact", "semantic"])
+@pytest.mark.parametrize("scope", ["tenant", "adapter"])
+async def test_an_answer_looked_up_before_a_purge_is_not_stored_after_it(
+    make_cache: MakeCache, policy: CachePolicy, scope: str
+) -> None:
+    asker, purger = make_cache(), make_cache()
+    req = chat(QUESTION, adapter=ADAPTER)
+    purge = {"adapter": ADAPTER} if scope == "adapter" else {}
+    await store_after_purge(asker, purger, req, policy, **purge)
+    assert await scope_keys(asker, "tenant-a") == []
+    assert asker.stats.stores == 0 and asker.stats.fenced == 1
+    # The purge is behind the next request: its answer is kept.
+    consulted = await asker.begin(req, policy)
+    await asker.store(req, policy, answer("Click reset."), None, consulted.fence)
+    assert await asker.lookup(req, policy) is not None
+
+
+async def test_a_purge_of_another_adapter_or_tenant_leaves_the_store_alone(
+    make_cache: MakeCache,
+) -> None:
+    asker, purger = make_cache(), make_cache()
+    req = chat(QUESTION, adapter=ADAPTER)
+    consulted = await asker.begin(req, EXACT)
+    await purger.purge("tenant-a", "b" * 64)
+    await purger.purge("tenant-b")
+    await asker.store(req, EXACT, answer("Click reset."), None, consulted.fence)
+    assert await asker.lookup(req, EXACT) is not None
+
+
+async def test_the_semantic_index_refuses_an_entry_looked_up_before_a_purge(
+    make_cache: MakeCache,
+) -> None:
+    """The core index's add checks the fence in its own script (`scripts.ADD`), as the entry's
+    store does: the embedder runs between the two, and a purge may come in that gap."""
+    asker, purger = make_cache(), make_cache()
+    req = chat(QUESTION)
+    consulted = await asker.begin(req, SEMANTIC)
+    assert consulted.fence is not None
+    await purger.purge("tenant-a", "base")
+    bucket = asker.keys.bucket(req, asker.embedder.model_id)
+    vector = await asker.embedder.embed_whole(QUESTION)
+    assert vector is not None
+    entry = asker.keys.exact(req)
+    assert not await asker.index.add(bucket, vector, QUESTION, entry, 60, consulted.fence)
+    assert await scope_keys(asker, "tenant-a") == []
+
+
+async def test_a_hit_read_before_a_purge_records_no_request_after_it(
+    make_cache: MakeCache,
+) -> None:
+    """The record a hit leaves (for wrong-hit reports) is fenced like the entry."""
+    asker, purger = make_cache(), make_cache()
+    req = chat(QUESTION)
+    await asker.store(req, EXACT, answer("Click reset."))
+    consulted = await asker.begin(req, dataclasses.replace(EXACT, store=False))
+    assert consulted.hit is not None and consulted.fence is not None
+    entry = asker.keys.exact(req)
+    await purger.purge("tenant-a")
+    await asker._remember_request("tenant-a", "req-2", entry, 60, consulted.fence)
+    assert await scope_keys(asker, "tenant-a") == []
+
+
+@pytest.mark.parametrize("policy", [EXACT, SEMANTIC], ids=["exact", "semantic"])
+async def test_a_deleted_tenant_has_nothing_stored_ever_after(
+    make_cache: MakeCache, policy: CachePolicy
+) -> None:
+    """Requests another process still admits after the delete (its key cache) look up after
+    the purge, and are refused all the same; so is a store that carries no fence."""
+    asker, purger = make_cache(), make_cache()
+    req = chat(QUESTION)
+    await asker.store(req, policy, answer("Click reset."), "req-0")
+    assert await purger.purge("tenant-a", tenant_deleted=True) == 1
+    consulted = await asker.begin(req, policy, "req-1")
+    assert consulted.hit is None
+    await asker.store(req, policy, answer("Click reset."), "req-1", consulted.fence)
+    await asker.store(req, policy, answer("Click reset."), "req-2")
+    assert await scope_keys(asker, "tenant-a") == []
+    # A later purge of its scopes keeps the tombstone; it lasts the longest entry lifetime.
+    await purger.purge("tenant-a")
+    await asker.store(req, policy, answer("Click reset."))
+    assert await scope_keys(asker, "tenant-a") == []
+    tombstone = asker.keys.epoch("tenant-a")
+    assert MAX_TTL - 60 < await asker.redis.ttl(tombstone) <= MAX_TTL
+    # Other tenants store as before.
+    other = chat(QUESTION, tenant="tenant-b")
+    await asker.store(other, policy, answer("Click reset."))
+    assert await asker.lookup(other, policy) is not None
