@@ -81,7 +81,7 @@ def _services(gw: GatewayState, audit_log: AuditLog) -> dict[str, Provide]:
         return KeyService(db_session, gw.keys)
 
     def quotas(db_session: NamedDependency[AsyncSession]) -> QuotaLimits:
-        return QuotaLimits(db_session)
+        return QuotaLimits(db_session, gw.redis)
 
     def cache_admin(db_session: NamedDependency[AsyncSession]) -> CacheAdmin:
         return CacheAdmin(db_session, gw.keys, gw.cache)

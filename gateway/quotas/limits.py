@@ -4,18 +4,30 @@ An update changes only the limits it names: an absent field leaves its limit as 
 removes it. A token budget needs a period (`day` or `month`) to be counted over; an update that
 would leave a budget without one is refused and changes nothing. Concurrent updates of one
 scope all apply, one after the other, to its single row.
+
+A budget set where there was none, or counted over another period, starts from what the scope
+spent this period: its ledgers in Redis (`<scope>:budget:*`) are deleted, so the next admission
+seeds them again from the usage events in SQL (gateway.quotas.ledger). A ledger left from an
+earlier budget never saw what was spent while there was none. They are deleted just before the
+commit: no admission uses them until the change is read (no budget, or the other period's
+ledger), and when Redis cannot be reached the update is refused whole (503) and can be retried.
+A request still running was reserved in the deleted ledger: its settlement finds nothing there
+to charge (SETTLE), and its usage counts once it is in SQL before the next ledger is seeded.
 """
 
 from __future__ import annotations
 
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loramux.gateway.admin.wire import given
 from loramux.gateway.db import Quota
-from loramux.gateway.errors import BadRequest, Conflict
+from loramux.gateway.errors import BadRequest, Conflict, ServiceUnavailable
 from loramux.gateway.keys.service import get_key
+from loramux.gateway.quotas.buckets import scope_prefix
 from loramux.gateway.quotas.schemas import QuotaOut, QuotaUpdate
 from loramux.gateway.tenants.lookup import get_tenant
 
@@ -29,10 +41,12 @@ def quota_out(tenant_id: str, key_id: str | None, quota: Quota | None) -> QuotaO
 
 
 class QuotaLimits:
-    """The quota rows of tenants and keys, over one database session (one request's)."""
+    """The quota rows of tenants and keys, over one database session (one request's), and the
+    quota Redis whose budget ledgers a restarted budget drops."""
 
-    def __init__(self, session: AsyncSession) -> None:
+    def __init__(self, session: AsyncSession, redis: Redis) -> None:
         self.session = session
+        self.redis = redis
 
     async def get_for_tenant(self, ref: str) -> QuotaOut:
         """`ref`: the tenant's id or name."""
@@ -70,6 +84,7 @@ class QuotaLimits:
             if quota is None:
                 quota = Quota(tenant_id=tenant_id, key_id=key_id)
                 session.add(quota)
+            before = (quota.token_budget, quota.budget_period)
             for name, value in given(body).items():
                 setattr(quota, name, value)
             if quota.token_budget is not None and quota.budget_period is None:
@@ -78,6 +93,8 @@ class QuotaLimits:
                     param="budget_period",
                     code="invalid_request",
                 )
+            if _budget_restarts(before, quota):
+                await self._drop_ledgers(tenant_id, key_id)
             try:
                 await session.commit()
             except IntegrityError:
@@ -85,6 +102,29 @@ class QuotaLimits:
                 continue
             return quota_out(tenant_id, key_id, quota)
         raise Conflict("the quotas changed concurrently; retry", code="quota_conflict")
+
+    async def _drop_ledgers(self, tenant_id: str, key_id: str | None) -> None:
+        """Delete the scope's budget ledgers of every period (see the module's docstring)."""
+        pattern = _glob_escape(f"{scope_prefix(tenant_id, key_id)}:budget:") + "*"
+        try:
+            ledgers = [key async for key in self.redis.scan_iter(match=pattern, count=1000)]
+            if ledgers:
+                await self.redis.delete(*ledgers)
+        except (OSError, RedisError) as exc:
+            raise ServiceUnavailable(
+                f"the quota Redis is unavailable, so the budget cannot start over: {exc}",
+                code="quota_unavailable",
+            ) from exc
+
+
+def _budget_restarts(before: tuple[int | None, str | None], quota: Quota) -> bool:
+    """Whether the update set a budget where there was none, or moved it to another period."""
+    budget, period = before
+    return quota.token_budget is not None and (budget is None or period != quota.budget_period)
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 async def _find(session: AsyncSession, tenant_id: str, key_id: str | None) -> Quota | None:

@@ -8,12 +8,15 @@ import math
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from sqlalchemy import insert
 
 from loramux.gateway.auth.api_keys import Principal
 from loramux.gateway.errors import InsufficientQuota
 from loramux.gateway.quotas import QuotaService
 from loramux.gateway.quotas.buckets import budget_period, scope_prefix
+from loramux.gateway.quotas.limits import QuotaLimits
+from loramux.gateway.quotas.schemas import QuotaUpdate
 from loramux.gateway.usage import UsageRecord, UsageRecorder
 from loramux.gateway.usage.recorder import event_row, usage_events
 from tests.gateway.quotas.rig import QuotaRig, refusal
@@ -130,6 +133,57 @@ async def test_a_request_spanning_a_period_boundary_is_charged_in_its_admission_
     assert await svc.redis.hget(f"{prefix}:budget:{today.name}", "spent") == b"250"
     await svc.redis.delete(f"{prefix}:budget:{tomorrow.name}")  # as after a Redis restart
     await assert_budget_left(svc, p, 1000)  # rebuilt from SQL: still nothing charged
+
+
+@pytest.mark.parametrize("scope", ["tenant", "key"])
+@pytest.mark.parametrize("meanwhile", ["no budget", "a daily budget"])
+async def test_a_budget_set_again_counts_what_was_spent_while_it_was_not(
+    rig: QuotaRig, scope: str, meanwhile: str
+) -> None:
+    """A monthly budget, then none (or a daily one), then the monthly budget again: the month's
+    ledger left from the first must not be trusted, since the spending in between never reached
+    it; the budget starts from the month's usage in SQL, as one set for the first time would."""
+    svc = rig.service()
+    monthly = {"token_budget": 1000, "budget_period": "month"}
+    p = await rig.principal(**{scope: monthly})
+    key_id = p.key_id if scope == "key" else None
+    now = datetime.fromtimestamp(rig.clock(), UTC)
+    await (await svc.admit(p, 0, 100)).settle(100)  # the month's ledger: 100 spent
+    await rig.add_usage(p, p.key_id, 100, now)
+    between = QuotaUpdate(token_budget=None)
+    if meanwhile == "a daily budget":
+        between = QuotaUpdate(token_budget=100_000, budget_period="day")
+    await set_quota(rig, svc, p, key_id, between)
+    running = await svc.admit(p, 0, 50)  # reserved in the daily ledger, if any
+    for _ in range(9):
+        await (await svc.admit(p, 0, 100)).settle(100)
+        await rig.add_usage(p, p.key_id, 100, now)
+    await set_quota(rig, svc, p, key_id, QuotaUpdate(**monthly))
+    assert isinstance(await refusal(svc.admit(p, 0, 1)), InsufficientQuota)  # 1000 spent
+    await running.settle(50)  # its ledger is gone or another: nothing changes here
+    assert isinstance(await refusal(svc.admit(p, 0, 1)), InsufficientQuota)
+
+
+async def test_a_budget_changed_within_its_period_keeps_its_ledger(rig: QuotaRig) -> None:
+    """A new amount over the same period is no fresh start: the ledger's count (including
+    reservations of requests still running) stays."""
+    svc = rig.service()
+    p = await rig.principal(tenant={"token_budget": 1000, "budget_period": "day"})
+    await svc.admit(p, 0, 300)  # still running: not in SQL yet
+    await set_quota(rig, svc, p, None, QuotaUpdate(token_budget=500))
+    await assert_budget_left(svc, p, 200)
+
+
+async def set_quota(
+    rig: QuotaRig, svc: QuotaService, p: Principal, key_id: str | None, body: QuotaUpdate
+) -> None:
+    """What `PUT /admin/tenants/{id}/quotas` (or `/admin/keys/{id}/quotas`) does."""
+    async with rig.sessions() as session:
+        limits = QuotaLimits(session, svc.redis)
+        if key_id is None:
+            await limits.set_for_tenant(p.tenant_id, body)
+        else:
+            await limits.set_for_key(key_id, body)
 
 
 def usage(
