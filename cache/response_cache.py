@@ -32,13 +32,11 @@ resumes when Redis is back.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import redis.asyncio
 from redis.exceptions import ResponseError
@@ -47,7 +45,7 @@ from loramux.cache import scripts
 from loramux.cache.embedder import Embedder
 from loramux.cache.keys import BucketKeys, Keyspace, semantic_question
 from loramux.cache.semantic_index import Candidate, CoreVectorIndex
-from loramux.cache.tenant_stats import NEAR_MISS_MARGIN, TenantCacheStats
+from loramux.cache.tenant_stats import NEAR_MISS_MARGIN, CacheStats, TenantCacheStats
 from loramux.cache.types import (
     MAX_TTL,
     CachedResponse,
@@ -56,53 +54,13 @@ from loramux.cache.types import (
     CacheRequest,
     Consulted,
     Fence,
+    decode_response,
+    encode_response,
 )
 from loramux.cache.verifier import Verdict, parse, verify
 from loramux.cache.vset_index import VectorSetIndex
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class CacheStats:
-    """Counters since the process started."""
-
-    exact_hits: int = 0
-    semantic_hits: int = 0
-    misses: int = 0
-    verifier_rejections: int = 0
-    """Candidates above the similarity threshold that the verifier refused."""
-    stores: int = 0
-    fenced: int = 0
-    """Writes refused because a purge (or the tenant's deletion) came after their lookup."""
-    errors: int = 0
-    """Lookups and stores that failed (Redis or embedder) and were served as misses / dropped."""
-
-
-def encode_response(response: CachedResponse) -> bytes:
-    return json.dumps(
-        {
-            "text": response.text,
-            "finish_reason": response.finish_reason,
-            "prompt_tokens": response.prompt_tokens,
-            "completion_tokens": response.completion_tokens,
-            "logprobs": response.logprobs,
-            "tool_calls": response.tool_calls,
-        },
-        ensure_ascii=False,
-    ).encode()
-
-
-def decode_response(raw: bytes | str) -> CachedResponse:
-    data = json.loads(raw)
-    return CachedResponse(
-        data["text"],
-        data["finish_reason"],
-        data["prompt_tokens"],
-        data["completion_tokens"],
-        data.get("logprobs"),
-        data.get("tool_calls"),
-    )
 
 
 class ResponseCache:

@@ -49,3 +49,19 @@ class TenantCacheStats:
             "refusals": dict(sorted(self.refusals.items())),
             "wrong_hits": self.wrong_hits,
         }
+
+
+@dataclass
+class CacheStats:
+    """Counters since the process started."""
+
+    exact_hits: int = 0
+    semantic_hits: int = 0
+    misses: int = 0
+    verifier_rejections: int = 0
+    """Candidates above the similarity threshold that the verifier refused."""
+    stores: int = 0
+    fenced: int = 0
+    """Writes refused because a purge (or the tenant's deletion) came after their lookup."""
+    errors: int = 0
+    """Lookups and stores that failed (Redis or embedder) and were served as misses / dropped."""

@@ -8,6 +8,7 @@ re-uploaded adapter has a new digest and never meets the old version's entries.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -110,3 +111,29 @@ class Consulted:
 
     hit: CacheHit | None
     fence: Fence | None
+
+
+def encode_response(response: CachedResponse) -> bytes:
+    return json.dumps(
+        {
+            "text": response.text,
+            "finish_reason": response.finish_reason,
+            "prompt_tokens": response.prompt_tokens,
+            "completion_tokens": response.completion_tokens,
+            "logprobs": response.logprobs,
+            "tool_calls": response.tool_calls,
+        },
+        ensure_ascii=False,
+    ).encode()
+
+
+def decode_response(raw: bytes | str) -> CachedResponse:
+    data = json.loads(raw)
+    return CachedResponse(
+        data["text"],
+        data["finish_reason"],
+        data["prompt_tokens"],
+        data["completion_tokens"],
+        data.get("logprobs"),
+        data.get("tool_calls"),
+    )
