@@ -208,16 +208,20 @@ class AdapterService:
         upload of the same bytes that took the owner's lock first (a client retrying a timed-out
         upload). Both used to publish, as versions n and n + 1 of one digest."""
         await lock_owner(self.session, owner)
-        previous = await latest_version(self.session, owner, name)
-        if previous is not None and previous.digest == stored.digest:
-            same = adapter_out(previous)
-            await self.session.rollback()
-            return same, None
+        # The top version before the current one: `shared` has no row to lock, and a publish
+        # of the same bytes that commits after the first read commits the version this one
+        # would (a conflict, below) or is seen by the second (PostgreSQL reads what each
+        # statement finds committed).
         top = await self.session.scalar(
             select(func.max(AdapterVersion.version)).where(
                 AdapterVersion.owner == owner, AdapterVersion.name == name
             )
         )
+        previous = await latest_version(self.session, owner, name)
+        if previous is not None and previous.digest == stored.digest:
+            same = adapter_out(previous)
+            await self.session.rollback()
+            return same, None
         row = AdapterVersion(
             owner=owner,
             name=name,
