@@ -16,6 +16,11 @@ class Reservation:
     member: str
     tokens: int
     buckets: tuple[Bucket, ...]
+    mark: str
+    """The key that marks `member` released (gateway.quotas.buckets.release_mark)."""
+    lost: bool = False
+    """An admission whose reply never came: its script may still reach Redis after the
+    settlement, so the settlement marks the member released (it then reserves nothing)."""
 
 
 Release = Callable[[Reservation, int], Awaitable[None]]

@@ -11,6 +11,9 @@ them together:
     <scope>:budget:<P>    hash: `spent` tokens of budget period P (`2026-11` for a month,
                           `2026-11-22` for a day, UTC), and request → its reservation for
                           each request admitted but not yet settled
+    lmx:q:{T}:released:<request>
+                          set (with a TTL) when an admission whose reply never came is
+                          released: its script, should it reach Redis later, reserves nothing
 
 A bucket exists only for limits that are set; a principal with no limits has no buckets and
 admission does not touch Redis at all.
@@ -83,6 +86,11 @@ class Bucket:
 def scope_prefix(tenant_id: str, key_id: str | None) -> str:
     tenant = f"lmx:q:{{{tenant_id}}}"
     return f"{tenant}:t" if key_id is None else f"{tenant}:k:{key_id}"
+
+
+def release_mark(tenant_id: str, member: str) -> str:
+    """The key marking request `member` of the tenant released (see gateway.quotas.scripts)."""
+    return f"lmx:q:{{{tenant_id}}}:released:{member}"
 
 
 def plan(tenant_id: str, key_id: str, limits: PrincipalLimits, now: datetime) -> list[Bucket]:

@@ -12,9 +12,10 @@ from loramux.gateway.quotas.buckets import NO_LIMIT, WINDOW_MS, Bucket, Scope
 FITS, NEVER, UNKNOWN = -1, -2, -3
 """Values of `wait_ms` besides a count of milliseconds (see gateway.quotas.scripts.ADMIT)."""
 
-ADMITTED, REFUSED, NEEDS_SEED, ADMITTED_BEFORE = 0, 1, 2, 3
+ADMITTED, REFUSED, NEEDS_SEED, ADMITTED_BEFORE, RELEASED = 0, 1, 2, 3, 4
 """The admission script's status (the first value of its reply); ADMITTED_BEFORE: a retry
-found the reservation its lost first reply had made."""
+found the reservation its lost first reply had made; RELEASED: the request was released before
+its script ran (it reserved nothing; no caller waits for that reply)."""
 
 LimitKind = Literal["requests", "tokens", "concurrency", "budget"]
 
@@ -55,6 +56,8 @@ def parse_reply(raw: Sequence[int | bytes], buckets: Sequence[Bucket], tokens: i
     status = int(raw[0])
     if status == NEEDS_SEED:
         return ScriptReply(status, [], [int(i) for i in raw[1:]])
+    if status == RELEASED:
+        return ScriptReply(status, [], [])
     admitted = status in (ADMITTED, ADMITTED_BEFORE)
     # what this admission takes from each limit, unless the counts include it already
     requests, tokens = (1, tokens) if status == ADMITTED else (0, 0)

@@ -4,8 +4,11 @@ every bucket of a request happen as one step that no other gateway can interleav
 Clock: `now` is given in milliseconds since the epoch; a negative `now` means Redis's own clock
 (`TIME`), the default, so every gateway process agrees on one clock. Tests pass their own.
 
-Layout shared by the scripts: KEYS are the buckets' keys in order (`W`: win, wtok, wsum; `C`:
-conc; `B`: ledger — see gateway.quotas.buckets).
+Layout shared by ADMIT and SETTLE: KEYS are the buckets' keys in order (`W`: win, wtok, wsum;
+`C`: conc; `B`: ledger — see gateway.quotas.buckets), then the request's release mark
+(`<tenant>:released:<member>`): set by the settlement of an admission whose reply was lost, it
+stops that admission's script from reserving anything should it reach Redis only after its
+release did (a delayed packet, a reply the caller stopped waiting for).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ ADMIT = (
 --       then per bucket: kind, a, b, seed (spent tokens read from SQL for a missing ledger, or -1)
 -- Returns {status, six values per bucket}, status 0 admitted, 1 refused, 3 admitted by an
 -- earlier call with this member (a retry whose first reply was lost: nothing is reserved
--- twice); or {2, indexes of missing ledgers}.
+-- twice); or {2, indexes of missing ledgers}; or {4}: this member was released already (its
+-- caller gave up on this reply), so nothing is checked or reserved.
 -- Per bucket, `wait` is FITS (-1), NEVER (-2: the request alone exceeds the limit), UNKNOWN (-3:
 -- a running request must finish) or the milliseconds until the request would fit:
 --   W: requests remaining, reset ms, requests wait, tokens remaining, reset ms, tokens wait
@@ -40,6 +44,7 @@ local HEAD, FITS, NEVER, UNKNOWN = 5, -1, -2, -3
 local LEDGER_GRACE_MS = 86400000 -- a ledger outlives its period by a day, for late settlements
 local n = (#ARGV - HEAD) / 4
 local function arg(i, j) return ARGV[HEAD + 4 * i + j] end
+if redis.call('EXISTS', KEYS[#KEYS]) == 1 then return {4} end
 
 local first, k = {}, 1
 for i = 0, n - 1 do
@@ -179,14 +184,17 @@ return out
 )
 
 SETTLE = """
--- ARGV: member, used tokens; then the kind of each bucket.
+-- ARGV: member, used tokens, mark_ms; then the kind of each bucket.
 -- A window entry still in its window is set to the real usage; a slot is released; a ledger
 -- holding this member's reservation is charged the real usage instead. A ledger rebuilt after
 -- Redis lost its data never saw the reservation and is left alone. Running it twice changes
--- nothing more.
-local member, used = ARGV[1], tonumber(ARGV[2])
+-- nothing more. With mark_ms > 0 (the release of an admission whose reply was lost) the
+-- member is also marked released for mark_ms, so its admission, should it come later,
+-- reserves nothing.
+local member, used, mark = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+if mark > 0 then redis.call('SET', KEYS[#KEYS], '1', 'PX', mark) end
 local k = 1
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   local kind = ARGV[i]
   if kind == 'W' then
     local old = redis.call('HGET', KEYS[k + 1], member)

@@ -29,6 +29,7 @@ ledgers are rebuilt from SQL.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -46,13 +47,19 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from loramux.gateway.auth.api_keys import Principal
 from loramux.gateway.errors import ServiceUnavailable
 from loramux.gateway.quotas.admission import Admission, Reservation
-from loramux.gateway.quotas.buckets import WINDOW_MS, Bucket, plan
+from loramux.gateway.quotas.buckets import WINDOW_MS, Bucket, plan, release_mark
 from loramux.gateway.quotas.config import QuotaConfig
 from loramux.gateway.quotas.early import KnownRefusals
 from loramux.gateway.quotas.headers import rate_limit_headers, refusal
 from loramux.gateway.quotas.leases import LeaseKeeper
 from loramux.gateway.quotas.ledger import spent_in_period
-from loramux.gateway.quotas.readings import NEEDS_SEED, REFUSED, ScriptReply, parse_reply
+from loramux.gateway.quotas.readings import (
+    NEEDS_SEED,
+    REFUSED,
+    RELEASED,
+    ScriptReply,
+    parse_reply,
+)
 from loramux.gateway.quotas.scripts import ADMIT, SETTLE
 from loramux.gateway.quotas.single_flight import SingleFlight
 from loramux.gateway.quotas.unsettled import Unsettled
@@ -65,6 +72,12 @@ REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError)
 """Errors that mean Redis cannot be reached (as opposed to a refused command)."""
 
 DOWN_LOG_INTERVAL = 10.0
+
+RELEASE_MARK_MIN_MS = 300_000
+"""How long, at least, the release of an admission whose reply never came keeps the request
+marked released (and at least a slot lease and a Redis timeout): its script, delayed on the
+network past its release, reserves nothing while the mark lasts. A script delayed longer than
+this (TCP gives up on a connection within about 15 minutes) would still reserve."""
 
 
 class QuotaService:
@@ -91,6 +104,7 @@ class QuotaService:
         self.config = QuotaConfig(sessions, settings.config_cache_seconds)
         self.timeout = settings.redis_timeout_ms / 1000
         self.leases = LeaseKeeper(redis, int(settings.slot_lease_seconds * 1000), self._now_ms)
+        self.mark_ms = max(RELEASE_MARK_MIN_MS, self.leases.lease_ms, settings.redis_timeout_ms)
         self.redis_down: Counter[str] = Counter()
         """What Redis being unavailable did: `refused` (503), `unchecked` (admitted without a
         check, `allow`), `unsettled` (settlements Redis did not take at once, then retried),
@@ -135,14 +149,16 @@ class QuotaService:
             return Admission.unlimited(now)
         tokens = prompt_tokens + max_tokens
         member = secrets.token_hex(8)
+        reservation = Reservation(
+            member, tokens, tuple(buckets), release_mark(principal.tenant_id, member)
+        )
         asked = self.known.now()
-        reply = await self._check(principal, buckets, member, tokens)
+        reply = await self._check(principal, reservation)
         if reply is None:
             return Admission.unlimited(now)
         if reply.status == REFUSED:
             self.known.learn(principal.tenant_id, principal.key_id, limits, reply.readings, asked)
             raise refusal(reply.readings, tokens, principal.key_id)
-        reservation = Reservation(member, tokens, tuple(buckets))
         slots = tuple(b.keys[0] for b in buckets if b.kind == "C")
         if slots:
             self.leases.hold(member, slots)
@@ -157,23 +173,21 @@ class QuotaService:
         await self.unsettled.close()
 
     # -- Redis -------------------------------------------------------------------------------
-    async def _check(
-        self, principal: Principal, buckets: list[Bucket], member: str, tokens: int
-    ) -> ScriptReply | None:
+    async def _check(self, principal: Principal, r: Reservation) -> ScriptReply | None:
         """The admission script's reply; None when Redis is down and `allow` is configured."""
         seeds: dict[int, int] = {}
         try:
-            reply = await self._run_admit(buckets, member, tokens, seeds)
+            reply = await self._run_admit(r, seeds)
             if reply.status == NEEDS_SEED:
-                seeds = await self._read_seeds(principal.tenant_id, buckets, reply.missing)
-                reply = await self._run_admit(buckets, member, tokens, seeds)
+                seeds = await self._read_seeds(principal.tenant_id, r.buckets, reply.missing)
+                reply = await self._run_admit(r, seeds)
         except asyncio.CancelledError:
             # The caller left (a client disconnect) with a script sent: Redis still runs it.
-            self._release_lost(member, tokens, buckets)
+            self._release_lost(r)
             raise
         except REDIS_DOWN as exc:
             self.known.clear()  # Redis may come back without its windows
-            self._release_lost(member, tokens, buckets)
+            self._release_lost(r)
             self._redis_down(exc)
             return None
         except RedisError:
@@ -182,29 +196,28 @@ class QuotaService:
                 "quota service error; try again shortly", code="quota_unavailable"
             ) from None
         assert reply.status != NEEDS_SEED, "every missing ledger was seeded"
+        assert reply.status != RELEASED, "only an admission given up on is released"
         return reply
 
-    async def _run_admit(
-        self, buckets: list[Bucket], member: str, tokens: int, seeds: dict[int, int]
-    ) -> ScriptReply:
-        keys = [k for b in buckets for k in b.keys]
+    async def _run_admit(self, r: Reservation, seeds: dict[int, int]) -> ScriptReply:
+        keys = [k for b in r.buckets for k in b.keys] + [r.mark]
         args: list[int | str] = [
             self._now_ms(),
-            member,
-            tokens,
+            r.member,
+            r.tokens,
             WINDOW_MS,
             self.leases.lease_ms,
         ]
-        for index, b in enumerate(buckets):
+        for index, b in enumerate(r.buckets):
             args += [b.kind, b.a, b.b, seeds.get(index, -1)]
         async with asyncio.timeout(self.timeout):
             raw = await _once_more_on_reconnect(
                 lambda: self._admit(keys=keys, args=args), self.known.clear
             )
-        return parse_reply(raw, buckets, tokens)
+        return parse_reply(raw, r.buckets, r.tokens)
 
     async def _read_seeds(
-        self, tenant_id: str, buckets: list[Bucket], missing: list[int]
+        self, tenant_id: str, buckets: tuple[Bucket, ...], missing: list[int]
     ) -> dict[int, int]:
         """Spent tokens of each missing ledger's scope and period, from SQL and this process's
         unwritten usage events (shared by concurrent admissions that miss the same ledger)."""
@@ -228,12 +241,13 @@ class QuotaService:
                 ) from None
         return seeds
 
-    def _release_lost(self, member: str, tokens: int, buckets: list[Bucket]) -> None:
+    def _release_lost(self, r: Reservation) -> None:
         """An admission whose reply never came (lost with Redis, or its caller cancelled): had
         the script run, settling with 0 releases what it reserved, in a task of its own. The
-        scripts are idempotent, so a script that never ran leaves nothing to release."""
-        lost = Reservation(member, tokens, tuple(buckets))
-        self._spawn(self._settle_now(lost, 0, quiet=True))
+        settlement also marks the request released, for RELEASE_MARK_MIN_MS at least: its
+        script may still be on its way (a connection that stalled, then timed out or was
+        cancelled; the settlement goes on another), and reserves nothing if it comes after."""
+        self._spawn(self._settle_now(dataclasses.replace(r, lost=True), 0, quiet=True))
 
     def _redis_down(self, exc: BaseException) -> None:
         """Refuse (raise), or admit unchecked, as configured; counted and logged either way."""
@@ -282,8 +296,9 @@ class QuotaService:
 
     async def _settle_once(self, r: Reservation, used_tokens: int) -> None:
         """One settlement round trip (raises when Redis does not take it)."""
-        keys = [k for b in r.buckets for k in b.keys]
-        args: list[int | str] = [r.member, used_tokens, *(b.kind for b in r.buckets)]
+        keys = [k for b in r.buckets for k in b.keys] + [r.mark]
+        mark_ms = self.mark_ms if r.lost else 0
+        args: list[int | str] = [r.member, used_tokens, mark_ms, *(b.kind for b in r.buckets)]
         async with asyncio.timeout(self.timeout):
             await _once_more_on_reconnect(
                 lambda: self._settle(keys=keys, args=args), self.known.clear
