@@ -8,11 +8,17 @@ again: every waiting one, oldest first, after a backoff doubling from RETRY_FIRS
 RETRY_MAX_SECONDS for as long as Redis does not answer. Admissions whose reply was lost are
 released the same way (settled with 0).
 
+Redis refusing a settlement is mostly passing too: READONLY while a replica is promoted in a
+failover, OOM, MISCONF, BUSY, LOADING, NOSCRIPT, TRYAGAIN, and any refusal not known here; such
+a settlement waits like one Redis did not answer. Only a refusal that no retry can change (a bug
+in the script or its arguments: ERR, WRONGTYPE, CROSSSLOT; `refused_for_good`) drops it.
+
 The queue is per process and bounded (LORAMUX_QUOTA_MAX_UNSETTLED): past the bound the oldest
-settlement is dropped, and so is one Redis refuses as a command (retrying cannot change that);
-each drop is counted (`dropped` in `QuotaService.redis_down`) and logged, as a reservation that
-stays charged. `close` tries every waiting settlement once more; those Redis still does not take
-are dropped likewise. A gateway that dies loses its queue: what it held stays charged.
+settlement is dropped. Each drop is counted (`dropped` in `QuotaService.redis_down`) and logged,
+as a reservation that stays charged: at most every DROP_LOG_INTERVAL, each line with the drops
+since the last, so a burst of them is one line. `close` tries every waiting settlement once
+more; those Redis still does not take are dropped likewise (logged at once). A gateway that dies
+loses its queue: what it held stays charged.
 """
 
 from __future__ import annotations
@@ -30,12 +36,31 @@ from loramux.gateway.quotas.admission import Reservation
 
 log = logging.getLogger(__name__)
 
+PERMANENT_CODES = frozenset({"ERR", "WRONGTYPE", "CROSSSLOT"})
+"""Error codes of a refusal caused by the command itself: the script failed, or its keys or
+arguments are wrong. The same command would be refused again."""
+
+PASSING_CODES = ("READONLY", "OOM", "MISCONF", "BUSY", "LOADING", "NOSCRIPT", "TRYAGAIN")
+"""Codes of refusals Redis stops making on its own, looked for inside an ERR too: Redis 6
+reports the error of a command a script called as `ERR Error running script … -OOM …`."""
+
 RETRY_FIRST_SECONDS = 0.1
 RETRY_MAX_SECONDS = 5.0
 DROP_LOG_INTERVAL = 10.0
 
 Settle = Callable[[Reservation, int], Awaitable[None]]
 """One try at a settlement; raises when Redis does not take it."""
+
+
+def refused_for_good(exc: BaseException) -> bool:
+    """Whether Redis refused a settlement for what it is (PERMANENT_CODES), so that trying it
+    again cannot succeed. Anything else (no answer, or a refusal of a state that passes or of a
+    code not known here) is worth trying again: a settlement is dropped only on certainty."""
+    if not isinstance(exc, ResponseError):
+        return False
+    text = str(exc)
+    code = getattr(exc, "status_code", None) or text.split(" ", 1)[0]
+    return code in PERMANENT_CODES and not any(f"-{c} " in text for c in PASSING_CODES)
 
 
 class Unsettled:
@@ -51,6 +76,7 @@ class Unsettled:
         self._none_left.set()
         self._task: asyncio.Task[None] | None = None
         self._drop_logged = -DROP_LOG_INTERVAL
+        self._unlogged = 0
 
     def __len__(self) -> int:
         """Settlements waiting for Redis."""
@@ -73,16 +99,22 @@ class Unsettled:
 
     async def try_all(self) -> bool:
         """Try every waiting settlement once, oldest first, stopping at the first one Redis does
-        not answer; True once none waits."""
-        for member, waiting in list(self._waiting.items()):
-            try:
-                await self._settle(*waiting)
-            except ResponseError as exc:  # a refused command: the same again would be refused
-                self._drop(1, f"Redis refused the settlement: {exc}", loud=True)
-            except Exception:
-                return False
-            if self._waiting.get(member) is waiting:
-                del self._waiting[member]
+        not take (unless `refused_for_good`: that one is dropped); True once none waits."""
+        refused: list[BaseException] = []
+        try:
+            for member, waiting in list(self._waiting.items()):
+                try:
+                    await self._settle(*waiting)
+                except Exception as exc:
+                    if not refused_for_good(exc):
+                        return False
+                    refused.append(exc)
+                if self._waiting.get(member) is waiting:
+                    del self._waiting[member]
+        finally:
+            if refused:
+                why = f"Redis refused them as commands, the last: {refused[-1]}"
+                self._drop(len(refused), why, loud=False)
         if not self._waiting:
             self._none_left.set()
         return not self._waiting
@@ -109,15 +141,18 @@ class Unsettled:
             delay = RETRY_FIRST_SECONDS if settled else min(2 * delay, RETRY_MAX_SECONDS)
 
     def _drop(self, count: int, why: str, loud: bool) -> None:
-        """Count dropped settlements; log them (at most every DROP_LOG_INTERVAL unless `loud`)."""
+        """Count dropped settlements; log them, with the drops not logged yet (at most every
+        DROP_LOG_INTERVAL unless `loud`), so a burst of drops is one line."""
         self._counts["dropped"] += count
+        self._unlogged += count
         now = time.monotonic()
         if loud or now - self._drop_logged >= DROP_LOG_INTERVAL:
             self._drop_logged = now
             log.error(
                 "%d quota settlement(s) dropped (%s): their reservations stay charged; "
                 "%d dropped since start",
-                count,
+                self._unlogged,
                 why,
                 self._counts["dropped"],
             )
+            self._unlogged = 0

@@ -4,14 +4,19 @@ once Redis is back, limits apply again, and the settlements it could not take ar
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import socket
 from datetime import UTC, datetime
 
+import pytest
+from redis._parsers.base import BaseParser
 from redis.asyncio import Redis
 
 from loramux.gateway.auth.api_keys import Principal
 from loramux.gateway.errors import InsufficientQuota, ServiceUnavailable
 from loramux.gateway.quotas.buckets import budget_period, scope_prefix
+from loramux.gateway.quotas.unsettled import refused_for_good
 from tests.gateway.quotas.rig import QuotaRig, refusal
 from tests.gateway.servers import TcpRelay
 from tests.redis import RedisServer
@@ -155,3 +160,105 @@ async def test_past_its_bound_the_oldest_waiting_settlement_is_dropped_and_count
         relay.close()
     # The first request's reservation stays charged; the second is charged what it used.
     assert int(ledger.pop(b"spent")) == 1000 + 20 and list(ledger.values()) == [b"1000"]
+
+
+class Refusing:
+    """Makes a Redis refuse writes for a while, as it does on its own: `READONLY` (a primary
+    demoted, as in a failover, replicating from a server that is not there) or `OOM`."""
+
+    def __init__(self, server: RedisServer, code: str):
+        self.redis = Redis.from_url(server.url)
+        self.code = code
+
+    async def start(self) -> None:
+        if self.code == "READONLY":
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                nobody = s.getsockname()[1]
+            await self.redis.execute_command("REPLICAOF", "127.0.0.1", nobody)
+        else:
+            await self.redis.config_set("maxmemory", 1)
+
+    async def stop(self) -> None:
+        if self.code == "READONLY":
+            await self.redis.execute_command("REPLICAOF", "NO", "ONE")
+        else:
+            await self.redis.config_set("maxmemory", 0)
+        await self.redis.aclose()
+
+    async def refusals(self) -> int:
+        """How many commands Redis refused with the code so far."""
+        stats = await self.redis.info("errorstats")
+        return int(stats.get(f"errorstat_{self.code}", {}).get("count", 0))
+
+    async def until_refused(self, count: int) -> None:
+        while await self.refusals() < count:
+            await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("code", ["READONLY", "OOM"])
+async def test_a_settlement_redis_refuses_for_a_while_is_made_once_it_takes_writes(
+    rig: QuotaRig, own_redis: RedisServer, code: str
+) -> None:
+    """Refusals Redis stops making on its own keep their settlements waiting: none is dropped,
+    and the ledger charges what was used, not the reservations."""
+    svc = rig.service(own_redis.url, redis_timeout_ms=1000)
+    p = await rig.principal(tenant=BUDGET | {"tpm": 100_000})
+    admissions = [await svc.admit(p, 0, 100) for _ in range(20)]
+    refusing = Refusing(own_redis, code)
+    await refusing.start()
+    try:
+        for a in admissions:
+            await a.settle(10)
+        assert len(svc.unsettled) == 20
+        # every settlement refused once, then two rounds of retries refused
+        await asyncio.wait_for(refusing.until_refused(20 + 2), 10)
+    finally:
+        await refusing.stop()
+    await svc.unsettled.settled()
+    assert svc.redis_down["dropped"] == 0
+    assert await day_ledger(rig, own_redis, p) == {b"spent": b"200"}
+
+
+async def test_settlements_redis_refuses_for_good_are_dropped_and_logged_once(
+    rig: QuotaRig, own_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refusal no retry can change (here WRONGTYPE: the ledger's key holds a string) drops the
+    settlement; a burst of them is one ERROR line, with its count."""
+    svc = rig.service(own_redis.url, redis_timeout_ms=1000)
+    p = await rig.principal(tenant=BUDGET)
+    admissions = [await svc.admit(p, 0, 100) for _ in range(20)]
+    day = budget_period("day", datetime.fromtimestamp(rig.clock(), UTC))
+    direct = Redis.from_url(own_redis.url)
+    try:
+        await direct.set(f"{scope_prefix(p.tenant_id, None)}:budget:{day.name}", "not a hash")
+    finally:
+        await direct.aclose()
+    caplog.set_level(logging.ERROR, logger="loramux.gateway.quotas.unsettled")
+    for a in admissions:
+        await a.settle(10)
+    await svc.unsettled.settled()
+    assert svc.redis_down["dropped"] == 20
+    lines = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(lines) == 1 and "WRONGTYPE" in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    ("reply", "for_good"),
+    [
+        ("ERR user_script:12: attempt to compare nil with number script: 1f2e", True),
+        ("ERR wrong number of arguments for 'evalsha' command", True),
+        ("WRONGTYPE Operation against a key holding the wrong kind of value", True),
+        ("READONLY You can't write against a read only replica. script: 1f2e", False),
+        ("OOM command not allowed when used memory > 'maxmemory'.", False),
+        ("MISCONF Redis is configured to save RDB snapshots, but it's currently unable", False),
+        ("BUSY Redis is busy running a script.", False),
+        ("NOSCRIPT No matching script.", False),
+        ("TRYAGAIN Multiple keys request during rehashing of slot", False),
+        ("NOREPLICAS Not enough good replicas to write.", False),
+        # Redis 6 wraps the error of a command a script called in an ERR
+        ("ERR Error running script (call to f_1f2e): @user_script:27: -OOM command not", False),
+    ],
+)
+def test_only_a_refusal_no_retry_can_change_drops_a_settlement(reply: str, for_good: bool) -> None:
+    assert refused_for_good(BaseParser.parse_error(reply)) is for_good
