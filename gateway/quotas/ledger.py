@@ -9,22 +9,23 @@ its request was admitted in (`admitted_at`), the one whose ledger its reservatio
 to, even when it finished in the next: a request spanning a period boundary is charged once.
 
 Events wait in their gateway process's UsageRecorder until written (a fraction of a second, or
-as long as the database cannot take writes); this process's waiting events are counted too.
+as long as the database cannot take writes); this process's waiting events are counted too,
+from the recorder's running totals (gateway.usage.unwritten), each once.
 What this cannot see: requests still running when Redis lost its data, and the events other
 gateway processes have not written yet (no process can read another's buffer).
 """
 
 from __future__ import annotations
 
-from sqlalchemy import case, func, select
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from loramux.gateway.db import UsageEvent
 from loramux.gateway.quotas.buckets import BudgetPeriod
 from loramux.gateway.usage import UsageRecorder
 
-MATCHED_AT_MOST = 5000
-"""Waiting events looked for in SQL by request id, oldest first (a bound parameter each)."""
+ATTEMPTS = 3
+"""Reads of SQL before a write of the scope's events that overlaps every one is let be."""
 
 
 async def spent_in_period(
@@ -38,19 +39,39 @@ async def spent_in_period(
     alone when `key_id` is given; cache hits record 0 billable tokens): those in SQL, plus those
     still waiting in `usage`, this process's recorder, each counted once.
 
-    The buffer is read first, then SQL, in one statement that also sums the waiting events it
-    already holds, matched by request id (the gateway's own random id). An event leaves the
-    buffer only once its write committed, so one gone from the buffer when it was read is in
-    SQL, and one read there counts from the buffer unless the statement found it in SQL. Writes
-    take the buffer's oldest first, so only the oldest MATCHED_AT_MOST are looked for: a newer
-    one written before the statement ran (thousands of writes within one read) would count
-    twice, never not at all."""
-    waiting = usage.unwritten(tenant_id, key_id, period.start, period.end) if usage else []
+    The waiting events are counted from the recorder's running totals (O(1) in the size of its
+    buffer: gateway.usage.unwritten), then SQL is read. An event leaves the totals only once
+    its write committed, so one that left them before they were read is in SQL, and one counted
+    there is not in SQL unless its write committed while SQL was being read. Matching the
+    waiting events against SQL by request id would catch that, but needs their ids (the buffer
+    scan this avoids) and matched only so many of them; instead the read is trusted only when
+    no write holding the tenant's events was under way from before the totals were read to
+    after SQL answered (`UnwrittenTokens.writes`). Otherwise it waits for the write under way
+    and reads again, up to ATTEMPTS times; the last reading counts, so an event of a write that
+    overlapped every read may count twice (one write's worth at most), never not at all."""
+    if usage is None:
+        return await _in_sql(sessions, tenant_id, key_id, period)
+    unwritten = usage.unwritten
+    for _ in range(ATTEMPTS):
+        await unwritten.between_writes()
+        writes = unwritten.writes(tenant_id)
+        waiting = unwritten.total(tenant_id, key_id, period.start, period.end)
+        in_sql = await _in_sql(sessions, tenant_id, key_id, period)
+        if writes % 2 == 0 and unwritten.writes(tenant_id) == writes:
+            break
+    return in_sql + waiting
+
+
+async def _in_sql(
+    sessions: async_sessionmaker[AsyncSession],
+    tenant_id: str,
+    key_id: str | None,
+    period: BudgetPeriod,
+) -> int:
+    """Billable tokens of the scope's usage events in SQL admitted in `period`."""
     tokens = UsageEvent.prompt_tokens + UsageEvent.completion_tokens
-    matched = sorted({request_id for request_id, _ in waiting[:MATCHED_AT_MOST]})
-    in_buffer = case((UsageEvent.request_id.in_(matched), tokens), else_=0)
     admitted = func.coalesce(UsageEvent.admitted_at, UsageEvent.created_at)
-    query = select(func.coalesce(func.sum(tokens), 0), func.coalesce(func.sum(in_buffer), 0)).where(
+    query = select(func.coalesce(func.sum(tokens), 0)).where(
         UsageEvent.tenant_id == tenant_id,
         # Implied by the next condition (a request finishes after its admission); lets the
         # database narrow the scan with the index on created_at.
@@ -61,5 +82,4 @@ async def spent_in_period(
     if key_id is not None:
         query = query.where(UsageEvent.key_id == key_id)
     async with sessions() as session:
-        in_sql, also_waiting = (await session.execute(query)).one()
-    return int(in_sql) + sum(n for _, n in waiting) - int(also_waiting)
+        return int((await session.execute(query)).scalar_one())

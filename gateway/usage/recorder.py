@@ -32,6 +32,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from loramux.gateway.db import Base, UsageEvent, UsageTotals, usage_daily, usage_hourly
 from loramux.gateway.db.base import utcnow
 from loramux.gateway.db.usage_rollup import GROUP_KEY, MEASURES, histogram_bin
+from loramux.gateway.usage.unwritten import UnwrittenTokens
 
 usage_events = Base.metadata.tables[UsageEvent.__tablename__]
 
@@ -205,6 +206,9 @@ class UsageRecorder:
         self.failed_attempts = 0
         """Writes failed in a row because the database was unavailable (0 when it is not)."""
         self._buffer: list[UsageRecord] = []
+        self.unwritten = UnwrittenTokens()
+        """Billable tokens of the buffered events, per tenant, key and day of admission (what a
+        rebuilt budget ledger adds to SQL: gateway.quotas.ledger)."""
         self._wake = asyncio.Event()
         self._writing = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
@@ -214,23 +218,6 @@ class UsageRecorder:
     def __len__(self) -> int:
         """Events waiting to be written."""
         return len(self._buffer)
-
-    def unwritten(
-        self, tenant_id: str, key_id: str | None, start: datetime, end: datetime
-    ) -> list[tuple[str, int]]:
-        """The request id and billable tokens (prompt plus completion) of each buffered event of
-        `tenant_id` (of `key_id` alone when given) admitted in [start, end) that bills any,
-        oldest first: usage this process served that SQL may not hold yet. An event leaves the
-        buffer only after its write committed, and writes take the buffer's head, so of these
-        events, the ones in SQL at any later moment are always the first few."""
-        found = []
-        for e in self._buffer:
-            tokens = e.prompt_tokens + e.completion_tokens
-            if tokens and e.tenant_id == tenant_id and key_id in (None, e.key_id):
-                admitted = as_utc(e.admitted_at or e.created_at)
-                if start <= admitted < end:
-                    found.append((e.request_id, tokens))
-        return found
 
     def start(self) -> None:
         if self._task is None:
@@ -242,6 +229,7 @@ class UsageRecorder:
             self._drop(event, "buffer_full", f"{self.max_buffered} events already wait")
             return
         self._buffer.append(event)
+        self.unwritten.add(event)
         if len(self._buffer) >= self.batch and not self.failed_attempts:
             self._wake.set()
 
@@ -265,18 +253,20 @@ class UsageRecorder:
         while sizes:
             size = sizes.pop(0)
             part = self._buffer[:size]
-            try:
-                await self._write(part)
-            except Exception as exc:
-                if not blames_the_events(exc):
-                    raise UsageUnavailable(str(exc) or type(exc).__name__) from exc
-                if size > 1:
-                    sizes[:0] = [size // 2, size - size // 2]
-                    continue
-                self._drop(part[0], "refused", repr(exc))
-            else:
-                written += size
-            del self._buffer[:size]
+            with self.unwritten.writing(part):
+                try:
+                    await self._write(part)
+                except Exception as exc:
+                    if not blames_the_events(exc):
+                        raise UsageUnavailable(str(exc) or type(exc).__name__) from exc
+                    if size > 1:
+                        sizes[:0] = [size // 2, size - size // 2]
+                        continue
+                    self._drop(part[0], "refused", repr(exc))
+                else:
+                    written += size
+                del self._buffer[:size]
+                self.unwritten.remove(part)
         return written
 
     async def _write(self, chunk: list[UsageRecord]) -> None:
@@ -309,6 +299,7 @@ class UsageRecorder:
                 delay = min(delay * 2, MAX_RETRY_DELAY)
         for event in self._buffer:
             self._drop(event, "shutdown", "the database is unavailable")
+        self.unwritten.remove(self._buffer)
         self._buffer.clear()
 
     async def _run(self) -> None:

@@ -4,21 +4,24 @@ from the usage events in SQL when Redis has lost it."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+import sqlite3
+import time
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
-from sqlalchemy import insert
 
 from loramux.gateway.auth.api_keys import Principal
-from loramux.gateway.errors import InsufficientQuota
+from loramux.gateway.db.session import create_engine, session_factory
+from loramux.gateway.errors import InsufficientQuota, ServiceUnavailable
 from loramux.gateway.quotas import QuotaService
 from loramux.gateway.quotas.buckets import budget_period, scope_prefix
 from loramux.gateway.quotas.limits import QuotaLimits
 from loramux.gateway.quotas.schemas import QuotaUpdate
 from loramux.gateway.usage import UsageRecord, UsageRecorder
-from loramux.gateway.usage.recorder import event_row, usage_events
 from tests.gateway.quotas.rig import QuotaRig, refusal
 
 
@@ -245,18 +248,52 @@ async def test_a_ledger_rebuilt_while_usage_waits_for_the_database_counts_that_u
     assert await spent(svc, p, p.key_id, day.name) == 3000
 
 
-async def test_an_event_written_as_its_ledger_is_rebuilt_counts_once(rig: QuotaRig) -> None:
-    """An event leaves the recorder's buffer only after its write committed: a ledger seeded in
-    between finds it in SQL and in the buffer, and counts it once."""
-    recorder = UsageRecorder(rig.sessions)
+async def test_an_event_written_as_its_ledger_is_rebuilt_counts_once(
+    rig: QuotaRig, quota_db_url: str
+) -> None:
+    """An event leaves the recorder's running totals only after its write committed: a ledger
+    rebuilt while that write is under way waits for it, and counts each event once, from SQL
+    or from the totals."""
+    recorder = UsageRecorder(rig.sessions, batch=1)  # one write per event
     svc = rig.service(usage=recorder)
     p = await rig.principal(tenant={"token_budget": 10_000, "budget_period": "day"})
     now = datetime.fromtimestamp(rig.clock(), UTC)
-    written = usage(p, 1000, 2000, now, now, "req_written")
-    recorder.record(written)
+    recorder.record(usage(p, 1000, 2000, now, now, "req_written"))
     recorder.record(usage(p, 10, 20, now, now, "req_waiting"))
-    async with rig.sessions() as session, session.begin():  # committed, still buffered
-        await session.execute(insert(usage_events), [event_row(written)])
-
-    await (await svc.admit(p, 0, 0)).settle(0)  # seeds the ledger
+    lock = sqlite3.connect(quota_db_url.removeprefix("sqlite:///"), isolation_level=None)
+    try:
+        lock.execute("BEGIN IMMEDIATE")  # the database takes no write until the test lets it
+        flushing = asyncio.create_task(recorder.flush())
+        while recorder.unwritten.writes(p.tenant_id) % 2 == 0:  # until the write is under way
+            await asyncio.sleep(0)
+        admitting = asyncio.create_task(svc.admit(p, 0, 0))  # seeds the ledger meanwhile
+        await asyncio.sleep(0)
+        lock.execute("ROLLBACK")
+        await flushing
+        await (await admitting).settle(0)
+    finally:
+        lock.close()
     assert await spent(svc, p, None, budget_period("day", now).name) == 3030
+
+
+async def test_rebuilding_a_ledger_does_not_read_the_whole_usage_buffer(
+    rig: QuotaRig, tmp_path: Path
+) -> None:
+    """While the database is down, events pile up in the recorder (250,000 at most) and a
+    ledger cannot be rebuilt (503): each admission that tries counts the waiting events from the
+    recorder's running totals, not by scanning its buffer (70-160 ms of the event loop)."""
+    p = await rig.principal(tenant={"token_budget": 10_000_000, "budget_period": "day"})
+    recorder = UsageRecorder(rig.sessions, max_buffered=250_000)
+    now = datetime.fromtimestamp(rig.clock(), UTC)
+    event = usage(p, 10, 10, now, now)
+    for i in range(250_000):
+        recorder.record(replace(event, request_id=f"req_{i:012x}"))
+    svc = rig.service(usage=recorder)
+    # Quota rows are read as before; the usage events of the seed are in a database that is down.
+    svc.sessions = session_factory(create_engine(f"sqlite:///{tmp_path}/missing/loramux.db"))
+    took = []
+    for _ in range(5):
+        start = time.perf_counter()
+        assert isinstance(await refusal(svc.admit(p, 10, 10)), ServiceUnavailable)
+        took.append(time.perf_counter() - start)
+    assert min(took) < 0.025, [f"{t * 1000:.0f} ms" for t in took]
