@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import math
 import sqlite3
-import time
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -276,24 +275,27 @@ async def test_an_event_written_as_its_ledger_is_rebuilt_counts_once(
     assert await spent(svc, p, None, budget_period("day", now).name) == 3030
 
 
-async def test_rebuilding_a_ledger_does_not_read_the_whole_usage_buffer(
+async def test_a_full_usage_buffer_is_counted_from_running_totals(
     rig: QuotaRig, tmp_path: Path
 ) -> None:
     """While the database is down, events pile up in the recorder (250,000 at most) and a
-    ledger cannot be rebuilt (503): each admission that tries counts the waiting events from the
-    recorder's running totals, not by scanning its buffer (70-160 ms of the event loop)."""
+    ledger cannot be rebuilt (503). Each admission that tried used to scan the whole buffer
+    first (70-160 ms of the event loop on 2 cores, found by attacking the fix that counts the
+    buffer); the seed now reads the recorder's running totals, which must equal the events
+    waiting, per tenant, key and day. (How long an admission takes is measured, not asserted:
+    tests never assert timings.)"""
     p = await rig.principal(tenant={"token_budget": 10_000_000, "budget_period": "day"})
     recorder = UsageRecorder(rig.sessions, max_buffered=250_000)
     now = datetime.fromtimestamp(rig.clock(), UTC)
     event = usage(p, 10, 10, now, now)
     for i in range(250_000):
         recorder.record(replace(event, request_id=f"req_{i:012x}"))
+    day = budget_period("day", now)
+    assert recorder.unwritten.total(p.tenant_id, None, day.start, day.end) == 5_000_000
+    assert recorder.unwritten.total(p.tenant_id, p.key_id, day.start, day.end) == 5_000_000
+    assert recorder.unwritten.total(p.tenant_id, "other-key", day.start, day.end) == 0
+    assert recorder.unwritten.total("other-tenant", None, day.start, day.end) == 0
     svc = rig.service(usage=recorder)
     # Quota rows are read as before; the usage events of the seed are in a database that is down.
     svc.sessions = session_factory(create_engine(f"sqlite:///{tmp_path}/missing/loramux.db"))
-    took = []
-    for _ in range(5):
-        start = time.perf_counter()
-        assert isinstance(await refusal(svc.admit(p, 10, 10)), ServiceUnavailable)
-        took.append(time.perf_counter() - start)
-    assert min(took) < 0.025, [f"{t * 1000:.0f} ms" for t in took]
+    assert isinstance(await refusal(svc.admit(p, 10, 10)), ServiceUnavailable)
