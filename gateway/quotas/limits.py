@@ -6,13 +6,15 @@ would leave a budget without one is refused and changes nothing. Concurrent upda
 scope all apply, one after the other, to its single row.
 
 A budget set where there was none, or counted over another period, starts from what the scope
-spent this period: its ledgers in Redis (`<scope>:budget:*`) are deleted, so the next admission
-seeds them again from the usage events in SQL (gateway.quotas.ledger). A ledger left from an
-earlier budget never saw what was spent while there was none. They are deleted just before the
-commit: no admission uses them until the change is read (no budget, or the other period's
-ledger), and when Redis cannot be reached the update is refused whole (503) and can be retried.
-A request still running was reserved in the deleted ledger: its settlement finds nothing there
-to charge (SETTLE), and its usage counts once it is in SQL before the next ledger is seeded.
+spent this period: its ledgers in Redis (`<scope>:budget:*`) lose their total, so the next
+admission seeds it again from the usage events in SQL (gateway.quotas.ledger), plus the
+reservations the ledger still holds. A ledger left from an earlier budget never saw what was
+spent while there was none. The totals go just before the commit: no admission uses them until
+the change is read (no budget, or the other period's ledger), and when Redis cannot be reached
+the update is refused whole (503) and can be retried. A request still running keeps its
+reservation in its ledger, so it counts until it settles (deleting the ledger whole let the
+budget be exceeded by what was in flight); one that settles before the seed charges nothing
+there (SETTLE), and counts in the seed once its usage is recorded.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ class QuotaLimits:
                     code="invalid_request",
                 )
             if _budget_restarts(before, quota):
-                await self._drop_ledgers(tenant_id, key_id)
+                await self._reseed_ledgers(tenant_id, key_id)
             try:
                 await session.commit()
             except IntegrityError:
@@ -103,13 +105,14 @@ class QuotaLimits:
             return quota_out(tenant_id, key_id, quota)
         raise Conflict("the quotas changed concurrently; retry", code="quota_conflict")
 
-    async def _drop_ledgers(self, tenant_id: str, key_id: str | None) -> None:
-        """Delete the scope's budget ledgers of every period (see the module's docstring)."""
+    async def _reseed_ledgers(self, tenant_id: str, key_id: str | None) -> None:
+        """Take the total out of the scope's budget ledgers of every period, keeping their
+        reservations: the next admission seeds it again (see the module's docstring)."""
         pattern = _glob_escape(f"{scope_prefix(tenant_id, key_id)}:budget:") + "*"
         try:
             ledgers = [key async for key in self.redis.scan_iter(match=pattern, count=1000)]
-            if ledgers:
-                await self.redis.delete(*ledgers)
+            for ledger in ledgers:
+                await self.redis.hdel(ledger, "spent")
         except (OSError, RedisError) as exc:
             raise ServiceUnavailable(
                 f"the quota Redis is unavailable, so the budget cannot start over: {exc}",

@@ -52,16 +52,20 @@ for i = 0, n - 1 do
   if arg(i, 1) == 'W' then k = k + 3 else k = k + 1 end
 end
 
--- A missing ledger (a new period, or a Redis that lost its data) starts from the seed.
+-- A ledger without its total (a new period, a Redis that lost its data, or a budget set again:
+-- gateway.quotas.limits) starts from the seed, plus the reservations it still holds: requests
+-- running across a budget set again, which the usage in SQL does not count yet.
 local missing = {}
 for i = 0, n - 1 do
   local key = KEYS[first[i]]
-  if arg(i, 1) == 'B' and redis.call('EXISTS', key) == 0 then
+  if arg(i, 1) == 'B' and redis.call('HEXISTS', key, 'spent') == 0 then
     local seed = tonumber(arg(i, 4))
     if seed < 0 then
       missing[#missing + 1] = i
     else
-      redis.call('HSET', key, 'spent', seed)
+      local held = 0
+      for _, v in ipairs(redis.call('HVALS', key)) do held = held + tonumber(v) end
+      redis.call('HSET', key, 'spent', seed + held)
       redis.call('PEXPIREAT', key, tonumber(arg(i, 3)) + LEDGER_GRACE_MS)
     end
   end
@@ -210,7 +214,10 @@ for i = 4, #ARGV do
     local reserved = redis.call('HGET', KEYS[k], member)
     if reserved then
       redis.call('HDEL', KEYS[k], member)
-      redis.call('HINCRBY', KEYS[k], 'spent', used - tonumber(reserved))
+      -- A ledger waiting for its seed has no total: the seed will count this usage.
+      if redis.call('HEXISTS', KEYS[k], 'spent') == 1 then
+        redis.call('HINCRBY', KEYS[k], 'spent', used - tonumber(reserved))
+      end
     end
     k = k + 1
   end

@@ -166,6 +166,32 @@ async def test_a_budget_set_again_counts_what_was_spent_while_it_was_not(
     assert isinstance(await refusal(svc.admit(p, 0, 1)), InsufficientQuota)
 
 
+@pytest.mark.parametrize("change", ["removed and set again", "moved to day and back"])
+async def test_a_request_running_across_a_budget_set_again_still_counts(
+    rig: QuotaRig, change: str
+) -> None:
+    """A request admitted under the budget is still running when the budget is set again: its
+    reservation stays in the ledger the new total is seeded into, so the budget is not exceeded
+    by it. Deleting the ledger whole lost it: 1,800 tokens were spent against 1,000 (found by
+    attacking the fix that set budgets going again)."""
+    svc = rig.service()
+    monthly = {"token_budget": 1000, "budget_period": "month"}
+    p = await rig.principal(tenant=monthly)
+    now = datetime.fromtimestamp(rig.clock(), UTC)
+    running = await svc.admit(p, 0, 800)
+    between = QuotaUpdate(token_budget=None)
+    if change == "moved to day and back":
+        between = QuotaUpdate(token_budget=1000, budget_period="day")
+    await set_quota(rig, svc, p, None, between)
+    await set_quota(rig, svc, p, None, QuotaUpdate(**monthly))
+    await (await svc.admit(p, 0, 200)).settle(100)  # 800 held + 200 reserved: the budget
+    await rig.add_usage(p, p.key_id, 100, now)
+    assert isinstance(await refusal(svc.admit(p, 0, 101)), InsufficientQuota)
+    await running.settle(800)
+    await rig.add_usage(p, p.key_id, 800, now)
+    await assert_budget_left(svc, p, 100)
+
+
 async def test_a_budget_changed_within_its_period_keeps_its_ledger(rig: QuotaRig) -> None:
     """A new amount over the same period is no fresh start: the ledger's count (including
     reservations of requests still running) stays."""
