@@ -16,7 +16,12 @@ tenant id can spell a pattern that matches another tenant's keys.
   guard (a purge's SCAN never meets them), a random id each purge of that scope sets (a
   `gone:` tombstone for a deleted tenant), kept for the longest entry lifetime: every write of
   an entry, a request record or a semantic-index entry checks them in its script
-  (`cache.types.Fence`).
+  (`cache.types.Fence`);
+- incarnation: `<prefix>:boot`, a random id the first cache to run on a server sets (its start,
+  or the first write script on a server that forgot it: restarted without persistence, flushed,
+  or the key evicted), never expiring. A lookup reads it with the epochs, and a write whose
+  lookup read another (or none) is refused: a restart forgets the epochs, so equal epochs then
+  prove nothing.
 
 The scripts take keys of several hash slots (an entry, its record, the epochs): one Redis
 server, not a Cluster.
@@ -151,9 +156,15 @@ class Keyspace:
         base = f"{self.prefix}:purged:{_short(tenant_id)}"
         return base if adapter is None else f"{base}:{_short(adapter)}"
 
-    def epochs(self, req: CacheRequest) -> tuple[str, str]:
-        """The purge-epoch keys a write of `req`'s answer checks: its tenant's and its adapter's."""
-        return self.epoch(req.tenant_id), self.epoch(req.tenant_id, req.adapter)
+    @property
+    def boot(self) -> str:
+        """The key of the server's incarnation id (see the module docstring)."""
+        return f"{self.prefix}:boot"
+
+    def fence(self, req: CacheRequest) -> tuple[str, str, str]:
+        """The keys a write of `req`'s answer checks (`Fence.keys`): its tenant's and its
+        adapter's purge epochs, and the server's incarnation."""
+        return self.epoch(req.tenant_id), self.epoch(req.tenant_id, req.adapter), self.boot
 
     def request(self, tenant_id: str, request_id: str) -> str:
         """Which entry answered a request (`…:r:<hash of the request id>`): found only under the

@@ -20,7 +20,11 @@ script that writes, which refuses it when a purge of either scope ran since. A p
 its scope's epoch, then deletes what its SCAN finds: an answer made before the purge is either
 deleted by it or never written. Deleting a tenant leaves a tombstone for its epoch (kept for the
 longest entry lifetime, `MAX_TTL`) that refuses every write of that tenant, including those of a
-gateway process that still authenticates its keys for a moment.
+gateway process that still authenticates its keys for a moment. The cache Redis keeps no data
+across a restart, epochs and tombstones included, so the fence also carries the server's
+incarnation (`Keyspace.boot`, read in the same round trip): a write whose lookup read another
+incarnation, or none, is refused, and a restart between a lookup and its store cannot undo a
+purge. A store whose lookup failed has no fence; only a tombstone refuses it (see `Fence`).
 
 Failure is a miss, never an error: every Redis failure (down, restarting, slow beyond
 `redis_timeout`) and every embedder failure is logged (at most once per `log_every` seconds per
@@ -105,7 +109,8 @@ class ResponseCache:
         return self.stats.errors
 
     async def start(self) -> None:
-        """Check the client, load the Lua scripts and detect the server's vector search.
+        """Check the client, load the Lua scripts, give a fresh server its incarnation (so the
+        first requests' stores are not refused for reading none) and detect its vector search.
 
         Never raises for Redis errors: a server that is down now is used once it is up.
         """
@@ -115,6 +120,7 @@ class ResponseCache:
         try:
             async with asyncio.timeout(self.redis_timeout):
                 await self.index.load_scripts()
+                await self.redis.set(self.keys.boot, secrets.token_hex(8), nx=True)
                 self.vector_search = await self._detect_vector_search()
         except Exception as exc:
             self._failed("start", exc)
@@ -165,19 +171,19 @@ class ResponseCache:
     ) -> Consulted:
         """The cached answer to `req`, exact first, then semantic (None on a miss, a failure or
         when the policy looks nothing up), and the fence a store of the request's answer
-        carries: the purge epochs, read in the lookup's first round trip (alone when the policy
-        only stores). A hit is recorded under `request_id`, when given (see `report_wrong_hit`).
+        carries: the purge epochs and the server's incarnation, read in the lookup's first round
+        trip (alone when the policy only stores). A hit is recorded under `request_id`, when given (see `report_wrong_hit`).
         """
         if not policy.lookup and not policy.store:
             return Consulted(None, None)
-        epochs = self.keys.epochs(req)
-        fence = Fence(epochs, None)  # until read
+        fence_keys = self.keys.fence(req)
+        fence = Fence(fence_keys, None)  # until read
         if not policy.lookup:
-            return Consulted(None, await self._read_fence(epochs))
+            return Consulted(None, await self._read_fence(fence_keys))
         tenant = self.tenant_stats(req.tenant_id)
         tenant.lookups += 1
         try:
-            fence, found, pending = await self._first_read(req, policy, epochs)
+            fence, found, pending = await self._first_read(req, policy, fence_keys)
             if pending is not None:
                 found = await self._semantic(req, policy, *pending)
             if found is not None and request_id is not None:
@@ -198,18 +204,18 @@ class ResponseCache:
             tenant.semantic_hits += 1
         return Consulted(hit, fence)
 
-    async def _read_fence(self, epochs: tuple[str, str]) -> Fence:
+    async def _read_fence(self, fence_keys: tuple[str, str, str]) -> Fence:
         """The fence of a request that stores without looking up."""
         try:
             async with asyncio.timeout(self.redis_timeout):
-                seen = await self.redis.mget(list(epochs))
+                seen = await self.redis.mget(list(fence_keys))
         except Exception as exc:
             self._failed("lookup", exc)
-            return Fence(epochs, None)
-        return _fence(epochs, seen)
+            return Fence(fence_keys, None)
+        return _fence(fence_keys, seen)
 
     async def _first_read(
-        self, req: CacheRequest, policy: CachePolicy, epochs: tuple[str, str]
+        self, req: CacheRequest, policy: CachePolicy, fence_keys: tuple[str, str, str]
     ) -> tuple[Fence, tuple[CacheHit, str] | None, tuple[str, BucketKeys] | None]:
         """One round trip: the fence, an exact hit with its entry's key, and (on an exact miss
         when the policy allows semantic hits) the question and bucket left to search."""
@@ -218,18 +224,22 @@ class ResponseCache:
         values: Sequence[bytes | str | None]
         if question is None:
             async with asyncio.timeout(self.redis_timeout):
-                values = await self.redis.mget([key, *epochs])
+                values = await self.redis.mget([key, *fence_keys])
             pending = None
         else:
             bucket = self.keys.bucket(req, self.embedder.model_id)
             async with asyncio.timeout(self.redis_timeout):
                 # with (core index) the bucket's news
-                values = await self.index.prefetch(bucket, also_get=[key, *epochs])
+                values = await self.index.prefetch(bucket, also_get=[key, *fence_keys])
             pending = (question, bucket)
         raw, *seen = values
         if raw is not None:
-            return _fence(epochs, seen), (CacheHit(decode_response(raw), "exact", None), key), None
-        return _fence(epochs, seen), None, pending
+            return (
+                _fence(fence_keys, seen),
+                (CacheHit(decode_response(raw), "exact", None), key),
+                None,
+            )
+        return _fence(fence_keys, seen), None, pending
 
     async def _semantic(
         self, req: CacheRequest, policy: CachePolicy, question: str, bucket: BucketKeys
@@ -334,7 +344,7 @@ class ResponseCache:
         """The entry, then the request's record of it, in one script (a response waits for
         it; a record never points at an entry Redis refused, out of memory), then the semantic
         index's entry, each checked against the fence; False when the fence refused them."""
-        fence = fence or Fence(self.keys.epochs(req), None)
+        fence = fence or Fence(self.keys.fence(req), None)
         key = self.keys.exact(req)
         keys = [*fence.keys, key]
         if request_id is not None:
@@ -416,10 +426,10 @@ class ResponseCache:
             )
 
 
-def _fence(epochs: tuple[str, str], seen: Sequence[bytes | str | None]) -> Fence:
-    """A fence from the epochs' values as MGET read them (None: never purged)."""
-    tenant, adapter = (v.decode() if isinstance(v, bytes) else v or "" for v in seen)
-    return Fence(epochs, (tenant, adapter))
+def _fence(keys: tuple[str, str, str], seen: Sequence[bytes | str | None]) -> Fence:
+    """A fence from its keys' values as MGET read them (None: never purged, or no incarnation)."""
+    tenant, adapter, boot = (v.decode() if isinstance(v, bytes) else v or "" for v in seen)
+    return Fence(keys, (tenant, adapter, boot))
 
 
 def _glob_escape(text: str) -> str:

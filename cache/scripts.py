@@ -6,32 +6,42 @@ its tenant's deletion, refuses the write in the same step; PURGE_EPOCH is what a
 
 ADD (the core-Redis semantic index) takes a bucket's keys in `BucketKeys.all()` order: KEYS[1]
 info, [2] vectors, [3] meta, [4] lru, [5] expiry, [6] free, [7] log, [8] by_response, then the
-two epoch keys when fenced; SYNC and LOAD take info, vectors, meta and log.
+fence's three keys when fenced; SYNC and LOAD take info, vectors, meta and log.
 The bucket's version is head + LLEN(log): every change of a slot appends the slot to the log,
 and a process that has applied the log up to version v asks only for what came after v.
 """
 
 FENCE = """
--- Whether a write may go ahead: its tenant is not deleted (a 'gone:' tombstone) and, unless it
--- read no epochs ('*'), neither its tenant's nor its adapter's scope was purged since it read
--- them ('' for an epoch that was not set).
-local function fence_holds(tenant_key, adapter_key, tenant_seen, adapter_seen)
-  local tenant = redis.call('GET', tenant_key) or ''
+-- Whether a write may go ahead, for the fence at KEYS[k..k+2] (tenant epoch, adapter epoch,
+-- incarnation) and ARGV[a..a+3] (their values seen, a new incarnation id): its tenant is not
+-- deleted (a 'gone:' tombstone) and, unless it read nothing ('*'), the server is the incarnation
+-- it read and neither its tenant's nor its adapter's scope was purged since ('' for a key that
+-- was not set). A server without an incarnation (fresh: restarted, flushed) gets one here, so a
+-- write that read none is refused: epochs equal to those read then prove nothing.
+local function fence_holds(k, a)
+  local boot = redis.call('GET', KEYS[k + 2])
+  if not boot then
+    boot = ARGV[a + 3]
+    redis.call('SET', KEYS[k + 2], boot)
+  end
+  local tenant = redis.call('GET', KEYS[k]) or ''
   if string.sub(tenant, 1, 5) == 'gone:' then return false end
-  if tenant_seen == '*' then return true end
-  return tenant == tenant_seen and (redis.call('GET', adapter_key) or '') == adapter_seen
+  if ARGV[a] == '*' then return true end
+  return boot == ARGV[a + 2] and tenant == ARGV[a]
+    and (redis.call('GET', KEYS[k + 1]) or '') == ARGV[a + 1]
 end
 """
 
 STORE = (
     FENCE
     + """
--- KEYS: tenant epoch, adapter epoch, entry[, request record]
--- ARGV: tenant seen, adapter seen, response, ttl_s -> 1 stored, 0 refused
+-- KEYS: tenant epoch, adapter epoch, incarnation, entry[, request record]
+-- ARGV: tenant seen, adapter seen, incarnation seen, new incarnation, response, ttl_s
+-- -> 1 stored, 0 refused
 -- The entry first: a record never points at an entry Redis refused (out of memory).
-if not fence_holds(KEYS[1], KEYS[2], ARGV[1], ARGV[2]) then return 0 end
-redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[4])
-if KEYS[4] then redis.call('SET', KEYS[4], KEYS[3], 'EX', ARGV[4]) end
+if not fence_holds(1, 1) then return 0 end
+redis.call('SET', KEYS[4], ARGV[5], 'EX', ARGV[6])
+if KEYS[5] then redis.call('SET', KEYS[5], KEYS[4], 'EX', ARGV[6]) end
 return 1
 """
 )
@@ -39,10 +49,11 @@ return 1
 REMEMBER = (
     FENCE
     + """
--- KEYS: tenant epoch, adapter epoch, request record
--- ARGV: tenant seen, adapter seen, entry key, ttl_s -> 1 recorded, 0 refused
-if not fence_holds(KEYS[1], KEYS[2], ARGV[1], ARGV[2]) then return 0 end
-redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[4])
+-- KEYS: tenant epoch, adapter epoch, incarnation, request record
+-- ARGV: tenant seen, adapter seen, incarnation seen, new incarnation, entry key, ttl_s
+-- -> 1 recorded, 0 refused
+if not fence_holds(1, 1) then return 0 end
+redis.call('SET', KEYS[4], ARGV[5], 'EX', ARGV[6])
 return 1
 """
 )
@@ -58,13 +69,13 @@ return 1
 VADD = (
     FENCE
     + """
--- KEYS: vector set[, tenant epoch, adapter epoch: when fenced]
--- ARGV: tenant seen, adapter seen, fp32 vector, element, attributes, ttl_s
--- -> the set's size after the add, or -1 when refused
-if #KEYS == 3 and not fence_holds(KEYS[2], KEYS[3], ARGV[1], ARGV[2]) then return -1 end
-redis.call('VADD', KEYS[1], 'FP32', ARGV[3], ARGV[4], 'Q8', 'SETATTR', ARGV[5])
-redis.call('EXPIRE', KEYS[1], ARGV[6], 'NX')
-redis.call('EXPIRE', KEYS[1], ARGV[6], 'GT')
+-- KEYS: vector set[, tenant epoch, adapter epoch, incarnation: when fenced]
+-- ARGV: tenant seen, adapter seen, incarnation seen, new incarnation, fp32 vector, element,
+--       attributes, ttl_s -> the set's size after the add, or -1 when refused
+if #KEYS == 4 and not fence_holds(2, 1) then return -1 end
+redis.call('VADD', KEYS[1], 'FP32', ARGV[5], ARGV[6], 'Q8', 'SETATTR', ARGV[7])
+redis.call('EXPIRE', KEYS[1], ARGV[8], 'NX')
+redis.call('EXPIRE', KEYS[1], ARGV[8], 'GT')
 return redis.call('VCARD', KEYS[1])
 """
 )
@@ -73,8 +84,9 @@ ADD = (
     FENCE
     + """
 -- ARGV: now_ms, ttl_ms, record, meta_json, response_key, max_entries, record_size, log_cap, epoch
---       [, tenant seen, adapter seen: with KEYS[9], KEYS[10]] -> the slot, or false when refused
-if #KEYS == 10 and not fence_holds(KEYS[9], KEYS[10], ARGV[10], ARGV[11]) then return false end
+--       [, tenant seen, adapter seen, incarnation seen, new incarnation: with KEYS[9..11]]
+-- -> the slot, or false when refused
+if #KEYS == 11 and not fence_holds(9, 10) then return false end
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
 local size = tonumber(ARGV[7])
 if redis.call('EXISTS', KEYS[1]) == 0 then

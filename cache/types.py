@@ -9,6 +9,7 @@ re-uploaded adapter has a new digest and never meets the old version's entries.
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -91,17 +92,28 @@ class Fence:
     so an answer made before a purge (or a hit read before it) is never written after it; a
     deleted tenant's epoch is a tombstone that refuses every write.
 
-    `keys` are the two epochs' Redis keys; `seen` their values then ('' for none), or None for a
-    write that read none (then only a tombstone refuses it): one whose lookup failed (Redis
-    down or restarting) stores when Redis is back, as a cache that resumes by itself should,
-    and a purge between the two is not seen."""
+    The epochs prove nothing across a restart of the cache Redis, which keeps no data: the
+    purge's epochs and tombstones are forgotten, and an epoch never set reads '' as before the
+    purge. So the fence also holds the server's incarnation (`Keyspace.boot`, read in the same
+    round trip), and a write is refused when the server is another incarnation than its lookup
+    read, or when its lookup read none (the first write script on a fresh server sets one).
 
-    keys: tuple[str, str]
-    seen: tuple[str, str] | None
+    `keys` are the two epochs' Redis keys and the incarnation's; `seen` their values then ('' for
+    none), or None for a write that read none (then only a tombstone the server holds refuses
+    it): one whose lookup failed (Redis down or restarting) stores when Redis is back, as a
+    cache that resumes by itself should. It knows no incarnation to compare, and needs none for
+    a purge before the failure: its answer was made after that purge. A purge after its failed
+    lookup and before its store, and a deleted tenant whose tombstone a restart lost (as every
+    request of that tenant a gateway still admits would), are not seen."""
+
+    keys: tuple[str, str, str]
+    seen: tuple[str, str, str] | None
 
     def args(self) -> list[str]:
-        """The script's arguments: the epochs seen, '*' each for any."""
-        return list(self.seen) if self.seen is not None else ["*", "*"]
+        """The script's arguments: the values seen ('*' each for any), then a fresh id that
+        becomes the server's incarnation if it has none."""
+        seen = list(self.seen) if self.seen is not None else ["*", "*", "*"]
+        return [*seen, secrets.token_hex(8)]
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ class VectorSetIndex:
         """Insert (or replace) the entry for `response_key`; False when its `fence` refused it
         (a purge since the request's lookup). Unfenced, only a deleted tenant refuses it."""
         attributes = json.dumps({"q": question, "x": _now_ms() + ttl * 1000})
-        epochs, seen = (fence.keys, fence.args()) if fence is not None else ((), ["*", "*"])
+        epochs, seen = (fence.keys, fence.args()) if fence is not None else ((), ["*"] * 4)
         size = await self._add(
             keys=[bucket.vset, *epochs],
             args=[*seen, vector.astype("<f4").tobytes(), response_key, attributes, ttl],

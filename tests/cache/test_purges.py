@@ -6,13 +6,18 @@ process's, through its own client), then the request's store carrying the fence 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
+import redis.exceptions
+from redis.asyncio import Redis
 
+from loramux.cache.embedder import Embedder
 from loramux.cache.response_cache import ResponseCache
 from loramux.cache.types import MAX_TTL, CachePolicy, CacheRequest
 from tests.cache.conftest import EXACT, SEMANTIC, MakeCache, answer, chat
+from tests.redis import RedisServer
 
 QUESTION = "How do I reset my password?"
 ADAPTER = "a" * 64
@@ -55,6 +60,7 @@ async def test_a_purge_of_another_adapter_or_tenant_leaves_the_store_alone(
     make_cache: MakeCache,
 ) -> None:
     asker, purger = make_cache(), make_cache()
+    await asker.start()  # the server's incarnation, which the lookup reads into its fence
     req = chat(QUESTION, adapter=ADAPTER)
     consulted = await asker.begin(req, EXACT)
     await purger.purge("tenant-a", "b" * 64)
@@ -121,3 +127,36 @@ async def test_a_deleted_tenant_has_nothing_stored_ever_after(
     other = chat(QUESTION, tenant="tenant-b")
     await asker.store(other, policy, answer("Click reset."))
     assert await asker.lookup(other, policy) is not None
+
+
+async def test_a_redis_restart_between_lookup_and_store_does_not_undo_a_purge(
+    own_redis: RedisServer, embedder: Embedder
+) -> None:
+    """The cache Redis keeps nothing across a restart (no persistence), the purge's epochs and
+    a deleted tenant's tombstone included: the store is refused because its lookup read another
+    incarnation of the server (`Fence`), not because the epochs still say so."""
+    asker = ResponseCache(Redis.from_url(own_redis.url), embedder)
+    purger = ResponseCache(Redis.from_url(own_redis.url), embedder)
+    try:
+        for cache in (asker, purger):
+            await cache.start()
+        req = chat(QUESTION)
+        consulted = await asker.begin(req, EXACT, "req-1")
+        assert consulted.hit is None and consulted.fence is not None
+        await purger.purge("tenant-a", tenant_deleted=True)
+        own_redis.restart()
+        for cache in (asker, purger):  # reconnected (a restart drops every connection)
+            with contextlib.suppress(redis.exceptions.ConnectionError):
+                await cache.redis.ping()
+            assert await cache.redis.ping()
+        await asker.store(req, EXACT, answer("Click reset."), "req-1", consulted.fence)
+        assert asker.stats.errors == 0
+        assert asker.stats.stores == 0 and asker.stats.fenced == 1
+        assert await purger.lookup(req, EXACT) is None
+        # The next request reads the new incarnation: caching resumes.
+        consulted = await asker.begin(req, EXACT)
+        await asker.store(req, EXACT, answer("Click reset."), None, consulted.fence)
+        assert asker.stats.stores == 1 and await purger.lookup(req, EXACT) is not None
+    finally:
+        await asker.redis.aclose()
+        await purger.redis.aclose()
