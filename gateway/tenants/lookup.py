@@ -40,6 +40,22 @@ async def lock_tenant(session: AsyncSession, tenant_id: str) -> bool:
     return bool(locked.rowcount)  # type: ignore[attr-defined]
 
 
+async def get_locked_tenant(session: AsyncSession, ref: str) -> Tenant:
+    """The tenant whose id or name is `ref`, its row locked (`lock_tenant`) and read again
+    under the lock; NotFound when there is none, also when it was deleted between the read and
+    the lock. Every write of a tenant's row, or of a row that refers to it (a key, a quota),
+    takes it first, so a delete of the tenant either comes after it and removes what it wrote,
+    or came before it and this is a 404. Reading then writing without it, a PATCH racing the
+    delete updated no row (StaleDataError) and a new key's INSERT failed its foreign key: 500s."""
+    tenant = await get_tenant(session, ref)
+    if not await lock_tenant(session, tenant.id):
+        raise NotFound(
+            f"no tenant with the id or name {ref!r}", param="id", code="tenant_not_found"
+        )
+    await session.refresh(tenant)  # what a writer that held the lock before us changed
+    return tenant
+
+
 async def lock_owner(session: AsyncSession, owner: str) -> None:
     """Lock an adapter owner's row until the transaction ends (a publish's; nothing for
     `shared`); NotFound when the tenant was deleted since the publish checked it. The lock is a write that changes nothing: a row lock on

@@ -21,10 +21,10 @@ from loramux.gateway.admin.paging import Paging, page_of
 from loramux.gateway.admin.wire import Deleted, utc
 from loramux.gateway.auth.api_keys import ApiKeyAuth
 from loramux.gateway.db import ApiKey, Tenant
-from loramux.gateway.errors import Conflict, NotFound
+from loramux.gateway.errors import Conflict
 from loramux.gateway.prefix_cache import SETTING as PREFIX_SCOPE
 from loramux.gateway.prefix_cache import scope_of
-from loramux.gateway.tenants.lookup import check_tenant_name, get_tenant, lock_tenant
+from loramux.gateway.tenants.lookup import check_tenant_name, get_locked_tenant, get_tenant
 from loramux.gateway.tenants.schemas import TenantCreate, TenantOut, TenantPage, TenantUpdate
 
 
@@ -70,7 +70,8 @@ class TenantService:
     async def update(self, ref: str, body: TenantUpdate) -> TenantOut:
         if isinstance(body.name, str):
             check_tenant_name(body.name)
-        tenant = await get_tenant(self.session, ref)
+        # Locked: a delete under way either commits first (404 here) or waits for this commit.
+        tenant = await get_locked_tenant(self.session, ref)
         if isinstance(body.name, str) and body.name != tenant.name:
             await _ensure_name_free(self.session, body.name)
             tenant.name = body.name
@@ -85,14 +86,10 @@ class TenantService:
         return tenant_out(tenant)
 
     async def delete(self, ref: str) -> Deleted:
-        tenant = await get_tenant(self.session, ref)
         # Locked before its adapters are read: a publish under way either commits first, and
-        # its version is soft-deleted here, or finds the tenant gone (adapters.service).
-        if not await lock_tenant(self.session, tenant.id):
-            # Another delete committed between our read and our lock: it is gone.
-            raise NotFound(
-                f"no tenant with the id or name {ref!r}", param="id", code="tenant_not_found"
-            )
+        # its version is soft-deleted here, or finds the tenant gone (adapters.service); a
+        # delete that committed first makes this one a 404.
+        tenant = await get_locked_tenant(self.session, ref)
         tenant_id = tenant.id
         key_ids = await _key_ids(self.session, tenant_id)
         versions, digests = await self.adapters.soft_delete_owned_by(tenant_id)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -18,11 +18,13 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from loramux.gateway.adapters.service import AdapterService
 from loramux.gateway.auth.api_keys import ApiKeyAuth, Principal
 from loramux.gateway.db import ApiKey, Tenant
-from loramux.gateway.errors import NotFound, Unauthorized
+from loramux.gateway.errors import GatewayError, NotFound, Unauthorized
 from loramux.gateway.keys.schemas import KeyCreate
 from loramux.gateway.keys.service import KeyService
 from loramux.gateway.server import RunningServer
 from loramux.gateway.state import GatewayState
+from loramux.gateway.tenants.lookup import get_tenant
+from loramux.gateway.tenants.schemas import TenantUpdate
 from loramux.gateway.tenants.service import TenantService
 from tests.gateway.conftest import admin_client, json_of
 
@@ -339,3 +341,64 @@ def test_two_deletes_of_one_tenant_at_once_are_one_200_and_one_404(
 
 async def _delete_twice(gw: GatewayState, ref: str) -> list[str]:
     return list(await asyncio.gather(_delete_tenant(gw, ref), _delete_tenant(gw, ref)))
+
+
+async def after_its_delete(gw: GatewayState, ref: str, write: Callable[[AsyncSession], Any]) -> str:
+    """What `write` answers in a session that read the tenant before another session deleted
+    it (the interleaving of two requests at once that the lock makes safe): `200`, a gateway
+    error's status and code, or `500` and the exception the handler would not have mapped."""
+    async with gw.sessions() as session:
+        # Referenced until `write` ran: the session's identity map holds only what is.
+        read = await get_tenant(session, ref)
+        assert await _delete_tenant(gw, ref) == "200"
+        try:
+            await write(session)
+        except GatewayError as exc:
+            return f"{exc.status} {exc.code}"
+        except Exception as exc:
+            return f"500 {type(exc).__name__}"
+        finally:
+            del read
+        return "200"
+
+
+def _tenants(gw: GatewayState, session: AsyncSession) -> TenantService:
+    adapters = AdapterService(
+        session, gw.store, gw.engine, gw.catalog, gw.model_name, gw.shared_store
+    )
+    return TenantService(session, gw.keys, adapters, gw.cache)
+
+
+def test_a_patch_of_a_tenant_deleted_meanwhile_is_404(each_gateway: RunningServer) -> None:
+    """It wrote the row it had read after the delete removed it: StaleDataError, a 500."""
+    gateway, admin = each_gateway, admin_client(each_gateway)
+    tenant = json_of(admin.post("/admin/tenants", json={"name": unique("patched")}))
+
+    def patch(session: AsyncSession) -> Any:
+        return _tenants(gateway.state, session).update(tenant["id"], TenantUpdate(disabled=True))
+
+    outcome = gateway.run(after_its_delete(gateway.state, tenant["id"], patch))
+
+    assert outcome == "404 tenant_not_found"
+
+
+def test_patches_racing_their_tenants_delete_are_200_or_404(each_gateway: RunningServer) -> None:
+    gateway, admin = each_gateway, admin_client(each_gateway)
+    for _ in range(3):
+        tenant = json_of(admin.post("/admin/tenants", json={"name": unique("racing")}))
+
+        patch, delete = gateway.run(_patch_and_delete(gateway.state, tenant["id"]))
+
+        assert (patch, delete) in (("200", "200"), ("404", "200"))
+
+
+async def _patch_and_delete(gw: GatewayState, ref: str) -> list[str]:
+    async def patch() -> str:
+        async with gw.sessions() as session:
+            try:
+                await _tenants(gw, session).update(ref, TenantUpdate(disabled=True))
+            except NotFound:
+                return "404"
+            return "200"
+
+    return list(await asyncio.gather(patch(), _delete_tenant(gw, ref)))
