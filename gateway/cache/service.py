@@ -28,7 +28,7 @@ from loramux.gateway.cache_policy import TenantCacheSettings
 from loramux.gateway.db import AdapterVersion, ApiKey
 from loramux.gateway.db.adapter import SHARED_OWNER
 from loramux.gateway.errors import NotFound, ServiceUnavailable, Unprocessable
-from loramux.gateway.tenants.lookup import get_tenant, owner_id, tenant_id_of
+from loramux.gateway.tenants.lookup import get_locked_tenant, get_tenant, owner_id, tenant_id_of
 
 _DIGEST = re.compile(r"^[0-9a-f]{16,64}$")
 
@@ -48,7 +48,9 @@ class CacheAdmin:
         return _out(tenant.id, TenantCacheSettings.of(tenant.settings or {}))
 
     async def update_settings(self, ref: str, changes: dict[str, object]) -> CacheSettingsOut:
-        tenant = await get_tenant(self.session, ref)
+        # Locked and read under the lock: a delete of the tenant either commits first (404
+        # here) or waits, and a concurrent write of its other settings is not lost.
+        tenant = await get_locked_tenant(self.session, ref)
         tenant_id = tenant.id
         current = dict(tenant.settings or {})
         merged = TenantCacheSettings.of(current).as_dict() | changes

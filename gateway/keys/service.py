@@ -20,7 +20,7 @@ from loramux.gateway.db import ApiKey
 from loramux.gateway.db.base import utcnow
 from loramux.gateway.errors import BadRequest, NotFound
 from loramux.gateway.keys.schemas import KeyCreate, KeyOut, KeyPage, NewKeyOut
-from loramux.gateway.tenants.lookup import get_tenant
+from loramux.gateway.tenants.lookup import get_locked_tenant, get_tenant, lock_tenant
 
 
 def key_out(key: ApiKey) -> KeyOut:
@@ -39,8 +39,25 @@ def key_out(key: ApiKey) -> KeyOut:
 async def get_key(session: AsyncSession, key_id: str) -> ApiKey:
     key = await session.get(ApiKey, key_id)
     if key is None:
-        raise NotFound(f"no API key {key_id!r}", param="id", code="key_not_found")
+        raise _no_key(key_id)
     return key
+
+
+async def get_locked_key(session: AsyncSession, key_id: str) -> ApiKey:
+    """The key `key_id` with its tenant's row locked (`lock_tenant`), read again under the lock;
+    NotFound when there is none, also when its tenant's delete took it after it was read. A key
+    goes only with its tenant, so a write of a key's row (a revoke) or of a row that refers to
+    it (its quota) takes the lock that delete takes, and never updates a row the delete removed
+    (StaleDataError, a 500)."""
+    key = await get_key(session, key_id)
+    if not await lock_tenant(session, key.tenant_id):
+        raise _no_key(key_id)
+    await session.refresh(key)
+    return key
+
+
+def _no_key(key_id: str) -> NotFound:
+    return NotFound(f"no API key {key_id!r}", param="id", code="key_not_found")
 
 
 class KeyService:
@@ -56,7 +73,9 @@ class KeyService:
             check_display_name(body.name, "name")
         expires_at = _expiry(body)
         new = mint_key()
-        tenant = await get_tenant(self.session, ref)
+        # Locked: a delete of the tenant either commits first (404 here) or waits for this
+        # commit and takes the key with it; the key's INSERT never meets a missing tenant.
+        tenant = await get_locked_tenant(self.session, ref)
         key = ApiKey(
             id=new.id,
             tenant_id=tenant.id,
@@ -83,7 +102,7 @@ class KeyService:
         return KeyPage([key_out(k) for k in rows], total, paging.limit, paging.offset)
 
     async def revoke(self, key_id: str) -> KeyOut:
-        key = await get_key(self.session, key_id)
+        key = await get_locked_key(self.session, key_id)
         if key.revoked_at is None:
             key.revoked_at = utcnow()
             await self.session.commit()

@@ -3,7 +3,8 @@
 An update changes only the limits it names: an absent field leaves its limit as it was, `null`
 removes it. A token budget needs a period (`day` or `month`) to be counted over; an update that
 would leave a budget without one is refused and changes nothing. Concurrent updates of one
-scope all apply, one after the other, to its single row.
+scope all apply, one after the other, to its single row. A write locks the tenant's row first
+(`get_locked_tenant`), as the tenant's delete does: one racing that delete is a 404.
 
 A budget set where there was none, or counted over another period, starts from what the scope
 spent this period: its ledgers in Redis (`<scope>:budget:*`) lose their total, so the next
@@ -28,10 +29,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from loramux.gateway.admin.wire import given
 from loramux.gateway.db import Quota
 from loramux.gateway.errors import BadRequest, Conflict, ServiceUnavailable
-from loramux.gateway.keys.service import get_key
+from loramux.gateway.keys.service import get_key, get_locked_key
 from loramux.gateway.quotas.buckets import scope_prefix
 from loramux.gateway.quotas.schemas import QuotaOut, QuotaUpdate
-from loramux.gateway.tenants.lookup import get_tenant
+from loramux.gateway.tenants.lookup import get_locked_tenant, get_tenant
 
 LIMITS = ("rpm", "tpm", "max_concurrent", "token_budget", "budget_period")
 _ATTEMPTS = 3
@@ -78,10 +79,12 @@ class QuotaLimits:
         fields on top, as if they had come after it."""
         session = self.session
         for _ in range(_ATTEMPTS):
+            # Locked: a delete of the tenant either commits first (404 here) or waits for this
+            # commit; the row is never written after the delete removed it or its owner.
             if key_id is None:
-                await get_tenant(session, tenant_id)
+                await get_locked_tenant(session, tenant_id)
             else:
-                await get_key(session, key_id)
+                await get_locked_key(session, key_id)
             quota = await _find(session, tenant_id, key_id)
             if quota is None:
                 quota = Quota(tenant_id=tenant_id, key_id=key_id)

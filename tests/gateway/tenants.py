@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from loramux.gateway.adapters.service import AdapterService
+from loramux.gateway.errors import GatewayError, NotFound
+from loramux.gateway.state import GatewayState
+from loramux.gateway.tenants.lookup import get_tenant
+from loramux.gateway.tenants.service import TenantService
 
 
 @dataclass(frozen=True)
@@ -48,3 +56,47 @@ def upload_adapter(admin: httpx.Client, owner: str, name: str, folder: Path) -> 
     r = admin.post("/admin/adapters", data={"name": name, "owner": owner}, files=files)
     assert r.status_code == 201, r.text
     return r.json()
+
+
+def tenant_service(gw: GatewayState, session: AsyncSession) -> TenantService:
+    """The admin API's tenant service over `session`, composed as its router composes it."""
+    adapters = AdapterService(
+        session, gw.store, gw.engine, gw.catalog, gw.model_name, gw.shared_store
+    )
+    return TenantService(session, gw.keys, adapters, gw.cache)
+
+
+async def delete_tenant(gw: GatewayState, ref: str) -> str:
+    """Delete a tenant through the admin API's own services, in a session of its own; what
+    the handler would have answered."""
+    async with gw.sessions() as session:
+        try:
+            await tenant_service(gw, session).delete(ref)
+        except NotFound:
+            return "404"
+        return "200"
+
+
+Step = Callable[[AsyncSession], Awaitable[Any]]
+
+
+async def after_its_delete(
+    gw: GatewayState, ref: str, write: Step, read: Step | None = None
+) -> str:
+    """What `write` answers in a session that read the tenant (and what `read` reads) before
+    another session deleted the tenant: the interleaving of two admin requests at once that
+    locking the tenant makes safe. `200`, a gateway error's status and code, or `500` and the
+    exception the handler would not have mapped."""
+    async with gw.sessions() as session:
+        # Referenced until `write` ran: the session's identity map holds only what is.
+        held = [await get_tenant(session, ref), await read(session) if read else None]
+        assert await delete_tenant(gw, ref) == "200"
+        try:
+            await write(session)
+        except GatewayError as exc:
+            return f"{exc.status} {exc.code}"
+        except Exception as exc:
+            return f"500 {type(exc).__name__}"
+        finally:
+            del held
+        return "200"

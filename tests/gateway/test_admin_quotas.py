@@ -11,8 +11,13 @@ import pytest
 from sqlalchemy import func, select
 
 from loramux.gateway.db import Quota
+from loramux.gateway.errors import NotFound
+from loramux.gateway.quotas.limits import QuotaLimits
+from loramux.gateway.quotas.schemas import QuotaUpdate
 from loramux.gateway.server import RunningServer
-from tests.gateway.conftest import json_of
+from loramux.gateway.state import GatewayState
+from tests.gateway.conftest import admin_client, json_of
+from tests.gateway.tenants import delete_tenant
 
 NO_LIMITS = {
     "rpm": None,
@@ -154,3 +159,55 @@ async def test_concurrent_first_updates_all_apply_to_one_row(
                 return int(await session.scalar(query) or 0)
 
         assert gateway.run(rows()) == 1
+
+
+@pytest.mark.parametrize("scope", ["tenant", "key"])
+@pytest.mark.parametrize("first", [True, False], ids=["first write", "update"])
+def test_quotas_set_while_their_tenant_is_deleted_are_200_or_404(
+    each_gateway: RunningServer, scope: str, first: bool
+) -> None:
+    """Read before the delete committed, written after: the update of the scope's row matched
+    none (StaleDataError), or a first write's row lost its foreign key; 500s."""
+    gateway, admin = each_gateway, admin_client(each_gateway)
+    for _ in range(3):
+        tenant = json_of(admin.post("/admin/tenants", json={"name": f"q-{uuid.uuid4().hex}"}))
+        scoped: tuple[str, str | None] = (tenant["id"], None)
+        if scope == "key":
+            scoped = (
+                tenant["id"],
+                json_of(admin.post(f"/admin/tenants/{tenant['id']}/keys"))["id"],
+            )
+        if not first:
+            gateway.run(_set_quota(gateway.state, *scoped, rpm=5))
+
+        quota, delete = gateway.run(_set_quota_and_delete(gateway.state, *scoped))
+
+        assert (quota, delete) in (("200", "200"), ("404", "200"))
+        assert gateway.run(_quota_rows(gateway.state, tenant["id"])) == 0
+
+
+async def _set_quota(gw: GatewayState, tenant_id: str, key_id: str | None, rpm: int = 10) -> str:
+    """Set an rpm through the admin API's own service, in a session of its own; what the
+    handler would have answered."""
+    async with gw.sessions() as session:
+        limits = QuotaLimits(session, gw.redis)
+        try:
+            if key_id is None:
+                await limits.set_for_tenant(tenant_id, QuotaUpdate(rpm=rpm))
+            else:
+                await limits.set_for_key(key_id, QuotaUpdate(rpm=rpm))
+        except NotFound:
+            return "404"
+        return "200"
+
+
+async def _set_quota_and_delete(gw: GatewayState, tenant_id: str, key_id: str | None) -> list[str]:
+    return list(
+        await asyncio.gather(_set_quota(gw, tenant_id, key_id), delete_tenant(gw, tenant_id))
+    )
+
+
+async def _quota_rows(gw: GatewayState, tenant_id: str) -> int:
+    async with gw.sessions() as session:
+        query = select(func.count(Quota.id)).where(Quota.tenant_id == tenant_id)
+        return int(await session.scalar(query) or 0)

@@ -6,27 +6,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import update
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from loramux.gateway.adapters.service import AdapterService
 from loramux.gateway.auth.api_keys import ApiKeyAuth, Principal
 from loramux.gateway.db import ApiKey, Tenant
-from loramux.gateway.errors import GatewayError, NotFound, Unauthorized
+from loramux.gateway.errors import NotFound, Unauthorized
 from loramux.gateway.keys.schemas import KeyCreate
 from loramux.gateway.keys.service import KeyService
 from loramux.gateway.server import RunningServer
 from loramux.gateway.state import GatewayState
-from loramux.gateway.tenants.lookup import get_tenant
 from loramux.gateway.tenants.schemas import TenantUpdate
-from loramux.gateway.tenants.service import TenantService
 from tests.gateway.conftest import admin_client, json_of
+from tests.gateway.tenants import after_its_delete, delete_tenant, tenant_service
 
 
 def unique(prefix: str) -> str:
@@ -312,20 +310,6 @@ def test_an_expiry_utc_cannot_express_is_400(admin: httpx.Client, expires_at: st
     assert json_of(admin.get(f"/admin/tenants/{tenant['id']}/keys"))["items"] == []
 
 
-async def _delete_tenant(gw: GatewayState, ref: str) -> str:
-    """Delete a tenant through the admin API's own services, in a session of its own; what
-    the handler would have answered."""
-    async with gw.sessions() as session:
-        adapters = AdapterService(
-            session, gw.store, gw.engine, gw.catalog, gw.model_name, gw.shared_store
-        )
-        try:
-            await TenantService(session, gw.keys, adapters, gw.cache).delete(ref)
-        except NotFound:
-            return "404"
-        return "200"
-
-
 def test_two_deletes_of_one_tenant_at_once_are_one_200_and_one_404(
     each_gateway: RunningServer,
 ) -> None:
@@ -340,33 +324,7 @@ def test_two_deletes_of_one_tenant_at_once_are_one_200_and_one_404(
 
 
 async def _delete_twice(gw: GatewayState, ref: str) -> list[str]:
-    return list(await asyncio.gather(_delete_tenant(gw, ref), _delete_tenant(gw, ref)))
-
-
-async def after_its_delete(gw: GatewayState, ref: str, write: Callable[[AsyncSession], Any]) -> str:
-    """What `write` answers in a session that read the tenant before another session deleted
-    it (the interleaving of two requests at once that the lock makes safe): `200`, a gateway
-    error's status and code, or `500` and the exception the handler would not have mapped."""
-    async with gw.sessions() as session:
-        # Referenced until `write` ran: the session's identity map holds only what is.
-        read = await get_tenant(session, ref)
-        assert await _delete_tenant(gw, ref) == "200"
-        try:
-            await write(session)
-        except GatewayError as exc:
-            return f"{exc.status} {exc.code}"
-        except Exception as exc:
-            return f"500 {type(exc).__name__}"
-        finally:
-            del read
-        return "200"
-
-
-def _tenants(gw: GatewayState, session: AsyncSession) -> TenantService:
-    adapters = AdapterService(
-        session, gw.store, gw.engine, gw.catalog, gw.model_name, gw.shared_store
-    )
-    return TenantService(session, gw.keys, adapters, gw.cache)
+    return list(await asyncio.gather(delete_tenant(gw, ref), delete_tenant(gw, ref)))
 
 
 def test_a_patch_of_a_tenant_deleted_meanwhile_is_404(each_gateway: RunningServer) -> None:
@@ -375,7 +333,9 @@ def test_a_patch_of_a_tenant_deleted_meanwhile_is_404(each_gateway: RunningServe
     tenant = json_of(admin.post("/admin/tenants", json={"name": unique("patched")}))
 
     def patch(session: AsyncSession) -> Any:
-        return _tenants(gateway.state, session).update(tenant["id"], TenantUpdate(disabled=True))
+        return tenant_service(gateway.state, session).update(
+            tenant["id"], TenantUpdate(disabled=True)
+        )
 
     outcome = gateway.run(after_its_delete(gateway.state, tenant["id"], patch))
 
@@ -396,9 +356,64 @@ async def _patch_and_delete(gw: GatewayState, ref: str) -> list[str]:
     async def patch() -> str:
         async with gw.sessions() as session:
             try:
-                await _tenants(gw, session).update(ref, TenantUpdate(disabled=True))
+                await tenant_service(gw, session).update(ref, TenantUpdate(disabled=True))
             except NotFound:
                 return "404"
             return "200"
 
-    return list(await asyncio.gather(patch(), _delete_tenant(gw, ref)))
+    return list(await asyncio.gather(patch(), delete_tenant(gw, ref)))
+
+
+def test_a_key_made_or_revoked_for_a_tenant_deleted_meanwhile_is_404(
+    each_gateway: RunningServer,
+) -> None:
+    """The new key's INSERT failed its foreign key (SQLite's "FOREIGN KEY constraint failed",
+    PostgreSQL's 23503), and the revoke's UPDATE matched no row: 500s."""
+    gateway, admin = each_gateway, admin_client(each_gateway)
+    made = json_of(admin.post("/admin/tenants", json={"name": unique("keyed")}))
+    revoked = json_of(admin.post("/admin/tenants", json={"name": unique("keyed")}))
+    key = new_key(admin, revoked["id"])
+
+    def make(session: AsyncSession) -> Any:
+        return KeyService(session, gateway.state.keys).create(made["id"], KeyCreate(name="k"))
+
+    def revoke(session: AsyncSession) -> Any:
+        return KeyService(session, gateway.state.keys).revoke(key["id"])
+
+    def read_key(session: AsyncSession) -> Any:
+        return session.get(ApiKey, key["id"])
+
+    assert gateway.run(after_its_delete(gateway.state, made["id"], make)) == "404 tenant_not_found"
+    outcome = gateway.run(after_its_delete(gateway.state, revoked["id"], revoke, read_key))
+    assert outcome == "404 key_not_found"
+
+
+def test_keys_made_while_their_tenant_is_deleted_are_201_or_404_and_none_is_left(
+    each_gateway: RunningServer,
+) -> None:
+    gateway, admin = each_gateway, admin_client(each_gateway)
+    for _ in range(3):
+        tenant = json_of(admin.post("/admin/tenants", json={"name": unique("racing")}))
+
+        made, delete = gateway.run(_make_key_and_delete(gateway.state, tenant["id"]))
+
+        assert (made, delete) in (("201", "200"), ("404", "200"))
+        assert gateway.run(_keys_of(gateway.state, tenant["id"])) == 0
+
+
+async def _make_key_and_delete(gw: GatewayState, ref: str) -> list[str]:
+    async def make() -> str:
+        async with gw.sessions() as session:
+            try:
+                await KeyService(session, gw.keys).create(ref, KeyCreate(name="k"))
+            except NotFound:
+                return "404"
+            return "201"
+
+    return list(await asyncio.gather(make(), delete_tenant(gw, ref)))
+
+
+async def _keys_of(gw: GatewayState, tenant_id: str) -> int:
+    async with gw.sessions() as session:
+        query = select(func.count(ApiKey.id)).where(ApiKey.tenant_id == tenant_id)
+        return int(await session.scalar(query) or 0)

@@ -12,10 +12,12 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy.ext.asyncio import AsyncSession
 
+from loramux.gateway.cache.service import CacheAdmin
 from loramux.gateway.server import RunningServer
-from tests.gateway.conftest import json_of
-from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
+from tests.gateway.conftest import admin_client, json_of
+from tests.gateway.tenants import TenantKey, after_its_delete, new_tenant, upload_adapter
 from tests.redis import RedisServer
 
 QUESTION = "How do I reset my password?"
@@ -309,3 +311,18 @@ def test_a_request_without_max_tokens_hits_and_a_refused_one_counts_no_lookup(
     assert refused.status_code == 400, refused.text
     stats = json_of(admin.get(f"/admin/tenants/{tenant.tenant_id}/cache/stats"))
     assert (stats["lookups"], stats["exact_hits"], stats["misses"]) == (3, 1, 2)
+
+
+def test_cache_settings_of_a_tenant_deleted_meanwhile_are_404(each_gateway: RunningServer) -> None:
+    """The settings' UPDATE of a tenant the delete removed after it was read matched no row
+    (StaleDataError): a 500."""
+    gateway = each_gateway
+    tenant = new_tenant(admin_client(gateway), "settings")
+
+    def update(session: AsyncSession) -> Any:
+        cache_admin = CacheAdmin(session, gateway.state.keys, gateway.state.cache)
+        return cache_admin.update_settings(tenant.tenant_id, {"semantic": True})
+
+    outcome = gateway.run(after_its_delete(gateway.state, tenant.tenant_id, update))
+
+    assert outcome == "404 tenant_not_found"
