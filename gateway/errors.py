@@ -16,7 +16,7 @@ import msgspec
 from litestar import Request, Response
 from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException, InternalServerException, ValidationException
-from sqlalchemy import exc as sql
+from sqlalchemy.exc import SQLAlchemyError
 
 from loramux.adapters.errors import AdapterError, FileTooLarge
 from loramux.engine.errors import (
@@ -29,6 +29,7 @@ from loramux.engine.errors import (
     UnknownAdapterError,
 )
 from loramux.engine.structured import StructuredOutputError
+from loramux.gateway.db.faults import Fault, fault_of
 from loramux.gateway.engine_client.base import EngineTimeoutError
 
 log = logging.getLogger(__name__)
@@ -185,13 +186,8 @@ def to_gateway_error(exc: Exception) -> GatewayError | None:
             return exc
         case EngineError():
             return _from_engine(exc)
-        case sql.OperationalError() | sql.InterfaceError() | sql.TimeoutError():
-            return _database_unavailable()
-        case sql.DBAPIError() if exc.connection_invalidated or _unavailable_sqlstate(exc):
-            return _database_unavailable()
-        case sql.DBAPIError() if getattr(exc.orig, "sqlstate", None) == NUL_SQLSTATE:
-            # What `refuse_nul` does not see (a body's field): the client's text, not a fault.
-            return BadRequest(_NUL_MESSAGE.format(where="the request"), code="invalid_request")
+        case SQLAlchemyError() if (fault := fault_of(exc)) is not None:
+            return _from_database(fault, exc)
         case ConnectionError():
             # A driver that surfaces a refused or reset connection as the OS error itself
             # (asyncpg while connecting): a backing service is down, not a bug.
@@ -246,19 +242,20 @@ def _from_engine(exc: EngineError) -> GatewayError | None:
     return None
 
 
-UNAVAILABLE_SQLSTATES = ("08", "53", "57")
-"""SQLSTATE classes of a database that cannot serve now: connection exception, insufficient
-resources (too many connections), operator intervention (shutting down, starting up)."""
-
-
-def _unavailable_sqlstate(exc: sql.DBAPIError) -> bool:
-    sqlstate = getattr(exc.orig, "sqlstate", None)
-    return isinstance(sqlstate, str) and sqlstate[:2] in UNAVAILABLE_SQLSTATES
-
-
-def _database_unavailable() -> ServiceUnavailable:
-    return ServiceUnavailable(
-        "the database is unavailable; retry later", code="database_unavailable"
+def _from_database(fault: Fault, exc: Exception) -> GatewayError:
+    """The answer to a database error (`gateway.db.faults`)."""
+    if fault == "unavailable":
+        return ServiceUnavailable(
+            "the database is unavailable; retry later", code="database_unavailable"
+        )
+    if fault == "unstorable_text":
+        # What `refuse_nul` does not see (a body's field): the client's text, not a fault.
+        return BadRequest(_NUL_MESSAGE.format(where="the request"), code="invalid_request")
+    # A writer that did not lock what it writes: logged, as the bug it is; the client retries.
+    log.warning("a write met a row deleted meanwhile: %s", exc)
+    return Conflict(
+        "what this request writes was deleted by another request meanwhile; read it and retry",
+        code="concurrent_delete",
     )
 
 
@@ -350,8 +347,6 @@ def _empty_segment(path: str) -> NotFound:
 
 
 NUL = "\x00"
-NUL_SQLSTATE = "22021"
-"""PostgreSQL's `character_not_in_repertoire`: what it answers to text holding NUL."""
 _NUL_MESSAGE = "{where} holds a NUL character (U+0000), which no name, id or filter may hold"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -15,13 +15,14 @@ import pytest
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from loramux.gateway.auth.api_keys import ApiKeyAuth, Principal
+from loramux.gateway.auth.api_keys import ApiKeyAuth, Principal, mint_key
 from loramux.gateway.db import ApiKey, Tenant
-from loramux.gateway.errors import NotFound, Unauthorized
+from loramux.gateway.errors import NotFound, Unauthorized, to_gateway_error
 from loramux.gateway.keys.schemas import KeyCreate
 from loramux.gateway.keys.service import KeyService
 from loramux.gateway.server import RunningServer
 from loramux.gateway.state import GatewayState
+from loramux.gateway.tenants.lookup import get_tenant
 from loramux.gateway.tenants.schemas import TenantUpdate
 from tests.gateway.conftest import admin_client, json_of
 from tests.gateway.tenants import after_its_delete, delete_tenant, tenant_service
@@ -417,3 +418,44 @@ async def _keys_of(gw: GatewayState, tenant_id: str) -> int:
     async with gw.sessions() as session:
         query = select(func.count(ApiKey.id)).where(ApiKey.tenant_id == tenant_id)
         return int(await session.scalar(query) or 0)
+
+
+def test_a_write_that_meets_a_deleted_tenant_without_its_lock_is_a_409(
+    each_gateway: RunningServer,
+) -> None:
+    """The error mapping's safety net for a writer that does not lock the tenant: the database's
+    own refusals (a foreign key to a deleted row, an UPDATE that matched none) are a 409 to
+    retry, not a 500."""
+    gateway, admin = each_gateway, admin_client(each_gateway)
+    for write in (_orphan_key, _stale_patch):
+        tenant = json_of(admin.post("/admin/tenants", json={"name": unique("unlocked")}))
+
+        raised = gateway.run(_raised_after_its_delete(gateway.state, tenant["id"], write))
+
+        error = to_gateway_error(raised)
+        assert error is not None and (error.status, error.code) == (409, "concurrent_delete")
+
+
+async def _orphan_key(session: AsyncSession, tenant: Tenant) -> None:
+    new = mint_key()
+    session.add(ApiKey(id=new.id, tenant_id=tenant.id, secret_hash=new.secret_hash))
+    await session.commit()
+
+
+async def _stale_patch(session: AsyncSession, tenant: Tenant) -> None:
+    tenant.disabled = True
+    await session.commit()
+
+
+async def _raised_after_its_delete(
+    gw: GatewayState, ref: str, write: Callable[[AsyncSession, Tenant], Awaitable[None]]
+) -> Exception:
+    """What `write` raises, given the tenant read in its session before another deleted it."""
+    async with gw.sessions() as session:
+        tenant = await get_tenant(session, ref)
+        assert await delete_tenant(gw, ref) == "200"
+        try:
+            await write(session, tenant)
+        except Exception as exc:
+            return exc
+        raise AssertionError(f"{write.__name__} wrote a row of the deleted tenant {ref}")
