@@ -30,12 +30,26 @@ def env_value(name: str, default: Any, cast: type = str) -> Any:
     if raw is None or raw == "":
         return default
     if cast is bool:
-        return raw.strip().lower() in ("1", "true", "yes", "on")
+        return _boolean(name, raw)
     try:
         return cast(raw)
     except ValueError:
         kind = _KINDS.get(cast, f"a {cast.__name__}")
         raise ConfigError(f"LORAMUX_{name} must be {kind}, not {raw!r}") from None
+
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def _boolean(name: str, raw: str) -> bool:
+    """A boolean's words, in any case; anything else is refused by name. `enabled` and `ture`
+    read as off, silently, when only the true words were looked for."""
+    word = raw.strip().lower()
+    if word in TRUE_WORDS or word in FALSE_WORDS:
+        return word in TRUE_WORDS
+    words = f"{', '.join(TRUE_WORDS)} or {', '.join(FALSE_WORDS)}"
+    raise ConfigError(f"LORAMUX_{name} must be a boolean ({words}), not {raw!r}")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from loramux.gateway.serve_workers import (
     default_workers,
     own_cgroup,
 )
+from loramux.gateway.setting_checks import ConfigError
 from loramux.gateway.settings import EngineSettings, ServerSettings, Settings
 
 MODEL = Path("model")
@@ -132,6 +133,36 @@ def test_an_invalid_setting_is_refused_by_the_engine_config(clean_env: pytest.Mo
     clean_env.setenv("LORAMUX_MAX_LORA_RANK", "512")
     with pytest.raises(ValueError, match=r"LORAMUX_MAX_LORA_RANK must be within 1\.\.256, not 512"):
         EngineSettings().engine_config(MODEL)
+
+
+BOOLEANS = ["PREFIX_CACHING", "CUDA_GRAPHS", "FUSED_KERNELS", "ASYNC_SCHEDULING"]
+
+
+@pytest.mark.parametrize("name", BOOLEANS)
+@pytest.mark.parametrize(
+    ("value", "meant"),
+    [
+        *[("1", True), ("true", True), ("Yes", True), (" ON ", True)],
+        *[("0", False), ("FALSE", False), ("no", False), ("Off", False)],
+    ],
+)
+def test_a_boolean_setting_reads_its_words_in_any_case(
+    clean_env: pytest.MonkeyPatch, name: str, value: str, meant: bool
+) -> None:
+    clean_env.setenv(f"LORAMUX_{name}", value)
+    assert getattr(EngineSettings(), name.lower()) is meant
+
+
+@pytest.mark.parametrize("name", BOOLEANS)
+@pytest.mark.parametrize("value", ["enabled", "ture", "2", "y", "disabled", "-"])
+def test_a_boolean_setting_that_is_no_boolean_is_refused_by_name(
+    clean_env: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    """Anything but 1, true, yes or on was read as off: LORAMUX_PREFIX_CACHING=enabled
+    silently turned prefix caching off."""
+    clean_env.setenv(f"LORAMUX_{name}", value)
+    with pytest.raises(ConfigError, match=rf"LORAMUX_{name} must be a boolean .*, not '{value}'"):
+        EngineSettings()
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
