@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import TypeAlias
 
-from loramux.gateway.setting_checks import ConfigError, StartError
-from loramux.gateway.settings import PORTS, Settings
+from loramux.gateway.setting_checks import PORTS, ConfigError, StartError
+from loramux.gateway.settings import Settings
 
 log = logging.getLogger("loramux")
 

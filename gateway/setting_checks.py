@@ -1,6 +1,6 @@
 """Reading and checking `LORAMUX_*` values (gateway.settings): a value not of its type, or out
 of its bounds, is refused by its variable's name and the value, where the settings are read, so
-that no command starts on it."""
+that no command starts on it. Each settings class has a table here of its fields' bounds."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import math
 import os
 from dataclasses import dataclass
 from typing import Any
+
+from loramux.engine.config import MAX_CPU_THREADS
 
 
 class StartError(Exception):
@@ -86,3 +88,55 @@ def check_bounds(settings: object, bounds: dict[str, Bound]) -> None:
     """Check each field of `settings` that `bounds` names against its bound."""
     for name, bound in bounds.items():
         bound.check(getattr(settings, name))
+
+
+ENGINE_BOUNDS = {
+    "kv_cache_mb": Bound("KV_CACHE_MB", 1),
+    "max_num_seqs": Bound("MAX_NUM_SEQS", 1),
+    "max_num_batched_tokens": Bound("MAX_BATCHED_TOKENS", 1),
+    "max_model_len": Bound("MAX_MODEL_LEN", 1),
+    "max_loras": Bound("MAX_LORAS", 1),
+    "lora_memory_mb": Bound("LORA_MEMORY_MB", 1),
+    "max_cpu_loras": Bound("MAX_CPU_LORAS", 1),
+    "max_lora_rank": Bound("MAX_LORA_RANK", 1, 256),
+    "lora_load_workers": Bound("LORA_LOAD_WORKERS", 1),
+    "lora_copy_groups_per_step": Bound("LORA_COPY_GROUPS_PER_STEP", 1),
+    # 0 is no count of threads: refused here, as `loramux engine` always did, not taken as unset.
+    "engine_threads": Bound("ENGINE_THREADS", 1, MAX_CPU_THREADS),
+}
+"""EngineConfig refuses most of these too, but only in the engine's process, naming its own
+field: here they are refused where the settings are read, by their variable."""
+
+
+PORTS = Bound("PORT", 1, 65535)
+"""Ports serve may listen on; not 0 (any free port): its workers would each get another, and
+the first start's hint could not name it."""
+
+SERVER_BOUNDS = {
+    "port": PORTS,
+    "engine_first_output_seconds": Bound("ENGINE_FIRST_OUTPUT_SECONDS", 0, above=True),
+    "key_cache_seconds": Bound("KEY_CACHE_SECONDS", 0),
+    "usage_flush_seconds": Bound("USAGE_FLUSH_SECONDS", 0, above=True),
+    "admin_token_max_ttl": Bound("ADMIN_TOKEN_MAX_TTL", 1),
+    "max_upload_mb": Bound("MAX_UPLOAD_MB", 1),
+    "max_body_kb": Bound("MAX_BODY_KB", 1),  # -1 answered every request with a body 413
+    "default_max_tokens": Bound("DEFAULT_MAX_TOKENS", 1),
+    "usage_max_buffered": Bound("USAGE_MAX_BUFFERED", 1),
+    "demo_adapters": Bound("DEMO_ADAPTERS", 0),
+}
+
+
+QUOTA_BOUNDS = {
+    "config_cache_seconds": Bound("QUOTA_CONFIG_CACHE_SECONDS", 0),
+    # Leases count in milliseconds in Redis; a day is far beyond any request's run.
+    "slot_lease_seconds": Bound("QUOTA_SLOT_LEASE_SECONDS", 0.001, 86400),
+    "redis_timeout_ms": Bound("QUOTA_REDIS_TIMEOUT_MS", 1),
+    "max_unsettled": Bound("QUOTA_MAX_UNSETTLED", 1),
+}
+
+
+CACHE_BOUNDS = {
+    "max_entries_per_bucket": Bound("CACHE_MAX_ENTRIES_PER_BUCKET", 1),
+    "mirror_mb": Bound("CACHE_MIRROR_MB", 0),  # 0: only the bucket being searched is kept
+    "redis_timeout_ms": Bound("CACHE_REDIS_TIMEOUT_MS", 1),
+}

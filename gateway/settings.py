@@ -12,8 +12,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from loramux.engine.config import DTYPES, MAX_CPU_THREADS, EngineConfig
-from loramux.gateway.setting_checks import Bound, ConfigError, check_bounds, env_value
+from loramux.engine.config import DTYPES, EngineConfig
+from loramux.gateway.setting_checks import (
+    CACHE_BOUNDS,
+    ENGINE_BOUNDS,
+    QUOTA_BOUNDS,
+    SERVER_BOUNDS,
+    ConfigError,
+    check_bounds,
+    env_value,
+)
 
 
 def private_folder(path: Path) -> Path:
@@ -31,24 +39,6 @@ for a long queue, or the prefill of a long prompt on slow hardware."""
 def _engine_default(name: str) -> Any:
     """EngineConfig's own default of its field `name`: the settings never repeat one."""
     return EngineConfig.__dataclass_fields__[name].default
-
-
-ENGINE_BOUNDS = {
-    "kv_cache_mb": Bound("KV_CACHE_MB", 1),
-    "max_num_seqs": Bound("MAX_NUM_SEQS", 1),
-    "max_num_batched_tokens": Bound("MAX_BATCHED_TOKENS", 1),
-    "max_model_len": Bound("MAX_MODEL_LEN", 1),
-    "max_loras": Bound("MAX_LORAS", 1),
-    "lora_memory_mb": Bound("LORA_MEMORY_MB", 1),
-    "max_cpu_loras": Bound("MAX_CPU_LORAS", 1),
-    "max_lora_rank": Bound("MAX_LORA_RANK", 1, 256),
-    "lora_load_workers": Bound("LORA_LOAD_WORKERS", 1),
-    "lora_copy_groups_per_step": Bound("LORA_COPY_GROUPS_PER_STEP", 1),
-    # 0 is no count of threads: refused here, as `loramux engine` always did, not taken as unset.
-    "engine_threads": Bound("ENGINE_THREADS", 1, MAX_CPU_THREADS),
-}
-"""EngineConfig refuses most of these too, but only in the engine's process, naming its own
-field: here they are refused where the settings are read, by their variable."""
 
 
 @dataclass(frozen=True)
@@ -176,24 +166,6 @@ class EngineSettings:
         )
 
 
-PORTS = Bound("PORT", 1, 65535)
-"""Ports serve may listen on; not 0 (any free port): its workers would each get another, and
-the first start's hint could not name it."""
-
-SERVER_BOUNDS = {
-    "port": PORTS,
-    "engine_first_output_seconds": Bound("ENGINE_FIRST_OUTPUT_SECONDS", 0, above=True),
-    "key_cache_seconds": Bound("KEY_CACHE_SECONDS", 0),
-    "usage_flush_seconds": Bound("USAGE_FLUSH_SECONDS", 0, above=True),
-    "admin_token_max_ttl": Bound("ADMIN_TOKEN_MAX_TTL", 1),
-    "max_upload_mb": Bound("MAX_UPLOAD_MB", 1),
-    "max_body_kb": Bound("MAX_BODY_KB", 1),  # -1 answered every request with a body 413
-    "default_max_tokens": Bound("DEFAULT_MAX_TOKENS", 1),
-    "usage_max_buffered": Bound("USAGE_MAX_BUFFERED", 1),
-    "demo_adapters": Bound("DEMO_ADAPTERS", 0),
-}
-
-
 @dataclass(frozen=True)
 class ServerSettings:
     host: str = field(default_factory=lambda: env_value("HOST", "127.0.0.1"))
@@ -267,15 +239,6 @@ class ServerSettings:
         check_bounds(self, SERVER_BOUNDS)
 
 
-QUOTA_BOUNDS = {
-    "config_cache_seconds": Bound("QUOTA_CONFIG_CACHE_SECONDS", 0),
-    # Leases count in milliseconds in Redis; a day is far beyond any request's run.
-    "slot_lease_seconds": Bound("QUOTA_SLOT_LEASE_SECONDS", 0.001, 86400),
-    "redis_timeout_ms": Bound("QUOTA_REDIS_TIMEOUT_MS", 1),
-    "max_unsettled": Bound("QUOTA_MAX_UNSETTLED", 1),
-}
-
-
 @dataclass(frozen=True)
 class QuotaSettings:
     on_redis_down: str = field(default_factory=lambda: env_value("QUOTA_ON_REDIS_DOWN", "reject"))
@@ -303,13 +266,6 @@ class QuotaSettings:
                 f"LORAMUX_QUOTA_ON_REDIS_DOWN must be 'reject' or 'allow', not {self.on_redis_down!r}"
             )
         check_bounds(self, QUOTA_BOUNDS)
-
-
-CACHE_BOUNDS = {
-    "max_entries_per_bucket": Bound("CACHE_MAX_ENTRIES_PER_BUCKET", 1),
-    "mirror_mb": Bound("CACHE_MIRROR_MB", 0),  # 0: only the bucket being searched is kept
-    "redis_timeout_ms": Bound("CACHE_REDIS_TIMEOUT_MS", 1),
-}
 
 
 @dataclass(frozen=True)
