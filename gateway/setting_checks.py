@@ -76,12 +76,17 @@ class Bound:
         if value is None or self.admits(value):
             return
         if self.above:
-            wanted = f"a number above {self.low:g}"
+            wanted = f"a number above {_number(self.low)}"
         elif self.high == math.inf:
-            wanted = f"at least {self.low:g}"
+            wanted = f"at least {_number(self.low)}"
         else:
-            wanted = f"within {self.low:g}..{self.high:g}"
+            wanted = f"within {_number(self.low)}..{_number(self.high)}"
         raise ConfigError(f"LORAMUX_{self.variable} must be {wanted}, not {value!r}")
+
+
+def _number(bound: float) -> str:
+    """A bound as written: 31622400, not %g's 3.16224e+07; 0.1 as 0.1."""
+    return str(int(bound)) if bound == int(bound) else f"{bound:g}"
 
 
 def check_bounds(settings: object, bounds: dict[str, Bound]) -> None:
@@ -112,12 +117,21 @@ PORTS = Bound("PORT", 1, 65535)
 """Ports serve may listen on; not 0 (any free port): its workers would each get another, and
 the first start's hint could not name it."""
 
+HOUR = 3600
+# Every time setting has a ceiling, and a floor above 0 where less does harm: only infinity was
+# refused above, so LORAMUX_KEY_CACHE_SECONDS=1e300 kept revoked keys working in the other
+# workers for good, LORAMUX_USAGE_FLUSH_SECONDS=1e-300 spun the usage writer on the event loop,
+# and LORAMUX_ENGINE_FIRST_OUTPUT_SECONDS=1e-300 answered every request 504.
 SERVER_BOUNDS = {
     "port": PORTS,
-    "engine_first_output_seconds": Bound("ENGINE_FIRST_OUTPUT_SECONDS", 0, above=True),
-    "key_cache_seconds": Bound("KEY_CACHE_SECONDS", 0),
-    "usage_flush_seconds": Bound("USAGE_FLUSH_SECONDS", 0, above=True),
-    "admin_token_max_ttl": Bound("ADMIN_TOKEN_MAX_TTL", 1),
+    # A second: no engine answers sooner under load; an hour: a hung engine holds no longer.
+    "engine_first_output_seconds": Bound("ENGINE_FIRST_OUTPUT_SECONDS", 1, HOUR),
+    # The delay of a revocation (or a disabled tenant) in the other workers: 0 (no cache) to 5 min.
+    "key_cache_seconds": Bound("KEY_CACHE_SECONDS", 0, 300),
+    # Below 0.1 s the writer wakes for nothing; an hour's usage is what a crash would lose.
+    "usage_flush_seconds": Bound("USAGE_FLUSH_SECONDS", 0.1, HOUR),
+    # A leap year: an admin token that outlives it is one nobody would revoke in time.
+    "admin_token_max_ttl": Bound("ADMIN_TOKEN_MAX_TTL", 1, 366 * 24 * HOUR),
     "max_upload_mb": Bound("MAX_UPLOAD_MB", 1),
     "max_body_kb": Bound("MAX_BODY_KB", 1),  # -1 answered every request with a body 413
     "default_max_tokens": Bound("DEFAULT_MAX_TOKENS", 1),
@@ -127,10 +141,13 @@ SERVER_BOUNDS = {
 
 
 QUOTA_BOUNDS = {
-    "config_cache_seconds": Bound("QUOTA_CONFIG_CACHE_SECONDS", 0),
-    # Leases count in milliseconds in Redis; a day is far beyond any request's run.
-    "slot_lease_seconds": Bound("QUOTA_SLOT_LEASE_SECONDS", 0.001, 86400),
-    "redis_timeout_ms": Bound("QUOTA_REDIS_TIMEOUT_MS", 1),
+    # The delay of a quota change: 0 (read every time) to an hour.
+    "config_cache_seconds": Bound("QUOTA_CONFIG_CACHE_SECONDS", 0, HOUR),
+    # Renewed every third of a lease: below a second the renewals spin and a slow event loop
+    # loses slots; a dead gateway's slots stay taken a whole lease, an hour at most.
+    "slot_lease_seconds": Bound("QUOTA_SLOT_LEASE_SECONDS", 1, HOUR),
+    # A minute: an admission waits no longer on a Redis that does not answer.
+    "redis_timeout_ms": Bound("QUOTA_REDIS_TIMEOUT_MS", 1, 60_000),
     "max_unsettled": Bound("QUOTA_MAX_UNSETTLED", 1),
 }
 
@@ -138,5 +155,5 @@ QUOTA_BOUNDS = {
 CACHE_BOUNDS = {
     "max_entries_per_bucket": Bound("CACHE_MAX_ENTRIES_PER_BUCKET", 1),
     "mirror_mb": Bound("CACHE_MIRROR_MB", 0),  # 0: only the bucket being searched is kept
-    "redis_timeout_ms": Bound("CACHE_REDIS_TIMEOUT_MS", 1),
+    "redis_timeout_ms": Bound("CACHE_REDIS_TIMEOUT_MS", 1, 60_000),  # as the quotas'
 }

@@ -279,6 +279,40 @@ def test_nan_and_infinity_are_refused_for_every_float_setting(
     assert f"LORAMUX_{name} must be" in message and value.lstrip("-") in message
 
 
+TIME_BOUNDS = [
+    # variable, least and most accepted, values above, a harmful one below (None: 0 is least)
+    ("ENGINE_FIRST_OUTPUT_SECONDS", "1", "3600", ["3601", "1e300"], "1e-300"),  # all 504s
+    ("KEY_CACHE_SECONDS", "0", "300", ["300.5", "1e300"], None),
+    ("USAGE_FLUSH_SECONDS", "0.1", "3600", ["3601", "1e300"], "1e-300"),  # the writer spins
+    ("ADMIN_TOKEN_MAX_TTL", "1", "31622400", ["31622401", str(10**30)], None),
+    ("QUOTA_CONFIG_CACHE_SECONDS", "0", "3600", ["3601", "1e300"], None),
+    ("QUOTA_SLOT_LEASE_SECONDS", "1", "3600", ["3601", "86400"], "0.001"),  # renewals spin
+    ("QUOTA_REDIS_TIMEOUT_MS", "1", "60000", ["60001", str(10**30)], None),
+    ("CACHE_REDIS_TIMEOUT_MS", "1", "60000", ["60001", str(10**30)], None),
+]
+
+
+@pytest.mark.parametrize(("name", "least", "most", "above", "harmful"), TIME_BOUNDS)
+def test_every_time_setting_is_bounded_above_and_where_less_harms_below(
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    least: str,
+    most: str,
+    above: list[str],
+    harmful: str | None,
+) -> None:
+    """Only infinity was refused above: LORAMUX_KEY_CACHE_SECONDS=1e300 kept revoked keys
+    working in other workers for good, LORAMUX_USAGE_FLUSH_SECONDS=1e-300 spun the usage
+    writer, and LORAMUX_ENGINE_FIRST_OUTPUT_SECONDS=1e-300 made every request a 504."""
+    for value in [*above, *([harmful] if harmful else [])]:
+        assert f"LORAMUX_{name} must be within {least}..{most}" in _refused(
+            monkeypatch, name, value
+        )
+    for value in (least, most):
+        monkeypatch.setenv(f"LORAMUX_{name}", value)
+        Settings()
+
+
 @pytest.mark.parametrize(
     ("files", "cpus"),
     [
