@@ -395,7 +395,14 @@ class ResponseCache:
         if tenant_deleted and adapter is not None:
             raise ValueError("a deleted tenant is purged whole")
         epoch = ("gone:" if tenant_deleted else "") + secrets.token_hex(8)
-        await self._purge_epoch(keys=[self.keys.epoch(tenant_id, adapter)], args=[epoch, MAX_TTL])
+        keys, args = [self.keys.epoch(tenant_id, adapter)], [epoch, str(MAX_TTL)]
+        try:
+            await self._purge_epoch(keys=keys, args=args)
+        except redis.exceptions.ConnectionError:
+            # Once more, on a new connection: a pooled one a Redis restart closed fails once,
+            # and a tenant's delete, committed by then, answered 500 with its cache unpurged.
+            # Moving the epoch again is harmless.
+            await self._purge_epoch(keys=keys, args=args)
         pattern = _glob_escape(self.keys.scope(tenant_id, adapter)) + "*"
         removed = 0
         batch: list[bytes] = []

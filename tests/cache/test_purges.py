@@ -160,3 +160,24 @@ async def test_a_redis_restart_between_lookup_and_store_does_not_undo_a_purge(
     finally:
         await asker.redis.aclose()
         await purger.redis.aclose()
+
+
+async def test_a_purge_after_a_redis_restart_goes_through(
+    own_redis: RedisServer, embedder: Embedder
+) -> None:
+    """A Redis restart closes the pooled connections, and the first command on one fails: a
+    tenant's delete, already committed, then answered 500 and left its cache unpurged (found
+    by a test order in which the PostgreSQL gateway's cache Redis had restarted). A purge tries
+    once more, on a new connection."""
+    cache = ResponseCache(Redis.from_url(own_redis.url), embedder)
+    req = chat(QUESTION)
+    try:
+        await cache.start()
+        await cache.store(req, EXACT, answer("Click reset."))
+        own_redis.restart()
+        assert await cache.purge(req.tenant_id, tenant_deleted=True) == 0  # a fresh server
+        consulted = await cache.begin(req, EXACT)
+        await cache.store(req, EXACT, answer("Click reset."), None, consulted.fence)
+        assert await cache.lookup(req, EXACT) is None  # the tombstone holds
+    finally:
+        await cache.redis.aclose()
