@@ -149,7 +149,10 @@ class Channel:
         answer = self._calls[ref] = asyncio.get_running_loop().create_future()
         try:
             await self.send(Call(self.token, ref, op, **fields))
-            return await asyncio.wait_for(answer, timeout)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns an answer that
+            # lands in the turn its caller is cancelled, and the cancel is lost
+            async with asyncio.timeout(timeout):
+                return await answer
         except TimeoutError:
             self.endpoint.mark_down()
             raise EngineStoppedError(f"engine {self.endpoint.url} did not answer {op}") from None

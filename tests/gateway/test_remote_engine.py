@@ -439,3 +439,21 @@ async def test_a_message_over_the_frame_limit_is_refused_before_it_is_sent(
         await _collect(client, EngineRequest("huge", huge, prompt_token_ids=IMPORT_OS))
     outputs = [first] + [out async for out in stream]
     assert sum(len(out.token_ids) for out in outputs) == 48
+
+
+async def test_a_call_cancelled_as_its_answer_arrives_is_cancelled(
+    client: RemoteEngineClient,
+) -> None:
+    """A caller cancelled in the same turn its answer lands is cancelled all the same: on
+    Python 3.11 asyncio.wait_for returned the answer and swallowed the cancel, so a request
+    whose client left went on uploading an adapter's parts (found by attacking the fixes)."""
+    channel = client._channel(client._endpoints[0])
+    call = asyncio.create_task(channel.call("stats", 5.0))
+    async with asyncio.timeout(10):
+        while not channel._calls:  # its message is sent: it waits on its answer
+            await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    next(iter(channel._calls.values())).set_result({"answered": True})
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
