@@ -368,7 +368,7 @@ class EngineServer:
         if call.digest is None:
             raise InvalidRequestError(f"{call.op} needs a digest")
         if call.op == "retire":
-            return engine.retire_adapter(call.digest)
+            return self.uploads.retire(call.digest)
         if call.weights is None or call.size is None:
             raise InvalidRequestError("register-part needs a part of the weights and their size")
         return await self.uploads.receive_part(

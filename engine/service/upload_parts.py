@@ -22,7 +22,11 @@ from pathlib import Path
 
 from loramux.adapters.errors import FileTooLarge
 from loramux.adapters.peft_format import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE
-from loramux.engine.errors import EngineOverloadedError, InvalidRequestError
+from loramux.engine.errors import (
+    EngineOverloadedError,
+    InvalidRequestError,
+    UnknownAdapterError,
+)
 
 ABANDONED_SECONDS = 60.0
 """An upload that gets no part this long is dropped (a gateway waits 30 s for a part's answer)."""
@@ -38,6 +42,8 @@ class _Upload:
     received: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     timer: asyncio.TimerHandle | None = None
+    retired: bool = False
+    """Dropped because its digest was retired meanwhile (`cancel`)."""
 
 
 class UploadParts:
@@ -75,6 +81,8 @@ class UploadParts:
                 raise InvalidRequestError("an adapter part goes past the size it announced")
             with contextlib.suppress(FileNotFoundError):  # dropped meanwhile: its folder went
                 await asyncio.to_thread(_append, upload.folder / WEIGHTS_FILE, part)
+            if upload.retired:
+                raise UnknownAdapterError("the adapter was retired while it was uploaded")
             if self._uploads.get(key) is not upload:
                 raise InvalidRequestError("the upload was dropped (started anew, or abandoned)")
             upload.received += len(part)
@@ -106,6 +114,14 @@ class UploadParts:
         upload = self._uploads[key] = _Upload(folder, size, len(config) + size)
         self._keep(key, upload)
         return upload
+
+    def cancel(self, digest: str) -> None:
+        """Drop every upload of `digest` under way: it is being retired (its tenant deleted
+        it), and an upload finished after the retire would serve it, and keep its files, for
+        good. Their next parts are refused as for an unknown adapter."""
+        for key in [key for key in self._uploads if key[1] == digest]:
+            self._uploads[key].retired = True
+            self._drop(key)
 
     def _keep(self, key: tuple[bytes, str], upload: _Upload) -> None:
         """(Re)start the upload's abandonment timer."""

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from collections import Counter
 from pathlib import Path
 
 from loramux.adapters.store import AdapterStore, StoredAdapter
 from loramux.engine.adapter_folder import EngineAdapterFolder
 from loramux.engine.async_engine import AsyncEngine
-from loramux.engine.errors import InvalidRequestError
+from loramux.engine.errors import InvalidRequestError, UnknownAdapterError
 from loramux.engine.service.upload_parts import UploadParts
 
 MAX_ADAPTER_MB = 513
@@ -39,6 +40,10 @@ class UploadedAdapters(EngineAdapterFolder):
             self.max_adapter_bytes,
             PARTIAL_UPLOADS * self.max_adapter_bytes,
         )
+        self._registering: Counter[str] = Counter()
+        """Uploads whose last part is in, being registered, by digest."""
+        self._retired: set[str] = set()
+        """Digests retired while an upload of theirs was being registered."""
 
     async def receive_part(
         self,
@@ -56,11 +61,27 @@ class UploadedAdapters(EngineAdapterFolder):
         whole = await self.parts.receive((gateway, digest), config, part, offset, size)
         if whole is None:
             return offset + len(part)
+        self._registering[digest] += 1
         try:
             await self.register(digest, whole)
+            if digest in self._retired:  # retired while it was registered: not served
+                self.engine.retire_adapter(digest)
+                raise UnknownAdapterError("the adapter was retired while it was uploaded")
         finally:
+            self._registering[digest] -= 1
+            if not self._registering[digest]:
+                del self._registering[digest]
+                self._retired.discard(digest)
             await asyncio.to_thread(shutil.rmtree, whole, True)
         return digest
+
+    def retire(self, digest: str) -> bool:
+        """Retire `digest` (see AsyncEngine.retire_adapter), its uploads under way cancelled
+        and one being registered retired once it is: none of them serves it afterwards."""
+        self.parts.cancel(digest)
+        if digest in self._registering:
+            self._retired.add(digest)
+        return self.engine.retire_adapter(digest)
 
     def _check(self, digest: str) -> None:
         """InvalidRequestError unless `digest` is a digest and the engine serves adapters: a

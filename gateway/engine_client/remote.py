@@ -299,7 +299,10 @@ class RemoteEngineClient:
         async with self._upload_locks.setdefault(digest, asyncio.Lock()):
             if digest in endpoint.adapters:
                 return
-            await send_adapter(self._channel(endpoint), digest, folder, self._part_bytes)
+            channel = self._channel(endpoint)
+            await send_adapter(
+                channel, digest, folder, self._part_bytes, self._folders.__contains__
+            )
             endpoint.adapters.add(digest)
 
     def _refresh_loads_soon(self) -> None:

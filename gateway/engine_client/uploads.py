@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from io import BufferedReader
 from pathlib import Path
 
 from loramux.adapters.errors import FileTooLarge
 from loramux.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE
-from loramux.engine.errors import UnknownAdapterError
+from loramux.engine.errors import EngineError, UnknownAdapterError
 from loramux.gateway.engine_client.base import require_wire
 from loramux.gateway.engine_client.channel import Channel
 
@@ -38,33 +39,52 @@ async def adapter_limit(channel: Channel) -> int:
     return endpoint.max_adapter_bytes
 
 
-async def send_adapter(channel: Channel, digest: str, folder: Path, part_bytes: int) -> None:
+async def send_adapter(
+    channel: Channel, digest: str, folder: Path, part_bytes: int, live: Callable[[str], bool]
+) -> None:
     """Upload the adapter in `folder` as `digest`, in parts of `part_bytes` of weights; returns
     once the engine serves it. Typed errors as the engine raised them; FileTooLarge (nothing
-    sent) over the engine's limit; UnknownAdapterError when the files are gone."""
+    sent) over the engine's limit; UnknownAdapterError when the files are gone, or when the
+    digest is no longer `live` once sent (retired meanwhile: its retire may have reached the
+    engine before the upload, so it is retired there again, else the engine served it for
+    good)."""
     limit = await adapter_limit(channel)
     config, weights = await asyncio.to_thread(_open_adapter, folder, limit, channel.endpoint.url)
     try:
-        size, offset = os.fstat(weights.fileno()).st_size, 0
-        while True:
-            part = await asyncio.to_thread(weights.read, min(part_bytes, size - offset))
-            if len(part) != min(part_bytes, size - offset):
-                raise UnknownAdapterError(DELETED)  # its files changed under it
-            last = offset + len(part) == size
-            await channel.call(
-                "register-part",
-                LAST_PART_SECONDS if last else PART_SECONDS,
-                digest=digest,
-                config=config if offset == 0 else None,
-                weights=part,
-                offset=offset,
-                size=size,
-            )
-            if last:
-                return
-            offset += len(part)
+        await _send_parts(channel, digest, config, weights, part_bytes)
+    except EngineError:
+        if not live(digest):  # the engine cancelled the upload: its digest was retired
+            raise UnknownAdapterError(DELETED) from None
+        raise
     finally:
         weights.close()
+    if not live(digest):
+        await channel.call("retire", PROBE_SECONDS, digest=digest)
+        raise UnknownAdapterError(DELETED)
+
+
+async def _send_parts(
+    channel: Channel, digest: str, config: bytes, weights: BufferedReader, part_bytes: int
+) -> None:
+    """The adapter's `register-part` calls, each sent once the one before is answered."""
+    size, offset = os.fstat(weights.fileno()).st_size, 0
+    while True:
+        part = await asyncio.to_thread(weights.read, min(part_bytes, size - offset))
+        if len(part) != min(part_bytes, size - offset):
+            raise UnknownAdapterError(DELETED)  # its files changed under it
+        last = offset + len(part) == size
+        await channel.call(
+            "register-part",
+            LAST_PART_SECONDS if last else PART_SECONDS,
+            digest=digest,
+            config=config if offset == 0 else None,
+            weights=part,
+            offset=offset,
+            size=size,
+        )
+        if last:
+            return
+        offset += len(part)
 
 
 def _open_adapter(folder: Path, limit: int, url: str) -> tuple[bytes, BufferedReader]:

@@ -392,3 +392,22 @@ def test_engines_sharing_an_adapter_folder_keep_each_other_s_files(
             assert _stored(tmp_path) == sorted([da, db])
         last = peer.stream("a", adapter=da)[-1]
         assert isinstance(last, Delta) and last.finish_reason == "length", last
+
+
+def test_an_adapter_retired_mid_upload_is_never_registered(
+    gateway: Gateway, demo_adapter_dirs: list[Path], demo_model_dir: Path
+) -> None:
+    """A retire (its tenant deleted it) that lands while a gateway is uploading the digest
+    cancels the upload: its next part is refused (no upload under way), and the digest is
+    neither served nor kept. The upload used to register it with its last part, for good."""
+    folder = demo_adapter_dirs[9]
+    digest = _digest(folder, demo_model_dir)
+    config, weights = (folder / CONFIG_FILE).read_bytes(), (folder / WEIGHTS_FILE).read_bytes()
+    fields = {"digest": digest, "size": len(weights)}
+    first = gateway.call("register-part", config=config, weights=weights[:1000], **fields)
+    assert first == Reply("call-register-part", 1000)
+    assert gateway.call("retire", digest=digest) == Reply("call-retire", False)
+    rest = gateway.call("register-part", weights=weights[1000:], offset=1000, **fields)
+    assert failure_of(rest).code == "invalid_request"
+    served = gateway.call("adapters")
+    assert isinstance(served, Reply) and digest not in served.value

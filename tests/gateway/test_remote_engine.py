@@ -457,3 +457,29 @@ async def test_a_call_cancelled_as_its_answer_arrives_is_cancelled(
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
+
+
+async def test_an_adapter_retired_while_it_is_uploaded_is_not_served(
+    services: list[RunningEngineService], demo_adapter_dirs: list[Path], local: LLMEngine
+) -> None:
+    """A retire (its tenant deleted it) that reaches the engine before the upload's first part
+    retires nothing there: the gateway sees the digest retired once its upload is done, retires
+    it again and answers as for a deleted adapter. It used to be served, its files kept, for
+    good."""
+    folder = demo_adapter_dirs[8]
+    digest = local.register_adapter(folder)
+    client = RemoteEngineClient([services[1].url], ENGINE_TOKEN)
+    await client.start()
+    try:
+        channel = client._channel(client._endpoints[0])
+        upload = asyncio.create_task(client.ensure_adapter(digest, folder))
+        async with asyncio.timeout(10):
+            while not channel._calls:  # it asks the engine's adapter limit first
+                await asyncio.sleep(0)
+        await client.retire_adapter(digest)
+        with pytest.raises(UnknownAdapterError):
+            await upload
+        served = await channel.call("adapters", 5.0)
+    finally:
+        await client.close()
+    assert digest not in served and digest not in client._endpoints[0].adapters
