@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -56,6 +57,8 @@ class UploadParts:
         self.max_partial_bytes = max_partial_bytes
         self._uploads: dict[tuple[bytes, str], _Upload] = {}
         self.abandoned_seconds = ABANDONED_SECONDS
+        self._removals: set[asyncio.Task[None]] = set()
+        """Dropped uploads' folders being removed (`_remove`)."""
 
     @property
     def reserved(self) -> int:
@@ -107,6 +110,7 @@ class UploadParts:
             raise EngineOverloadedError(
                 "the engine has as many adapter uploads under way as it takes"
             )
+        self._sweep()
         self.folder.mkdir(parents=True, exist_ok=True)
         folder = Path(tempfile.mkdtemp(dir=self.folder))
         (folder / CONFIG_FILE).write_bytes(config)
@@ -142,16 +146,45 @@ class UploadParts:
         return upload
 
     def _drop(self, key: tuple[bytes, str]) -> None:
-        """No longer under way, and its files removed."""
+        """No longer under way, and its files removed (soon: `_remove`)."""
         upload = self._forget(key)
         if upload is not None:
-            shutil.rmtree(upload.folder, ignore_errors=True)
+            removal = asyncio.get_running_loop().create_task(self._remove(upload))
+            self._removals.add(removal)
+            removal.add_done_callback(self._removals.discard)
+
+    async def _remove(self, upload: _Upload) -> None:
+        """Remove a dropped upload's folder once no part of it is being written (under its
+        lock) and off the event loop: removed while a part's write ran on its thread, the
+        folder lost its file, the write made it again, and the folder stayed for good."""
+        async with upload.lock:
+            await asyncio.to_thread(shutil.rmtree, upload.folder, True)
+
+    async def settled(self) -> None:
+        """Return once the folders of the uploads dropped so far are removed."""
+        while self._removals:
+            await asyncio.gather(*self._removals, return_exceptions=True)
+
+    def _sweep(self) -> None:
+        """With no upload under way or being removed, remove whatever is in the uploads' folder:
+        nothing owns it (a folder a removal could not remove, or a part written after it)."""
+        if self._uploads or self._removals or not self.folder.exists():
+            return
+        for entry in self.folder.iterdir():
+            shutil.rmtree(entry, ignore_errors=True)
 
     def close(self) -> None:
+        for removal in self._removals:
+            removal.cancel()
         for key in list(self._uploads):
-            self._drop(key)
+            upload = self._forget(key)
+            assert upload is not None
+            shutil.rmtree(upload.folder, ignore_errors=True)
 
 
 def _append(path: Path, data: bytes) -> None:
-    with path.open("ab") as file:
+    """Append to an upload's weights file; FileNotFoundError once its upload was dropped (the
+    file is never created here: a part written after its folder went does not make it again)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    with os.fdopen(fd, "ab") as file:
         file.write(data)

@@ -223,6 +223,7 @@ async def test_uploads_under_way_are_bounded_and_dropped_once_abandoned(tmp_path
     async with asyncio.timeout(10):
         while parts.reserved:  # the abandonment timer fires
             await asyncio.sleep(0.01)
+    await parts.settled()
     assert list(tmp_path.iterdir()) == []
     whole = await parts.receive((b"gw", "b"), b"{}", b"y" * 900, 0, 900)
     assert whole is not None and (whole / WEIGHTS_FILE).read_bytes() == b"y" * 900
