@@ -369,6 +369,9 @@ class EngineServer:
             raise InvalidRequestError(f"{call.op} needs a digest")
         if call.op == "retire":
             return self.uploads.retire(call.digest)
+        if call.op == "abort-upload":
+            self.uploads.parts.abort(identity, call.digest)
+            return True
         if call.weights is None or call.size is None:
             raise InvalidRequestError("register-part needs a part of the weights and their size")
         return await self.uploads.receive_part(

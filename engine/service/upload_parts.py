@@ -3,12 +3,16 @@ stays far below the socket's frame limit, so that limit can be small (what a pee
 can make the engine buffer), while an adapter may be hundreds of MiB.
 
 A part is written to disk as it arrives, so an upload under way holds no more memory than one
-part. Parts of one upload (one gateway, one digest) come in order; a part at offset 0 starts
-the upload anew. Bounds: an adapter of at most `max_adapter_bytes` (config and weights), and at
-most `max_partial_bytes` announced by the uploads under way together (past it a new upload is
-refused as overloaded: the gateway tries another engine, or answers 503). An upload that gets
-no part for ABANDONED_SECONDS is dropped with its files (its gateway gave up, or is gone). The
-complete adapter is checked against its digest when it is registered (engine.service.uploads).
+part. One upload of a digest is under way at a time, its parts from one gateway, in order; a
+part at offset 0 from that gateway starts it anew, and one from another gateway waits until it
+ends (several gateways missing the digest after an engine restart send it once, not once
+each), then finds the digest served or starts its own. Bounds: an adapter of at most
+`max_adapter_bytes` (config and weights), and at most `max_partial_bytes` announced by the
+uploads under way together (past it a new upload is refused as overloaded: the gateway tries
+another engine, or answers 503). A gateway that gives up an upload says so (`abort-upload`)
+and it is dropped at once; one that gets no part for ABANDONED_SECONDS is dropped with its
+files (its gateway is gone). The complete adapter is checked against its digest when it is
+registered (engine.service.uploads).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ ABANDONED_SECONDS = 60.0
 
 @dataclass(eq=False)
 class _Upload:
+    gateway: bytes
+    """The routing id of the gateway sending it: only its parts continue it."""
     folder: Path
     size: int
     """The weights' whole size."""
@@ -45,59 +51,130 @@ class _Upload:
     timer: asyncio.TimerHandle | None = None
     retired: bool = False
     """Dropped because its digest was retired meanwhile (`cancel`)."""
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once it is no longer under way (registered, refused, dropped)."""
+
+    @property
+    def complete(self) -> bool:
+        """Every part is in: it is being registered (`finish` ends it)."""
+        return self.received == self.size
 
 
 class UploadParts:
-    """The uploads under way on one engine, keyed by (gateway routing id, digest)."""
+    """The uploads under way on one engine, one per digest: a gateway that uploads a digest
+    another is uploading waits for that upload (`wait_turn`) instead of taking a share of its
+    own for the same bytes."""
 
     def __init__(self, folder: Path, max_adapter_bytes: int, max_partial_bytes: int):
         self.folder = folder
         """Where uploads under way keep their files (in the run's own adapter folder)."""
         self.max_adapter_bytes = max_adapter_bytes
         self.max_partial_bytes = max_partial_bytes
-        self._uploads: dict[tuple[bytes, str], _Upload] = {}
+        self._uploads: dict[str, _Upload] = {}
         self.abandoned_seconds = ABANDONED_SECONDS
         self._removals: set[asyncio.Task[None]] = set()
         """Dropped uploads' folders being removed (`_remove`)."""
+        self._waiting: set[tuple[bytes, str]] = set()
+        """(gateway, digest) of the first parts waiting for another gateway's upload."""
+        self._aborted: set[tuple[bytes, str]] = set()
+        """Of those, the ones their gateway aborted meanwhile (`abort`): they start nothing."""
 
     @property
     def reserved(self) -> int:
         """The bytes the uploads under way announced, together."""
         return sum(upload.reserved for upload in self._uploads.values())
 
+    async def wait_turn(self, gateway: bytes, digest: str) -> bool:
+        """Wait while another gateway's upload of `digest` (or one being registered) is under
+        way; whether it waited (then the digest may be served already). Refused
+        (InvalidRequestError) when `gateway` aborted its upload meanwhile."""
+        waited, key = False, (gateway, digest)
+        while (upload := self._uploads.get(digest)) is not None and (
+            upload.gateway != gateway or upload.complete
+        ):
+            self._waiting.add(key)
+            try:
+                await upload.ended.wait()
+            finally:
+                self._waiting.discard(key)
+            if key in self._aborted:
+                self._aborted.discard(key)
+                raise InvalidRequestError("the gateway aborted this upload")
+            waited = True
+        return waited
+
     async def receive(
-        self, key: tuple[bytes, str], config: bytes | None, part: bytes, offset: int, size: int
+        self,
+        gateway: bytes,
+        digest: str,
+        config: bytes | None,
+        part: bytes,
+        offset: int,
+        size: int,
     ) -> Path | None:
-        """Store one part; the folder holding the whole adapter once this part completes it
-        (the caller registers it, then removes the folder), else None. Typed errors for a part
-        out of order or over the bounds (the upload is then dropped)."""
-        upload = self._start(key, config, size) if offset == 0 else self._uploads.get(key)
+        """Store one part of `gateway`'s upload of `digest` (a first part after `wait_turn`);
+        the folder holding the whole adapter once this part completes it (the caller registers
+        it, removes the folder, then calls `finish`), else None. Typed errors for a part out of
+        order or over the bounds (the gateway's upload is then dropped)."""
+        if offset == 0:
+            upload: _Upload | None = self._start(gateway, digest, config, size)
+        else:
+            upload = self._own(gateway, digest)
         if upload is None or upload.size != size:
-            self._drop(key)
+            self._drop_own(gateway, digest)
             raise InvalidRequestError("an adapter part came with no upload under way for it")
         async with upload.lock:
-            if self._uploads.get(key) is not upload or upload.received != offset:
-                self._drop(key)
+            if self._own(gateway, digest) is not upload or upload.received != offset:
+                self._drop_own(gateway, digest)
                 raise InvalidRequestError(f"an adapter part came out of order (at {offset})")
             if offset + len(part) > size:
-                self._drop(key)
+                self._drop(digest)
                 raise InvalidRequestError("an adapter part goes past the size it announced")
             with contextlib.suppress(FileNotFoundError):  # dropped meanwhile: its folder went
                 await asyncio.to_thread(_append, upload.folder / WEIGHTS_FILE, part)
             if upload.retired:
                 raise UnknownAdapterError("the adapter was retired while it was uploaded")
-            if self._uploads.get(key) is not upload:
+            if self._uploads.get(digest) is not upload:
                 raise InvalidRequestError("the upload was dropped (started anew, or abandoned)")
             upload.received += len(part)
             if upload.received < size:
-                self._keep(key, upload)
+                self._keep(digest, upload)
                 return None
-            self._forget(key)
+            if upload.timer is not None:
+                upload.timer.cancel()
             return upload.folder
 
-    def _start(self, key: tuple[bytes, str], config: bytes | None, size: int) -> _Upload:
-        """A new upload for `key` (replacing one under way), its config written."""
-        self._drop(key)
+    def finish(self, digest: str) -> None:
+        """The complete upload of `digest` is registered (or refused) and its folder removed:
+        no longer under way, its share free."""
+        upload = self._uploads.get(digest)
+        if upload is not None and upload.complete:
+            self._forget(digest)
+
+    def abort(self, gateway: bytes, digest: str) -> None:
+        """`gateway` gave up its upload of `digest` (its request was cancelled, or failed): it
+        is dropped now rather than once abandoned, and a first part of it still waiting for
+        another gateway's upload starts nothing."""
+        if (gateway, digest) in self._waiting:
+            self._aborted.add((gateway, digest))
+        self._drop_own(gateway, digest)
+
+    def _own(self, gateway: bytes, digest: str) -> _Upload | None:
+        """`gateway`'s upload of `digest` while its parts are still coming."""
+        upload = self._uploads.get(digest)
+        ours = upload is not None and upload.gateway == gateway and not upload.complete
+        return upload if ours else None
+
+    def _drop_own(self, gateway: bytes, digest: str) -> None:
+        if self._own(gateway, digest) is not None:
+            self._drop(digest)
+
+    def _start(self, gateway: bytes, digest: str, config: bytes | None, size: int) -> _Upload:
+        """A new upload of `digest` (replacing the gateway's own under way; another's is
+        waited for first: `wait_turn`), its config written."""
+        self._drop_own(gateway, digest)
+        if digest in self._uploads:
+            raise InvalidRequestError("another upload of this adapter is under way")
         if config is None:
             raise InvalidRequestError("an upload's first part carries the adapter's config")
         if len(config) > MAX_CONFIG_BYTES or len(config) + size > self.max_adapter_bytes:
@@ -115,39 +192,42 @@ class UploadParts:
         folder = Path(tempfile.mkdtemp(dir=self.folder))
         (folder / CONFIG_FILE).write_bytes(config)
         (folder / WEIGHTS_FILE).touch()
-        upload = self._uploads[key] = _Upload(folder, size, len(config) + size)
-        self._keep(key, upload)
+        upload = self._uploads[digest] = _Upload(gateway, folder, size, len(config) + size)
+        self._keep(digest, upload)
         return upload
 
     def cancel(self, digest: str) -> None:
-        """Drop every upload of `digest` under way: it is being retired (its tenant deleted
-        it), and an upload finished after the retire would serve it, and keep its files, for
-        good. Their next parts are refused as for an unknown adapter."""
-        for key in [key for key in self._uploads if key[1] == digest]:
-            self._uploads[key].retired = True
-            self._drop(key)
+        """Drop the upload of `digest` under way: it is being retired (its tenant deleted it),
+        and an upload finished after the retire would serve it, and keep its files, for good.
+        Its next part is refused. (One being registered is retired by its caller.)"""
+        upload = self._uploads.get(digest)
+        if upload is not None and not upload.complete:
+            upload.retired = True
+            self._drop(digest)
 
-    def _keep(self, key: tuple[bytes, str], upload: _Upload) -> None:
+    def _keep(self, digest: str, upload: _Upload) -> None:
         """(Re)start the upload's abandonment timer."""
         if upload.timer is not None:
             upload.timer.cancel()
         loop = asyncio.get_running_loop()
-        upload.timer = loop.call_later(self.abandoned_seconds, self._abandon, key, upload)
+        upload.timer = loop.call_later(self.abandoned_seconds, self._abandon, digest, upload)
 
-    def _abandon(self, key: tuple[bytes, str], upload: _Upload) -> None:
-        if self._uploads.get(key) is upload:
-            self._drop(key)
+    def _abandon(self, digest: str, upload: _Upload) -> None:
+        if self._uploads.get(digest) is upload:
+            self._drop(digest)
 
-    def _forget(self, key: tuple[bytes, str]) -> _Upload | None:
+    def _forget(self, digest: str) -> _Upload | None:
         """No longer under way (its files stay)."""
-        upload = self._uploads.pop(key, None)
-        if upload is not None and upload.timer is not None:
-            upload.timer.cancel()
+        upload = self._uploads.pop(digest, None)
+        if upload is not None:
+            if upload.timer is not None:
+                upload.timer.cancel()
+            upload.ended.set()
         return upload
 
-    def _drop(self, key: tuple[bytes, str]) -> None:
+    def _drop(self, digest: str) -> None:
         """No longer under way, and its files removed (soon: `_remove`)."""
-        upload = self._forget(key)
+        upload = self._forget(digest)
         if upload is not None:
             removal = asyncio.get_running_loop().create_task(self._remove(upload))
             self._removals.add(removal)

@@ -56,9 +56,12 @@ class UploadedAdapters(EngineAdapterFolder):
     ) -> int | str:
         """Take one part of `gateway`'s upload of `digest` (engine.service.upload_parts): the
         weights' bytes received so far, or, once the adapter is complete, `digest` with the
-        adapter registered (see `register`)."""
+        adapter registered (see `register`); `digest` at once for a first part that waited for
+        another gateway's upload of it, once that one served it."""
         self._check(digest)
-        whole = await self.parts.receive((gateway, digest), config, part, offset, size)
+        if offset == 0 and await self.parts.wait_turn(gateway, digest) and self._serves(digest):
+            return digest  # another gateway's upload of it came first
+        whole = await self.parts.receive(gateway, digest, config, part, offset, size)
         if whole is None:
             return offset + len(part)
         self._registering[digest] += 1
@@ -73,7 +76,12 @@ class UploadedAdapters(EngineAdapterFolder):
                 del self._registering[digest]
                 self._retired.discard(digest)
             await asyncio.to_thread(shutil.rmtree, whole, True)
+            self.parts.finish(digest)
         return digest
+
+    def _serves(self, digest: str) -> bool:
+        lora = self.engine.engine.lora
+        return lora is not None and lora.is_servable(digest)
 
     def retire(self, digest: str) -> bool:
         """Retire `digest` (see AsyncEngine.retire_adapter), its uploads under way cancelled

@@ -24,14 +24,17 @@ Delta that carries `usage`.
 
 Requests carry token ids and outputs carry token ids: the engine never sees text. `Call.op` is
 one of `info`, `stats`, `metrics` (the engine's Prometheus text), `adapters` (the digests it
-serves), `register-part` and `retire`. Every typed error has one stable `code`, so the client
+serves), `register-part`, `abort-upload` and `retire`. Every typed error has one stable `code`, so the client
 re-raises the same class.
 
 No frame is larger than MAX_FRAME_BYTES (the engine's socket drops a connection that sends
 one, and with it every stream of that gateway): an adapter travels as `register-part` calls
 of at most UPLOAD_PART_BYTES of its weights each, in order (`offset`, the weights' whole
 `size` in each; the config in the first), each answered once stored; the last one's answer
-comes once the engine has checked the whole adapter against its digest and serves it.
+comes once the engine has checked the whole adapter against its digest and serves it. A part
+may be answered with the digest before the last one: the engine serves it already (another
+gateway's upload of it, which the first part waited for). A gateway that gives an upload up
+says so (`abort-upload`, the digest): the engine drops it at once.
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ class Prefetch(msgspec.Struct, tag="prefetch", array_like=True):
     digest: Id
 
 
-Op = Literal["info", "stats", "metrics", "adapters", "register-part", "retire"]
+Op = Literal["info", "stats", "metrics", "adapters", "register-part", "abort-upload", "retire"]
 Offset = Annotated[int, msgspec.Meta(ge=0)]
 
 

@@ -134,6 +134,16 @@ class Channel:
         except zmq.ZMQError as exc:
             log.info("could not abort %s on %s: %s", request_id, self.endpoint.url, exc)
 
+    def abort_upload(self, digest: str) -> None:
+        """Tell the engine this gateway gave up its upload of `digest`, without waiting (its
+        answer is dropped): it frees the upload's share at once instead of after the engine's
+        abandonment timeout. Lost with the connection (the engine then drops it in time)."""
+        call = Call(self.token, str(next(self._refs)), "abort-upload", digest=digest)
+        try:
+            self.socket.send(encode(call), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.info("could not abort the upload of %s on %s: %s", digest, self.endpoint.url, exc)
+
     def prefetch(self, digest: str) -> None:
         """Hint the engine to start loading adapter `digest`, without waiting; dropped when the
         socket cannot take it at once."""

@@ -26,7 +26,7 @@ the digest again (a retired digest registered anew stayed in the engine for good
 PROBE_SECONDS = 5.0
 PART_SECONDS, LAST_PART_SECONDS = 30.0, 300.0
 """How long a part's answer may take: the last one's comes once the engine has checked and
-loaded the whole adapter."""
+loaded the whole adapter, the first one's once another gateway's upload of it is done."""
 
 
 async def adapter_limit(channel: Channel) -> int:
@@ -52,8 +52,9 @@ async def send_adapter(
     config, weights = await asyncio.to_thread(_open_adapter, folder, limit, channel.endpoint.url)
     try:
         await _send_parts(channel, digest, config, weights, part_bytes)
-    except EngineError:
-        if not live(digest):  # the engine cancelled the upload: its digest was retired
+    except BaseException as exc:
+        channel.abort_upload(digest)  # cancelled or failed: the engine frees its share now
+        if isinstance(exc, EngineError) and not live(digest):  # cancelled by its retire
             raise UnknownAdapterError(DELETED) from None
         raise
     finally:
@@ -66,23 +67,25 @@ async def send_adapter(
 async def _send_parts(
     channel: Channel, digest: str, config: bytes, weights: BufferedReader, part_bytes: int
 ) -> None:
-    """The adapter's `register-part` calls, each sent once the one before is answered."""
+    """The adapter's `register-part` calls, each sent once the one before is answered; done
+    early when one is answered with the digest (the engine serves it: another gateway's upload
+    of it, which the first part waited for, came first)."""
     size, offset = os.fstat(weights.fileno()).st_size, 0
     while True:
         part = await asyncio.to_thread(weights.read, min(part_bytes, size - offset))
         if len(part) != min(part_bytes, size - offset):
             raise UnknownAdapterError(DELETED)  # its files changed under it
         last = offset + len(part) == size
-        await channel.call(
+        answer = await channel.call(
             "register-part",
-            LAST_PART_SECONDS if last else PART_SECONDS,
+            LAST_PART_SECONDS if last or offset == 0 else PART_SECONDS,
             digest=digest,
             config=config if offset == 0 else None,
             weights=part,
             offset=offset,
             size=size,
         )
-        if last:
+        if last or answer == digest:
             return
         offset += len(part)
 

@@ -30,6 +30,7 @@ from loramux.engine.service.uploads import MAX_ADAPTER_MB
 from loramux.engine.service.wire import (
     WIRE_VERSION,
     Abort,
+    Call,
     Delta,
     Prefetch,
     Reply,
@@ -214,19 +215,20 @@ async def test_uploads_under_way_are_bounded_and_dropped_once_abandoned(tmp_path
     whose parts stop coming is dropped with its files, freeing its share."""
     parts = UploadParts(tmp_path, max_adapter_bytes=1000, max_partial_bytes=1500)
     parts.abandoned_seconds = 0.2
-    assert await parts.receive((b"gw", "a"), b"{}", b"x" * 100, 0, 900) is None
+    assert await parts.receive(b"gw", "a", b"{}", b"x" * 100, 0, 900) is None
     with pytest.raises(EngineOverloadedError):
-        await parts.receive((b"gw", "b"), b"{}", b"y" * 100, 0, 900)
+        await parts.receive(b"gw", "b", b"{}", b"y" * 100, 0, 900)
     with pytest.raises(FileTooLarge):
-        await parts.receive((b"gw", "c"), b"{}", b"", 0, 1000)
+        await parts.receive(b"gw", "c", b"{}", b"", 0, 1000)
     assert len(list(tmp_path.iterdir())) == 1
     async with asyncio.timeout(10):
         while parts.reserved:  # the abandonment timer fires
             await asyncio.sleep(0.01)
     await parts.settled()
     assert list(tmp_path.iterdir()) == []
-    whole = await parts.receive((b"gw", "b"), b"{}", b"y" * 900, 0, 900)
+    whole = await parts.receive(b"gw", "b", b"{}", b"y" * 900, 0, 900)
     assert whole is not None and (whole / WEIGHTS_FILE).read_bytes() == b"y" * 900
+    parts.finish("b")
     assert parts.reserved == 0
     parts.close()
 
@@ -412,3 +414,27 @@ def test_an_adapter_retired_mid_upload_is_never_registered(
     assert failure_of(rest).code == "invalid_request"
     served = gateway.call("adapters")
     assert isinstance(served, Reply) and digest not in served.value
+
+
+def test_a_second_gateway_uploading_a_digest_under_way_gets_it_served(
+    gateway: Gateway,
+    service: RunningEngineService,
+    demo_adapter_dirs: list[Path],
+    demo_model_dir: Path,
+) -> None:
+    """Two gateways missing one adapter (after an engine restart) upload it at once: the second
+    one's first part waits for the first gateway's upload and is answered with the digest once
+    it serves, having taken no share of the engine's bound; each used to upload it in full."""
+    folder = demo_adapter_dirs[10]
+    digest = _digest(folder, demo_model_dir)
+    config, weights = (folder / CONFIG_FILE).read_bytes(), (folder / WEIGHTS_FILE).read_bytes()
+    fields = {"digest": digest, "size": len(weights)}
+    first = gateway.call("register-part", config=config, weights=weights[:1000], **fields)
+    assert first == Reply("call-register-part", 1000)
+    with gateway_at(service.url) as second:
+        second.send(
+            Call(TOKEN, "second", "register-part", digest, config, weights[:1000], 0, len(weights))
+        )
+        rest = gateway.call("register-part", weights=weights[1000:], offset=1000, **fields)
+        assert rest == Reply("call-register-part", digest)
+        assert second.receive() == Reply("second", digest)

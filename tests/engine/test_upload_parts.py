@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
+from loramux.engine.errors import EngineOverloadedError, InvalidRequestError
 from loramux.engine.service.upload_parts import UploadParts
 
 GATEWAY, DIGEST = b"gateway", "ab" * 32
@@ -19,9 +22,49 @@ async def test_uploads_started_anew_while_parts_are_written_leave_no_folder_behi
     the write created its file again, and the folder stayed until the engine stopped."""
     parts = UploadParts(tmp_path, max_adapter_bytes=1 << 30, max_partial_bytes=4 << 30)
     part = b"\x00" * (256 << 10)
-    rounds = [parts.receive((GATEWAY, DIGEST), b"{}", part, 0, 1 << 20) for _ in range(1000)]
+    rounds = [parts.receive(GATEWAY, DIGEST, b"{}", part, 0, 1 << 20) for _ in range(1000)]
     await asyncio.gather(*rounds, return_exceptions=True)
     await parts.settled()
     assert len(list(tmp_path.iterdir())) == 1  # the upload started last
     parts.close()
     assert list(tmp_path.iterdir()) == []
+
+
+async def test_an_aborted_upload_frees_its_share_at_once(tmp_path: Path) -> None:
+    """A gateway that gives an upload up (its request was cancelled) says so, and the upload
+    is dropped with its files at once: it used to hold its share, locking other uploads out,
+    until it was abandoned a minute later. Only the gateway sending it can abort it."""
+    parts = UploadParts(tmp_path, max_adapter_bytes=1000, max_partial_bytes=1000)
+    assert await parts.receive(GATEWAY, "a", b"{}", b"x" * 100, 0, 900) is None
+    with pytest.raises(EngineOverloadedError):
+        await parts.receive(b"other", "b", b"{}", b"y" * 100, 0, 900)
+    parts.abort(b"other", "a")  # not its upload: nothing changes
+    assert parts.reserved == 902
+    parts.abort(GATEWAY, "a")
+    assert parts.reserved == 0
+    await parts.settled()
+    assert list(tmp_path.iterdir()) == []
+    assert await parts.receive(b"other", "b", b"{}", b"y" * 100, 0, 900) is None
+    parts.close()
+
+
+async def test_a_digest_under_way_is_waited_for_not_uploaded_twice(tmp_path: Path) -> None:
+    """A second gateway uploading a digest another is uploading waits for that upload instead
+    of taking a share of its own (five gateways missing one adapter after an engine restart
+    took five shares, and the fifth was refused); a waiting first part its gateway aborted
+    starts nothing once the other upload ends."""
+    parts = UploadParts(tmp_path, max_adapter_bytes=1000, max_partial_bytes=1000)
+    assert await parts.receive(GATEWAY, DIGEST, b"{}", b"x" * 100, 0, 200) is None
+    waiting = asyncio.create_task(parts.wait_turn(b"second", DIGEST))
+    aborted = asyncio.create_task(parts.wait_turn(b"third", DIGEST))
+    await asyncio.sleep(0)
+    parts.abort(b"third", DIGEST)
+    assert await parts.wait_turn(GATEWAY, DIGEST) is False  # its own: it goes on
+    whole = await parts.receive(GATEWAY, DIGEST, None, b"x" * 100, 100, 200)
+    assert whole is not None and parts.reserved == 202 and not waiting.done()
+    parts.finish(DIGEST)  # registered
+    assert await waiting is True
+    with pytest.raises(InvalidRequestError):
+        await aborted
+    assert parts.reserved == 0
+    parts.close()

@@ -483,3 +483,29 @@ async def test_an_adapter_retired_while_it_is_uploaded_is_not_served(
     finally:
         await client.close()
     assert digest not in served and digest not in client._endpoints[0].adapters
+
+
+async def test_an_upload_given_up_is_dropped_by_the_engine_at_once(
+    demo_model_dir: Path, demo_adapter_dirs: list[Path], local: LLMEngine, tmp_path: Path
+) -> None:
+    """A request cancelled mid-upload (its client left) tells the engine, which drops the
+    upload and its files at once: it used to hold its share of the engine's bound on uploads
+    under way for a minute, and four of them locked every other upload out."""
+    folder = demo_adapter_dirs[11]
+    digest = local.register_adapter(folder)
+    with engine_service(demo_model_dir, tmp_path) as service:
+        client = RemoteEngineClient([service.url], ENGINE_TOKEN, upload_part_bytes=512)
+        await client.start()
+        try:
+            upload = asyncio.create_task(client.ensure_adapter(digest, folder))
+            async with asyncio.timeout(30):
+                while not any(p.stat().st_size for p in tmp_path.glob("run-*/.uploading/*/*")):
+                    await asyncio.sleep(0.01)  # another thread's files: nothing to await
+            upload.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await upload
+            async with asyncio.timeout(10):
+                while list(tmp_path.glob("run-*/.uploading/*")):
+                    await asyncio.sleep(0.01)
+        finally:
+            await client.close()
