@@ -8,10 +8,11 @@ part at offset 0 from that gateway starts it anew, and one from another gateway 
 ends (several gateways missing the digest after an engine restart send it once, not once
 each), then finds the digest served or starts its own. Bounds: an adapter of at most
 `max_adapter_bytes` (config and weights), and at most `max_partial_bytes` announced by the
-uploads under way together (past it a new upload is refused as overloaded: the gateway tries
-another engine, or answers 503). A gateway that gives up an upload says so (`abort-upload`)
-and it is dropped at once; one that gets no part for ABANDONED_SECONDS is dropped with its
-files (its gateway is gone). The complete adapter is checked against its digest when it is
+uploads under way together, and at most MAX_UPLOADS uploads (MAX_GATEWAY_UPLOADS from one
+gateway) whatever their size (past either a new upload is refused as overloaded: the gateway
+tries another engine, or answers 503). Their files are made and written off the event loop.
+A gateway that gives up an upload says so (`abort-upload`) and it is dropped at once; one that
+gets no part for ABANDONED_SECONDS is dropped with its files (its gateway is gone). The complete adapter is checked against its digest when it is
 registered (engine.service.uploads).
 """
 
@@ -22,6 +23,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,13 +37,17 @@ from loramux.engine.errors import (
 
 ABANDONED_SECONDS = 60.0
 """An upload that gets no part this long is dropped (a gateway waits 30 s for a part's answer)."""
+MAX_UPLOADS, MAX_GATEWAY_UPLOADS = 16, 4
+"""Uploads under way at most, on the engine and from one gateway, whatever their size: each
+holds a folder and a timer (tiny ones used to be taken without bound). A gateway's uploads
+share its link, so more at once only take longer each; past a bound a new upload is refused
+as overloaded (the gateway tries another engine)."""
 
 
 @dataclass(eq=False)
 class _Upload:
     gateway: bytes
     """The routing id of the gateway sending it: only its parts continue it."""
-    folder: Path
     size: int
     """The weights' whole size."""
     reserved: int
@@ -53,6 +59,8 @@ class _Upload:
     """Dropped because its digest was retired meanwhile (`cancel`)."""
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once it is no longer under way (registered, refused, dropped)."""
+    folder: Path | None = None
+    """Its files, made by its first part (off the event loop)."""
 
     @property
     def complete(self) -> bool:
@@ -65,12 +73,24 @@ class UploadParts:
     another is uploading waits for that upload (`wait_turn`) instead of taking a share of its
     own for the same bytes."""
 
-    def __init__(self, folder: Path, max_adapter_bytes: int, max_partial_bytes: int):
+    def __init__(
+        self,
+        folder: Path,
+        max_adapter_bytes: int,
+        max_partial_bytes: int,
+        max_uploads: int = MAX_UPLOADS,
+        max_gateway_uploads: int = MAX_GATEWAY_UPLOADS,
+    ):
         self.folder = folder
         """Where uploads under way keep their files (in the run's own adapter folder)."""
         self.max_adapter_bytes = max_adapter_bytes
         self.max_partial_bytes = max_partial_bytes
+        self.max_uploads = max_uploads
+        self.max_gateway_uploads = max_gateway_uploads
         self._uploads: dict[str, _Upload] = {}
+        self._reserved = 0
+        self._of_gateway: Counter[bytes] = Counter()
+        """Uploads under way per gateway (routing id)."""
         self.abandoned_seconds = ABANDONED_SECONDS
         self._removals: set[asyncio.Task[None]] = set()
         """Dropped uploads' folders being removed (`_remove`)."""
@@ -82,7 +102,7 @@ class UploadParts:
     @property
     def reserved(self) -> int:
         """The bytes the uploads under way announced, together."""
-        return sum(upload.reserved for upload in self._uploads.values())
+        return self._reserved
 
     async def wait_turn(self, gateway: bytes, digest: str) -> bool:
         """Wait while another gateway's upload of `digest` (or one being registered) is under
@@ -130,6 +150,8 @@ class UploadParts:
             if offset + len(part) > size:
                 self._drop(digest)
                 raise InvalidRequestError("an adapter part goes past the size it announced")
+            if upload.folder is None:
+                upload.folder = await self._create(digest, upload, config or b"")
             with contextlib.suppress(FileNotFoundError):  # dropped meanwhile: its folder went
                 await asyncio.to_thread(_append, upload.folder / WEIGHTS_FILE, part)
             if upload.retired:
@@ -183,18 +205,29 @@ class UploadParts:
                 f"adapters of at most {self.max_adapter_bytes} bytes (and a config of at most "
                 f"{MAX_CONFIG_BYTES})"
             )
-        if self.reserved + len(config) + size > self.max_partial_bytes:
+        if (
+            self._reserved + len(config) + size > self.max_partial_bytes
+            or len(self._uploads) >= self.max_uploads
+        ):
             raise EngineOverloadedError(
                 "the engine has as many adapter uploads under way as it takes"
             )
-        self._sweep()
-        self.folder.mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(dir=self.folder))
-        (folder / CONFIG_FILE).write_bytes(config)
-        (folder / WEIGHTS_FILE).touch()
-        upload = self._uploads[digest] = _Upload(gateway, folder, size, len(config) + size)
+        if self._of_gateway[gateway] >= self.max_gateway_uploads:
+            raise EngineOverloadedError(
+                f"this gateway has {self.max_gateway_uploads} adapter uploads under way here"
+            )
+        upload = self._uploads[digest] = _Upload(gateway, size, len(config) + size)
+        self._reserved += upload.reserved
+        self._of_gateway[gateway] += 1
         self._keep(digest, upload)
         return upload
+
+    async def _create(self, digest: str, upload: _Upload, config: bytes) -> Path:
+        """The upload's folder, with its config and an empty weights file, made off the event
+        loop (with, when no other upload is under way or being removed, a sweep of what nothing
+        owns: `_sweep`)."""
+        sweep = len(self._uploads) == 1 and not self._removals
+        return await asyncio.to_thread(_create, self.folder, config, sweep)
 
     def cancel(self, digest: str) -> None:
         """Drop the upload of `digest` under way: it is being retired (its tenant deleted it),
@@ -220,6 +253,10 @@ class UploadParts:
         """No longer under way (its files stay)."""
         upload = self._uploads.pop(digest, None)
         if upload is not None:
+            self._reserved -= upload.reserved
+            self._of_gateway[upload.gateway] -= 1
+            if not self._of_gateway[upload.gateway]:
+                del self._of_gateway[upload.gateway]
             if upload.timer is not None:
                 upload.timer.cancel()
             upload.ended.set()
@@ -238,28 +275,35 @@ class UploadParts:
         lock) and off the event loop: removed while a part's write ran on its thread, the
         folder lost its file, the write made it again, and the folder stayed for good."""
         async with upload.lock:
-            await asyncio.to_thread(shutil.rmtree, upload.folder, True)
+            if upload.folder is not None:
+                await asyncio.to_thread(shutil.rmtree, upload.folder, True)
 
     async def settled(self) -> None:
         """Return once the folders of the uploads dropped so far are removed."""
         while self._removals:
             await asyncio.gather(*self._removals, return_exceptions=True)
 
-    def _sweep(self) -> None:
-        """With no upload under way or being removed, remove whatever is in the uploads' folder:
-        nothing owns it (a folder a removal could not remove, or a part written after it)."""
-        if self._uploads or self._removals or not self.folder.exists():
-            return
-        for entry in self.folder.iterdir():
-            shutil.rmtree(entry, ignore_errors=True)
-
     def close(self) -> None:
         for removal in self._removals:
             removal.cancel()
         for key in list(self._uploads):
             upload = self._forget(key)
-            assert upload is not None
-            shutil.rmtree(upload.folder, ignore_errors=True)
+            if upload is not None and upload.folder is not None:
+                shutil.rmtree(upload.folder, ignore_errors=True)
+
+
+def _create(root: Path, config: bytes, sweep: bool) -> Path:
+    """A new upload's folder under `root`, its config written and its weights file empty;
+    `sweep`: first remove whatever is under `root` (no upload owns it: a folder a removal
+    could not remove, or a part written after it)."""
+    if sweep and root.exists():
+        for entry in root.iterdir():
+            shutil.rmtree(entry, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(dir=root))
+    (folder / CONFIG_FILE).write_bytes(config)
+    (folder / WEIGHTS_FILE).touch()
+    return folder
 
 
 def _append(path: Path, data: bytes) -> None:

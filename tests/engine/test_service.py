@@ -25,7 +25,7 @@ from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.service import serve_engine_in_thread
 from loramux.engine.service.runner import RunningEngineService
-from loramux.engine.service.upload_parts import UploadParts
+from loramux.engine.service.upload_parts import MAX_GATEWAY_UPLOADS, UploadParts
 from loramux.engine.service.uploads import MAX_ADAPTER_MB
 from loramux.engine.service.wire import (
     WIRE_VERSION,
@@ -438,3 +438,26 @@ def test_a_second_gateway_uploading_a_digest_under_way_gets_it_served(
         rest = gateway.call("register-part", weights=weights[1000:], offset=1000, **fields)
         assert rest == Reply("call-register-part", digest)
         assert second.receive() == Reply("second", digest)
+
+
+def test_uploads_under_way_are_bounded_in_number_per_gateway(
+    gateway: Gateway, service: RunningEngineService
+) -> None:
+    """The bound on uploads under way was on the bytes they announce only: tiny uploads (a
+    byte announced, none sent) were each taken, a folder and a timer kept a minute, without
+    bound. A gateway has at most MAX_GATEWAY_UPLOADS under way; past them it is refused as
+    overloaded (so it tries another engine), and another gateway is not."""
+    digests = [f"{i:064x}" for i in range(MAX_GATEWAY_UPLOADS + 1)]
+    fields: dict[str, Any] = {"config": b"{}", "weights": b"", "offset": 0, "size": 1}
+    for digest in digests[:-1]:
+        assert gateway.call("register-part", digest=digest, **fields) == Reply(
+            "call-register-part", 0
+        )
+    refused = gateway.call("register-part", digest=digests[-1], **fields)
+    assert failure_of(refused).code == "engine_overloaded"
+    with gateway_at(service.url) as other:
+        taken = other.call("register-part", digest=digests[-1], **fields)
+        assert taken == Reply("call-register-part", 0)
+        assert other.call("abort-upload", digest=digests[-1]) == Reply("call-abort-upload", True)
+    for digest in digests[:-1]:
+        assert gateway.call("abort-upload", digest=digest) == Reply("call-abort-upload", True)
