@@ -61,11 +61,8 @@ class _Upload:
     """Set once it is no longer under way (registered, refused, dropped)."""
     folder: Path | None = None
     """Its files, made by its first part (off the event loop)."""
-
-    @property
-    def complete(self) -> bool:
-        """Every part is in: it is being registered (`finish` ends it)."""
-        return self.received == self.size
+    complete: bool = False
+    """Every part is in: it is being registered (`finish` ends it)."""
 
 
 class UploadParts:
@@ -164,6 +161,7 @@ class UploadParts:
                 return None
             if upload.timer is not None:
                 upload.timer.cancel()
+            upload.complete = True
             return upload.folder
 
     def finish(self, digest: str) -> None:

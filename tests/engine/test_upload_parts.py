@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from loramux.adapters.peft_format import WEIGHTS_FILE
 from loramux.engine.errors import EngineOverloadedError, InvalidRequestError
 from loramux.engine.service.upload_parts import UploadParts
 
@@ -67,4 +68,22 @@ async def test_a_digest_under_way_is_waited_for_not_uploaded_twice(tmp_path: Pat
     with pytest.raises(InvalidRequestError):
         await aborted
     assert parts.reserved == 0
+    parts.close()
+
+
+async def test_uploads_under_way_are_bounded_in_number(tmp_path: Path) -> None:
+    """However small, at most `max_uploads` uploads are under way on the engine, and at most
+    `max_gateway_uploads` from one gateway; an adapter of empty weights is whole at once."""
+    parts = UploadParts(tmp_path, 1000, 10_000, max_uploads=3, max_gateway_uploads=2)
+    for gateway, digest in ((b"a", "1"), (b"a", "2"), (b"b", "3")):
+        assert await parts.receive(gateway, digest, b"{}", b"", 0, 1) is None
+    with pytest.raises(EngineOverloadedError):
+        await parts.receive(b"a", "4", b"{}", b"", 0, 1)  # the gateway's bound
+    with pytest.raises(EngineOverloadedError):
+        await parts.receive(b"c", "4", b"{}", b"", 0, 1)  # the engine's bound
+    parts.abort(b"a", "1")
+    assert parts.reserved == 2 * 3
+    whole = await parts.receive(b"c", "4", b"{}", b"", 0, 0)
+    assert whole is not None and (whole / WEIGHTS_FILE).read_bytes() == b""
+    parts.finish("4")
     parts.close()
