@@ -91,8 +91,10 @@ class UploadParts:
         self.abandoned_seconds = ABANDONED_SECONDS
         self._removals: set[asyncio.Task[None]] = set()
         """Dropped uploads' folders being removed (`_remove`)."""
-        self._waiting: set[tuple[bytes, str]] = set()
+        self._waiting: Counter[tuple[bytes, str]] = Counter()
         """(gateway, digest) of the first parts waiting for another gateway's upload."""
+        self._waiting_of: Counter[bytes] = Counter()
+        """Those first parts per gateway: each holds its part in memory while it waits."""
         self._aborted: set[tuple[bytes, str]] = set()
         """Of those, the ones their gateway aborted meanwhile (`abort`): they start nothing."""
 
@@ -104,16 +106,24 @@ class UploadParts:
     async def wait_turn(self, gateway: bytes, digest: str) -> bool:
         """Wait while another gateway's upload of `digest` (or one being registered) is under
         way; whether it waited (then the digest may be served already). Refused
-        (InvalidRequestError) when `gateway` aborted its upload meanwhile."""
+        (InvalidRequestError) when `gateway` aborted its upload meanwhile, and as overloaded
+        past `max_gateway_uploads` first parts of one gateway waiting (each holds its part in
+        memory while it waits)."""
         waited, key = False, (gateway, digest)
         while (upload := self._uploads.get(digest)) is not None and (
             upload.gateway != gateway or upload.complete
         ):
-            self._waiting.add(key)
+            if self._waiting_of[gateway] >= self.max_gateway_uploads:
+                raise EngineOverloadedError(
+                    f"this gateway has {self.max_gateway_uploads} adapter uploads waiting here"
+                )
+            self._waiting[key] += 1
+            self._waiting_of[gateway] += 1
             try:
                 await upload.ended.wait()
             finally:
-                self._waiting.discard(key)
+                self._waiting -= Counter({key: 1})  # drops counts that reach 0
+                self._waiting_of -= Counter({gateway: 1})
             if key in self._aborted:
                 self._aborted.discard(key)
                 raise InvalidRequestError("the gateway aborted this upload")

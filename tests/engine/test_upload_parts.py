@@ -53,12 +53,15 @@ async def test_a_digest_under_way_is_waited_for_not_uploaded_twice(tmp_path: Pat
     """A second gateway uploading a digest another is uploading waits for that upload instead
     of taking a share of its own (five gateways missing one adapter after an engine restart
     took five shares, and the fifth was refused); a waiting first part its gateway aborted
-    starts nothing once the other upload ends."""
-    parts = UploadParts(tmp_path, max_adapter_bytes=1000, max_partial_bytes=1000)
+    starts nothing once the other upload ends; a gateway's first parts waiting (each held in
+    memory) are bounded as its uploads are."""
+    parts = UploadParts(tmp_path, 1000, 1000, max_gateway_uploads=1)
     assert await parts.receive(GATEWAY, DIGEST, b"{}", b"x" * 100, 0, 200) is None
     waiting = asyncio.create_task(parts.wait_turn(b"second", DIGEST))
     aborted = asyncio.create_task(parts.wait_turn(b"third", DIGEST))
     await asyncio.sleep(0)
+    with pytest.raises(EngineOverloadedError):  # one gateway's first parts waiting: bounded
+        await parts.wait_turn(b"third", DIGEST)
     parts.abort(b"third", DIGEST)
     assert await parts.wait_turn(GATEWAY, DIGEST) is False  # its own: it goes on
     whole = await parts.receive(GATEWAY, DIGEST, None, b"x" * 100, 100, 200)
