@@ -8,9 +8,11 @@ part at offset 0 from that gateway starts it anew, and one from another gateway 
 ends (several gateways missing the digest after an engine restart send it once, not once
 each), then finds the digest served or starts its own. Bounds: an adapter of at most
 `max_adapter_bytes` (config and weights), and at most `max_partial_bytes` announced by the
-uploads under way together, and at most MAX_UPLOADS uploads (MAX_GATEWAY_UPLOADS from one
-gateway) whatever their size (past either a new upload is refused as overloaded: the gateway
-tries another engine, or answers 503). Their files are made and written off the event loop.
+uploads under way together (half of it from one gateway), and at most MAX_UPLOADS uploads
+(MAX_GATEWAY_UPLOADS from one gateway) whatever their size (past any of these a new upload is
+refused as overloaded: the gateway tries another engine, or answers 503). A part past the
+first adds bytes or is refused, and a first part waits WAIT_SECONDS at most for another
+gateway's upload of its digest. Their files are made and written off the event loop.
 A gateway that gives up an upload says so (`abort-upload`) and it is dropped at once; one that
 gets no part for ABANDONED_SECONDS is dropped with its files (its gateway is gone). The complete adapter is checked against its digest when it is
 registered (engine.service.uploads).
@@ -37,6 +39,11 @@ from loramux.engine.errors import (
 
 ABANDONED_SECONDS = 60.0
 """An upload that gets no part this long is dropped (a gateway waits 30 s for a part's answer)."""
+WAIT_SECONDS = 120.0
+"""A first part waits this long at most for another gateway's upload of its digest, then is
+answered as overloaded (retry): below the gateway's wait for a first part's answer (300 s), so
+a slow upload by another gateway never looks like a dead engine (which the gateway would then
+avoid)."""
 MAX_UPLOADS, MAX_GATEWAY_UPLOADS = 16, 4
 """Uploads under way at most, on the engine and from one gateway, whatever their size: each
 holds a folder and a timer (tiny ones used to be taken without bound). A gateway's uploads
@@ -77,6 +84,7 @@ class UploadParts:
         max_partial_bytes: int,
         max_uploads: int = MAX_UPLOADS,
         max_gateway_uploads: int = MAX_GATEWAY_UPLOADS,
+        max_gateway_bytes: int | None = None,
     ):
         self.folder = folder
         """Where uploads under way keep their files (in the run's own adapter folder)."""
@@ -95,8 +103,18 @@ class UploadParts:
         """(gateway, digest) of the first parts waiting for another gateway's upload."""
         self._waiting_of: Counter[bytes] = Counter()
         """Those first parts per gateway: each holds its part in memory while it waits."""
-        self._aborted: set[tuple[bytes, str]] = set()
-        """Of those, the ones their gateway aborted meanwhile (`abort`): they start nothing."""
+        self._aborted: Counter[tuple[bytes, str]] = Counter()
+        """Of those, how many their gateway aborted meanwhile (`abort`): they start nothing.
+        A count, not a flag: a gateway's second aborted first part of one digest was lost in a
+        set, and started an upload nobody continued."""
+        self._reserved_of: Counter[bytes] = Counter()
+        """Bytes announced by each gateway's uploads under way: at most `max_gateway_bytes`
+        (half the engine's by default), so one gateway cannot hold the whole budget, and
+        refuse every other gateway's uploads."""
+        self.max_gateway_bytes = (
+            max_partial_bytes // 2 if max_gateway_bytes is None else max_gateway_bytes
+        )
+        self.wait_seconds = WAIT_SECONDS
 
     @property
     def reserved(self) -> int:
@@ -120,12 +138,18 @@ class UploadParts:
             self._waiting[key] += 1
             self._waiting_of[gateway] += 1
             try:
-                await upload.ended.wait()
+                async with asyncio.timeout(self.wait_seconds):
+                    await upload.ended.wait()
+            except TimeoutError:
+                raise EngineOverloadedError(
+                    "another upload of this adapter is still under way here; retry"
+                ) from None
             finally:
                 self._waiting -= Counter({key: 1})  # drops counts that reach 0
                 self._waiting_of -= Counter({gateway: 1})
-            if key in self._aborted:
-                self._aborted.discard(key)
+                aborted = self._aborted[key] > 0
+                self._aborted -= Counter({key: 1})
+            if aborted:
                 raise InvalidRequestError("the gateway aborted this upload")
             waited = True
         return waited
@@ -157,6 +181,10 @@ class UploadParts:
             if offset + len(part) > size:
                 self._drop(digest)
                 raise InvalidRequestError("an adapter part goes past the size it announced")
+            if not part and offset:
+                # It would postpone the upload's abandonment without adding a byte.
+                self._drop(digest)
+                raise InvalidRequestError("an adapter part holds no bytes")
             if upload.folder is None:
                 upload.folder = await self._create(digest, upload, config or b"")
             with contextlib.suppress(FileNotFoundError):  # dropped meanwhile: its folder went
@@ -185,8 +213,9 @@ class UploadParts:
         """`gateway` gave up its upload of `digest` (its request was cancelled, or failed): it
         is dropped now rather than once abandoned, and a first part of it still waiting for
         another gateway's upload starts nothing."""
-        if (gateway, digest) in self._waiting:
-            self._aborted.add((gateway, digest))
+        key = (gateway, digest)
+        if self._waiting[key] > self._aborted[key]:
+            self._aborted[key] += 1
         self._drop_own(gateway, digest)
 
     def _own(self, gateway: bytes, digest: str) -> _Upload | None:
@@ -224,8 +253,13 @@ class UploadParts:
             raise EngineOverloadedError(
                 f"this gateway has {self.max_gateway_uploads} adapter uploads under way here"
             )
+        if self._reserved_of[gateway] + len(config) + size > self.max_gateway_bytes:
+            raise EngineOverloadedError(
+                "this gateway's adapter uploads under way here hold its share of the engine's"
+            )
         upload = self._uploads[digest] = _Upload(gateway, size, len(config) + size)
         self._reserved += upload.reserved
+        self._reserved_of[gateway] += upload.reserved
         self._of_gateway[gateway] += 1
         self._keep(digest, upload)
         return upload
@@ -262,6 +296,7 @@ class UploadParts:
         upload = self._uploads.pop(digest, None)
         if upload is not None:
             self._reserved -= upload.reserved
+            self._reserved_of -= Counter({upload.gateway: upload.reserved})
             self._of_gateway[upload.gateway] -= 1
             if not self._of_gateway[upload.gateway]:
                 del self._of_gateway[upload.gateway]

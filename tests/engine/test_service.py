@@ -213,7 +213,7 @@ async def test_uploads_under_way_are_bounded_and_dropped_once_abandoned(tmp_path
     """Parts wait on disk: the uploads under way together announce at most the engine's bound
     (past it a new one is refused as overloaded, so the gateway tries another engine), and one
     whose parts stop coming is dropped with its files, freeing its share."""
-    parts = UploadParts(tmp_path, max_adapter_bytes=1000, max_partial_bytes=1500)
+    parts = UploadParts(tmp_path, 1000, 1500, max_gateway_bytes=1500)
     parts.abandoned_seconds = 0.2
     assert await parts.receive(b"gw", "a", b"{}", b"x" * 100, 0, 900) is None
     with pytest.raises(EngineOverloadedError):

@@ -35,7 +35,7 @@ async def test_an_aborted_upload_frees_its_share_at_once(tmp_path: Path) -> None
     """A gateway that gives an upload up (its request was cancelled) says so, and the upload
     is dropped with its files at once: it used to hold its share, locking other uploads out,
     until it was abandoned a minute later. Only the gateway sending it can abort it."""
-    parts = UploadParts(tmp_path, max_adapter_bytes=1000, max_partial_bytes=1000)
+    parts = UploadParts(tmp_path, 1000, 1000, max_gateway_bytes=1000)
     assert await parts.receive(GATEWAY, "a", b"{}", b"x" * 100, 0, 900) is None
     with pytest.raises(EngineOverloadedError):
         await parts.receive(b"other", "b", b"{}", b"y" * 100, 0, 900)
@@ -89,4 +89,55 @@ async def test_uploads_under_way_are_bounded_in_number(tmp_path: Path) -> None:
     whole = await parts.receive(b"c", "4", b"{}", b"", 0, 0)
     assert whole is not None and (whole / WEIGHTS_FILE).read_bytes() == b""
     parts.finish("4")
+    parts.close()
+
+
+async def test_every_aborted_first_part_waiting_starts_nothing(tmp_path: Path) -> None:
+    """A gateway's two first parts of one digest, each aborted while waiting for another
+    gateway's upload of it: both start nothing. A flag, not a count, let the second start an
+    upload nobody continued, holding a share for a minute (found by attacking the uploads)."""
+    parts = UploadParts(tmp_path, 1000, 1000)
+    assert await parts.receive(GATEWAY, DIGEST, b"{}", b"x" * 100, 0, 200) is None
+    first = asyncio.create_task(parts.wait_turn(b"second", DIGEST))
+    await asyncio.sleep(0)
+    parts.abort(b"second", DIGEST)
+    again = asyncio.create_task(parts.wait_turn(b"second", DIGEST))
+    await asyncio.sleep(0)
+    parts.abort(b"second", DIGEST)
+    parts.abort(GATEWAY, DIGEST)  # the upload they waited for ends
+    for waiting in (first, again):
+        with pytest.raises(InvalidRequestError):
+            await waiting
+    parts.close()
+
+
+async def test_one_gateway_holds_at_most_its_share_and_only_while_it_sends_bytes(
+    tmp_path: Path,
+) -> None:
+    """A gateway's uploads under way announce at most half of what the engine takes, so
+    another gateway can still upload; and a part of no bytes (past the first) is refused: it
+    kept an upload from being abandoned without adding to it (one gateway held the engine's
+    whole budget for as long as it liked, found by attacking the uploads)."""
+    parts = UploadParts(tmp_path, 1000, 2000)
+    assert await parts.receive(GATEWAY, "a", b"{}", b"x", 0, 900) is None
+    with pytest.raises(EngineOverloadedError):
+        await parts.receive(GATEWAY, "b", b"{}", b"x", 0, 900)  # past its half
+    assert await parts.receive(b"other", "c", b"{}", b"x", 0, 900) is None
+    with pytest.raises(InvalidRequestError):
+        await parts.receive(GATEWAY, "a", None, b"", 1, 900)
+    assert parts.reserved == 902  # the empty part dropped its upload
+    parts.close()
+
+
+async def test_a_first_part_waits_for_another_upload_a_bounded_time(tmp_path: Path) -> None:
+    """A first part waiting for another gateway's slow upload of its digest is answered as
+    overloaded (retry) after `wait_seconds`, below the gateway's wait for an answer: it used to
+    wait as long as the other upload took, and the gateway, timing out, marked a healthy engine
+    down (found by attacking the uploads)."""
+    parts = UploadParts(tmp_path, 1000, 1000)
+    parts.wait_seconds = 0.05
+    assert await parts.receive(GATEWAY, DIGEST, b"{}", b"x" * 100, 0, 200) is None
+    with pytest.raises(EngineOverloadedError, match="retry"):
+        await parts.wait_turn(b"second", DIGEST)
+    assert parts.reserved == 202  # the upload under way goes on
     parts.close()
