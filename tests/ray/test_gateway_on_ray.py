@@ -232,13 +232,20 @@ async def test_killing_an_engine_replica_during_12_streams_ends_each_cleanly_and
     ]
     await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 120)
     # The busiest replica among those holding the four models (asked by model id, each call
-    # reaches a holder) is killed while its streams run.
-    seen = [
-        await engines.options(multiplexed_model_id=m).stats.remote()
-        for m in ["base"] + [u["digest"] for u in uploads]
-    ]
-    victim = max(seen, key=lambda s: s.engine["running"])
-    assert victim.engine["running"] > 0
+    # reaches a holder) is killed while its streams run. A stream's first event (its role)
+    # comes before the engine runs it: a replica may still be fetching an adapter, so the
+    # replicas are asked until one is running streams.
+    deadline = time.monotonic() + 120
+    while True:
+        seen = [
+            await engines.options(multiplexed_model_id=m).stats.remote()
+            for m in ["base"] + [u["digest"] for u in uploads]
+        ]
+        victim = max(seen, key=lambda s: s.engine["running"])
+        if victim.engine["running"] > 0:
+            break
+        assert time.monotonic() < deadline, "no replica ran the streams"
+        await asyncio.sleep(0.05)
     os.kill(victim.pid, signal.SIGKILL)
 
     ends = await asyncio.wait_for(asyncio.gather(*streams), 300)  # no client hangs
