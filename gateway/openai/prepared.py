@@ -85,7 +85,6 @@ class Prepared:
     principal: Principal
     prompt_tokens: int
     stream: bool
-    include_usage: bool
     admission: Admission
     cache: CacheLookup
     tools: ToolUse

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from loramux.cache.pacing import Pacing, hit_pieces
 from loramux.cache.types import CachedResponse
@@ -48,6 +49,13 @@ class ResponseMeta:
     created: int
     model: str
     fingerprint: str
+    include_usage: bool = False
+    """`stream_options.include_usage`: every stream chunk has `usage`, `null` but on the last."""
+
+    @property
+    def chunk_usage(self) -> UnsetType | None:
+        """A stream chunk's `usage` before the last: `null` with `include_usage`, else left out."""
+        return None if self.include_usage else UNSET
 
 
 @dataclass(frozen=True)
@@ -177,7 +185,13 @@ def chunk(meta: ResponseMeta, part: Part) -> Chunk:
         logprobs = part.logprobs if isinstance(part.logprobs, TextLogprobs) else None
         choice = TextChoice(part.index, part.finish_reason, logprobs, part.text)
         return TextCompletion(
-            meta.id, "text_completion", meta.created, meta.model, meta.fingerprint, [choice]
+            meta.id,
+            "text_completion",
+            meta.created,
+            meta.model,
+            meta.fingerprint,
+            [choice],
+            meta.chunk_usage,
         )
     chat_logprobs = part.logprobs if isinstance(part.logprobs, ChoiceLogprobs) else None
     delta = ChatDelta(content=part.text or None, tool_calls=part.tool_calls)
@@ -211,7 +225,7 @@ def _chat_chunk(
         meta.model,
         meta.fingerprint,
         choices,
-        usage,
+        meta.chunk_usage if usage is None else usage,
     )
 
 

@@ -156,7 +156,6 @@ class CompletionService:
             principal=principal,
             prompt_tokens=len(tokenized.prompt_ids),
             stream=req.stream,
-            include_usage=bool(req.stream_options and req.stream_options.include_usage),
             admission=admission,
             cache=CacheLookup(*cache, consulted.hit, consulted.fence),
             tools=tools,
@@ -273,7 +272,10 @@ class CompletionService:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         response_id = f"{prefix}-{request_id.removeprefix('req_')}"
         fingerprint = system_fingerprint(self.limits.base_model, model.digest)
-        return ResponseMeta(kind, response_id, int(time.time()), model.name, fingerprint)
+        include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        return ResponseMeta(
+            kind, response_id, int(time.time()), model.name, fingerprint, include_usage
+        )
 
     # -- answering: one sequence of parts, streamed or gathered ------------------------------------
     def start(self, p: Prepared) -> Generation | None:
@@ -366,7 +368,7 @@ class CompletionService:
                 elif out.error is not None:
                     yield sse(out.error.body())
                 else:
-                    if p.include_usage:
+                    if p.meta.include_usage:
                         yield sse(usage_chunk(p.meta, out.usage))
                     yield SSE_DONE
         finally:

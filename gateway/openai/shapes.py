@@ -2,8 +2,9 @@
 
 They follow OpenAI's published OpenAPI document (tests validate real responses against the
 vendored copy, tests/fixtures/openai_openapi): required fields are always written, optional ones
-(`tool_calls`, a delta's `role`, a chunk's `usage`) only when set. `forbid_unknown_fields`, so a
-real response can be decoded into them to check they agree.
+(`tool_calls`, a delta's `role`) only when set. A stream chunk's `usage` is left out, but with
+`stream_options.include_usage`, where every chunk has it: `null` until the last chunk's usage.
+`forbid_unknown_fields`, so a real response can be decoded into them to check they agree.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
-from msgspec import Struct
+from msgspec import UNSET, Struct, UnsetType
 
 from loramux.gateway.openai.tools.schemas import ToolCall, ToolCallDelta
 
@@ -109,7 +110,8 @@ class ChatChunkChoice(Struct, forbid_unknown_fields=True):
 
 class ChatCompletionChunk(Struct, forbid_unknown_fields=True, omit_defaults=True):
     """One `data:` event of a chat stream; the stream ends with `data: [DONE]`. With
-    `stream_options.include_usage` the last chunk has no choices and the usage."""
+    `stream_options.include_usage` the last chunk has no choices and the usage, and every
+    other chunk `usage: null`, as OpenAI sends them."""
 
     id: str
     object: Literal["chat.completion.chunk"]
@@ -117,7 +119,9 @@ class ChatCompletionChunk(Struct, forbid_unknown_fields=True, omit_defaults=True
     model: str
     system_fingerprint: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
+    usage: Usage | UnsetType | None = UNSET
+    """Left out, but with `stream_options.include_usage`: `null`, and on the last chunk the
+    usage."""
 
 
 class TextChoice(Struct, forbid_unknown_fields=True):
@@ -128,8 +132,7 @@ class TextChoice(Struct, forbid_unknown_fields=True):
 
 
 class TextCompletion(Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """A whole text completion, or one `data:` event of a stream of them (a stream's chunks
-    have no usage, but for the last one with `stream_options.include_usage`; it ends with
+    """A whole text completion, or one `data:` event of a stream of them (it ends with
     `data: [DONE]`)."""
 
     id: str
@@ -138,7 +141,8 @@ class TextCompletion(Struct, forbid_unknown_fields=True, omit_defaults=True):
     model: str
     system_fingerprint: str
     choices: list[TextChoice]
-    usage: Usage | None = None
+    usage: Usage | UnsetType | None = UNSET
+    """A whole completion's usage; in a stream as a chat chunk's."""
 
 
 class Model(Struct, omit_defaults=True, forbid_unknown_fields=True):

@@ -35,6 +35,8 @@ def _with_nullable(node: Any) -> Any:
         return node
     out = {k: _with_nullable(v) for k, v in node.items()}
     if out.pop("nullable", False):
+        if "$ref" in out:  # a nullable reference: the referenced schema, or null
+            return {"anyOf": [out, {"type": "null"}]}
         if isinstance(out.get("type"), str):
             out["type"] = [out["type"], "null"]
         if "enum" in out:

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from tests.gateway.openai.openapi_schemas import (
     CHAT,
@@ -91,7 +92,9 @@ def test_a_text_completion_with_logprobs_matches_openais_schema(oai: openai.Open
 
 def test_the_last_chunk_of_a_text_stream_matches_openais_schema(api: httpx.Client) -> None:
     """OpenAI's schema has no null finish_reason, which every chunk but the last one has (as
-    OpenAI's own streams do): the last content chunk and the usage chunk are checked."""
+    OpenAI's own streams do): the last content chunk and the usage chunk are checked. The
+    schema is a whole completion's, whose usage is never null; a stream chunk's is, with
+    `include_usage` (`ChatCompletionStreamOptions`), so the content chunk is checked without it."""
     body = {
         "model": "demo-model",
         "prompt": "Once upon a time",
@@ -102,9 +105,29 @@ def test_the_last_chunk_of_a_text_stream_matches_openais_schema(api: httpx.Clien
     }
     chunks = list(sse_events(api, "/completions", body))
     *_, last, usage = chunks
+    assert last.pop("usage") is None
     assert_valid(COMPLETION, last)
     assert_valid(COMPLETION, usage)
     assert last["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    ("path", "prompt"),
+    [("/chat/completions", {"messages": MESSAGES}), ("/completions", {"prompt": "Once upon"})],
+)
+def test_with_include_usage_every_chunk_has_usage_null_but_the_last(
+    api: httpx.Client, path: str, prompt: dict[str, Any]
+) -> None:
+    """OpenAI: with `include_usage`, `usage` "contains a null value except for the last
+    chunk"; without it, no chunk has one. Asked twice, so the second may be a cache hit's
+    replay."""
+    body = {"model": "demo-model", **prompt, "max_tokens": 4, "temperature": 0, "stream": True}
+    for _ in range(2):
+        *chunks, last = sse_events(api, path, {**body, "stream_options": {"include_usage": True}})
+        assert chunks and all("usage" in c and c["usage"] is None for c in chunks), chunks
+        assert last["choices"] == [] and last["usage"]["total_tokens"] > 0
+        plain = list(sse_events(api, path, body))
+        assert plain and all("usage" not in c for c in plain), plain
 
 
 def test_models_and_one_model_match_openais_schema(oai: openai.OpenAI, api: httpx.Client) -> None:
