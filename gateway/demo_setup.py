@@ -8,6 +8,7 @@ from pathlib import Path
 
 from sqlalchemy import func, select
 
+from loramux.engine.errors import EngineStoppedError
 from loramux.gateway.auth.api_keys import NewKey, mint_key
 from loramux.gateway.db import ApiKey, Tenant
 from loramux.gateway.state import GatewayState
@@ -26,7 +27,9 @@ async def first_start(gw: GatewayState, model_dir: Path, url: str) -> None:
     model, upload shared demo adapters, which takes seconds each. A first start stopped before
     its end (SIGTERM while uploading) left a tenant whose key nobody had seen; now the key is
     shown first, and the next start finds PENDING and uploads the adapters (an upload of the
-    same bytes answers the version already there), so no start leaves a half-made first start."""
+    same bytes answers the version already there), so no start leaves a half-made first start.
+    With no engine answering (an external one not up yet) the adapters wait for the next start
+    likewise."""
     pending = gw.settings.data_dir / PENDING
     names = _demo_adapter_names(gw)
     async with gw.sessions() as session:
@@ -40,7 +43,11 @@ async def first_start(gw: GatewayState, model_dir: Path, url: str) -> None:
         key = await _create_demo_tenant(gw)
         _print_key(key, [gw.model_name, *names], url)
     if names:
-        await _upload_demo_adapters(gw, model_dir, len(names))
+        try:
+            await _upload_demo_adapters(gw, model_dir, len(names))
+        except EngineStoppedError as exc:  # an external engine not up yet: serve degraded
+            log.warning("the demo adapters are uploaded at the next start: %s", exc)
+            return
     pending.unlink(missing_ok=True)
 
 

@@ -33,7 +33,7 @@ import httpx
 from loramux.gateway.supervisor import ChildSpec
 
 START_SECONDS = 300.0
-"""How long a worker may take to import the gateway and answer /ready."""
+"""How long a worker may take to import the gateway and serve (answer /health)."""
 MAX_WORKERS = 8
 MAX_SOCKET_PATH = 100
 """A Unix socket's path has room for 107 bytes; a deeper data directory gets a temporary one."""
@@ -122,9 +122,11 @@ def worker_child(
     argv += ("--host", host, "--port", str(port), "--reuse-port", "--control-socket", str(control))
 
     async def ready() -> bool:
+        # Serving (/health), not /ready: a worker whose external engine is not up yet serves
+        # degraded, and must not be killed as one that never started.
         transport = httpx.AsyncHTTPTransport(uds=str(control))
         async with httpx.AsyncClient(transport=transport, timeout=2.0) as client:
-            return (await client.get("http://worker/ready")).status_code == 200
+            return (await client.get("http://worker/health")).status_code == 200
 
     return ChildSpec(f"gateway-{index}", argv, ready, START_SECONDS, os.environ | shared)
 

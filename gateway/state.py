@@ -17,6 +17,8 @@ from loramux.adapters.peft_format import AdapterLimits
 from loramux.adapters.store import AdapterStore
 from loramux.cache.embedder import Embedder
 from loramux.cache.response_cache import ResponseCache
+from loramux.engine.errors import EngineStoppedError
+from loramux.engine.model.config import ModelConfig
 from loramux.gateway import tracing
 from loramux.gateway.access_log import redact_access_log
 from loramux.gateway.adapters.shared_store import SharedAdapterStore
@@ -25,7 +27,7 @@ from loramux.gateway.auth.admin_jwt import AdminAuth
 from loramux.gateway.auth.api_keys import ApiKeyAuth
 from loramux.gateway.catalog import ModelCatalog
 from loramux.gateway.db.session import create_engine, session_factory
-from loramux.gateway.engine_client.base import EngineClient
+from loramux.gateway.engine_client.base import EngineClient, EngineInfo
 from loramux.gateway.metrics import Metrics
 from loramux.gateway.prompt_tokens import PromptTokens
 from loramux.gateway.quotas import QuotaService
@@ -99,6 +101,32 @@ def shared_store(settings: Settings, db: AsyncEngine) -> SharedAdapterStore | No
     )
 
 
+async def engine_info(engine: EngineClient, settings: Settings, model_dir: Path) -> EngineInfo:
+    """What the engine serves, as it says; when no engine answers (an external one not up
+    yet), what this gateway's settings and model folder say it will serve. The gateway then
+    starts degraded, as when its engine goes down later: /ready answers 503 and requests 503
+    `engine_unavailable` until an engine answers (the channel reconnects by itself). It died
+    with a traceback instead, so an orchestrator starting gateways and engines together had
+    its gateways crash-looping until the engine had loaded its model."""
+    try:
+        return await engine.info()
+    except EngineStoppedError as exc:
+        model = ModelConfig.from_folder(model_dir)
+        info = EngineInfo(
+            settings.model_name,
+            model.context_limit(settings.engine.max_model_len),
+            model.vocab_size,
+        )
+        log.warning(
+            "%s (LORAMUX_ENGINE_URLS): starting without it, not ready until it answers; "
+            "assuming it serves %s with max_model_len %d",
+            exc,
+            info.model_name,
+            info.max_model_len,
+        )
+        return info
+
+
 def admin_secret(settings: Settings) -> str:
     """LORAMUX_ADMIN_SECRET, else a secret generated once and kept in the data directory."""
     if settings.server.admin_secret:
@@ -137,7 +165,7 @@ async def build_state(
     sessions = session_factory(db)
     tracing.configure()
     await engine.start()
-    info = await engine.info()
+    info = await engine_info(engine, settings, model_dir)
     redis = redis_client(redis_url)
     cache_url = settings.cache.redis_url
     cache_redis = redis_client(cache_url) if cache_url and cache_url != redis_url else redis

@@ -17,7 +17,7 @@ from sqlalchemy import select
 from loramux.gateway.db import AdapterVersion
 from loramux.gateway.db.adapter import SHARED_OWNER
 from loramux.gateway.db.migrate import upgrade
-from loramux.gateway.demo_setup import first_start
+from loramux.gateway.demo_setup import PENDING, first_start
 from loramux.gateway.server import engine_client
 from loramux.gateway.settings import EngineSettings, ServerSettings, Settings
 from loramux.gateway.state import GatewayState, build_state
@@ -90,3 +90,33 @@ async def test_the_key_is_shown_before_the_adapters_and_a_stopped_first_start_is
         await first_start(demo_state, demo_state.settings.model_dir, URL)
     assert "lmx-" not in again.getvalue()  # the key is shown once
     assert await _demo_adapters(demo_state) == [("demo-0", 1), ("demo-1", 1)]
+
+
+async def test_with_no_engine_answering_the_first_start_shows_the_key_and_leaves_the_adapters(
+    tmp_path: Path, demo_model_dir: Path, redis_url: str
+) -> None:
+    """An external engine not up yet: the gateway starts degraded, its first start shows the key
+    and leaves the demo adapters for the next start, instead of ending serve's start with the
+    engine's error."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "demo-model").symlink_to(demo_model_dir)
+    settings = Settings(
+        data_dir=data,
+        model=None,
+        engine=EngineSettings(max_model_len=512, kv_cache_mb=16),
+        server=ServerSettings(demo_adapters=2, engine_urls=(f"ipc://{tmp_path / 'none.sock'}",)),
+    )
+    await asyncio.to_thread(upgrade, settings.database_url)
+    client = engine_client(settings, settings.model_dir)
+    state = await build_state(settings, client, settings.model_dir, redis_url)
+    try:
+        assert (state.model_name, state.max_model_len) == ("demo-model", 512)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            await first_start(state, settings.model_dir, URL)
+        assert "lmx-" in out.getvalue()
+        assert await _demo_adapters(state) == []
+        assert (data / PENDING).exists()  # the next start uploads them
+    finally:
+        await state.close()

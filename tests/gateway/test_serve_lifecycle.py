@@ -122,6 +122,45 @@ def test_with_engine_urls_serve_spawns_no_engine_and_sigint_stops_its_redis(
         _stopped_cleanly(running, signal.SIGINT)
 
 
+def _answers(running: Serve, path: str) -> int | None:
+    """The status serve answers `path` with; None while it does not listen yet."""
+    assert running.proc.poll() is None, f"serve exited:\n{running.output()}"
+    try:
+        return httpx.get(f"{running.url}{path}", timeout=5).status_code
+    except httpx.HTTPError:
+        return None
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_with_its_engine_not_up_yet_serve_starts_degraded_and_serves_once_it_answers(
+    env: dict[str, str], demo_model_dir: Path, tmp_path: Path, workers: str
+) -> None:
+    """Bug: a gateway whose external engine did not listen yet died at its start with a
+    traceback. Now it serves degraded, as while its engine is down later: /health 200 saying
+    the engine is down, /ready 503, completions 503 `engine_unavailable`; once the engine
+    listens at its address, /ready turns 200 and completions are served."""
+    address = f"ipc://{tmp_path / 'engine.sock'}"
+    external = env | {"LORAMUX_ENGINE_URLS": address, "LORAMUX_ENGINE_TOKEN": "external-token"}
+    with serve(tmp_path / "data", external, wait=False, args=("--workers", workers)) as running:
+        wait_for(lambda: _answers(running, "/health") == 200, START_SECONDS, "serve serves")
+        health = _health(running)
+        assert (health["engine"], health["status"]) == ("down", "degraded"), health
+        ready = httpx.get(f"{running.url}/ready", timeout=10)
+        assert ready.status_code == 503 and not ready.json()["checks"]["engine"], ready.text
+        with _admin(running.url) as admin:
+            key = new_tenant(admin, "early").key
+        refused = _chat(running.url, key)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "engine_unavailable"
+        config = EngineConfig(model=demo_model_dir, max_model_len=512, kv_cache_bytes=16 << 20)
+        engine = AsyncEngine(LLMEngine(config))
+        with serve_engine_in_thread(engine, "demo-model", address=address, token="external-token"):
+            wait_for(lambda: _answers(running, "/ready") == 200, 60, "serve is ready")
+            served = _chat(running.url, key)
+            assert served.status_code == 200, served.text
+        assert "Traceback" not in running.output(), running.output()
+
+
 def test_sigterm_while_serve_starts_stops_the_children_started_so_far(
     env: dict[str, str], tmp_path: Path
 ) -> None:
