@@ -232,7 +232,7 @@ class AsyncEngine:
                 continue
             item: _Item = out
             if out.finish_reason is FinishReason.ERROR:
-                item = RequestFailedError(out.error or "the engine could not finish this request")
+                item = out.error_type(out.error or "the engine could not finish this request")
             by_loop.setdefault(stream.loop, []).append((stream, item))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)

@@ -42,6 +42,12 @@ class RequestFailedError(EngineError):
     it raised). Only this request failed, after it was queued; the engine keeps serving."""
 
 
+class AdapterUnavailableError(RequestFailedError):
+    """The request's adapter could not be loaded: its files were deleted, became unreadable or
+    changed on disk since it was registered. Only requests for that adapter fail; the next one
+    after them tries loading it again."""
+
+
 def number_text(value: int | float) -> str:
     """A number for an error message. An integer too long to print whole is described instead:
     Python refuses to turn one of more than 4,300 digits into text, and a message should not

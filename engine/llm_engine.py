@@ -33,7 +33,13 @@ from loramux.adapters.base_spec import BaseModelSpec
 from loramux.adapters.peft_format import AdapterLimits
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.config import EngineConfig
-from loramux.engine.errors import InvalidRequestError, UnknownAdapterError, number_text
+from loramux.engine.errors import (
+    AdapterUnavailableError,
+    InvalidRequestError,
+    RequestFailedError,
+    UnknownAdapterError,
+    number_text,
+)
 from loramux.engine.lora.manager import LoraManager
 from loramux.engine.lora.stats import AdapterStats
 from loramux.engine.metrics import EngineMetrics
@@ -314,7 +320,9 @@ class LLMEngine:
                 chunk.seq.scheduled_time = now
         # Each request once: failing one choice ends its others, which may be waiting too.
         outputs = [
-            self._fail(seq, ADAPTER_UNREADABLE) for seq in batch.failed if self.outputs.is_open(seq)
+            self._fail(seq, ADAPTER_UNREADABLE, AdapterUnavailableError)
+            for seq in batch.failed
+            if self.outputs.is_open(seq)
         ]
         launched: LaunchedStep | None = None
         if batch.chunks:
@@ -397,13 +405,18 @@ class LLMEngine:
             log.exception("request %s failed after its step", seq.request_id)
             return self._fail(seq, STEP_FAILED)
 
-    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+    def _fail(
+        self,
+        seq: Sequence,
+        error: str,
+        error_type: type[RequestFailedError] = RequestFailedError,
+    ) -> RequestOutput:
         """Fail `seq`'s whole request: its other open choices end silently, and `seq`'s ERROR
-        output is the request's last."""
+        output, which its stream raises as `error_type`, is the request's last."""
         for other in self.outputs.open_choices(seq.request_id):
             if other is not seq:
                 self._end(other, FinishReason.ERROR, error=error)
-        return self._end(seq, FinishReason.ERROR, error=error)
+        return self._end(seq, FinishReason.ERROR, error=error, error_type=error_type)
 
     def _end(
         self,
@@ -412,6 +425,7 @@ class LLMEngine:
         token_ids: list[int] | None = None,
         error: str | None = None,
         logprobs: list[TokenLogprob] | None = None,
+        error_type: type[RequestFailedError] = RequestFailedError,
     ) -> RequestOutput:
         """End an open choice wherever it is: free its blocks and adapter pin (unless the
         scheduler already finished it), count its adapter user out, make its final output."""
@@ -419,7 +433,7 @@ class LLMEngine:
             self.scheduler.finish(seq)
         if self.lora is not None:
             self.lora.remove_user(seq)
-        final = self.outputs.final(seq, reason, token_ids, error, logprobs)
+        final = self.outputs.final(seq, reason, token_ids, error, logprobs, error_type)
         if final.timings is not None:
             self.metrics.request_finished(final.timings)
         return final

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from loramux.engine.errors import RequestFailedError
 from loramux.engine.outputs import RequestOutput, RequestTimings, TokenLogprob, Usage
 from loramux.engine.sequence import FinishReason, Sequence
 
@@ -67,6 +68,7 @@ class OutputProcessor:
         token_ids: list[int] | None = None,
         error: str | None = None,
         logprobs: list[TokenLogprob] | None = None,
+        error_type: type[RequestFailedError] = RequestFailedError,
     ) -> RequestOutput:
         """An open choice's last delta; with usage when it is the request's last open choice,
         which then is no longer active."""
@@ -82,5 +84,13 @@ class OutputProcessor:
                 first.arrival_time, first.scheduled_time, first.first_token_time, time.time()
             )
         return RequestOutput(
-            seq.request_id, token_ids or [], reason, usage, error, seq.index, logprobs, timings
+            seq.request_id,
+            token_ids or [],
+            reason,
+            usage,
+            error,
+            seq.index,
+            logprobs,
+            timings,
+            error_type=error_type,
         )

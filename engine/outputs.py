@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from loramux.engine.errors import RequestFailedError
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.sequence import FinishReason
 
@@ -93,7 +94,7 @@ class RequestOutput:
     or computing its step raised. Only that request ends so; the rest of its batch goes on, its
     KV blocks and adapter pin are freed, and the engine keeps serving. `LLMEngine.step()` returns
     such an output; the async facade (and so the engine service) raises it instead, as
-    `RequestFailedError` on that request's stream, so callers never see ERROR as a finish reason.
+    `error_type` on that request's stream, so callers never see ERROR as a finish reason.
 
     With `n` > 1 each choice streams its own deltas (`index`) and ends with its own
     `finish_reason`; `usage` (prompt and cached tokens once, completion tokens summed over the
@@ -107,6 +108,9 @@ class RequestOutput:
     usage: Usage | None = None
     error: str | None = None
     """Why the request failed; set only when `finish_reason` is ERROR."""
+    error_type: type[RequestFailedError] = field(default=RequestFailedError, kw_only=True)
+    """What a failed request raises on its stream: `AdapterUnavailableError` when its adapter
+    could not be loaded (not the request's computation, nor a fault of the engine's)."""
     index: int = 0
     """The choice (0..n-1) these tokens belong to."""
     logprobs: list[TokenLogprob] | None = None

@@ -20,6 +20,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from loramux.adapters.errors import AdapterError, FileTooLarge
 from loramux.engine.errors import (
+    AdapterUnavailableError,
     EngineError,
     EngineOverloadedError,
     EngineStoppedError,
@@ -237,6 +238,10 @@ def _from_engine(exc: EngineError) -> GatewayError | None:
             return ServiceUnavailable(str(exc))
         case EngineTimeoutError():
             return GatewayTimeout(str(exc))
+        case AdapterUnavailableError():
+            # The adapter's stored files, not the request nor the caller's upload (validated
+            # when it was stored): the server's to fix; a retry loads it again.
+            return ServiceUnavailable(str(exc), code="adapter_unavailable")
         case RequestFailedError():
             return InternalError(str(exc), code="request_failed")
     return None

@@ -45,6 +45,7 @@ import msgspec
 
 from loramux.adapters.errors import AdapterError
 from loramux.engine.errors import (
+    AdapterUnavailableError,
     EngineError,
     EngineOverloadedError,
     EngineStoppedError,
@@ -218,6 +219,7 @@ ENGINE_ERRORS: tuple[tuple[type[EngineError], str], ...] = (
     (InvalidRequestError, "invalid_request"),
     (EngineOverloadedError, "engine_overloaded"),
     (EngineStoppedError, "engine_stopped"),
+    (AdapterUnavailableError, "adapter_unavailable"),
     (RequestFailedError, "request_failed"),
     (UnauthorizedError, "unauthorized"),
 )

@@ -17,10 +17,12 @@ import pytest
 import torch
 from peft import PeftModel
 
+from loramux.engine.errors import AdapterUnavailableError
 from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.outputs import EngineRequest, RequestOutput
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.sequence import FinishReason
+from loramux.engine.service.wire import error_from, failure
 from tests.adapters.peft_adapters import lora_key, save_weights
 from tests.engine.adapter_batches import run_tokens
 from tests.engine.conftest import make_engine
@@ -243,6 +245,10 @@ def test_a_request_whose_adapter_can_no_longer_be_read_fails_and_the_engine_idle
     assert [(o.finish_reason, o.is_last) for o in failed] == [(FinishReason.ERROR, True)]
     assert not engine.outputs.open_choices("r")
     assert failed[-1].error is not None and "adapter" in failed[-1].error
+    # Its stream raises it as the adapter's failure, also across the engine channel.
+    assert failed[-1].error_type is AdapterUnavailableError
+    crossed = error_from(failure("r", False, failed[-1].error_type(failed[-1].error)))
+    assert isinstance(crossed, AdapterUnavailableError)
     assert engine.stats().kv_blocks_used == 0 and lora.in_flight_loads() == 0
 
     shutil.rmtree(folder, ignore_errors=True)  # the adapter's files are back
