@@ -273,6 +273,31 @@ def _health(running: Serve) -> dict[str, Any]:
     return body
 
 
+def test_an_engine_that_fails_at_start_leaves_its_traceback_in_serves_log(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """The engine child writes to serve's own stderr (it inherits it), where serve logs: its
+    traceback comes before serve's one line, which points at it. A KV budget that cannot hold
+    one sequence stops the engine while it loads."""
+    run = subprocess.run(
+        [sys.executable, "-m", "loramux.gateway.cli", "serve", "--port", str(free_port())],
+        env=os.environ
+        | env
+        | {"LORAMUX_DATA_DIR": str(tmp_path), "LORAMUX_MAX_MODEL_LEN": "2048"}
+        | {"LORAMUX_KV_CACHE_MB": "1"},
+        capture_output=True,
+        text=True,
+        timeout=START_SECONDS,
+    )
+    assert run.returncode == 1, run.stderr[-2000:]
+    lines = run.stderr.strip().splitlines()
+    assert lines[-1] == (
+        "loramux serve: engine exited with status 1 before it was ready (its output is above)"
+    )
+    crash = next(i for i, line in enumerate(lines) if line.startswith("Traceback"))
+    assert any("cannot hold one sequence" in line for line in lines[crash:]), run.stderr[-3000:]
+
+
 def test_a_second_serve_on_the_same_data_dir_is_refused_and_harms_nothing(
     running: Serve, env: dict[str, str]
 ) -> None:
