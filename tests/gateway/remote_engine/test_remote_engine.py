@@ -6,7 +6,6 @@ engines."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +13,6 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from loramux.adapters.errors import FileTooLarge
-from loramux.engine.async_engine import AsyncEngine
-from loramux.engine.config import EngineConfig
 from loramux.engine.errors import (
     EngineStoppedError,
     InvalidRequestError,
@@ -27,11 +23,8 @@ from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.outputs import EngineRequest, RequestOutput
 from loramux.engine.prompt import prompt_token_ids
 from loramux.engine.sampling import SamplingParams
-from loramux.engine.sequence import FinishReason
-from loramux.engine.service import serve_engine_in_thread
 from loramux.engine.service.runner import RunningEngineService
 from loramux.engine.service.wire import (
-    MAX_FRAME_BYTES,
     WIRE_VERSION,
     Call,
     Reply,
@@ -42,54 +35,17 @@ from loramux.engine.service.wire import (
 from loramux.gateway.engine_client.base import EngineVersionError
 from loramux.gateway.engine_client.remote import RemoteEngineClient
 from loramux.gateway.engine_client.routing import Endpoint, route
-from tests.engine.conftest import make_engine, run_to_completion
+from tests.gateway.remote_engine.common import (
+    CLASS_TREE,
+    IMPORT_OS,
+    PARAMS,
+    WHILE_TRUE,
+    collect,
+    run_locally,
+    served_by,
+    tokens_of,
+)
 from tests.gateway.servers import ENGINE_TOKEN, engine_service
-
-PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
-IMPORT_OS, CLASS_TREE, WHILE_TRUE = [300, 12, 77, 5], [99, 1000, 3, 58], [61, 62, 63]
-
-
-@pytest.fixture(scope="module")
-def services(
-    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[list[RunningEngineService]]:
-    with (
-        engine_service(demo_model_dir, tmp_path_factory.mktemp("engine-a")) as a,
-        engine_service(demo_model_dir, tmp_path_factory.mktemp("engine-b")) as b,
-    ):
-        yield [a, b]
-
-
-@pytest.fixture(scope="module")
-async def client(services: list[RunningEngineService]) -> AsyncIterator[RemoteEngineClient]:
-    """A client of the first engine only."""
-    remote = RemoteEngineClient([services[0].url], ENGINE_TOKEN)
-    await remote.start()
-    yield remote
-    await remote.close()
-
-
-@pytest.fixture(scope="module")
-def local(demo_model_dir: Path) -> LLMEngine:
-    return make_engine(demo_model_dir)
-
-
-async def _collect(client: RemoteEngineClient, request: EngineRequest) -> list[RequestOutput]:
-    return [out async for out in client.generate(request)]
-
-
-def _local(local: LLMEngine, request: EngineRequest) -> list[RequestOutput]:
-    return run_to_completion(local, [request])[request.request_id]
-
-
-def _tokens(outputs: list[RequestOutput]) -> list[int]:
-    return [t for o in outputs for t in o.token_ids]
-
-
-def _served_by(services: list[RunningEngineService], digest: str) -> list[int]:
-    """Indexes of the engines that ran requests for `digest`."""
-    stats = [s.engine.adapter_stats().get(digest) for s in services]
-    return [i for i, st in enumerate(stats) if st is not None and st.requests > 0]
 
 
 @pytest.mark.parametrize(
@@ -104,11 +60,11 @@ async def test_remote_generate_equals_local_token_for_token(
     client: RemoteEngineClient, local: LLMEngine, form: dict[str, Any]
 ) -> None:
     ids = prompt_token_ids(local.tokenizer, EngineRequest("ids", PARAMS, **form), 4096, 512)
-    remote = await _collect(
+    remote = await collect(
         client, EngineRequest(f"eq-{next(iter(form))}", PARAMS, prompt_token_ids=ids)
     )
-    reference = _local(local, EngineRequest("eq-local", PARAMS, **form))
-    assert _tokens(remote) == _tokens(reference)
+    reference = run_locally(local, EngineRequest("eq-local", PARAMS, **form))
+    assert tokens_of(remote) == tokens_of(reference)
     assert remote[-1].finish_reason == reference[-1].finish_reason == "length"
     assert remote[-1].usage is not None and reference[-1].usage is not None
     assert remote[-1].usage.prompt_tokens == reference[-1].usage.prompt_tokens == len(ids)
@@ -204,10 +160,10 @@ async def test_adapter_given_by_ensure_adapter_serves_like_the_local_engine(
     digest = local.register_adapter(folder)
     await client.ensure_adapter(digest, folder)
     request = EngineRequest("lora-1", PARAMS, prompt_token_ids=IMPORT_OS, adapter=digest)
-    remote = await _collect(client, request)
-    assert _tokens(remote) == _tokens(_local(local, request))
-    base = _local(local, EngineRequest("lora-base", PARAMS, prompt_token_ids=IMPORT_OS))
-    assert _tokens(remote) != _tokens(base)  # the adapter changed the output
+    remote = await collect(client, request)
+    assert tokens_of(remote) == tokens_of(run_locally(local, request))
+    base = run_locally(local, EngineRequest("lora-base", PARAMS, prompt_token_ids=IMPORT_OS))
+    assert tokens_of(remote) != tokens_of(base)  # the adapter changed the output
 
 
 async def test_an_engine_that_lost_an_adapter_gets_it_again(
@@ -217,7 +173,7 @@ async def test_an_engine_that_lost_an_adapter_gets_it_again(
     digest = await services[0].engine.register_adapter(folder)
     await client.ensure_adapter(digest, folder)
     services[0].engine.retire_adapter(digest)  # as if the engine restarted without it
-    outputs = await _collect(
+    outputs = await collect(
         client, EngineRequest("lost-1", PARAMS, prompt_token_ids=[7], adapter=digest)
     )
     assert outputs[-1].finish_reason == "length"
@@ -250,7 +206,7 @@ async def test_an_aborted_stream_ends_with_usage_counting_every_token_generated(
     outputs += [out async for out in stream]
     final = outputs[-1]
     assert final.finish_reason == "abort" and final.usage is not None
-    assert final.usage.completion_tokens == len(_tokens(outputs)) < 490
+    assert final.usage.completion_tokens == len(tokens_of(outputs)) < 490
     [stats] = await client.stats()
     assert stats.running == stats.waiting == stats.kv_blocks_used == 0
 
@@ -271,8 +227,8 @@ async def test_requests_for_one_adapter_land_on_one_engine(
             for i, d in enumerate(digests)
             for j in range(3)
         ]
-        await asyncio.gather(*(_collect(both, r) for r in requests))
-        assert all(len(_served_by(services, d)) == 1 for d in digests)
+        await asyncio.gather(*(collect(both, r) for r in requests))
+        assert all(len(served_by(services, d)) == 1 for d in digests)
         assert len(await both.stats()) == 2
     finally:
         await both.close()
@@ -292,15 +248,15 @@ async def test_when_an_engine_stops_requests_go_to_the_other(
         await pair.start()
         try:
             await pair.ensure_adapter(digest, folder)
-            first = await _collect(pair, request)
-            [preferred] = _served_by([a, b], digest)
+            first = await collect(pair, request)
+            [preferred] = served_by([a, b], digest)
             [a, b][preferred].stop()
-            again = await _collect(
+            again = await collect(
                 pair, EngineRequest("fo-2", PARAMS, prompt_token_ids=WHILE_TRUE, adapter=digest)
             )
-            assert _served_by([a, b], digest) == [0, 1]
-            assert _tokens(again) == _tokens(first) == _tokens(_local(local, request))
-            base = await _collect(pair, EngineRequest("fo-3", PARAMS, prompt_token_ids=[7, 8]))
+            assert served_by([a, b], digest) == [0, 1]
+            assert tokens_of(again) == tokens_of(first) == tokens_of(run_locally(local, request))
+            base = await collect(pair, EngineRequest("fo-3", PARAMS, prompt_token_ids=[7, 8]))
             assert base[-1].finish_reason == "length"
             assert await pair.ready()
             assert len(await pair.stats()) == 1
@@ -334,10 +290,10 @@ async def test_a_pushed_stream_hands_its_sink_what_generate_yields(
 ) -> None:
     """`stream` (the channel's reader hands each output to the sink) and `generate` (the caller
     reads them) give the same outputs, in order, ending with the one that carries usage."""
-    pulled = await _collect(client, EngineRequest("pull", PARAMS, prompt_token_ids=IMPORT_OS))
+    pulled = await collect(client, EngineRequest("pull", PARAMS, prompt_token_ids=IMPORT_OS))
     pushed: list[RequestOutput] = []
     await client.stream(EngineRequest("push", PARAMS, prompt_token_ids=IMPORT_OS), pushed.append)
-    assert _tokens(pushed) == _tokens(pulled) and len(_tokens(pushed)) == PARAMS.max_tokens
+    assert tokens_of(pushed) == tokens_of(pulled) and len(tokens_of(pushed)) == PARAMS.max_tokens
     assert pushed[-1].usage is not None and all(o.usage is None for o in pushed[:-1])
 
 
@@ -367,7 +323,7 @@ async def test_a_sink_that_fails_ends_its_own_stream_aborted_and_no_other(
     outcomes = await asyncio.wait_for(both, 60)
     assert isinstance(outcomes[0], ValueError) and outcomes[1] is None
     assert len(seen) == 3
-    assert len(_tokens(beside)) == PARAMS.max_tokens and beside[-1].usage is not None
+    assert len(tokens_of(beside)) == PARAMS.max_tokens and beside[-1].usage is not None
 
     async def settled() -> Any:
         while True:
@@ -378,134 +334,3 @@ async def test_a_sink_that_fails_ends_its_own_stream_aborted_and_no_other(
 
     stats = await asyncio.wait_for(settled(), 30)
     assert stats.kv_blocks_used == 0
-
-
-async def test_an_adapter_over_the_engines_limit_is_refused_before_it_is_sent(
-    demo_model_dir: Path, local: LLMEngine, demo_adapter_dirs: list[Path]
-) -> None:
-    """An adapter over the engine's limit (scaled down here to 2 MiB; the adapter's weights
-    are 4.6 MB) is refused with its size and the engine's limit before any of it is sent, and
-    the stream under way runs on. (When an upload was one message, one over the limit made the
-    engine drop the gateway's connection, and every stream on it, any tenant's.)"""
-    big, small = demo_adapter_dirs[15], demo_adapter_dirs[0]
-    assert (big / "adapter_model.safetensors").stat().st_size > 2 << 20
-    engine = AsyncEngine(LLMEngine(EngineConfig(model=demo_model_dir, max_model_len=512)))
-    with serve_engine_in_thread(engine, "demo", token=ENGINE_TOKEN, max_adapter_mb=2) as served:
-        client = RemoteEngineClient([served.url], ENGINE_TOKEN)
-        await client.start()
-        try:
-            params = SamplingParams(max_tokens=48, ignore_eos=True)
-            stream = client.generate(EngineRequest("bystander", params, prompt_token_ids=IMPORT_OS))
-            first = await anext(stream)
-            with pytest.raises(FileTooLarge, match="at most 2097152 bytes"):
-                await client.ensure_adapter(local.register_adapter(big), big)
-            await client.ensure_adapter(local.register_adapter(small), small)
-            outputs = [first] + [out async for out in stream]
-        finally:
-            await client.close()
-    assert sum(len(out.token_ids) for out in outputs) == 48
-    assert outputs[-1].finish_reason == FinishReason.LENGTH
-
-
-async def test_an_adapter_larger_than_a_part_crosses_in_parts_and_serves_the_same(
-    services: list[RunningEngineService], local: LLMEngine, demo_adapter_dirs: list[Path]
-) -> None:
-    """Uploads travel in parts (here of 512 KiB; 8 MiB by default) so that no frame is over
-    the engine's small frame limit: a 4.6 MB adapter arrives whole and serves the tokens the
-    local engine gives."""
-    big = demo_adapter_dirs[15]
-    assert (big / "adapter_model.safetensors").stat().st_size > 8 * (512 << 10)
-    client = RemoteEngineClient([services[1].url], ENGINE_TOKEN, upload_part_bytes=512 << 10)
-    try:
-        digest = local.register_adapter(big)
-        await client.ensure_adapter(digest, big)
-        request = EngineRequest("parts-1", PARAMS, prompt_token_ids=CLASS_TREE, adapter=digest)
-        assert _tokens(await _collect(client, request)) == _tokens(_local(local, request))
-    finally:
-        await client.close()
-
-
-async def test_a_message_over_the_frame_limit_is_refused_before_it_is_sent(
-    client: RemoteEngineClient,
-) -> None:
-    """The engine drops a connection that sends a frame over its limit, and with it every
-    stream of that gateway: a request that would not fit is refused alone (invalid_request),
-    and the stream under way runs on."""
-    params = SamplingParams(max_tokens=48, ignore_eos=True)
-    stream = client.generate(EngineRequest("beside-it", params, prompt_token_ids=IMPORT_OS))
-    first = await anext(stream)
-    huge = SamplingParams(max_tokens=4, stop=("x" * MAX_FRAME_BYTES,))
-    with pytest.raises(InvalidRequestError, match="carries at most"):
-        await _collect(client, EngineRequest("huge", huge, prompt_token_ids=IMPORT_OS))
-    outputs = [first] + [out async for out in stream]
-    assert sum(len(out.token_ids) for out in outputs) == 48
-
-
-async def test_a_call_cancelled_as_its_answer_arrives_is_cancelled(
-    client: RemoteEngineClient,
-) -> None:
-    """A caller cancelled in the same turn its answer lands is cancelled all the same: on
-    Python 3.11 asyncio.wait_for returned the answer and swallowed the cancel, so a request
-    whose client left went on uploading an adapter's parts (found by attacking the fixes)."""
-    channel = client._channel(client._endpoints[0])
-    call = asyncio.create_task(channel.call("stats", 5.0))
-    async with asyncio.timeout(10):
-        while not channel._calls:  # its message is sent: it waits on its answer
-            await asyncio.sleep(0)
-    await asyncio.sleep(0)
-    next(iter(channel._calls.values())).set_result({"answered": True})
-    call.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await call
-
-
-async def test_an_adapter_retired_while_it_is_uploaded_is_not_served(
-    services: list[RunningEngineService], demo_adapter_dirs: list[Path], local: LLMEngine
-) -> None:
-    """A retire (its tenant deleted it) that reaches the engine before the upload's first part
-    retires nothing there: the gateway sees the digest retired once its upload is done, retires
-    it again and answers as for a deleted adapter. It used to be served, its files kept, for
-    good."""
-    folder = demo_adapter_dirs[8]
-    digest = local.register_adapter(folder)
-    client = RemoteEngineClient([services[1].url], ENGINE_TOKEN)
-    await client.start()
-    try:
-        channel = client._channel(client._endpoints[0])
-        upload = asyncio.create_task(client.ensure_adapter(digest, folder))
-        async with asyncio.timeout(10):
-            while not channel._calls:  # it asks the engine's adapter limit first
-                await asyncio.sleep(0)
-        await client.retire_adapter(digest)
-        with pytest.raises(UnknownAdapterError):
-            await upload
-        served = await channel.call("adapters", 5.0)
-    finally:
-        await client.close()
-    assert digest not in served and digest not in client._endpoints[0].adapters
-
-
-async def test_an_upload_given_up_is_dropped_by_the_engine_at_once(
-    demo_model_dir: Path, demo_adapter_dirs: list[Path], local: LLMEngine, tmp_path: Path
-) -> None:
-    """A request cancelled mid-upload (its client left) tells the engine, which drops the
-    upload and its files at once: it used to hold its share of the engine's bound on uploads
-    under way for a minute, and four of them locked every other upload out."""
-    folder = demo_adapter_dirs[11]
-    digest = local.register_adapter(folder)
-    with engine_service(demo_model_dir, tmp_path) as service:
-        client = RemoteEngineClient([service.url], ENGINE_TOKEN, upload_part_bytes=512)
-        await client.start()
-        try:
-            upload = asyncio.create_task(client.ensure_adapter(digest, folder))
-            async with asyncio.timeout(30):
-                while not any(p.stat().st_size for p in tmp_path.glob("run-*/.uploading/*/*")):
-                    await asyncio.sleep(0.01)  # another thread's files: nothing to await
-            upload.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await upload
-            async with asyncio.timeout(10):
-                while list(tmp_path.glob("run-*/.uploading/*")):
-                    await asyncio.sleep(0.01)
-        finally:
-            await client.close()
