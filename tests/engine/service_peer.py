@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import zmq
 
+from loramux.adapters.base_spec import BaseModelSpec
+from loramux.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE, load_peft_adapter
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.config import EngineConfig
 from loramux.engine.llm_engine import LLMEngine
@@ -145,3 +147,14 @@ def service(
 def gateway(service: RunningEngineService) -> Iterator[Gateway]:
     with gateway_at(service.url) as gateway:
         yield gateway
+
+
+def adapter_digest(folder: Path, model_dir: Path) -> str:
+    """The digest of the PEFT adapter in `folder`, for the model in `model_dir`."""
+    return load_peft_adapter(folder, BaseModelSpec.from_model_dir(model_dir)).digest
+
+
+def upload_folder(gateway: Gateway, digest: str, folder: Path) -> ToGateway:
+    """Uploads the adapter in `folder` in parts; the engine's answer to the last part."""
+    config, weights = (folder / CONFIG_FILE).read_bytes(), (folder / WEIGHTS_FILE).read_bytes()
+    return gateway.upload(digest, config, weights)[-1]
