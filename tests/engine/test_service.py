@@ -1,7 +1,8 @@
 """The engine's service: the ZeroMQ channel (streams of token-id deltas, typed errors before the
-stream, adapter upload and retirement, the token on every message, aborts when a gateway goes
-away) and its HTTP health and metrics endpoint. Spoken to here as a gateway would, message by
-message (tests.engine.service_peer); hostile peers are test_service_hostile_peers's."""
+stream, the token on every message, aborts when a gateway goes away) and its HTTP health and
+metrics endpoint. Spoken to here as a gateway would, message by message
+(tests.engine.service_peer); hostile peers are test_service_hostile_peers's, adapters
+test_service_adapters's."""
 
 from __future__ import annotations
 
