@@ -36,6 +36,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ray import serve
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import (
+    LocalityMixin,
+    MultiplexMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
 from loramux.adapters.store import AdapterStore, StoredAdapter
 from loramux.engine.adapter_folder import EngineAdapterFolder
@@ -75,6 +84,61 @@ class ReplicaStats:
     """engine.outputs.EngineStats as a dict."""
     adapter_root: str = ""
     """The local adapter store this replica serves from."""
+
+
+class StreamReplicaRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """Ray Serve's power-of-two-choices routing (adapter affinity through multiplexing), except
+    that `abort(request_id, choice)` goes to the replica running that request's stream: a
+    choice a stop string ended stops there alone, as on the local engine, while a handle call
+    would reach any replica. It runs in each handle's process, so it learns where each
+    `generate` went (`on_request_routed`) and forgets it when the stream ends.
+
+    Each request is given the replica chosen for it (Ray Serve's default router may hand one
+    chosen for a request to the oldest one waiting instead, which would send an abort astray).
+    An abort whose stream's replica is gone (or whose stream ended) goes to any replica, where
+    it finds nothing to stop. Like any call, it waits while its replica is at
+    `max_ongoing_requests`."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        """Called by Ray Serve once the router is made."""
+        self._runs: dict[str, ReplicaID] = {}
+        """Our request id of each stream under way → the replica running it."""
+        self._requests: dict[str, str] = {}
+        """Ray Serve's internal request id of each stream → our request id."""
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        """The stream's replica for an abort; power of two choices for any other call."""
+        if pending_request is not None and pending_request.metadata.call_method == "abort":
+            target = self._runs.get(pending_request.args[0])
+            chosen = [r for r in candidate_replicas if r.replica_id == target]
+            if chosen:
+                return [chosen]
+        ranks: list[list[RunningReplica]] = await PowerOfTwoChoicesRequestRouter.choose_replicas(
+            self,  # type: ignore[arg-type]  # uses only the mixins' methods, which this has
+            candidate_replicas,
+            pending_request,
+        )
+        return ranks
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        """Remember which replica runs a `generate` stream (for its aborts)."""
+        metadata = pending_request.metadata
+        request = pending_request.args[0] if pending_request.args else None
+        if metadata.call_method == "generate" and isinstance(request, EngineRequest):
+            self._runs[request.request_id] = replica_id
+            self._requests[metadata.internal_request_id] = request.request_id
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """Forget a stream that ended (unless a retry of its request runs elsewhere now)."""
+        request_id = self._requests.pop(internal_request_id, None)
+        if request_id is not None and self._runs.get(request_id) == replica_id:
+            del self._runs[request_id]
 
 
 class EngineReplica:
@@ -273,5 +337,6 @@ def engine_deployment(
         max_ongoing_requests=options.max_ongoing_requests,
         autoscaling_config=options.autoscaling,
         health_check_period_s=2,
+        request_router_config={"request_router_class": StreamReplicaRouter},
     )(EngineReplica)
     return deployment.bind(config, model_name, adapter_dir, adapter_source)

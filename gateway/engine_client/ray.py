@@ -121,12 +121,17 @@ class RayEngineClient:
             sink(out)
 
     async def abort(self, request_id: str, choice: int | None = None) -> None:
-        """Ray cannot address the replica that runs a stream, so the stream is cancelled (the
-        replica then aborts the sequence and frees its blocks) and ends here with an `abort`
-        output whose usage counts the tokens delivered: tokens the engine generated after the
-        last one read are not counted. One choice cannot be stopped alone (`choice` is
-        ignored): the stream goes on until every choice ends, as before."""
+        """One choice (`choice`): the replica running the stream is asked to stop it (the
+        deployment's router sends the call there: engine.ray_deployment.StreamReplicaRouter),
+        and the stream goes on with that choice's final output, as on the local engine.
+
+        The whole request: Ray cannot stop a stream from the replica's side before its next
+        output, so the stream is cancelled (the replica then aborts the sequence and frees its
+        blocks) and ends here with an `abort` output whose usage counts the tokens delivered:
+        tokens the engine generated after the last one read are not counted."""
         if choice is not None:
+            if request_id in self._streams:  # none opening: a choice ends only once it began
+                await self._call("abort", None, request_id, choice)
             return
         if request_id in self._opening:  # asked before its first output: abort once it comes
             self._opening[request_id] = True
@@ -173,12 +178,12 @@ class RayEngineClient:
             return False
         return True
 
-    async def _call(self, method: str, model_id: str | None = None) -> Any:
+    async def _call(self, method: str, model_id: str | None = None, *args: Any) -> Any:
         handle = (
             self.handle if model_id is None else self.handle.options(multiplexed_model_id=model_id)
         )
         try:
-            return await getattr(handle, method).remote()
+            return await getattr(handle, method).remote(*args)
         except EngineError:
             raise
         except RayError as exc:

@@ -317,3 +317,37 @@ async def test_killing_a_replica_mid_stream_ends_its_streams_cleanly_and_ray_res
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_one_choice_aborted_alone_stops_there_while_the_others_go_on(
+    ray_engines: RayEngines,
+) -> None:
+    """As with the local engine: a stop string ends choice 1 at the gateway, which aborts that
+    choice alone. Its sequence ends on the replica that runs it (it used to run on to max_tokens
+    and be billed for them all), the other choices run to their end, and the usage counts what
+    was generated, no more. Three requests for adapters on (most likely) different replicas: an
+    abort sent to any replica would find the right one in all three by chance once in 27."""
+    for a in (3, 4, 5):
+        outputs = await abort_choice_1(ray_engines, f"one-choice-{a}", ray_engines.digests[a])
+        ends = {o.index: o.finish_reason for o in outputs if o.finish_reason is not None}
+        assert ends == {0: FinishReason.LENGTH, 1: FinishReason.ABORT, 2: FinishReason.LENGTH}
+        tokens = {i: sum(len(o.token_ids) for o in outputs if o.index == i) for i in range(3)}
+        assert tokens[0] == tokens[2] == 100 and tokens[1] < 100
+        usage = outputs[-1].usage
+        assert usage is not None and usage.completion_tokens == sum(tokens.values())
+
+
+async def abort_choice_1(engines: RayEngines, request_id: str, digest: str) -> list[RequestOutput]:
+    """The outputs of a request for 3 choices whose choice 1 is aborted at its first token."""
+    request = EngineRequest(
+        request_id,
+        SamplingParams(max_tokens=100, n=3, temperature=1.0, seed=3, ignore_eos=True),
+        prompt_token_ids=prompt(5),
+        adapter=digest,
+    )
+    outputs: list[RequestOutput] = []
+    async for out in engines.client.generate(request):
+        if out.index == 1 and out.token_ids and not any(o.index == 1 for o in outputs):
+            await engines.client.abort(request_id, choice=1)
+        outputs.append(out)
+    return outputs
