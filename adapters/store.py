@@ -111,6 +111,12 @@ class AdapterStore:
                         raise
         return self._stored(final)
 
+    def staging_folder(self, prefix: str) -> Path:
+        """A new empty folder in this store's staging area, for files that `put` is to take: it
+        goes with the store's folder (an engine's own, engine.adapter_folder), and a gateway's
+        sweep removes one left there (gateway.adapters.sweep). The caller removes it."""
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=self.root / _INCOMING))
+
     def get(self, digest: str) -> StoredAdapter | None:
         """The stored adapter with this digest, or None."""
         path = self.root / _checked(digest)

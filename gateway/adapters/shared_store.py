@@ -19,7 +19,6 @@ import asyncio
 import logging
 import re
 import shutil
-import tempfile
 from collections.abc import Collection
 from pathlib import Path
 
@@ -101,7 +100,9 @@ class SharedAdapterStore:
         local = into.get(_checked(digest))
         if local is not None:
             return local
-        work = Path(tempfile.mkdtemp(prefix="loramux-fetch-"))
+        # In `into`'s own folder, not the temporary folder: what a replica killed mid-fetch
+        # leaves goes with that folder (engine.adapter_folder), never piles up beside it.
+        work = into.staging_folder("fetch-")
         try:
             if not await self._write_files(digest, work):
                 return None

@@ -5,6 +5,10 @@ parts, repeated and concurrent puts, deletes, tampered rows and hostile digests.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -70,6 +74,55 @@ async def test_a_replica_with_a_folder_of_its_own_fetches_what_a_gateway_put(
     weights = (uploaded.path / FILES[1]).stat().st_size
     assert await parts(shared, uploaded.digest) >= 1 + weights // PART_BYTES
     assert await shared.fetch(uploaded.digest, replica) == fetched  # now local: no copy
+
+
+FETCH_FOREVER = """
+import asyncio, sys
+from pathlib import Path
+from loramux.adapters.base_spec import BaseModelSpec
+from loramux.adapters.store import AdapterStore
+from loramux.gateway.adapters.shared_store import SharedAdapterStore
+
+async def main(url, digest, model, root):
+    shared = SharedAdapterStore.from_url(url)
+    replica = AdapterStore(Path(root), BaseModelSpec.from_model_dir(Path(model)))
+    while True:
+        await shared.fetch(digest, replica)
+        replica.delete(digest)
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+async def test_a_replica_killed_mid_fetch_leaves_nothing_outside_its_own_folder(
+    uploaded: StoredAdapter, tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """A fetch's files are written in the replica's own folder (its store's staging area), so
+    what a replica killed mid-fetch leaves goes with that folder (engine.adapter_folder sweeps
+    a dead replica's folder). They used to be written to a folder of their own in the temporary
+    folder, which a killed replica left there for good."""
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    await asyncio.to_thread(upgrade, url)
+    shared = SharedAdapterStore.from_url(url)
+    try:
+        await shared.put(uploaded)
+    finally:
+        await shared.close()
+    temp, replica = tmp_path / "tmp", tmp_path / "replica"
+    temp.mkdir()
+    args = [url, uploaded.digest, str(demo_model_dir), str(replica)]
+    env = {**os.environ, "TMPDIR": str(temp)}
+    child = subprocess.Popen([sys.executable, "-c", FETCH_FOREVER, *args], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not [*temp.glob("loramux-fetch-*"), *replica.glob(".incoming/fetch-*")]:
+            assert child.poll() is None, "the fetching process failed"
+            assert time.monotonic() < deadline, "no fetch under way within 120 s"
+            await asyncio.sleep(0.001)
+    finally:
+        child.kill()
+        child.wait()
+    assert list(temp.iterdir()) == []
 
 
 async def test_putting_a_digest_again_or_from_two_gateways_at_once_stores_it_once(

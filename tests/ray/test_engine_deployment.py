@@ -240,7 +240,8 @@ async def test_a_replicas_own_adapter_folder_loses_deleted_adapters_and_leaves_w
     replica is told (it used to stay for good, a deleted tenant's weights included); the same
     bytes stored again serve again from the replica that still counts them as loaded. The
     folder goes when Ray Serve stops the replica, and a starting replica removes the folders of
-    replicas killed outright (they piled up in the temporary folder)."""
+    replicas killed outright, the one Ray Serve replaces included (they piled up in the
+    temporary folder)."""
     url = f"sqlite:///{tmp_path / 'shared.db'}"
     await asyncio.to_thread(upgrade, url)
     shared = SharedAdapterStore.from_url(url)
@@ -275,6 +276,17 @@ async def test_a_replicas_own_adapter_folder_loses_deleted_adapters_and_leaves_w
         await shared.put(stored)  # the same bytes uploaded again
         assert len(await generate(engines, "again", gone, 2)) == MAX_TOKENS
         assert stored_digests(folder) == sorted([kept, gone])
+
+        os.kill(stats.pid, signal.SIGKILL)  # killed outright: its folder stays until...
+
+        async def replaced() -> list[Any]:
+            now = await engines.client.replica_stats()
+            return [s for s in now if s.pid != stats.pid]
+
+        (restarted,) = await poll(replaced, "Ray Serve to bring the replica back")
+        assert not folder.exists()  # ...the next replica on the host starts
+        folder = Path(restarted.adapter_root)
+        assert folder.parent == root and folder.exists()
 
         serve.delete("own-folder")  # blocks until the replica stopped
         assert not folder.exists()
