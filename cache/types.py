@@ -27,6 +27,8 @@ VerifierName = Literal["strict", "off"]
 class CacheRequest:
     """Everything that identifies an answer.
 
+    `base_model` names the served base model and its identity (a digest of its files: see
+    engine.identity), so an entry made by other weights under the same name never matches.
     `messages` are (role, content) pairs after normalization (roles system/user/assistant, text
     content); None for text completions, which carry `prompt` (a string or token ids) instead.
     `params` are every output-changing parameter as sorted (name, value) pairs with JSON-able

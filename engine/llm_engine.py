@@ -40,6 +40,7 @@ from loramux.engine.errors import (
     UnknownAdapterError,
     number_text,
 )
+from loramux.engine.identity import model_identity
 from loramux.engine.lora.manager import LoraManager
 from loramux.engine.lora.stats import AdapterStats
 from loramux.engine.metrics import EngineMetrics
@@ -108,6 +109,9 @@ class LLMEngine:
             config.fused_kernels,
         )
         self.model_config = self.model.config
+        self.model_identity = model_identity(config.model, config.dtype, config.random_weights)
+        """The served base model's files and dtype, as a digest (engine.identity): what a
+        gateway keys its response cache and system_fingerprint by."""
         self.lora = self._lora_manager()
         self.runner = ModelRunner(config, self.model, self.max_model_len, self.lora)
         num_blocks = self._num_blocks(self.runner.graph_memory())

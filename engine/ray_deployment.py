@@ -51,6 +51,7 @@ from loramux.engine.adapter_folder import EngineAdapterFolder
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.config import EngineConfig
 from loramux.engine.errors import InvalidRequestError, UnknownAdapterError
+from loramux.engine.identity import engine_build
 from loramux.engine.outputs import EngineRequest, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -270,6 +271,8 @@ class EngineReplica:
             "model_name": self.model_name,
             "max_model_len": llm.max_model_len,
             "vocab_size": llm.model_config.vocab_size,
+            "model_identity": llm.model_identity,
+            "build": engine_build(),
         }
 
     async def stats(self) -> ReplicaStats:

@@ -107,8 +107,10 @@ def cache_request(
     response_format: dict[str, Any] | None = None,
     tools: dict[str, Any] | None = None,
 ) -> CacheRequest:
-    """The cache's identity of an engine request, after the model is resolved. `tools` holds
-    the request's tools, tool_choice and parallel_tool_calls (as JSON values).
+    """The cache's identity of an engine request, after the model is resolved. `base_model`
+    is the served base model's name and identity (`ServingLimits.served_base`: new weights under
+    the same name never meet the old weights' entries); `tools` holds the request's tools,
+    tool_choice and parallel_tool_calls (as JSON values).
 
     Greedy requests leave out top_p, top_k, min_p and seed: greedy decoding ignores them, so
     requests that differ only there get the same answer and share an entry.

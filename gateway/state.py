@@ -51,6 +51,10 @@ class GatewayState:
     metrics: Metrics
     usage: UsageRecorder
     model_name: str
+    model_identity: str
+    """The base model's files and dtype, as the engine digested them (EngineInfo)."""
+    engine_build: str
+    """The engine's code, as the engine digested it (EngineInfo)."""
     max_model_len: int
     prompts: PromptTokens
     """Tokenizes prompts and detokenizes outputs: the engine takes and gives token ids."""
@@ -191,6 +195,8 @@ async def build_state(
         metrics=Metrics(),
         usage=usage,
         model_name=info.model_name,
+        model_identity=info.model_identity,
+        engine_build=info.build,
         max_model_len=info.max_model_len,
         prompts=PromptTokens(model_dir, info.vocab_size, info.max_model_len),
         redis=redis,

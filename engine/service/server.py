@@ -43,6 +43,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.errors import InvalidRequestError
+from loramux.engine.identity import engine_build
 from loramux.engine.outputs import EngineRequest, RequestOutput
 from loramux.engine.service.curve import (
     CurveKeys,
@@ -357,6 +358,8 @@ class EngineServer:
                 "max_model_len": llm.max_model_len,
                 "vocab_size": llm.model_config.vocab_size,
                 "wire": WIRE_VERSION,
+                "model_identity": llm.model_identity,
+                "build": engine_build(),
                 "max_adapter_bytes": self.uploads.max_adapter_bytes,
             }
         if call.op == "stats":

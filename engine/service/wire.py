@@ -58,10 +58,11 @@ from loramux.engine.outputs import RequestTimings, TokenLogprob, Usage
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.structured import StructuredOutputError
 
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 """This protocol's version, in the engine's `info` reply: a gateway refuses an engine that
 speaks another (2: stream messages travel in Batches; 3: an Abort may name one choice; 4:
-adapters travel in parts, and no frame is over MAX_FRAME_BYTES)."""
+adapters travel in parts, and no frame is over MAX_FRAME_BYTES; 5: `info` names the base
+model's identity and the engine's build, `model_identity` and `build`: engine.identity)."""
 
 MAX_FRAME_BYTES = 16 << 20
 """The largest frame the engine takes (its socket's ZMQ_MAXMSGSIZE). ZeroMQ reads a CURVE

@@ -41,6 +41,23 @@ class EngineInfo:
     """The base model's id, as `GET /v1/models` lists it."""
     max_model_len: int
     vocab_size: int
+    model_identity: str
+    """A digest of the base model's files and dtype (engine.identity.model_identity), as the
+    engine computed it from the files it serves: the response cache and system_fingerprint
+    tell checkpoints of one name apart by it."""
+    build: str
+    """A digest of the engine's code (engine.identity.engine_build), for system_fingerprint."""
+
+    @classmethod
+    def of(cls, reply: dict[str, Any]) -> EngineInfo:
+        """The facts of an engine's `info` reply (the ZeroMQ engine's or a Ray replica's)."""
+        return cls(
+            reply["model_name"],
+            reply["max_model_len"],
+            reply["vocab_size"],
+            reply["model_identity"],
+            reply["build"],
+        )
 
 
 class EngineClient(Protocol):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.errors import InvalidRequestError, UnknownAdapterError
+from loramux.engine.identity import engine_build
 from loramux.engine.outputs import EngineRequest, EngineStats, RequestOutput
 from loramux.gateway.engine_client.base import EngineInfo
 from loramux.gateway.engine_client.uploads import DELETED
@@ -28,7 +29,13 @@ class LocalEngineClient:
 
     async def info(self) -> EngineInfo:
         llm = self.engine.engine
-        return EngineInfo(self.model_name, llm.max_model_len, llm.model_config.vocab_size)
+        return EngineInfo(
+            self.model_name,
+            llm.max_model_len,
+            llm.model_config.vocab_size,
+            llm.model_identity,
+            engine_build(),
+        )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         if request.prompt_token_ids is None:

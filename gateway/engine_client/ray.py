@@ -52,7 +52,7 @@ class RayEngineClient:
 
     async def info(self) -> EngineInfo:
         answer = await self._call("info")
-        return EngineInfo(answer["model_name"], answer["max_model_len"], answer["vocab_size"])
+        return EngineInfo.of(answer)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Typed engine errors are raised before the first output; a replica lost before it is

@@ -101,7 +101,7 @@ class RemoteEngineClient:
             body = require_wire(
                 endpoint.url, await self._channel(endpoint).call("info", CALL_SECONDS)
             )
-            return EngineInfo(body["model_name"], body["max_model_len"], body["vocab_size"])
+            return EngineInfo.of(body)
 
         return await self._on_engine("info", None, call)
 

@@ -23,7 +23,8 @@ def cache_plan(
     text_request: EngineRequest,
     cache_control: str | None,
 ) -> tuple[CacheRequest, CachePolicy]:
-    """The request's identity in the response cache, and what the cache may do with it. A
+    """The request's identity in the response cache, and what the cache may do with it
+    (`base_model`: the base model's name and identity, `ServingLimits.served_base`). A
     request for more than one choice is neither looked up nor stored: an entry is one choice."""
     params = text_request.params
     body_cache = {"semantic": req.cache.semantic, "ttl": req.cache.ttl} if req.cache else None

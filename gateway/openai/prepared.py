@@ -23,6 +23,17 @@ class ServingLimits:
     vocab_size: int
     default_max_tokens: int
     """max_tokens of a request that gives none (at most what the context has room for)."""
+    model_identity: str
+    """The base model's files and dtype as a digest (engine.identity.model_identity)."""
+    engine_build: str
+    """The engine's code as a digest (engine.identity.engine_build)."""
+
+    @property
+    def served_base(self) -> str:
+        """The base model as the response cache and system_fingerprint know it: its name and
+        its identity, so that new weights under the same name never share the old ones'
+        answers or fingerprint."""
+        return f"{self.base_model}@{self.model_identity}"
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,7 @@ class CompletionService:
         admission = await self._admit(principal, tokenized)
         try:
             cache = cache_plan(
-                self.limits.base_model, principal, req, tokenized.text_request, cache_control
+                self.limits.served_base, principal, req, tokenized.text_request, cache_control
             )
             consulted = await self._consult_cache(*cache, completion_route(meta.kind), request_id)
             if consulted.hit is None:

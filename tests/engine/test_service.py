@@ -13,6 +13,7 @@ import httpx
 import pytest
 import zmq
 
+from loramux.engine.identity import engine_build, model_identity
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.service.runner import RunningEngineService
 from loramux.engine.service.uploads import MAX_ADAPTER_MB
@@ -89,7 +90,9 @@ def test_typed_errors_come_before_any_delta(
     assert (failed.ref, failed.call, failed.kind, failed.code) == ("err-1", False, "engine", code)
 
 
-def test_info_stats_and_metrics(gateway: Gateway, service: RunningEngineService) -> None:
+def test_info_stats_and_metrics(
+    gateway: Gateway, service: RunningEngineService, demo_model_dir: Path
+) -> None:
     info = gateway.call("info")
     assert isinstance(info, Reply)
     assert info.value == {
@@ -97,6 +100,8 @@ def test_info_stats_and_metrics(gateway: Gateway, service: RunningEngineService)
         "max_model_len": 512,
         "vocab_size": 4096,
         "wire": WIRE_VERSION,
+        "model_identity": model_identity(demo_model_dir, "float32"),  # of the files it serves
+        "build": engine_build(),
         "max_adapter_bytes": MAX_ADAPTER_MB << 20,  # a gateway refuses larger adapters by it
     }
     stats = wait_idle(gateway)

@@ -1,6 +1,7 @@
 """The response cache through the gateway: exact and semantic hits with their headers, the
 controls (Cache-Control, the body's `cache` extension, tenant settings), isolation between
-tenants and adapter versions, purges, and a Redis restart that fails no request."""
+tenants, adapter versions and base-model checkpoints, purges, and a Redis restart that fails no
+request."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import httpx
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from loramux.engine.demo_model import build_demo_model
 from loramux.gateway.cache.service import CacheAdmin
 from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import admin_client, json_of
+from tests.gateway.servers import gateway_server
 from tests.gateway.tenants import TenantKey, after_its_delete, new_tenant, upload_adapter
 from tests.redis import RedisServer
 
@@ -203,6 +206,27 @@ def test_a_reuploaded_adapter_never_serves_the_old_versions_entries(
     assert ask(api, tenant, question, model=name).headers["x-cache"] == "exact"
     upload_adapter(admin, tenant.tenant_id, name, demo_adapter_dirs[1])
     assert ask(api, tenant, question, model=name).headers["x-cache"] == "miss"
+
+
+def test_new_base_weights_under_the_same_name_never_replay_the_old_ones_answers(
+    demo_model_dir: Path, tmp_path: Path, redis_url: str
+) -> None:
+    """An operator upgrades the base model in place: the same served name, database and cache
+    Redis, new weights. The new weights' first answers are their own, exact and semantic."""
+    upgraded = build_demo_model(tmp_path / "demo-model-v2", seed=1)
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    system = unique("You answer briefly.")
+    with gateway_server(demo_model_dir, data_dir, redis_url) as old, admin_client(old) as admin:
+        tenant = semantic_tenant(admin)
+        before = ask(admin, tenant, QUESTION, system=system)
+        assert ask(admin, tenant, QUESTION, system=system).headers["x-cache"] == "exact"
+        assert ask(admin, tenant, PARAPHRASE, system=system).headers["x-cache"] == "semantic"
+    with gateway_server(upgraded, data_dir, redis_url) as new, admin_client(new) as api:
+        after = [ask(api, tenant, q, system=system) for q in (QUESTION, PARAPHRASE)]
+        own = ask(api, tenant, QUESTION, system=system, headers={"cache-control": "no-store"})
+    assert [r.headers["x-cache"] for r in after] == ["miss", "semantic"]
+    assert text_of(after[0]) == text_of(after[1]) == text_of(own) != text_of(before)
 
 
 def test_cache_settings_are_validated_and_read_back(admin: httpx.Client) -> None:
