@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from functools import cache
-from pathlib import Path
 
 from loramux.gateway.auth.api_keys import Principal
 from loramux.gateway.catalog import ModelCatalog
@@ -14,26 +12,14 @@ from loramux.gateway.db.adapter import SHARED_OWNER
 from loramux.gateway.errors import NotFound
 from loramux.gateway.openai.shapes import Model, ModelList
 
-_BUILD_SOURCES = ("engine", "kernels")
-"""The packages whose code decides what the engine computes."""
 
-
-@cache
-def engine_build() -> str:
-    """A digest of the engine's and the kernels' source: changes with any change to them."""
-    digest = hashlib.sha256()
-    root = Path(__file__).resolve().parents[2]
-    for package in _BUILD_SOURCES:
-        for path in sorted((root / package).rglob("*.py")):
-            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-def system_fingerprint(base_model: str, adapter_digest: str | None) -> str:
+def system_fingerprint(build: str, base_model: str, adapter_digest: str | None) -> str:
     """`fp_` and a short hash of the engine build, the base model and the adapter's digest:
-    the same fingerprint means the same code, weights and adapter produced the output."""
-    identity = "\0".join((engine_build(), base_model, adapter_digest or "base"))
+    the same fingerprint means the same code, weights and adapter produced the output. `build`
+    and `base_model` are what the engine reports (engine.identity: a digest of its code, and
+    the base model's name with a digest of its files and dtype: `ServingLimits.served_base`),
+    not what the gateway's host holds."""
+    identity = "\0".join((build, base_model, adapter_digest or "base"))
     return "fp_" + hashlib.sha256(identity.encode()).hexdigest()[:12]
 
 

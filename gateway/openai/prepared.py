@@ -9,6 +9,7 @@ from loramux.engine.outputs import EngineRequest
 from loramux.gateway.auth.api_keys import Principal
 from loramux.gateway.catalog import ResolvedModel
 from loramux.gateway.openai.generation import Generation
+from loramux.gateway.openai.models import system_fingerprint
 from loramux.gateway.openai.responses import Answer, ResponseMeta
 from loramux.gateway.openai.tool_use import ToolUse
 from loramux.gateway.quotas import Admission
@@ -34,6 +35,11 @@ class ServingLimits:
         its identity, so that new weights under the same name never share the old ones'
         answers or fingerprint."""
         return f"{self.base_model}@{self.model_identity}"
+
+    def fingerprint(self, adapter_digest: str | None) -> str:
+        """The `system_fingerprint` of answers of this base model with adapter `adapter_digest`
+        (None: the base model alone)."""
+        return system_fingerprint(self.engine_build, self.served_base, adapter_digest)
 
 
 @dataclass(frozen=True)

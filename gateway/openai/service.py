@@ -51,7 +51,6 @@ from loramux.gateway.openai.cache_plan import cache_plan
 from loramux.gateway.openai.finish import Metering
 from loramux.gateway.openai.generation import Generation
 from loramux.gateway.openai.logprobs import TokenPieces
-from loramux.gateway.openai.models import system_fingerprint
 from loramux.gateway.openai.prepared import (
     CacheLookup,
     Draft,
@@ -271,7 +270,7 @@ class CompletionService:
         kind: Kind = "chat" if isinstance(req, ChatCompletionRequest) else "text"
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         response_id = f"{prefix}-{request_id.removeprefix('req_')}"
-        fingerprint = system_fingerprint(self.limits.base_model, model.digest)
+        fingerprint = self.limits.fingerprint(model.digest)
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         return ResponseMeta(
             kind, response_id, int(time.time()), model.name, fingerprint, include_usage

@@ -1,6 +1,6 @@
 """`GET /v1/models/{model}` answers for every model `GET /v1/models` lists, scoped to the
-caller's tenant; `system_fingerprint` names what produced an answer (engine build, base model,
-adapter digest)."""
+caller's tenant; `system_fingerprint` names what produced an answer (engine build, base model
+and its weights, adapter digest)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,12 @@ from pathlib import Path
 
 import httpx
 
+from loramux.engine.demo_model import build_demo_model
+from loramux.engine.identity import engine_build, model_identity
 from loramux.gateway.openai.models import system_fingerprint
 from loramux.gateway.server import RunningServer
+from tests.gateway.conftest import admin_client
+from tests.gateway.servers import gateway_server
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 
 
@@ -61,8 +65,27 @@ def test_the_fingerprint_changes_with_the_adapter_digest_only(
     assert first["digest"] != second["digest"]
     v2 = fingerprint(gateway, tenant, "tuned")  # same name, new weights
     assert v2 not in (v1, base)
-    assert v2 == system_fingerprint("demo-model", second["digest"])
+    settings = gateway.state.settings
+    identity = model_identity(settings.model_dir, settings.engine.dtype)
+    served = f"demo-model@{identity}"
+    assert v2 == system_fingerprint(engine_build(), served, second["digest"])
 
 
-def test_the_fingerprint_changes_with_the_base_model() -> None:
-    assert system_fingerprint("demo-model", None) != system_fingerprint("other-model", None)
+def test_the_fingerprint_changes_with_the_base_model_and_the_engine_build() -> None:
+    build, base = engine_build(), "demo-model@" + "0" * 64
+    assert system_fingerprint(build, base, None) != system_fingerprint(build, "other", None)
+    assert system_fingerprint(build, base, None) != system_fingerprint("1" * 64, base, None)
+
+
+def test_the_fingerprint_changes_with_the_base_weights_under_the_same_name(
+    demo_model_dir: Path, tmp_path: Path, redis_url: str
+) -> None:
+    """The same fingerprint means the same code, weights and adapter: two checkpoints served
+    under one name answer with two fingerprints."""
+    upgraded = build_demo_model(tmp_path / "demo-model-v2", seed=1)
+    fingerprints = []
+    for model_dir, name in ((demo_model_dir, "a"), (upgraded, "b")):
+        (tmp_path / name).mkdir()
+        with gateway_server(model_dir, tmp_path / name, redis_url) as gw, admin_client(gw) as a:
+            fingerprints.append(fingerprint(gw, new_tenant(a, "fp"), "demo-model"))
+    assert fingerprints[0] != fingerprints[1]
