@@ -17,8 +17,6 @@ from loramux.adapters.peft_format import AdapterLimits
 from loramux.adapters.store import AdapterStore
 from loramux.cache.embedder import Embedder
 from loramux.cache.response_cache import ResponseCache
-from loramux.engine.errors import EngineStoppedError
-from loramux.engine.model.config import ModelConfig
 from loramux.gateway import tracing
 from loramux.gateway.access_log import redact_access_log
 from loramux.gateway.adapters.shared_store import SharedAdapterStore
@@ -31,6 +29,7 @@ from loramux.gateway.engine_client.base import EngineClient, EngineInfo
 from loramux.gateway.metrics import Metrics
 from loramux.gateway.prompt_tokens import PromptTokens
 from loramux.gateway.quotas import QuotaService
+from loramux.gateway.served_identity import ServedIdentity, confirm_identity, engine_info
 from loramux.gateway.settings import Settings, private_folder
 from loramux.gateway.supervisor import Supervisor
 from loramux.gateway.usage import UsageRecorder
@@ -51,10 +50,10 @@ class GatewayState:
     metrics: Metrics
     usage: UsageRecorder
     model_name: str
-    model_identity: str
-    """The base model's files and dtype, as the engine digested them (EngineInfo)."""
-    engine_build: str
-    """The engine's code, as the engine digested it (EngineInfo)."""
+    identity: ServedIdentity
+    """The base model's files and dtype and the engine's code, as the engine digested them."""
+    assumed: EngineInfo
+    """What the engine said it serves at the start, or what the gateway assumed without it."""
     max_model_len: int
     prompts: PromptTokens
     """Tokenizes prompts and detokenizes outputs: the engine takes and gives token ids."""
@@ -70,6 +69,8 @@ class GatewayState:
     """Where uploads also go for engine replicas on other machines (LORAMUX_ADAPTER_STORE_URL)."""
     sweeping: asyncio.Task[list[str]] | None = None
     """The start's sweep of adapter files dead processes left (gateway.adapters.sweep)."""
+    confirming: asyncio.Task[None] | None = None
+    """Asks an engine that did not answer at the start for its identity (gateway.served_identity)."""
 
     async def start(self) -> None:
         """Start background tasks (on the serving event loop), after the server has set up its
@@ -78,10 +79,15 @@ class GatewayState:
         self.usage.start()
         await self.cache.start()
         self.sweeping = asyncio.ensure_future(sweep_leftovers(self))
+        if not self.identity.confirmed:
+            self.confirming = asyncio.ensure_future(
+                confirm_identity(self.engine, self.identity, self.assumed)
+            )
 
     async def close(self) -> None:
-        if self.sweeping is not None:
-            self.sweeping.cancel()
+        for task in (self.sweeping, self.confirming):
+            if task is not None:
+                task.cancel()
         await self.quotas.close()
         await self.cache.drain()
         await self.usage.close()
@@ -103,32 +109,6 @@ def shared_store(settings: Settings, db: AsyncEngine) -> SharedAdapterStore | No
     return (
         SharedAdapterStore(db) if url == settings.database_url else SharedAdapterStore.from_url(url)
     )
-
-
-async def engine_info(engine: EngineClient, settings: Settings, model_dir: Path) -> EngineInfo:
-    """What the engine serves, as it says; when no engine answers (an external one not up
-    yet), what this gateway's settings and model folder say it will serve. The gateway then
-    starts degraded, as when its engine goes down later: /ready answers 503 and requests 503
-    `engine_unavailable` until an engine answers (the channel reconnects by itself). It died
-    with a traceback instead, so an orchestrator starting gateways and engines together had
-    its gateways crash-looping until the engine had loaded its model."""
-    try:
-        return await engine.info()
-    except EngineStoppedError as exc:
-        model = ModelConfig.from_folder(model_dir)
-        info = EngineInfo(
-            settings.model_name,
-            model.context_limit(settings.engine.max_model_len),
-            model.vocab_size,
-        )
-        log.warning(
-            "%s (LORAMUX_ENGINE_URLS): starting without it, not ready until it answers; "
-            "assuming it serves %s with max_model_len %d",
-            exc,
-            info.model_name,
-            info.max_model_len,
-        )
-        return info
 
 
 def admin_secret(settings: Settings) -> str:
@@ -169,7 +149,7 @@ async def build_state(
     sessions = session_factory(db)
     tracing.configure()
     await engine.start()
-    info = await engine_info(engine, settings, model_dir)
+    info, identity = await engine_info(engine, settings, model_dir)
     redis = redis_client(redis_url)
     cache_url = settings.cache.redis_url
     cache_redis = redis_client(cache_url) if cache_url and cache_url != redis_url else redis
@@ -195,8 +175,8 @@ async def build_state(
         metrics=Metrics(),
         usage=usage,
         model_name=info.model_name,
-        model_identity=info.model_identity,
-        engine_build=info.build,
+        identity=identity,
+        assumed=info,
         max_model_len=info.max_model_len,
         prompts=PromptTokens(model_dir, info.vocab_size, info.max_model_len),
         redis=redis,

@@ -13,6 +13,7 @@ from loramux.gateway.openai.models import system_fingerprint
 from loramux.gateway.openai.responses import Answer, ResponseMeta
 from loramux.gateway.openai.tool_use import ToolUse
 from loramux.gateway.quotas import Admission
+from loramux.gateway.served_identity import ServedIdentity
 
 
 @dataclass(frozen=True)
@@ -24,22 +25,20 @@ class ServingLimits:
     vocab_size: int
     default_max_tokens: int
     """max_tokens of a request that gives none (at most what the context has room for)."""
-    model_identity: str
-    """The base model's files and dtype as a digest (engine.identity.model_identity)."""
-    engine_build: str
-    """The engine's code as a digest (engine.identity.engine_build)."""
+    identity: ServedIdentity
+    """The base model's files and dtype, and the engine's code, as digests (engine.identity)."""
 
     @property
     def served_base(self) -> str:
         """The base model as the response cache and system_fingerprint know it: its name and
         its identity, so that new weights under the same name never share the old ones'
         answers or fingerprint."""
-        return f"{self.base_model}@{self.model_identity}"
+        return f"{self.base_model}@{self.identity.model_identity}"
 
     def fingerprint(self, adapter_digest: str | None) -> str:
         """The `system_fingerprint` of answers of this base model with adapter `adapter_digest`
         (None: the base model alone)."""
-        return system_fingerprint(self.engine_build, self.served_base, adapter_digest)
+        return system_fingerprint(self.identity.build, self.served_base, adapter_digest)
 
 
 @dataclass(frozen=True)

@@ -249,8 +249,7 @@ def completion_service_of(gw: GatewayState) -> CompletionService:
         max_model_len=gw.max_model_len,
         vocab_size=gw.prompts.vocab_size,
         default_max_tokens=gw.settings.server.default_max_tokens,
-        model_identity=gw.model_identity,
-        engine_build=gw.engine_build,
+        identity=gw.identity,
     )
     return CompletionService(
         engine=gw.engine,

@@ -21,9 +21,11 @@ import pytest
 from loramux.adapters.demo import build_demo_adapters
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.config import EngineConfig
+from loramux.engine.identity import engine_build
 from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.service import serve_engine_in_thread
 from loramux.gateway.auth.admin_jwt import AdminAuth
+from loramux.gateway.openai.models import system_fingerprint
 from tests.gateway.serve_process import START_SECONDS, Serve, alive, free_port, serve, wait_for
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 
@@ -154,10 +156,22 @@ def test_with_its_engine_not_up_yet_serve_starts_degraded_and_serves_once_it_ans
         assert refused.json()["error"]["code"] == "engine_unavailable"
         config = EngineConfig(model=demo_model_dir, max_model_len=512, kv_cache_bytes=16 << 20)
         engine = AsyncEngine(LLMEngine(config))
+        served_base = f"demo-model@{engine.engine.model_identity}"
+        engines = system_fingerprint(engine_build(), served_base, None)
         with serve_engine_in_thread(engine, "demo-model", address=address, token="external-token"):
             wait_for(lambda: _answers(running, "/ready") == 200, 60, "serve is ready")
             served = _chat(running.url, key)
             assert served.status_code == 200, served.text
+            # Until the engine answered, the gateway held a stand-in identity of its own; it
+            # takes the engine's (its cache keys and fingerprints) once the engine answers.
+            wait_for(
+                lambda: all(
+                    _chat(running.url, key).json()["system_fingerprint"] == engines
+                    for _ in range(4)
+                ),
+                60,
+                "every worker takes the engine's identity",
+            )
         assert "Traceback" not in running.output(), running.output()
 
 
