@@ -4,7 +4,8 @@ precision/recall curves over the similarity threshold.
 Pairs: `bench/data/paraphrase_pairs.jsonl` (written and frozen before the verifier was redesigned;
 see bench/data/README.md), scored on its tuning folds (0–1) and its held-out folds (2–4), and the
 older `semantic_pairs.jsonl` as a regression set. Each pair is judged as the cache judges a
-lookup of `b` against a stored `a`: the cosine similarity of the two embeddings, then the rule.
+lookup of `b` against a stored `a`: the cosine similarity of the two embeddings, then the rule
+(a pair either of whose questions is laid out as code, `keys.layout_bound`, never hits).
 
 Rules (candidates):
 - `similarity`: the threshold alone;
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from loramux.cache.embedder import Embedder
-from loramux.cache.keys import question_text
+from loramux.cache.keys import layout_bound, question_text
 from loramux.cache.verifier import DEFAULT_WORD_THRESHOLD, Verdict, parse, verify
 
 DATA = Path(__file__).parent / "data"
@@ -81,10 +82,15 @@ async def score(embedder: Embedder, pairs: Sequence[Pair]) -> list[Scored]:
     scored = []
     for n, p in enumerate(pairs):
         a, b = texts[2 * n], texts[2 * n + 1]
+        similarity = float(vectors[2 * n] @ vectors[2 * n + 1])
+        if layout_bound(p.a) or layout_bound(p.b):  # the cache never compares them
+            refused = Verdict(False, "layout")
+            scored.append(Scored(p, similarity, refused, refused, refused))
+            continue
         scored.append(
             Scored(
                 p,
-                float(vectors[2 * n] @ vectors[2 * n + 1]),
+                similarity,
                 verify(b, a),
                 verify(b, a, similar, DEFAULT_WORD_THRESHOLD),
                 verify(b, a, similar, LOOSE_WORDS),

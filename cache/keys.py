@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,21 +71,58 @@ def semantic_question(req: CacheRequest) -> str | None:
     """The text the semantic cache embeds: the last message when it is the user's, else None.
 
     Runs of whitespace become one space and trailing sentence punctuation goes ("What is X?"
-    and "what is x" embed alike). Text completions are never semantic (a paraphrased prompt
-    asks for another continuation), nor are empty or very long last messages.
+    and "what is x" embed alike), except inside quotes and backticks (`question_text`). Text
+    completions are never semantic (a paraphrased prompt asks for another continuation), nor
+    are empty or very long last messages, nor messages laid out as code (`layout_bound`).
     """
     if req.kind != "chat" or not req.messages:
         return None
     role, content = req.messages[-1]
+    if role != "user" or layout_bound(content):
+        return None
     text = question_text(content)
-    if role != "user" or not text or len(text) > SEMANTIC_MAX_CHARS:
+    if not text or len(text) > SEMANTIC_MAX_CHARS:
         return None
     return text
 
 
+_LAYOUT = re.compile(r"```|~~~|\n[ \t]+\S|\t")
+"""A code fence, an indented line, a tab: whitespace there may carry meaning (Python's blocks:
+`print` inside or after a loop), and no normalization can tell."""
+
+LITERAL = re.compile(
+    r"(?<!\w)'[^'\n]*'(?!\w)"  # 'a b' (not the apostrophes of "it's" or "students'")
+    r'|"[^"]*"|`[^`]*`|‘[^’\n]*’|“[^”]*”'
+)
+"""A quoted or backticked span: its characters are the question (`'a  b'` has another length
+than `'a b'`, `'Hello'` other letters than `'hello'`), kept verbatim and compared exactly."""
+
+
+def layout_bound(content: str) -> bool:
+    """Whether a message's meaning may depend on its layout (`_LAYOUT`): such a message is cached
+    exactly only, never semantically."""
+    return _LAYOUT.search(content) is not None
+
+
 def question_text(content: str) -> str:
-    """A user message as the semantic cache embeds and verifies it (see `semantic_question`)."""
-    return " ".join(content.split()).rstrip("?.! ")
+    """A user message as the semantic cache embeds and verifies it (see `semantic_question`):
+    whitespace runs collapsed and trailing "?.! " dropped outside quoted spans (`LITERAL`),
+    which stay verbatim, and a "!" after a digit kept (the factorial "5!" is not "5")."""
+    parts, last = [], 0
+    for match in LITERAL.finditer(content):
+        parts += [re.sub(r"\s+", " ", content[last : match.start()]), match.group()]
+        last = match.end()
+    parts.append(re.sub(r"\s+", " ", content[last:]))
+    text = "".join(parts).strip()
+    end = len(text)
+    while end and text[end - 1] in "?.! ":
+        bangs = end
+        while bangs and text[bangs - 1] == "!":
+            bangs -= 1
+        if bangs < end and bangs and text[bangs - 1].isdigit():
+            break  # a factorial, not an exclamation
+        end -= 1
+    return text[:end]
 
 
 def bucket_hash(req: CacheRequest, embedder_id: str) -> str:

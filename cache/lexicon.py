@@ -126,9 +126,10 @@ SYMBOLS = {
     "÷": "divided",
     "^": "power",
     "**": "power",
+    "!": "factorial",
 }
 """Symbols as the words they are read as; "-" and "/" only where the verifier reads them as
-operators (between numbers: "10 - 3", "12/4")."""
+operators (between numbers: "10 - 3", "12/4"), and "!" only after a digit ("5!")."""
 
 OPERATORS = {
     word: operator
@@ -138,6 +139,7 @@ OPERATORS = {
         "times": "times multiplied",
         "divided": "divided",
         "modulo": "modulo mod",
+        "factorial": "factorial",
     }.items()
     for word in words.split()
 }

@@ -7,8 +7,13 @@ and names the first check that fails:
 
 - `length`: either has more than `MAX_CONTENT_WORDS` content words: such a question is not
   compared (the checks below cost up to the square of its words), and never hits;
+- `literal`: the quoted and backticked spans (`keys.LITERAL`) differ in any character, case and
+  whitespace included ("'a b'" / "'a  b'", "'Hello'" / "'hello'"), or one asks about letter case
+  ("capital letter", "uppercase", …) and the words differ in case ("Hello" / "hello"); the
+  other checks read words lower-cased;
 - `number`: the multisets of numbers (digits with their sign, number words, "15%" = "15 percent")
-  or of arithmetic operators ("12 / 4" / "12 * 4"; "*" = "times" = "multiplied") differ;
+  or of arithmetic operators ("12 / 4" / "12 * 4"; "*" = "times" = "multiplied"; "5!" =
+  "factorial") differ;
 - `negation`: one negates more often than the other ("not", "never", "without", "n't", …);
 - `pronoun`: the third-person pronouns differ ("what did he say to her" / "what did she say to
   him": who is meant); "I" and "you" are phrasing;
@@ -48,6 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from loramux.cache.keys import LITERAL
 from loramux.cache.lexicon import (
     CALENDAR,
     CONTRACTIONS,
@@ -72,9 +78,17 @@ _WORD = re.compile(
     r"|(?<=\s)[-−](?=\s+\d)"  # minus, spaced: "10 - 3" (unspaced, a range: _RANGE)
     r"|(?<=[\d\s])[/⁄](?=\s*\d)|(?<=\d)[/⁄]"  # divided, next to a number: "12/4", "x / 2"
     r"|\*\*|[%$€£+*×÷^]"
+    r"|(?<=\d)!"  # factorial: "5!"
     r"|[,;:]"
 )
 _CASED_WORD = re.compile(r"[^\W\d_]+")
+_ABOUT_CASE = re.compile(
+    r"\b(?:upper|lower|title|camel|snake)[ -]?case|\bcase[ -]?(?:in)?sensitiv"
+    r"|\bcapitali[sz]|\bcapital letter|\bin capitals\b|\ball caps\b",
+    re.IGNORECASE,
+)
+"""A question about letter case: "capital letter", "uppercase", "capitalized", "case-sensitive"
+(not "the capital of France")."""
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
 _RANGE = re.compile(r"(?<=\d)[-−](?=\d)")
 """An unspaced hyphen between numbers, read as "to": "3-5 cups" is "3 to 5 cups", and "10-3"
@@ -96,7 +110,7 @@ have at most 8; the relation check compares up to n(n-1)/2 pairs of them, in con
 class Verdict:
     accepted: bool
     reason: str
-    """"ok", or the first failed check: length, number, negation, pronoun, choice, entity, unit,
+    """"ok", or the first failed check: length, literal, number, negation, pronoun, choice, entity, unit,
     antonym, wording, relation."""
     substitutions: tuple[float, ...] = ()
     """Similarities of the content words matched to a different word (on acceptance)."""
@@ -134,6 +148,10 @@ class Question:
     """Where each `content` stem first occurs in `sequence`."""
     sequence: tuple[str, ...]
     """Stems in order with clause breaks (",", ";", ":") kept: what `relation` reads."""
+    literals: tuple[str, ...] = ()
+    """Quoted and backticked spans, verbatim, in order (`keys.LITERAL`)."""
+    cased: tuple[str, ...] | None = None
+    """Its words as written, in order, when it asks about letter case; else None."""
 
 
 def _lower_words(text: str) -> list[str]:
@@ -178,6 +196,8 @@ def _stems(words: list[str]) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=4096)
 def parse(text: str) -> Question:
+    literals = tuple(m.group() for m in LITERAL.finditer(text))
+    cased = tuple(_CASED_WORD.findall(text)) if _ABOUT_CASE.search(text) else None
     # Compatibility forms as their plain letters and digits: "x²" is "x2", "½" is "1⁄2".
     text = unicodedata.normalize("NFKC", text)
     written = _lower_words(text)
@@ -214,6 +234,8 @@ def parse(text: str) -> Question:
         words=tuple(word for word, _ in content.values()),
         places=tuple(place for _, place in content.values()),
         sequence=tuple(sequence),
+        literals=literals,
+        cased=cased,
     )
 
 
@@ -228,6 +250,8 @@ def verify(
     a, b = parse(query), parse(candidate)
     if max(len(a.content), len(b.content)) > MAX_CONTENT_WORDS:
         return Verdict(False, "length")
+    if a.literals != b.literals or a.cased != b.cased:
+        return Verdict(False, "literal")
     if a.numbers != b.numbers or a.operators != b.operators:
         return Verdict(False, "number")
     if a.negations != b.negations:

@@ -50,6 +50,28 @@ CLOSE_BUT_DIFFERENT = {
 """The last six were wrong hits (similarity 0.93-0.99, the verifier accepting them) until signs,
 comparatives of listed opposites, roles, third-person pronouns, "or" and days were read."""
 
+EXACT_CHARACTERS = {
+    "indentation": (
+        "What does this Python code print?\nfor i in range(3):\n    print(i)\nprint('done')",
+        "What does this Python code print?\nfor i in range(3):\n    print(i)\n    print('done')",
+    ),
+    "spaces in a string": (
+        "How many characters long is the string 'a b'?",
+        "How many characters long is the string 'a      b'?",
+    ),
+    "case in quotes": (
+        "Does the word 'Hello' start with a capital letter?",
+        "Does the word 'hello' start with a capital letter?",
+    ),
+    "case of a word": (
+        "Does the word Hello start with a capital letter?",
+        "Does the word hello start with a capital letter?",
+    ),
+    "a factorial": ("What is 5!", "What is 5?"),
+}
+"""Bug: each was a semantic hit (similarity 1.0): whitespace was collapsed, trailing "!" dropped
+and case ignored before embedding and verifying, so the two texts compared equal."""
+
 
 @pytest.mark.parametrize(("stored", "asked"), PARAPHRASES)
 async def test_a_paraphrase_hits_with_its_similarity(
@@ -71,6 +93,25 @@ async def test_a_close_but_different_question_misses(
     cache = make_cache()
     await cache.store(chat(stored), SEMANTIC, answer("the answer"))
     assert await cache.lookup(chat(asked), SEMANTIC) is None
+
+
+@pytest.mark.parametrize("difference", list(EXACT_CHARACTERS))
+async def test_questions_that_differ_in_exact_characters_miss(
+    make_cache: MakeCache, difference: str
+) -> None:
+    stored, asked = EXACT_CHARACTERS[difference]
+    cache = make_cache()
+    await cache.store(chat(stored), SEMANTIC, answer("the answer"))
+    assert await cache.lookup(chat(asked), SEMANTIC) is None
+    hit = await cache.lookup(chat(stored), SEMANTIC)  # the same text, character for character
+    assert hit is not None and hit.kind == "exact"
+
+
+async def test_a_quoted_span_asked_the_same_still_hits_semantically(make_cache: MakeCache) -> None:
+    cache = make_cache()
+    await cache.store(chat("Is 'Hello  World' a valid file name?"), SEMANTIC, answer("yes"))
+    hit = await cache.lookup(chat("is  'Hello  World' a valid file name"), SEMANTIC)
+    assert hit is not None and hit.kind == "semantic"
 
 
 async def test_similarity_alone_would_serve_the_reversed_relation(make_cache: MakeCache) -> None:

@@ -23,6 +23,8 @@ SAME = [
     ("What is 10 - 3?", "What is 10 minus 3?"),
     ("What is 2^10?", "What is 2 to the power of 10?"),
     ("Is COVID-19 contagious?", "Is covid 19 contagious?"),
+    ("What is 5!", "What is the factorial of 5?"),
+    ("Translate 'good morning' into Spanish.", "Translate 'good morning' to Spanish"),
     ("Can I take aspirin with ibuprofen?", "Can I take aspirin and ibuprofen?"),
     ("How do I reset my password?", "How do you reset your password?"),
     # Ranges, not subtraction (a hyphen between numbers read as minus refused these).
@@ -52,6 +54,14 @@ DIFFERENT = [
     ("Calculate 100-7", "Calculate 7-100", "relation"),
     ("How long does shipping take?", "How long does international shipping take?", "wording"),
     ("How do I make pancakes?", "How do I make waffles?", "wording"),
+    ("How long is the string 'a b'?", "How long is the string 'a  b'?", "literal"),
+    (
+        "Does `Hello` start with a capital letter?",
+        "Does `hello` start with a capital letter?",
+        "literal",
+    ),
+    ("Is Hello written in uppercase?", "Is hello written in uppercase?", "literal"),
+    ("What is 5!", "What is 5", "number"),
 ]
 
 
