@@ -6,6 +6,12 @@ never waits on it. Texts asked for while the worker is busy are encoded together
 batch (micro-batching), and recent texts are remembered, so a lookup followed by the store of
 the same question embeds it once.
 
+Every text belongs to an owner (the tenant), and what is remembered or in flight is one owner's:
+a text another tenant asked a moment ago is embedded anew, and a text two tenants ask at once is
+embedded for each. With one memo for all, a tenant's miss answered faster when another tenant had
+just asked the same text, and its latency told it what others ask (the verifier's word memo,
+`WordVectors`, is kept per owner for the same reason).
+
 The model reads at most `max_seq_length` (256) word pieces of a text and drops the rest: two
 texts that differ only after them embed alike (similarity 1.0), and 1000 characters of
 punctuation fill the window. Each encoding says whether the model read the whole text, so the
@@ -69,50 +75,54 @@ class Embedder:
         self.model_path = model_path
         self.max_batch = max_batch
         self.remember = remember
-        self._recent: OrderedDict[str, Encoding] = OrderedDict()
-        self._waiting: dict[str, asyncio.Future[Encoding]] = {}
+        self._recent: OrderedDict[tuple[str, str], Encoding] = OrderedDict()
+        """(owner, text) -> its encoding, least recently used first."""
+        self._waiting: dict[tuple[str, str], asyncio.Future[Encoding]] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedder")
         self._draining = False
         self.words = WordVectors(model_path)
         """Vectors of single words, for the verifier's soft alignment."""
 
-    async def learn_words(self, words: list[str]) -> None:
-        """Encode the words `self.words` does not know yet, on the embedder's worker."""
-        if self.words.unknown(words):
+    async def learn_words(self, words: list[str], owner: str = "") -> None:
+        """Encode the words `self.words` does not know yet for `owner`, on the embedder's
+        worker."""
+        if self.words.unknown(words, owner):
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._worker, self.words.learn, words)
+            await loop.run_in_executor(self._worker, self.words.learn, words, owner)
 
-    async def embed(self, texts: list[str]) -> F32:
+    async def embed(self, texts: list[str], owner: str = "") -> F32:
         """Embeddings of `texts`, one row each, normalized (cosine similarity = dot product);
         of a text longer than the model's window, of its first word pieces only."""
-        rows = [e.vector for e in await self.encode(texts)]
+        rows = [e.vector for e in await self.encode(texts, owner)]
         return np.stack(rows) if rows else np.zeros((0, self.dim), dtype=np.float32)
 
-    async def embed_whole(self, text: str) -> F32 | None:
+    async def embed_whole(self, text: str, owner: str = "") -> F32 | None:
         """The embedding of `text`, or None when it is longer than the model's window: the
         vector would not see its tail."""
-        (encoding,) = await self.encode([text])
+        (encoding,) = await self.encode([text], owner)
         return encoding.vector if encoding.whole else None
 
-    async def encode(self, texts: list[str]) -> list[Encoding]:
-        """Each text's embedding, and whether the model read all of it."""
-        futures = [self._future(text) for text in texts]
+    async def encode(self, texts: list[str], owner: str = "") -> list[Encoding]:
+        """Each text's embedding, and whether the model read all of it; remembered for `owner`
+        only (see the module docstring)."""
+        futures = [self._future((owner, text)) for text in texts]
         if any(not f.done() for f in futures) and not self._draining:
             self._draining = True
             asyncio.get_running_loop().create_task(self._drain())
         return [await f for f in futures]
 
-    def _future(self, text: str) -> asyncio.Future[Encoding]:
+    def _future(self, key: tuple[str, str]) -> asyncio.Future[Encoding]:
+        """The encoding of (owner, text): remembered, in flight for that owner, or new."""
         loop = asyncio.get_running_loop()
-        known = self._recent.get(text)
+        known = self._recent.get(key)
         if known is not None:
-            self._recent.move_to_end(text)
+            self._recent.move_to_end(key)
             done: asyncio.Future[Encoding] = loop.create_future()
             done.set_result(known)
             return done
-        if text not in self._waiting:
-            self._waiting[text] = loop.create_future()
-        return self._waiting[text]
+        if key not in self._waiting:
+            self._waiting[key] = loop.create_future()
+        return self._waiting[key]
 
     async def _drain(self) -> None:
         """Encode waiting texts, a batch at a time, until none wait."""
@@ -120,24 +130,25 @@ class Embedder:
         try:
             while self._waiting:
                 batch = list(self._waiting)[: self.max_batch]
+                texts = [text for _, text in batch]
                 try:
-                    encodings = await loop.run_in_executor(self._worker, self._encode, batch)
+                    encodings = await loop.run_in_executor(self._worker, self._encode, texts)
                 except Exception as exc:
-                    for text in batch:
-                        future = self._waiting.pop(text)
+                    for key in batch:
+                        future = self._waiting.pop(key)
                         if not future.done():
                             future.set_exception(exc)
                     continue
-                for text, encoding in zip(batch, encodings, strict=True):
-                    self._remember(text, encoding)
-                    future = self._waiting.pop(text)
+                for key, encoding in zip(batch, encodings, strict=True):
+                    self._remember(key, encoding)
+                    future = self._waiting.pop(key)
                     if not future.done():
                         future.set_result(encoding)
         finally:
             self._draining = False
 
-    def _remember(self, text: str, encoding: Encoding) -> None:
-        self._recent[text] = encoding
+    def _remember(self, key: tuple[str, str], encoding: Encoding) -> None:
+        self._recent[key] = encoding
         if len(self._recent) > self.remember:
             self._recent.popitem(last=False)
 

@@ -36,6 +36,7 @@ resumes when Redis is back.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
@@ -245,7 +246,7 @@ class ResponseCache:
         self, req: CacheRequest, policy: CachePolicy, question: str, bucket: BucketKeys
     ) -> tuple[CacheHit, str] | None:
         """The best verified semantic candidate in the (prefetched) bucket, and its entry's key."""
-        vector = await self.embedder.embed_whole(question)
+        vector = await self.embedder.embed_whole(question, req.tenant_id)
         if vector is None:
             return None  # longer than the embedder reads: exact hits only
         scope = self.keys.scope(req.tenant_id, req.adapter)
@@ -257,7 +258,7 @@ class ResponseCache:
         if found and not above:
             tenant.near_misses += 1
         for candidate in above:
-            verdict = await self._verify(question, candidate, policy)
+            verdict = await self._verify(question, candidate, policy, req.tenant_id)
             if not verdict.accepted:
                 self.stats.verifier_rejections += 1
                 tenant.refusals[verdict.reason] += 1
@@ -272,14 +273,18 @@ class ResponseCache:
                 return hit, candidate.response_key
         return None
 
-    async def _verify(self, question: str, candidate: Candidate, policy: CachePolicy) -> Verdict:
+    async def _verify(
+        self, question: str, candidate: Candidate, policy: CachePolicy, tenant_id: str
+    ) -> Verdict:
+        """The verifier's verdict on `candidate`, with `tenant_id`'s word memo."""
         if policy.verifier == "off":
             return Verdict(True, "ok")
         # Words not seen before are encoded off the event loop first; verify only reads them.
-        await self.embedder.learn_words([*parse(question).words, *parse(candidate.question).words])
+        words = [*parse(question).words, *parse(candidate.question).words]
+        await self.embedder.learn_words(words, tenant_id)
         # Bounded (`verifier.MAX_CONTENT_WORDS`) but pure Python: on a thread, so one tenant's
         # candidates never hold the event loop that serves every tenant.
-        similarity = self.embedder.words.similarity
+        similarity = functools.partial(self.embedder.words.similarity, owner=tenant_id)
         return await asyncio.to_thread(verify, question, candidate.question, similarity)
 
     async def _remember_request(
@@ -356,7 +361,7 @@ class ResponseCache:
         question = semantic_question(req)
         if not stored or not policy.semantic or question is None:
             return bool(stored)
-        vector = await self.embedder.embed_whole(question)
+        vector = await self.embedder.embed_whole(question, req.tenant_id)
         if vector is None:
             return True  # longer than the embedder reads: its tail would not be compared
         bucket = self.keys.bucket(req, self.embedder.model_id)

@@ -2,8 +2,10 @@
 
 A content word of one question may meet a different word of the other ("annual" / "yearly").
 How close two words are is read from all-MiniLM-L6-v2 itself: each word is encoded alone as a
-sentence (mean-pooled, normalized), once per process and remembered, so the vocabulary a cache
-sees is encoded once. Single-word sentence vectors separate synonyms from unrelated words far
+sentence (mean-pooled, normalized), once per owner (tenant) and process and remembered, so the
+vocabulary a tenant uses is encoded once. Words are remembered per owner: a word another tenant
+used is encoded anew, so how long a tenant's verification takes says nothing of other tenants'
+words. Single-word sentence vectors separate synonyms from unrelated words far
 better than the model's input token table does (see `bench.response_cache`).
 """
 
@@ -28,20 +30,22 @@ class WordVectors:
     def __init__(self, model_path: Path | None = None, *, remember: int = 50_000):
         self.model_path = model_path
         self.remember = remember
-        self._known: OrderedDict[str, F32] = OrderedDict()
+        self._known: OrderedDict[tuple[str, str], F32] = OrderedDict()
+        """(owner, word) -> its vector, least recently used first."""
         self._lock = threading.Lock()
 
-    def unknown(self, words: Sequence[str]) -> list[str]:
+    def unknown(self, words: Sequence[str], owner: str = "") -> list[str]:
+        """The words of `words` not known for `owner`, once each."""
         with self._lock:
-            return [w for w in dict.fromkeys(words) if w not in self._known]
+            return [w for w in dict.fromkeys(words) if (owner, w) not in self._known]
 
-    def learn(self, words: Sequence[str]) -> dict[str, F32]:
-        """The vectors of `words`, encoding those not yet known (blocking: run it on a worker
-        thread when any may be unknown)."""
+    def learn(self, words: Sequence[str], owner: str = "") -> dict[str, F32]:
+        """The vectors of `words`, encoding those not yet known for `owner` (blocking: run it on
+        a worker thread when any may be unknown)."""
         with self._lock:
-            found = {w: self._known[w] for w in words if w in self._known}
+            found = {w: self._known[owner, w] for w in words if (owner, w) in self._known}
             for word in found:
-                self._known.move_to_end(word)
+                self._known.move_to_end((owner, word))
         missing = [w for w in dict.fromkeys(words) if w not in found]
         if not missing:
             return found
@@ -57,14 +61,15 @@ class WordVectors:
         )
         fresh = dict(zip(missing, np.asarray(vectors, dtype=np.float32), strict=True))
         with self._lock:
-            self._known.update(fresh)
+            self._known.update({(owner, w): v for w, v in fresh.items()})
             while len(self._known) > self.remember:
                 self._known.popitem(last=False)
         return found | fresh
 
-    def similarity(self, a: Sequence[str], b: Sequence[str]) -> F32:
-        """len(a) × len(b) cosine similarities (`verifier.WordSimilarity`)."""
-        known = self.learn([*a, *b])
+    def similarity(self, a: Sequence[str], b: Sequence[str], owner: str = "") -> F32:
+        """len(a) × len(b) cosine similarities (`verifier.WordSimilarity`), with `owner`'s
+        memo."""
+        known = self.learn([*a, *b], owner)
         left = np.stack([known[w] for w in a])
         right = np.stack([known[w] for w in b])
         return np.asarray(left @ right.T, dtype=np.float32)

@@ -1,13 +1,19 @@
 """The embedder: all-MiniLM-L6-v2 from the shipped package, unit vectors, one model per process,
-concurrent requests batched together."""
+concurrent requests batched together, each tenant's texts remembered for it alone."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
+from typing import Any
 
 import numpy as np
+import pytest
 
 from loramux.cache.embedder import Embedder, default_model_path, load_model
+from loramux.cache.keys import question_text
+from loramux.cache.word_vectors import WordVectors
+from tests.cache.conftest import SEMANTIC, MakeCache, answer, chat
 
 
 async def test_embeddings_are_unit_float32_rows(embedder: Embedder) -> None:
@@ -55,3 +61,58 @@ async def test_a_text_longer_than_the_models_window_is_not_embedded_whole(
     assert await embedder.embed_whole("#" * 255) is None
     fits = await embedder.embed_whole("#" * 254)  # + [CLS] and [SEP]: 256 pieces
     assert fits is not None and fits.shape == (embedder.dim,)
+
+
+class EncodedTexts:
+    """The texts the shared sentence-transformers model is asked to encode (a spy on the
+    third-party model; the embedder and the cache are the real ones)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.texts: list[str] = []
+        model = load_model(default_model_path())
+        encode = model.encode
+
+        def spy(texts: list[str], *args: Any, **kwargs: Any) -> Any:
+            self.texts.extend(texts)
+            return encode(texts, *args, **kwargs)
+
+        monkeypatch.setattr(model, "encode", spy)
+
+
+async def test_no_tenant_is_served_another_tenants_remembered_embedding(
+    make_cache: MakeCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug: one memo of recent texts (and of the verifier's words) served every tenant, so a
+    tenant's miss came back faster when another tenant had asked the same question moments
+    before: its latency told it what others ask. Each tenant's lookup now encodes its own."""
+    cache = make_cache()
+    question = f"What is the refund policy for order {uuid.uuid4().hex[:8]}?"
+    await cache.store(chat(question, tenant="tenant-a"), SEMANTIC, answer("30 days"))
+    encoded = EncodedTexts(monkeypatch)
+    for tenant in ("tenant-b", "tenant-c", "tenant-b"):  # B's second lookup: B's own memo
+        assert await cache.lookup(chat(question, tenant=tenant), SEMANTIC) is None
+    assert encoded.texts.count(question_text(question)) == 2
+
+
+async def test_tenants_asking_the_same_text_at_once_are_not_coalesced(
+    make_cache: MakeCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug: a text in flight for one tenant was handed to another asking it at the same time
+    (one encoding, both waiting on it): the second's lookup ended with the first's. Each tenant's
+    text is encoded for it; one tenant's repeats still share one encoding."""
+    cache = make_cache()
+    question = f"How do I change the address of order {uuid.uuid4().hex[:8]}?"
+    encoded = EncodedTexts(monkeypatch)
+    asks = [chat(question, tenant=t) for t in ("tenant-a", "tenant-b", "tenant-a")]
+    await asyncio.gather(*(cache.lookup(req, SEMANTIC) for req in asks))
+    assert encoded.texts.count(question_text(question)) == 2
+
+
+def test_the_verifiers_word_memo_is_kept_per_tenant() -> None:
+    """Bug: the verifier's word vectors were remembered for every tenant at once (a smaller
+    channel of the same kind); a word one tenant used is unknown to another until it uses it."""
+    words = WordVectors()
+    word = f"zq{uuid.uuid4().hex[:6]}"
+    words.learn([word, "refund"], "tenant-a")
+    assert words.unknown([word, "refund"], "tenant-a") == []
+    assert words.unknown([word, "refund"], "tenant-b") == [word, "refund"]

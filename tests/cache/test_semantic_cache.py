@@ -133,9 +133,9 @@ class WatchedWordVectors(WordVectors):
         super().__init__()
         self.threads: list[int] = []
 
-    def similarity(self, a: Sequence[str], b: Sequence[str]) -> F32:
+    def similarity(self, a: Sequence[str], b: Sequence[str], owner: str = "") -> F32:
         self.threads.append(threading.get_ident())
-        return super().similarity(a, b)
+        return super().similarity(a, b, owner)
 
 
 async def test_the_verifier_runs_off_the_event_loop(make_cache: MakeCache) -> None:
