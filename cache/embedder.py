@@ -12,6 +12,12 @@ embedded for each. With one memo for all, a tenant's miss answered faster when a
 just asked the same text, and its latency told it what others ask (the verifier's word memo,
 `WordVectors`, is kept per owner for the same reason).
 
+Owners are served in turn: each batch takes one waiting text of each owner with texts waiting,
+round after round, until it is full. An owner that sends many long texts fills the batches
+only while no one else waits; another owner's text goes into the next batch. An owner that
+already has `max_waiting` texts waiting (or being encoded) is refused more (`Backlogged`), and
+the cache treats that as a miss.
+
 The model reads at most `max_seq_length` (256) word pieces of a text and drops the rest: two
 texts that differ only after them embed alike (similarity 1.0), and 1000 characters of
 punctuation fill the window. Each encoding says whether the model read the whole text, so the
@@ -21,8 +27,9 @@ semantic cache keeps longer questions to the exact cache (`embed_whole`).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +70,10 @@ class Encoding:
     """The model read every word piece of the text (it fits the model's window)."""
 
 
+class Backlogged(Exception):
+    """The owner already has `Embedder.max_waiting` texts waiting to be embedded."""
+
+
 class Embedder:
     """Unit-length float32 embeddings (`dim` values) of short texts."""
 
@@ -70,10 +81,20 @@ class Embedder:
     dim = 384
 
     def __init__(
-        self, model_path: Path | None = None, *, max_batch: int = 32, remember: int = 4096
+        self,
+        model_path: Path | None = None,
+        *,
+        max_batch: int = 32,
+        remember: int = 4096,
+        max_waiting: int = 64,
     ):
         self.model_path = model_path
         self.max_batch = max_batch
+        self.max_waiting = max_waiting
+        """Texts of one owner waiting or being encoded past which it is refused more
+        (`Backlogged`)."""
+        self._owed: Counter[str] = Counter()
+        """Texts of each owner in `_waiting`."""
         self.remember = remember
         self._recent: OrderedDict[tuple[str, str], Encoding] = OrderedDict()
         """(owner, text) -> its encoding, least recently used first."""
@@ -104,12 +125,18 @@ class Embedder:
 
     async def encode(self, texts: list[str], owner: str = "") -> list[Encoding]:
         """Each text's embedding, and whether the model read all of it; remembered for `owner`
-        only (see the module docstring)."""
+        only (see the module docstring). Backlogged when `owner` already has `max_waiting`
+        texts waiting (one call's texts are taken whole: a list to score is one request). Cancelling the wait leaves the texts to be encoded (and
+        remembered) for other waits."""
+        new = {(owner, t) for t in texts} - self._recent.keys() - self._waiting.keys()
+        if new and self._owed[owner] >= self.max_waiting:
+            raise Backlogged(f"{self.max_waiting} texts of this owner are waiting")
         futures = [self._future((owner, text)) for text in texts]
         if any(not f.done() for f in futures) and not self._draining:
             self._draining = True
             asyncio.get_running_loop().create_task(self._drain())
-        return [await f for f in futures]
+        # shielded: one wait's deadline must not cancel the encoding others wait for
+        return [await asyncio.shield(f) for f in futures]
 
     def _future(self, key: tuple[str, str]) -> asyncio.Future[Encoding]:
         """The encoding of (owner, text): remembered, in flight for that owner, or new."""
@@ -122,26 +149,44 @@ class Embedder:
             return done
         if key not in self._waiting:
             self._waiting[key] = loop.create_future()
+            self._owed[key[0]] += 1
         return self._waiting[key]
+
+    def _next_batch(self) -> list[tuple[str, str]]:
+        """Up to `max_batch` waiting texts, owners in turn: one text of each owner with texts
+        waiting (each owner's in the order they came), round after round."""
+        queues: dict[str, list[tuple[str, str]]] = {}
+        for key in self._waiting:
+            queues.setdefault(key[0], []).append(key)
+        rounds = itertools.zip_longest(*queues.values())
+        return [key for round_ in rounds for key in round_ if key is not None][: self.max_batch]
+
+    def _settled(self, key: tuple[str, str]) -> asyncio.Future[Encoding]:
+        """Take `key` off the waiting texts; its future."""
+        owner = key[0]
+        self._owed[owner] -= 1
+        if not self._owed[owner]:
+            del self._owed[owner]
+        return self._waiting.pop(key)
 
     async def _drain(self) -> None:
         """Encode waiting texts, a batch at a time, until none wait."""
         loop = asyncio.get_running_loop()
         try:
             while self._waiting:
-                batch = list(self._waiting)[: self.max_batch]
+                batch = self._next_batch()
                 texts = [text for _, text in batch]
                 try:
                     encodings = await loop.run_in_executor(self._worker, self._encode, texts)
                 except Exception as exc:
                     for key in batch:
-                        future = self._waiting.pop(key)
+                        future = self._settled(key)
                         if not future.done():
                             future.set_exception(exc)
                     continue
                 for key, encoding in zip(batch, encodings, strict=True):
                     self._remember(key, encoding)
-                    future = self._waiting.pop(key)
+                    future = self._settled(key)
                     if not future.done():
                         future.set_result(encoding)
         finally:

@@ -26,6 +26,13 @@ incarnation (`Keyspace.boot`, read in the same round trip): a write whose lookup
 incarnation, or none, is refused, and a restart between a lookup and its store cannot undo a
 purge. A store whose lookup failed has no fence; only a tombstone refuses it (see `Fence`).
 
+A lookup waits for its question's embedding at most `embed_timeout` seconds, and a tenant
+with `Embedder.max_waiting` texts already waiting gets none (`Backlogged`): either is a plain
+miss, counted in `stats.embed_skipped` (and `stats.errors`, the
+`loramux_response_cache_errors_total` series); the embedder serves tenants in turn, so this
+bounds what one tenant's flood of long questions costs the others. A store whose tenant is
+backlogged stores the exact entry only.
+
 Failure is a miss, never an error: every Redis failure (down, restarting, slow beyond
 `redis_timeout`) and every embedder failure is logged (at most once per `log_every` seconds per
 operation), counted in `stats.errors`, and answered with None. The Redis client reconnects by
@@ -47,7 +54,7 @@ import redis.asyncio
 from redis.exceptions import ResponseError
 
 from loramux.cache import scripts
-from loramux.cache.embedder import Embedder
+from loramux.cache.embedder import Backlogged, Embedder
 from loramux.cache.keys import BucketKeys, Keyspace, semantic_question
 from loramux.cache.semantic_index import Candidate, CoreVectorIndex
 from loramux.cache.tenant_stats import NEAR_MISS_MARGIN, CacheStats, TenantCacheStats
@@ -81,6 +88,7 @@ class ResponseCache:
         candidates: int = 4,
         log_every: float = 10.0,
         vector_sets: bool = True,
+        embed_timeout: float = 5.0,
     ):
         self.redis = redis
         self.embedder = embedder
@@ -92,6 +100,8 @@ class ResponseCache:
             redis, embedder.dim, max_entries=max_entries_per_bucket, mirror_bytes=mirror_bytes
         )
         self.redis_timeout = redis_timeout
+        self.embed_timeout = embed_timeout
+        """A lookup's wait for its question's embedding at most; then a miss."""
         self.candidates = candidates
         self.log_every = log_every
         self.stats = CacheStats()
@@ -246,7 +256,12 @@ class ResponseCache:
         self, req: CacheRequest, policy: CachePolicy, question: str, bucket: BucketKeys
     ) -> tuple[CacheHit, str] | None:
         """The best verified semantic candidate in the (prefetched) bucket, and its entry's key."""
-        vector = await self.embedder.embed_whole(question, req.tenant_id)
+        try:
+            async with asyncio.timeout(self.embed_timeout):
+                vector = await self.embedder.embed_whole(question, req.tenant_id)
+        except (TimeoutError, Backlogged):
+            self._skipped_embedding()
+            return None
         if vector is None:
             return None  # longer than the embedder reads: exact hits only
         scope = self.keys.scope(req.tenant_id, req.adapter)
@@ -361,7 +376,11 @@ class ResponseCache:
         question = semantic_question(req)
         if not stored or not policy.semantic or question is None:
             return bool(stored)
-        vector = await self.embedder.embed_whole(question, req.tenant_id)
+        try:
+            vector = await self.embedder.embed_whole(question, req.tenant_id)
+        except Backlogged:
+            self._skipped_embedding()
+            return True  # the exact entry only
         if vector is None:
             return True  # longer than the embedder reads: its tail would not be compared
         bucket = self.keys.bucket(req, self.embedder.model_id)
@@ -423,6 +442,11 @@ class ResponseCache:
     async def _unlink(self, keys: list[bytes]) -> int:
         await self.redis.unlink(*keys)
         return sum(Keyspace.is_exact(k.decode()) for k in keys)
+
+    def _skipped_embedding(self) -> None:
+        """Count a lookup or store that went without its embedding (deadline, backlog)."""
+        self.stats.embed_skipped += 1
+        self.stats.errors += 1
 
     def _failed(self, operation: str, exc: Exception) -> None:
         self.stats.errors += 1

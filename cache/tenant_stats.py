@@ -65,3 +65,6 @@ class CacheStats:
     """Writes refused because a purge (or the tenant's deletion) came after their lookup."""
     errors: int = 0
     """Lookups and stores that failed (Redis or embedder) and were served as misses / dropped."""
+    embed_skipped: int = 0
+    """Lookups and stores that went without the embedding of their question: its deadline
+    passed, or the tenant had `Embedder.max_waiting` texts waiting (also in `errors`)."""

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from loramux.cache.embedder import Embedder, default_model_path, load_model
+from loramux.cache.embedder import Backlogged, Embedder, default_model_path, load_model
 from loramux.cache.keys import question_text
 from loramux.cache.word_vectors import WordVectors
 from tests.cache.conftest import SEMANTIC, MakeCache, answer, chat
@@ -116,3 +116,40 @@ def test_the_verifiers_word_memo_is_kept_per_tenant() -> None:
     words.learn([word, "refund"], "tenant-a")
     assert words.unknown([word, "refund"], "tenant-a") == []
     assert words.unknown([word, "refund"], "tenant-b") == [word, "refund"]
+
+
+async def test_tenants_are_embedded_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bug: one first-come-first-served queue, so a tenant's lookup waited for every text other
+    tenants had sent before it (96 long questions: tens of seconds). Batches now take the
+    tenants' waiting texts in turn: B's one question goes into the first batch, ahead of A's
+    remaining queue."""
+    embedder = Embedder(max_batch=4)
+    batches: list[list[str]] = []
+    model = load_model(default_model_path())
+    encode = model.encode
+
+    def spy(texts: list[str], *args: Any, **kwargs: Any) -> Any:
+        batches.append(list(texts))
+        return encode(texts, *args, **kwargs)
+
+    monkeypatch.setattr(model, "encode", spy)
+    tag = uuid.uuid4().hex[:8]
+    flood = [embedder.encode([f"{tag} long report number {i}"], "tenant-a") for i in range(12)]
+    asked = embedder.encode([f"{tag} what is 2 plus 2"], "tenant-b")
+    await asyncio.gather(*flood, asked)
+    assert [len(b) for b in batches] == [4, 4, 4, 1]
+    assert f"{tag} what is 2 plus 2" in batches[0]
+    assert batches[0][0] == f"{tag} long report number 0"  # each tenant's in arrival order
+
+
+async def test_a_tenant_with_too_many_texts_waiting_is_refused_more() -> None:
+    """Each tenant may have `max_waiting` texts waiting; more are refused at once (the cache's
+    lookup is then a miss), and other tenants are not."""
+    embedder = Embedder(max_waiting=3)
+    tag = uuid.uuid4().hex[:8]
+    asks = [embedder.encode([f"{tag} report {i}"], "tenant-a") for i in range(4)]
+    asks += [embedder.encode([f"{tag} report 0"], "tenant-a")]  # waiting already: shares it
+    asks += [embedder.encode([f"{tag} report 0"], "tenant-b")]
+    outcomes = await asyncio.gather(*asks, return_exceptions=True)
+    assert [isinstance(o, Backlogged) for o in outcomes] == [False] * 3 + [True, False, False]
+    await embedder.encode([f"{tag} report 3"], "tenant-a")  # none waiting any more

@@ -169,6 +169,23 @@ async def test_a_question_longer_than_the_embedder_reads_is_cached_exactly_only(
     assert hit is not None and hit.kind == "exact"
 
 
+async def test_a_lookup_past_its_embedding_deadline_is_a_counted_miss(
+    make_cache: MakeCache,
+) -> None:
+    """Bug: a lookup waited for its embedding however long the embedder's queue was. Past
+    `embed_timeout` it is a plain miss, counted; the embedding still finishes and is
+    remembered, so the tenant's next lookup of the question finds it."""
+    cache = make_cache(embed_timeout=0.0)
+    cache.embedder = Embedder()  # remembers nothing yet
+    await cache.store(chat("How do I modify my delivery address?"), SEMANTIC, answer("the answer"))
+    asked = chat("How do I change my delivery address?")
+    assert await cache.lookup(asked, SEMANTIC) is None
+    assert cache.stats.embed_skipped == 1 and cache.stats.errors == 1
+    cache.embed_timeout = 60.0
+    hit = await cache.lookup(asked, SEMANTIC)
+    assert hit is not None and hit.kind == "semantic"
+
+
 async def test_the_same_question_after_another_conversation_misses(make_cache: MakeCache) -> None:
     cache = make_cache()
     about_paris = (("user", "Tell me about Paris."), ("assistant", "Paris is in France."))
