@@ -37,15 +37,18 @@ from typing import Any
 
 from loramux.cache.types import CacheRequest
 
-KEY_VERSION = 1
-"""Bumped when the key derivation changes, so old entries are never misread."""
+KEY_VERSION = 2
+"""Bumped when the key derivation changes, so old entries are never misread (2: schemas and
+tools keep their key order)."""
 
 SEMANTIC_MAX_CHARS = 1000
 """Longer last messages are documents, not questions: they are cached exactly only."""
 
 
 def _digest(*parts: Any) -> str:
-    blob = json.dumps(parts, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+    """sha256 of `parts` as JSON. Objects keep their key order: where a request's JSON holds a
+    schema, its property order changes the output (`gateway.cache_policy._canonical`)."""
+    blob = json.dumps(parts, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

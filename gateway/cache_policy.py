@@ -163,8 +163,10 @@ def _tool_turns(messages: list[dict[str, Any]]) -> str | None:
 
 
 def _canonical(value: dict[str, Any] | None) -> str | None:
-    """`response_format` (or the tools) as canonical JSON; `{"type": "text"}` is the default
-    response format, so it is None."""
+    """`response_format` (or the tools) as compact JSON, keys in the order the client wrote
+    them: a schema's property order is the order the output's keys are generated in (and the
+    order the chat template renders tools in), so schemas differing only there are different
+    requests. `{"type": "text"}` is the default response format, so it is None."""
     if not value or value == {"type": "text"}:
         return None
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return json.dumps(value, separators=(",", ":"))

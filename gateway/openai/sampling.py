@@ -117,12 +117,14 @@ def schema_param(forced_call: str | None) -> str:
 
 def structured_output(fmt: ResponseFormat | None) -> StructuredOutput | None:
     """The engine's constraint for `response_format`; None for text. A json_schema format
-    without a schema constrains to any JSON object."""
+    without a schema constrains to any JSON object. The schema's text keeps its keys in the
+    order the client wrote them: the grammar generates an object's properties in the order its
+    schema lists them (as OpenAI's do), so `reasoning` listed before `answer` comes first."""
     if isinstance(fmt, JsonObjectFormat):
         return StructuredOutput("json_object")
     if isinstance(fmt, JsonSchemaFormat):
         schema = fmt.json_schema.schema
         if schema is None:
             return StructuredOutput("json_object")
-        return StructuredOutput("json_schema", json.dumps(schema, sort_keys=True))
+        return StructuredOutput("json_schema", json.dumps(schema))
     return None

@@ -57,7 +57,7 @@ ENUMS = _object(
 NUMBERS = _object(
     {
         "count": {"type": "integer", "minimum": -10, "maximum": 10},
-        "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+        "ratio": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.125},
         "offset": {"type": "integer", "exclusiveMinimum": -50, "exclusiveMaximum": 50},
     },
     ["count", "ratio", "offset"],

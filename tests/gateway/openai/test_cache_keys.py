@@ -71,3 +71,46 @@ def test_a_completion_hit_replays_its_logprobs(api: httpx.Client) -> None:
     hit = api.post("/completions", json=asked)
     assert hit.headers["x-cache"] == "exact"
     assert hit.json()["choices"] == first.json()["choices"]
+
+
+def reordered(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` with its properties listed the other way round (nothing else changed)."""
+    return schema | {"properties": dict(reversed(schema["properties"].items()))}
+
+
+ORDERED = {
+    "type": "object",
+    "properties": {"reasoning": {"enum": ["r"]}, "answer": {"enum": ["a"]}},
+    "required": ["reasoning", "answer"],
+    "additionalProperties": False,
+}
+
+
+def _format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}
+    }
+
+
+def _tool(schema: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "tools": [{"type": "function", "function": {"name": "answer", "parameters": schema}}],
+        "tool_choice": {"type": "function", "function": {"name": "answer"}},
+    }
+
+
+@pytest.mark.parametrize("constraint", [_format, _tool])
+def test_a_schema_differing_only_in_property_order_is_a_miss(
+    api: httpx.Client, constraint: Any
+) -> None:
+    """The output's keys come in the schema's order, so a response_format or a forced tool's
+    parameters listing the same properties in another order is another request. The bug: the
+    key sorted the schema's keys, and the reordered request got the first one's answer."""
+    base = body(max_tokens=40)
+    first = api.post("/chat/completions", json=base | constraint(ORDERED))
+    assert (first.status_code, first.headers["x-cache"]) == (200, "miss"), first.text
+    again = api.post("/chat/completions", json=base | constraint(ORDERED))
+    assert again.headers["x-cache"] == "exact"
+    other = api.post("/chat/completions", json=base | constraint(reordered(ORDERED)))
+    assert (other.status_code, other.headers["x-cache"]) == (200, "miss"), other.text
+    assert other.json()["choices"][0] != first.json()["choices"][0]

@@ -200,3 +200,17 @@ def test_a_literal_holding_control_token_text_is_answered_as_text(api: httpx.Cli
     the text into the control token and the request failed with 500 request_failed."""
     choice = constrained(api, {"const": "<|im_end|>"}, max_tokens=20)["choices"][0]
     assert (choice["message"]["content"], choice["finish_reason"]) == ('"<|im_end|>"', "stop")
+
+
+def test_the_output_keeps_the_schemas_property_order(api: httpx.Client) -> None:
+    """Keys come in the order the schema lists its properties, as OpenAI's do (a `reasoning`
+    placed first is generated before `answer`). The bug: the gateway sorted the schema's keys,
+    so `answer` came first."""
+    schema = {
+        "type": "object",
+        "properties": {"reasoning": {"enum": ["r"]}, "answer": {"enum": ["a"]}},
+        "required": ["reasoning", "answer"],
+        "additionalProperties": False,
+    }
+    choice = constrained(api, schema, temperature=0, max_tokens=60)["choices"][0]
+    assert list(json.loads(choice["message"]["content"])) == ["reasoning", "answer"], choice
