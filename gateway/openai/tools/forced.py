@@ -61,11 +61,22 @@ def _call_schema(tool: Tool, at: str) -> dict[str, Any]:
         "type": "object",
         "properties": {
             "name": {"const": function.name},
-            "arguments": _moved_refs(parameters, f"{at}/properties/arguments"),
+            "arguments": _object_arguments(parameters, f"{at}/properties/arguments"),
         },
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+def _object_arguments(parameters: dict[str, Any], at: str) -> dict[str, Any]:
+    """The arguments' schema, at JSON pointer `at`: `parameters`, held to a JSON object. Those
+    of type object are one already; others (no `type`: an `enum`, an `anyOf`, a `$ref`) sit
+    under `allOf` with `{"type": "object"}`, so a call's arguments are an object whatever they
+    say, and parameters that allow no object make the schema unsatisfiable (a 400 on `tools`),
+    never a constrained output that is no call."""
+    if parameters.get("type") == "object":
+        return _moved_refs(parameters, at)
+    return {"allOf": [{"type": "object"}, _moved_refs(parameters, f"{at}/allOf/1")]}
 
 
 DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})

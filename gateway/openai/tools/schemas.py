@@ -116,7 +116,16 @@ def checked_tools(
 
 
 def _check_parameters(schema: dict[str, Any], param: str) -> None:
-    if schema.get("type", "object") != "object":
+    """Refuse parameters that plainly cannot describe an object: a `type` other than object, a
+    `const` or an `enum` that holds no object. Others without a `type` (an `anyOf`, a `$ref`)
+    are held to an object when a call is forced (gateway.openai.tools.forced), where those that
+    allow none are unsatisfiable, also a 400."""
+    enum = schema.get("enum", [{}])
+    if (
+        schema.get("type", "object") != "object"
+        or not isinstance(schema.get("const", {}), dict)
+        or not (isinstance(enum, list) and any(isinstance(v, dict) for v in enum))
+    ):
         raise BadRequest(
             "a function's parameters must be a JSON Schema of type object", param=param
         )

@@ -116,6 +116,57 @@ def test_a_forced_call_of_parameters_with_references_is_served(
     jsonschema.validate(arguments, PYDANTIC_STYLE["function"]["parameters"])  # type: ignore[index]
 
 
+NOT_OBJECTS = {
+    "enum": {"enum": [1, 2]},
+    "anyOf": {"anyOf": [{"type": "integer"}]},
+    "ref": {"$ref": "#/$defs/N", "$defs": {"N": {"type": "integer"}}},
+}
+"""Parameters with no `type` that allow no object."""
+
+
+@pytest.mark.parametrize(
+    "tool_choice", [{"type": "function", "function": {"name": "pick"}}, "required"]
+)
+@pytest.mark.parametrize("parameters", NOT_OBJECTS.values(), ids=NOT_OBJECTS)
+def test_a_forced_call_of_parameters_that_allow_no_object_is_a_400(
+    api: httpx.Client, parameters: dict[str, Any], tool_choice: Any
+) -> None:
+    """Arguments are always an object, so such a function cannot be called: the request is
+    refused on `tools`. The bug: the parameters constrained the output as they were (a bare
+    `1`), and the forced call came back as content with finish_reason `stop`."""
+    tool = {"type": "function", "function": {"name": "pick", "parameters": parameters}}
+    r = api.post("/chat/completions", json=ask(tools=[tool], tool_choice=tool_choice))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith("tools"), r.text
+
+
+def test_a_forced_call_of_untyped_parameters_is_a_call_with_object_arguments(
+    api: httpx.Client,
+) -> None:
+    """Parameters without a `type` that do allow an object (here, through a `$ref`) are held
+    to one: the forced call is a call whose arguments validate."""
+    parameters = {
+        "$ref": "#/$defs/P",
+        "$defs": {
+            "P": {
+                "properties": {"n": {"enum": [1, 2]}},
+                "required": ["n"],
+                "additionalProperties": False,
+            }
+        },
+    }
+    tool = {"type": "function", "function": {"name": "pick", "parameters": parameters}}
+    named = {"type": "function", "function": {"name": "pick"}}
+    r = api.post("/chat/completions", json=ask(tools=[tool], tool_choice=named))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    [call] = choice["message"]["tool_calls"]
+    arguments = json.loads(call["function"]["arguments"])
+    assert isinstance(arguments, dict)
+    jsonschema.validate(arguments, parameters)
+
+
 def test_streamed_tool_call_deltas_reassemble_to_the_whole_call(api: httpx.Client) -> None:
     # One call: a list of parallel calls has no bound the random-weight model must reach.
     body = ask(tool_choice="required", parallel_tool_calls=False)

@@ -186,6 +186,53 @@ def test_a_reference_the_parameters_cannot_resolve_stays_unresolvable() -> None:
     assert "does not exist" in (check_error(StructuredOutput("json_schema", schema)) or "")
 
 
+UNTYPED = {
+    "$ref": "#/$defs/P",
+    "$defs": {"P": {"anyOf": [{"type": "integer"}, {"properties": {"n": {"type": "integer"}}}]}},
+}
+"""Parameters without a `type`, that allow an object and other values."""
+
+
+@pytest.mark.parametrize(
+    ("choice", "parallel", "call"),
+    [
+        (NamedToolChoice("function", NamedFunction("f")), True, lambda c: c),
+        ("required", True, lambda c: [c]),
+    ],
+    ids=["named", "required"],
+)
+def test_arguments_of_parameters_without_a_type_are_held_to_an_object(
+    choice: Any, parallel: bool, call: Any
+) -> None:
+    """The bug: such parameters constrained the arguments as they were, so a forced call's
+    arguments could be `1`, which is no call (it came back as content)."""
+    tools = msgspec.convert(
+        [{"type": "function", "function": {"name": "f", "parameters": UNTYPED}}], list[Tool]
+    )
+    schema = forced_call_schema(tools, choice, parallel)
+    assert schema is not None and check_error(StructuredOutput("json_schema", schema)) is None
+    v = validator(schema)
+    assert v.is_valid(call({"name": "f", "arguments": {"n": 1}}))
+    for arguments in (1, {"n": "x"}, [1], None):
+        assert not v.is_valid(call({"name": "f", "arguments": arguments})), arguments
+
+
+@pytest.mark.parametrize("choice", [NamedToolChoice("function", NamedFunction("f")), "required"])
+def test_parameters_that_allow_no_object_make_the_forced_schema_unsatisfiable(
+    choice: Any,
+) -> None:
+    """What the gateway refuses (400 on `tools`) instead of constraining output to a non-call."""
+    parameters = {
+        "anyOf": [{"type": "integer"}, {"$ref": "#/$defs/S"}],
+        "$defs": {"S": {"type": "string"}},
+    }
+    tools = msgspec.convert(
+        [{"type": "function", "function": {"name": "f", "parameters": parameters}}], list[Tool]
+    )
+    schema = forced_call_schema(tools, choice, True) or ""
+    assert "nsatisfiable" in (check_error(StructuredOutput("json_schema", schema)) or "")
+
+
 @pytest.mark.parametrize("choice", ["auto", "none"])
 def test_auto_and_none_force_nothing(choice: str) -> None:
     assert forced_call_schema(TOOLS, choice, parallel=True) is None  # type: ignore[arg-type]

@@ -102,10 +102,29 @@ def test_duplicate_names_are_refused() -> None:
     assert refusal(tools=[tool(), tool()]).param == "tools[1].function.name"
 
 
-@pytest.mark.parametrize("parameters", [{"type": "string"}, {"type": "array", "items": {}}])
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"type": "string"},
+        {"type": "array", "items": {}},
+        {"enum": [1, 2]},
+        {"enum": 5},
+        {"const": "x"},
+    ],
+)
 def test_parameters_must_be_an_object_schema(parameters: dict[str, Any]) -> None:
     err = refusal(tools=[tool(), tool("g", parameters)])
     assert err.param == "tools[1].function.parameters"
+
+
+@pytest.mark.parametrize(
+    "parameters", [{}, {"enum": [{"a": 1}, 2]}, {"anyOf": [{"type": "object"}]}, {"$ref": "#"}]
+)
+def test_parameters_without_a_type_that_may_be_an_object_are_taken(
+    parameters: dict[str, Any],
+) -> None:
+    body = decode(tools=[tool(parameters=parameters)], tool_choice="required")
+    assert checked_tools(body.tools, body.tool_choice)[1] == "required"
 
 
 def test_deeply_nested_parameters_are_refused_without_recursion() -> None:
