@@ -48,6 +48,12 @@ class AdapterUnavailableError(RequestFailedError):
     after them tries loading it again."""
 
 
+class StructuredOutputFailedError(RequestFailedError):
+    """The request's structured output failed partway through generation: its grammar ran past
+    the grammar library's limits (or the library failed on it) after admission. Only the
+    request's own schema drives its grammar, so this is the client's error, not the engine's."""
+
+
 def number_text(value: int | float) -> str:
     """A number for an error message. An integer too long to print whole is described instead:
     Python refuses to turn one of more than 4,300 digits into text, and a message should not

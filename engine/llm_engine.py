@@ -37,6 +37,7 @@ from loramux.engine.errors import (
     AdapterUnavailableError,
     InvalidRequestError,
     RequestFailedError,
+    StructuredOutputFailedError,
     UnknownAdapterError,
     number_text,
 )
@@ -392,7 +393,8 @@ class LLMEngine:
             return self._fail(seq, NON_FINITE_LOGITS)
         if seq.grammar is not None and not seq.grammar.accept(token):
             log.warning("request %s: grammar failed: %s", seq.request_id, seq.grammar.error)
-            return self._fail(seq, GRAMMAR_FAILED)
+            error = f"{GRAMMAR_FAILED}: {seq.grammar.error.strip()}"
+            return self._fail(seq, error, StructuredOutputFailedError)
         try:
             if self.lora is not None:
                 self.lora.count_tokens(seq.adapter_id, 1)

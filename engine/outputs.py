@@ -110,7 +110,9 @@ class RequestOutput:
     """Why the request failed; set only when `finish_reason` is ERROR."""
     error_type: type[RequestFailedError] = field(default=RequestFailedError, kw_only=True)
     """What a failed request raises on its stream: `AdapterUnavailableError` when its adapter
-    could not be loaded (not the request's computation, nor a fault of the engine's)."""
+    could not be loaded (not the request's computation, nor a fault of the engine's);
+    `StructuredOutputFailedError` when its grammar failed mid-generation (its own schema's
+    doing)."""
     index: int = 0
     """The choice (0..n-1) these tokens belong to."""
     logprobs: list[TokenLogprob] | None = None

@@ -27,6 +27,7 @@ from loramux.engine.errors import (
     InvalidRequestError,
     PromptTooLongError,
     RequestFailedError,
+    StructuredOutputFailedError,
     UnknownAdapterError,
 )
 from loramux.engine.structured import StructuredOutputError
@@ -242,6 +243,8 @@ def _from_engine(exc: EngineError) -> GatewayError | None:
             # The adapter's stored files, not the request nor the caller's upload (validated
             # when it was stored): the server's to fix; a retry loads it again.
             return ServiceUnavailable(str(exc), code="adapter_unavailable")
+        case StructuredOutputFailedError():  # the request's own schema: the client's error
+            return BadRequest(str(exc), code="structured_output_failed")
         case RequestFailedError():
             return InternalError(str(exc), code="request_failed")
     return None

@@ -52,6 +52,7 @@ from loramux.engine.errors import (
     InvalidRequestError,
     PromptTooLongError,
     RequestFailedError,
+    StructuredOutputFailedError,
     UnknownAdapterError,
 )
 from loramux.engine.outputs import RequestTimings, TokenLogprob, Usage
@@ -221,6 +222,7 @@ ENGINE_ERRORS: tuple[tuple[type[EngineError], str], ...] = (
     (EngineOverloadedError, "engine_overloaded"),
     (EngineStoppedError, "engine_stopped"),
     (AdapterUnavailableError, "adapter_unavailable"),
+    (StructuredOutputFailedError, "structured_output_failed"),
     (RequestFailedError, "request_failed"),
     (UnauthorizedError, "unauthorized"),
 )

@@ -145,7 +145,22 @@ class GrammarCompiler:
             raise StructuredOutputError(f"the JSON schema cannot be compiled: {error}")
         if not any(first):
             raise StructuredOutputError("the JSON schema allows no output at all")
+        # Accepting a token also computes the tokens the grammar forces after it, under the
+        # parser's item limit: a long forced run (an array of 100,000 `const` items) passes the
+        # first mask and then fails on the first token, on the step thread. Accept the first
+        # allowed token here, on the copy, so that such grammars are refused at admission.
+        if not probe.consume_token(_first_allowed(first)) or probe.get_error():
+            raise StructuredOutputError(
+                f"the JSON schema cannot be compiled: {probe.get_error() or 'no token fits'}"
+            )
         return matcher
+
+
+def _first_allowed(mask: bytes) -> int:
+    """The lowest token id a bitmask (llguidance's, little-endian 32-bit words) allows; the
+    mask allows one."""
+    at = next(i for i, byte in enumerate(mask) if byte)
+    return 8 * at + (mask[at] & -mask[at]).bit_length() - 1
 
 
 CONTROL_TEXT_PREFIX = "\x00"

@@ -84,6 +84,16 @@ RECURSIVE = {
     "$ref": "#/$defs/node",
 }
 
+FAILS_MID_RUN = _object(
+    {
+        "a": {"enum": ["x", "y"]},
+        "b": {"type": "array", "items": {"const": 1}, "minItems": 100_000},
+    },
+    ["a", "b"],
+)
+"""Compiles, and its first token is accepted; once `a` is chosen, the grammar forces 100,000
+items, past the parser's item limit: the request's own schema fails it mid-generation."""
+
 SCHEMAS: dict[str, dict[str, Any]] = {
     "nested": NESTED,
     "arrays": ARRAYS,

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from loramux.engine.async_engine import AsyncEngine
-from loramux.engine.errors import InvalidRequestError
+from loramux.engine.errors import InvalidRequestError, StructuredOutputFailedError
 from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.outputs import EngineRequest, RequestOutput
 from loramux.engine.sampling import SamplingParams
@@ -22,7 +22,13 @@ from loramux.engine.sequence import FinishReason
 from loramux.engine.structured import StructuredOutput, StructuredOutputError
 from loramux.engine.structured.grammar import CACHE_ENTRIES
 from tests.engine.conftest import make_engine, run_to_completion
-from tests.engine.structured_schemas import NESTED, RECURSIVE, SCHEMAS, schema_text
+from tests.engine.structured_schemas import (
+    FAILS_MID_RUN,
+    NESTED,
+    RECURSIVE,
+    SCHEMAS,
+    schema_text,
+)
 
 PROMPT = "Answer in JSON:"
 
@@ -220,6 +226,8 @@ def test_preempted_recomputed_or_overlapped_constrained_requests_stay_valid_and_
         ('{"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"}', "cannot be compiled"),
         ('{"type": "string", "format": "no-such-format"}', "cannot be compiled"),
         ('{"not": {"type": "string"}}', "cannot be compiled"),
+        # passes the first mask; its first token forces past the parser's item limit
+        ('{"type": "array", "items": {"const": 1}, "minItems": 100000}', "Too many items"),
     ],
 )
 def test_an_uncompilable_schema_is_refused_before_anything_is_queued(
@@ -234,6 +242,27 @@ def test_an_uncompilable_schema_is_refused_before_anything_is_queued(
     after = engine.stats()
     assert (after.waiting, after.running) == (before.waiting, before.running)
     assert engine.outputs.open_choices("bad") == []
+
+
+def test_a_grammar_failing_mid_generation_fails_its_request_alone_as_the_schemas_fault(
+    engine: LLMEngine,
+) -> None:
+    """The request's last output says its schema failed it (the gateway's 400, not a 500),
+    with the library's reason; the request beside it is served."""
+    spec = _constrained(FAILS_MID_RUN)
+    bound = EngineRequest(
+        "mid-run", SamplingParams(max_tokens=20, structured=spec), prompt_token_ids=[5, 6, 7]
+    )
+    free = EngineRequest("beside", SamplingParams(max_tokens=6), prompt_token_ids=[5, 6, 8])
+    outputs = run_to_completion(engine, [bound, free])
+    last = outputs["mid-run"][-1]
+    assert (last.finish_reason, last.error_type) == (
+        FinishReason.ERROR,
+        StructuredOutputFailedError,
+    ), last
+    assert "Too many items" in (last.error or "")
+    assert outputs["beside"][-1].finish_reason is FinishReason.LENGTH
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_a_huge_schema_is_refused_when_the_request_is_made() -> None:
@@ -316,6 +345,8 @@ def test_a_panic_of_the_grammar_library_fails_its_requests_not_the_engine(
     bound = EngineRequest(
         "bound", SamplingParams(max_tokens=6, structured=spec), prompt_token_ids=[5, 6, 8]
     )
+    assert engine.grammars is not None
+    engine.grammars.compile(spec)  # its compile probe accepts a token too: not the panic here
     with monkeypatch.context() as m:
         m.setattr("llguidance.LLMatcher.consume_token", _panics)
         outputs = run_to_completion(engine, [free, bound])

@@ -19,7 +19,7 @@ import pytest
 
 from loramux.engine.outputs import EngineStats
 from loramux.gateway.server import RunningServer
-from tests.engine.structured_schemas import SCHEMAS
+from tests.engine.structured_schemas import FAILS_MID_RUN, SCHEMAS
 from tests.gateway.openai.openapi_schemas import CHAT, COMPLETION, assert_valid
 from tests.gateway.tenants import TenantKey, upload_adapter
 
@@ -214,3 +214,38 @@ def test_the_output_keeps_the_schemas_property_order(api: httpx.Client) -> None:
     }
     choice = constrained(api, schema, temperature=0, max_tokens=60)["choices"][0]
     assert list(json.loads(choice["message"]["content"])) == ["reasoning", "answer"], choice
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_whose_first_token_forces_past_the_limits_is_a_400(
+    api: httpx.Client, stream: bool
+) -> None:
+    """100,000 forced items pass the grammar's first mask, then run past the parser's item
+    limit on the first token: the engine refuses it at admission (a stream has started by then:
+    its error event says so). The bug: the request was admitted and failed on the step thread
+    with a 500 `request_failed` (the server's fault)."""
+    schema = {"type": "array", "items": {"const": 1}, "minItems": 100_000}
+    body = {"model": "demo-model", "messages": [{"role": "user", "content": "hi"}]}
+    body |= {"response_format": strict("many", schema), "max_tokens": 10, "stream": stream}
+    r = api.post("/chat/completions", json=body)
+    if stream:
+        events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+        error = events[-1]["error"]
+    else:
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "response_format")
+    assert "Too many items" in error["message"]
+
+
+def test_a_schema_that_fails_mid_generation_is_the_clients_error(api: httpx.Client) -> None:
+    """A grammar that runs past the library's limits after a few tokens: only the request's own
+    schema can do that, so it is a 400 invalid_request_error naming the structured output, not
+    a 500 `request_failed`."""
+    body = {"model": "demo-model", "messages": [{"role": "user", "content": "hi"}]}
+    body |= {"response_format": strict("mid", FAILS_MID_RUN), "max_tokens": 20}
+    r = api.post("/chat/completions", json=body, headers={"cache-control": "no-store"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "structured_output_failed")
+    assert "Too many items" in error["message"]
