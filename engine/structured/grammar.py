@@ -21,6 +21,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import Any
 
 import llguidance
@@ -100,22 +101,40 @@ class GrammarCompiler:
             _text_only_tokenizer_json(tokenizer), n_vocab=vocab_size, eos_token=sorted(eos_ids)
         )
         self._cache: OrderedDict[tuple[str, str | None], CompiledGrammar] = OrderedDict()
+        self._compiling: dict[tuple[str, str | None], Future[CompiledGrammar]] = {}
         self._lock = threading.Lock()
+        self.compiles = 0
+        """Grammars compiled so far (each schema once while it stays cached)."""
 
     def compile(self, spec: StructuredOutput) -> CompiledGrammar:
         """The grammar of `spec`, from the cache or compiled now; StructuredOutputError says why
-        it cannot be."""
+        it cannot be. Callers asking for a schema being compiled wait for that compile and
+        share its result (or its error): concurrent requests with one schema compile it once."""
         key = spec.cache_key
         with self._lock:
             found = self._cache.get(key)
             if found is not None:
                 self._cache.move_to_end(key)
                 return found
-        compiled = CompiledGrammar(self._matcher(grammar_text(spec)))
+            underway = self._compiling.get(key)
+            if underway is None:
+                self._compiling[key] = mine = Future[CompiledGrammar]()
+                self.compiles += 1
+        if underway is not None:
+            return underway.result()
+        try:
+            compiled = CompiledGrammar(self._matcher(grammar_text(spec)))
+        except BaseException as exc:
+            with self._lock:
+                del self._compiling[key]
+            mine.set_exception(exc)
+            raise
         with self._lock:
+            del self._compiling[key]
             self._cache[key] = compiled
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
+        mine.set_result(compiled)
         return compiled
 
     def cached(self, spec: StructuredOutput) -> bool:
