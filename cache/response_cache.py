@@ -13,18 +13,7 @@ Given a request id, a lookup that hits and a store both record which entry the r
 answered from (tenant-scoped, for the entry's lifetime), so an admin can report a wrong answer
 by request id: `report_wrong_hit` deletes the entry, and the next identical request misses.
 
-A purge is final for what came before it. A request's lookup (`begin`) reads the purge epochs
-of its tenant and adapter scopes in the same round trip, and every write its answer makes (the
-entry, the request record, the semantic index's entry) carries them as a `Fence` into the one
-script that writes, which refuses it when a purge of either scope ran since. A purge first moves
-its scope's epoch, then deletes what its SCAN finds: an answer made before the purge is either
-deleted by it or never written. Deleting a tenant leaves a tombstone for its epoch (kept for the
-longest entry lifetime, `MAX_TTL`) that refuses every write of that tenant, including those of a
-gateway process that still authenticates its keys for a moment. The cache Redis keeps no data
-across a restart, epochs and tombstones included, so the fence also carries the server's
-incarnation (`Keyspace.boot`, read in the same round trip): a write whose lookup read another
-incarnation, or none, is refused, and a restart between a lookup and its store cannot undo a
-purge. A store whose lookup failed has no fence; only a tombstone refuses it (see `Fence`).
+A purge is final for what came before it: writes carry a `Fence` (see `cache.purge`).
 
 A lookup waits for its question's embedding at most `embed_timeout` seconds, and a tenant
 with `Embedder.max_waiting` texts already waiting gets none (`Backlogged`): either is a plain
@@ -56,10 +45,10 @@ from redis.exceptions import ResponseError
 from loramux.cache import scripts
 from loramux.cache.embedder import Backlogged, Embedder
 from loramux.cache.keys import BucketKeys, Keyspace, semantic_question
+from loramux.cache.purge import purge_scope
 from loramux.cache.semantic_index import Candidate, CoreVectorIndex
 from loramux.cache.tenant_stats import NEAR_MISS_MARGIN, CacheStats, TenantCacheStats
 from loramux.cache.types import (
-    MAX_TTL,
     CachedResponse,
     CacheHit,
     CachePolicy,
@@ -412,36 +401,11 @@ class ResponseCache:
         self, tenant_id: str, adapter: str | None = None, *, tenant_deleted: bool = False
     ) -> int:
         """Delete a tenant's entries (of one adapter digest, or "base", when given); returns the
-        number of responses removed. The scope's purge epoch moves first, so no request whose
-        lookup came before the purge writes after it; `tenant_deleted` makes the tenant's epoch
-        a tombstone that refuses every later write of the tenant. Raises on Redis errors (an
+        number of responses removed (`cache.purge.purge_scope`). Raises on Redis errors (an
         operator asked for it)."""
-        if tenant_deleted and adapter is not None:
-            raise ValueError("a deleted tenant is purged whole")
-        epoch = ("gone:" if tenant_deleted else "") + secrets.token_hex(8)
-        keys, args = [self.keys.epoch(tenant_id, adapter)], [epoch, str(MAX_TTL)]
-        try:
-            await self._purge_epoch(keys=keys, args=args)
-        except redis.exceptions.ConnectionError:
-            # Once more, on a new connection: a pooled one a Redis restart closed fails once,
-            # and a tenant's delete, committed by then, answered 500 with its cache unpurged.
-            # Moving the epoch again is harmless.
-            await self._purge_epoch(keys=keys, args=args)
-        pattern = _glob_escape(self.keys.scope(tenant_id, adapter)) + "*"
-        removed = 0
-        batch: list[bytes] = []
-        async for key in self.redis.scan_iter(match=pattern, count=1000):
-            batch.append(key)
-            if len(batch) >= 1000:
-                removed += await self._unlink(batch)
-                batch = []
-        if batch:
-            removed += await self._unlink(batch)
-        return removed
-
-    async def _unlink(self, keys: list[bytes]) -> int:
-        await self.redis.unlink(*keys)
-        return sum(Keyspace.is_exact(k.decode()) for k in keys)
+        return await purge_scope(
+            self.redis, self.keys, self._purge_epoch, tenant_id, adapter, tenant_deleted
+        )
 
     def _skipped_embedding(self) -> None:
         """Count a lookup or store that went without its embedding (deadline, backlog)."""
@@ -466,7 +430,3 @@ def _fence(keys: tuple[str, str, str], seen: Sequence[bytes | str | None]) -> Fe
     """A fence from its keys' values as MGET read them (None: never purged, or no incarnation)."""
     tenant, adapter, boot = (v.decode() if isinstance(v, bytes) else v or "" for v in seen)
     return Fence(keys, (tenant, adapter, boot))
-
-
-def _glob_escape(text: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)

@@ -48,7 +48,7 @@ from loramux.engine.metrics import EngineMetrics
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LlamaModel
 from loramux.engine.model.loader import load_model
-from loramux.engine.model_runner import ModelRunner, kv_bytes_per_block
+from loramux.engine.model_runner import ModelRunner, kv_pool_blocks
 from loramux.engine.output_processor import OutputProcessor
 from loramux.engine.outputs import (
     MAX_CACHE_SALT_CHARS,
@@ -115,7 +115,9 @@ class LLMEngine:
         gateway keys its response cache and system_fingerprint by."""
         self.lora = self._lora_manager()
         self.runner = ModelRunner(config, self.model, self.max_model_len, self.lora)
-        num_blocks = self._num_blocks(self.runner.graph_memory())
+        num_blocks = kv_pool_blocks(
+            config, self.model_config, self.max_model_len, self.runner.graph_memory()
+        )
         self.runner.allocate_kv(num_blocks)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
@@ -146,22 +148,6 @@ class LLMEngine:
         self.metrics = EngineMetrics(self)
         if self.lora is not None:
             self.lora.on_load = self.metrics.lora_load.observe
-
-    def _num_blocks(self, graph_bytes: int) -> int:
-        """Blocks in the KV pool: `num_kv_blocks`, or what the KV budget holds once the decode
-        graphs' memory is counted in it."""
-        c = self.config
-        per_block = kv_bytes_per_block(self.model_config, c.block_size, c.torch_dtype)
-        num_blocks = c.num_kv_blocks or max(0, c.kv_cache_bytes - graph_bytes) // per_block
-        needed = -(-self.max_model_len // c.block_size)
-        if num_blocks < needed:
-            graphs = f" after the decode graphs' {graph_bytes >> 20} MiB" if graph_bytes else ""
-            raise ValueError(
-                f"the KV pool ({num_blocks} blocks of {c.block_size}{graphs}) cannot hold one "
-                f"sequence of max_model_len {self.max_model_len}; raise the KV budget or lower "
-                "max_model_len"
-            )
-        return num_blocks
 
     def _lora_manager(self) -> LoraManager | None:
         c = self.config

@@ -30,6 +30,25 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) 
     return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * element
 
 
+def kv_pool_blocks(
+    config: EngineConfig, model: ModelConfig, max_model_len: int, graph_bytes: int
+) -> int:
+    """Blocks in the KV pool: `num_kv_blocks`, or what the KV budget holds once the decode
+    graphs' memory (`graph_bytes`) is counted in it. Raises ValueError when that is less than
+    one sequence of `max_model_len`."""
+    per_block = kv_bytes_per_block(model, config.block_size, config.torch_dtype)
+    num_blocks = config.num_kv_blocks or max(0, config.kv_cache_bytes - graph_bytes) // per_block
+    needed = -(-max_model_len // config.block_size)
+    if num_blocks < needed:
+        graphs = f" after the decode graphs' {graph_bytes >> 20} MiB" if graph_bytes else ""
+        raise ValueError(
+            f"the KV pool ({num_blocks} blocks of {config.block_size}{graphs}) cannot hold one "
+            f"sequence of max_model_len {max_model_len}; raise the KV budget or lower "
+            "max_model_len"
+        )
+    return num_blocks
+
+
 class ModelRunner:
     """Owns the model, the KV pool, the preallocated per-step buffers and the decode graphs.
 
