@@ -5,9 +5,14 @@ requests; every other owner's next job waits for at most one job of each owner a
 With one queue for all, a short prompt waited behind every prompt sent before it, whoever sent
 them, and a tenant refused for its rate limit (admission comes after tokenizing) still filled it.
 
-A job whose caller stopped waiting before it started (its task was cancelled) is dropped unrun,
+A job whose caller stopped waiting before it started (its task was cancelled) is dropped unrun:
+it leaves its owner's queue as soon as its future is cancelled (a done-callback), and a `run`
+that finds its owner's queue at the bound first drops the cancelled jobs whose callbacks have
+not run yet. So an owner's queue never holds more than its bound of jobs, live or abandoned,
 and an owner already at its bound of jobs waiting is refused another (`Backlogged`): the memory
-and the thread time one owner can claim ahead of time are bounded.
+and the thread time one owner can claim ahead of time are bounded. (A cancelled job used to
+stay queued until its turn, and a tenant whose clients connected and left in a loop grew its
+queue without bound, every `run` of its scanning it all under the lock.)
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any, Generic, TypeVar
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Job(Generic[T]):
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[T]
@@ -56,7 +61,8 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
 
 
 def _live(queue: deque[_Job[Any]]) -> int:
-    """Jobs of `queue` whose callers still wait (a cancelled one leaves when its turn comes)."""
+    """Jobs of `queue` whose callers still wait (a cancelled one may not have left yet: its
+    done-callback runs in a later turn of its loop)."""
     return sum(not job.future.cancelled() for job in queue)
 
 
@@ -91,14 +97,37 @@ class FairPool:
             if queue is None:
                 queue = self._queues[owner] = deque()
                 self._turns.append(owner)
-            queue.append(_Job(asyncio.get_running_loop(), future, fn, args))
+            job = _Job(asyncio.get_running_loop(), future, fn, args)
+            queue.append(job)
             self._ready.notify()
+        future.add_done_callback(lambda f: self._forget(owner, job) if f.cancelled() else None)
         return future
 
     def _full(self, queue: deque[_Job[Any]]) -> bool:
-        """`queue` holds `max_waiting` jobs whose callers still wait."""
+        """`queue` holds `max_waiting` jobs whose callers still wait. At the bound, the jobs
+        cancelled since (whose done-callbacks have not run yet) leave first, so the queue
+        never grows past the bound (a scan of at most `max_waiting` jobs)."""
         bound = self.max_waiting
-        return bound is not None and len(queue) >= bound and _live(queue) >= bound
+        if bound is None or len(queue) < bound:
+            return False
+        live = [job for job in queue if not job.future.cancelled()]
+        if len(live) < len(queue):
+            queue.clear()
+            queue.extend(live)
+        return len(queue) >= bound
+
+    def _forget(self, owner: str, job: _Job[Any]) -> None:
+        """Drop `job`, whose caller stopped waiting, from its owner's queue (unless it already
+        left it: it started, or a `run` at the bound dropped it); an owner left with nothing
+        waiting loses its turn."""
+        with self._ready:
+            queue = self._queues.get(owner)
+            if queue is None or job not in queue:
+                return
+            queue.remove(job)
+            if not queue:
+                del self._queues[owner]
+                self._turns.remove(owner)
 
     def waiting(self) -> int:
         """Jobs not yet started whose callers still wait."""

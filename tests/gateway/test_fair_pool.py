@@ -128,3 +128,29 @@ async def test_a_job_raising_stop_iteration_fails_its_caller_instead_of_hanging(
 
     with pytest.raises(RuntimeError, match="StopIteration"):
         await asyncio.wait_for(pool.run("a", stop), 30)
+
+
+async def test_abandoned_jobs_leave_their_queue_so_a_cancel_storm_stays_within_the_bound() -> None:
+    """A tenant whose clients connect and leave before their prompts' turn (a cancel storm,
+    another tenant's long prompt on the only thread) holds at most its bound of jobs: a
+    cancelled job leaves its queue, at once when its owner's next job finds the queue full, or
+    when its done-callback runs. It used to stay until its turn, growing the queue without
+    bound, every `run` of that owner scanning it all under the pool's lock."""
+    bound = 4
+    pool = FairPool(1, "test-fair-storm", max_waiting=bound)
+    try:
+        release, held = await _hold(pool)
+        for _ in range(100 * bound):  # cancelled before their callbacks could run
+            pool.run("flooder", lambda: None).cancel()
+            assert len(pool._queues.get("flooder", ())) <= bound
+        left = [pool.run("flooder", lambda: None) for _ in range(bound - 1)]
+        for future in left:
+            future.cancel()
+        await asyncio.sleep(0)  # one turn of the loop: the done-callbacks run
+        assert "flooder" not in pool._queues
+        kept = pool.run("flooder", lambda: "kept")
+        release.set()
+        assert await kept == "kept"
+        await held
+    finally:
+        pool.close()
