@@ -9,6 +9,10 @@ Faults stay with the request they belong to: a request that cannot be added, or 
 engine fails to compute, gets its error on its own stream and the loop goes on. Only what
 `LLMEngine.step()` itself raises (its bookkeeping broke, or the device failed) stops the loop:
 then every stream gets EngineStoppedError, `running` turns false, and new requests are refused.
+
+The queue (`max_num_seqs + max_waiting` requests) is shared between owners (tenants): when it
+is full, a request of an owner with fewer requests queued than another may take the place of
+that owner's newest queued request, which is refused instead (engine.queue_share).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +36,8 @@ from loramux.engine.errors import (
 )
 from loramux.engine.llm_engine import Checked, LLMEngine
 from loramux.engine.lora.stats import AdapterStats
-from loramux.engine.outputs import EngineRequest, EngineStats, RequestOutput
+from loramux.engine.outputs import MAX_CACHE_SALT_CHARS, EngineRequest, EngineStats, RequestOutput
+from loramux.engine.queue_share import NO_OWNER, displaced, may_displace
 from loramux.engine.sequence import FinishReason
 
 log = logging.getLogger(__name__)
@@ -41,6 +47,8 @@ log = logging.getLogger(__name__)
 class _Add:
     request: EngineRequest
     checked: Checked
+    displace: bool = False
+    """The queue is full: queue it only in place of another owner's queued request."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,9 @@ _SWEEP = _Sweep()
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
+    owner: str = NO_OWNER
+    queued: bool = True
+    """No output has reached its consumer yet (counted in `AsyncEngine._queued`)."""
 
 
 class AsyncEngine:
@@ -68,6 +79,8 @@ class AsyncEngine:
         self.engine = engine
         self._commands: queue.SimpleQueue[_Add | _Abort | _Sweep | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        self._queued: Counter[str] = Counter()
+        """Streams per owner that have had no output yet (under `_lock`, like `_streams`)."""
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
@@ -123,32 +136,29 @@ class AsyncEngine:
         return self.engine.adapter_stats()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Validate (raising before anything is queued), then yield the request's deltas."""
+        """Validate (raising before anything is queued), then yield the request's deltas. A
+        request refused for a full queue raises EngineOverloadedError before its first output,
+        at once or, when it displaces another owner's queued request, from the step thread; so
+        does a queued request displaced by another owner's."""
         self._check_running()
+        owner = _owner_of(request)
         if request.params.structured is None:
             checked = self.engine.checked(request)
         else:
             # Compiling a grammar takes up to seconds (large schemas): not on the event loop,
             # nor on the step thread, which gets the compiled grammar with the request.
             checked = await asyncio.to_thread(self.engine.checked, request)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), owner)
         with self._lock:
-            # Under the lock the step loop takes to fail every stream: none is left behind.
-            self._check_running()
-            if request.request_id in self._streams:
-                raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
-            if (
-                len(self._streams)
-                >= self.engine.config.max_waiting + self.engine.config.max_num_seqs
-            ):
-                raise EngineOverloadedError("the engine queue is full; retry later")
-            self._streams[request.request_id] = stream
+            displace = self._register(request.request_id, stream)
         self.start()
-        self._commands.put(_Add(request, checked))
+        self._commands.put(_Add(request, checked, displace))
         finished = False
         try:
             while not finished:
                 item = await stream.queue.get()
+                if stream.queued:
+                    self._unqueue(stream)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.is_last  # its last choice ended
@@ -156,8 +166,33 @@ class AsyncEngine:
         finally:
             with self._lock:
                 self._streams.pop(request.request_id, None)
+            self._unqueue(stream)
             if not finished:
                 self._commands.put(_Abort(request.request_id))
+
+    def _register(self, request_id: str, stream: _Stream) -> bool:
+        """Take the stream (under `_lock`, which the step loop takes to fail every stream: none
+        is left behind); True when the queue is full and it may only displace another owner's
+        queued request, EngineOverloadedError when not even that."""
+        self._check_running()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        config = self.engine.config
+        full = len(self._streams) >= config.max_waiting + config.max_num_seqs
+        if full and not may_displace(self._queued, stream.owner):
+            raise EngineOverloadedError("the engine queue is full; retry later")
+        self._streams[request_id] = stream
+        self._queued[stream.owner] += 1
+        return full
+
+    def _unqueue(self, stream: _Stream) -> None:
+        """`stream` had its first output, or ended: it no longer counts as queued."""
+        with self._lock:
+            if stream.queued:
+                stream.queued = False
+                self._queued[stream.owner] -= 1
+                if not self._queued[stream.owner]:
+                    del self._queued[stream.owner]
 
     def _check_running(self) -> None:
         if self._failure is not None or self._stopping:
@@ -210,6 +245,10 @@ class AsyncEngine:
             stream = self._streams.get(cmd.request.request_id)
         if stream is None:
             return  # consumer already gone
+        if cmd.displace and not self._displace(stream.owner):
+            overloaded = EngineOverloadedError("the engine queue is full; retry later")
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, overloaded)
+            return
         try:
             self.engine.add_request(cmd.request, checked=cmd.checked)
         except EngineError as exc:
@@ -219,6 +258,27 @@ class AsyncEngine:
             log.exception("request %s could not be queued", cmd.request.request_id)
             failed = RequestFailedError("the engine could not queue this request")
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, failed)
+
+    def _displace(self, owner: str) -> bool:
+        """Refuse the newest queued request of the owner with the most, if `owner` may take its
+        place (engine.queue_share): it ends in the engine (its blocks freed, counted as
+        aborted) and its stream gets EngineOverloadedError, as at admission. False if none."""
+        with self._lock:
+            streams = self._streams
+
+            def owner_of(request_id: str) -> str | None:
+                stream = streams.get(request_id)
+                return None if stream is None else stream.owner
+
+            victim = displaced(self.engine.scheduler.waiting, owner_of, owner)
+            stream = None if victim is None else streams.get(victim)
+        if victim is None or stream is None:
+            return False
+        log.info("request %s refused: its owner holds the most of the full queue", victim)
+        self.engine.abort(victim)
+        overloaded = EngineOverloadedError("the engine queue is full; retry later")
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, overloaded)
+        return True
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand each output to its stream; a failed request's last one is raised there. A step's
@@ -239,6 +299,18 @@ class AsyncEngine:
 
 
 _Item = RequestOutput | BaseException
+
+
+def _owner_of(request: EngineRequest) -> str:
+    """The request's owner, checked: a string of at most MAX_CACHE_SALT_CHARS characters."""
+    owner = request.owner
+    if owner is None:
+        return NO_OWNER
+    if not isinstance(owner, str) or len(owner) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError(
+            f"owner must be a string of at most {MAX_CACHE_SALT_CHARS} characters"
+        )
+    return owner
 
 
 def _put_all(items: list[tuple[_Stream, _Item]]) -> None:

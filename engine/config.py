@@ -44,7 +44,8 @@ class EngineConfig:
     max_model_len: int | None = None
     """Longest prompt plus completion; defaults to the model's context length."""
     max_waiting: int = 4096
-    """Requests queued beyond this are refused with EngineOverloadedError."""
+    """Requests queued beyond `max_num_seqs` running ones are refused with
+    EngineOverloadedError; a full queue is shared between owners (engine.queue_share)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prefixes (same tokens, same adapter)."""
     enable_lora: bool = True
@@ -89,6 +90,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, not {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be at least 0, not {self.max_waiting}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be at least 1")
         if self.max_loras < 1 or self.max_cpu_loras < 1:

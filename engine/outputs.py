@@ -36,6 +36,11 @@ class EngineRequest:
     under the caller's own salt and no tenant can learn from timing what another one sent.
     None shares blocks with every other request without a salt (and the same adapter). At most
     MAX_CACHE_SALT_CHARS characters."""
+    owner: str | None = None
+    """Who sent it (the gateway names the tenant's id): a full engine queue is shared between
+    owners (engine.queue_share), so one owner cannot lock the others out. Unlike `cache_salt`,
+    which tenants in a shared prefix-cache scope share, it names one tenant. None: requests
+    without an owner share one. At most MAX_CACHE_SALT_CHARS characters."""
 
 
 @dataclass(frozen=True)

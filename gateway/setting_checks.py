@@ -98,6 +98,7 @@ def check_bounds(settings: object, bounds: dict[str, Bound]) -> None:
 ENGINE_BOUNDS = {
     "kv_cache_mb": Bound("KV_CACHE_MB", 1),
     "max_num_seqs": Bound("MAX_NUM_SEQS", 1),
+    "max_waiting": Bound("MAX_WAITING", 0),  # 0: only what runs is taken
     "max_num_batched_tokens": Bound("MAX_BATCHED_TOKENS", 1),
     "max_model_len": Bound("MAX_MODEL_LEN", 1),
     "max_loras": Bound("MAX_LORAS", 1),

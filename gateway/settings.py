@@ -60,6 +60,11 @@ class EngineSettings:
         default_factory=lambda: env_value("MAX_NUM_SEQS", _engine_default("max_num_seqs"), int)
     )
     """LORAMUX_MAX_NUM_SEQS: sequences running in one step at most."""
+    max_waiting: int = field(
+        default_factory=lambda: env_value("MAX_WAITING", _engine_default("max_waiting"), int)
+    )
+    """LORAMUX_MAX_WAITING: requests queued beyond those running, at most; past that the engine
+    refuses (503 engine_overloaded), sharing the queue between tenants (engine.queue_share)."""
     max_num_batched_tokens: int = field(
         default_factory=lambda: env_value(
             "MAX_BATCHED_TOKENS", _engine_default("max_num_batched_tokens"), int
@@ -150,6 +155,7 @@ class EngineSettings:
             device=self.device,
             kv_cache_bytes=self.kv_cache_mb << 20,
             max_num_seqs=self.max_num_seqs,
+            max_waiting=self.max_waiting,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.prefix_caching,

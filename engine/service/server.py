@@ -246,6 +246,7 @@ class EngineServer:
             prompt_token_ids=message.prompt_token_ids,
             adapter=message.adapter,
             cache_salt=message.cache_salt,
+            owner=message.owner,
         )
         outputs: AsyncIterator[RequestOutput] = self.engine.generate(request)
         self._streams_of[identity] += 1

@@ -63,7 +63,8 @@ WIRE_VERSION = 5
 """This protocol's version, in the engine's `info` reply: a gateway refuses an engine that
 speaks another (2: stream messages travel in Batches; 3: an Abort may name one choice; 4:
 adapters travel in parts, and no frame is over MAX_FRAME_BYTES; 5: `info` names the base
-model's identity and the engine's build, `model_identity` and `build`: engine.identity)."""
+model's identity and the engine's build, `model_identity` and `build`: engine.identity, and a
+Generate names its request's owner, `owner`, by whom the engine shares its full queue)."""
 
 MAX_FRAME_BYTES = 16 << 20
 """The largest frame the engine takes (its socket's ZMQ_MAXMSGSIZE). ZeroMQ reads a CURVE
@@ -106,6 +107,8 @@ class Generate(msgspec.Struct, tag="generate", array_like=True):
     params: SamplingParams
     adapter: str | None = None
     cache_salt: str | None = None
+    owner: Id | None = None
+    """Who sent it (`EngineRequest.owner`: the tenant's id); the full queue is shared by owner."""
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):

@@ -151,6 +151,7 @@ class RemoteEngineClient:
             _wire_params(request.params),
             request.adapter,
             request.cache_salt,
+            request.owner,
         )
         serving = self._serving[request.request_id] = _Serving()
 

@@ -72,6 +72,7 @@ class Tokenized:
             prompt_token_ids=self.prompt_ids,
             adapter=r.adapter,
             cache_salt=r.cache_salt,
+            owner=r.owner,
         )
 
 

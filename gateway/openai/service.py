@@ -189,10 +189,10 @@ class CompletionService:
         requested = requested if requested is not None else req.max_tokens
         forced = tools.plan.forced_schema
         params = sampling_params(req, requested or 1, self.limits.vocab_size, forced)
-        salt = cache_salt(principal.tenant_id, principal.tenant_settings)
+        salt = cache_salt(owner := principal.tenant_id, principal.tenant_settings)
         prompt = engine_prompt(req, tools.plan.template_tools, self.tool_format)
         text_request = EngineRequest(
-            request_id, params, adapter=model.digest, cache_salt=salt, **prompt
+            request_id, params, adapter=model.digest, cache_salt=salt, owner=owner, **prompt
         )
         return Draft(text_request, requested is not None, schema_param(forced))
 

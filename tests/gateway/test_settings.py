@@ -26,7 +26,8 @@ MODEL = Path("model")
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for name in (
-        "DTYPE", "DEVICE", "KV_CACHE_MB", "MAX_NUM_SEQS", "MAX_BATCHED_TOKENS", "MAX_MODEL_LEN",
+        "DTYPE", "DEVICE", "KV_CACHE_MB", "MAX_NUM_SEQS", "MAX_WAITING", "MAX_BATCHED_TOKENS",
+        "MAX_MODEL_LEN",
         "MAX_LORAS", "MAX_CPU_LORAS", "MAX_LORA_RANK", "PREFIX_CACHING", "CUDA_GRAPHS",
         "FUSED_KERNELS", "ASYNC_SCHEDULING", "LORA_LOAD_WORKERS", "LORA_COPY_GROUPS_PER_STEP",
         "ENGINE_THREADS",
@@ -44,6 +45,7 @@ def test_loramux_variables_reach_the_engine_config(clean_env: pytest.MonkeyPatch
         "DTYPE": "bfloat16",
         "KV_CACHE_MB": "32",
         "MAX_NUM_SEQS": "3",
+        "MAX_WAITING": "7",
         "MAX_BATCHED_TOKENS": "96",
         "MAX_MODEL_LEN": "200",
         "MAX_LORAS": "2",
@@ -66,6 +68,7 @@ def test_loramux_variables_reach_the_engine_config(clean_env: pytest.MonkeyPatch
         dtype="bfloat16",
         kv_cache_bytes=32 << 20,
         max_num_seqs=3,
+        max_waiting=7,
         max_num_batched_tokens=96,
         max_model_len=200,
         max_loras=2,
@@ -221,6 +224,7 @@ def test_a_port_out_of_range_is_refused_before_serve_starts_anything(
     [
         ("KV_CACHE_MB", "0"),
         ("MAX_NUM_SEQS", "0"),
+        ("MAX_WAITING", "-1"),
         ("MAX_BATCHED_TOKENS", "-5"),
         ("MAX_MODEL_LEN", "0"),
         ("MAX_LORAS", "0"),
