@@ -106,7 +106,11 @@ def health_router(gw: GatewayState) -> Router:
     (as the admin router composes its services)."""
 
     async def readiness() -> dict[str, bool]:
-        return await _readiness(gw.sessions, gw.redis, gw.engine)
+        checks = await _readiness(gw.sessions, gw.redis, gw.engine)
+        # A gateway that started before its engine is ready once it knows the engine's
+        # identity (gateway.served_identity): not while the engine is of another release.
+        checks["engine"] = checks["engine"] and gw.identity.confirmed
+        return checks
 
     engine_up, ready_checks = Coalesced(lambda: gw.engine.ready()), Coalesced(readiness)
 

@@ -87,16 +87,23 @@ async def engine_info(
 async def confirm_identity(
     engine: EngineClient, identity: ServedIdentity, assumed: EngineInfo
 ) -> None:
-    """Asks the engine for its info until it answers, then takes its identity and build.
-    An engine serving another model, context or vocabulary than the gateway assumed is logged
-    as an error: the gateway's tokenizer and limits stay what it started with."""
+    """Asks the engine for its info until it answers, then takes its identity and build;
+    until then the gateway is not ready (/ready 503). An engine that refuses it (of another
+    release, or holding another token) is logged as an error, once per reason. An engine
+    serving another model, context or vocabulary than the gateway assumed is logged as an
+    error: the gateway's tokenizer and limits stay what it started with."""
+    reported = ""
     while True:
         try:
             info = await engine.info()
             break
-        except EngineError as exc:
+        except EngineStoppedError as exc:  # not up yet
             log.debug("the engine's identity is not known yet: %s", exc)
-            await asyncio.sleep(CONFIRM_EVERY_SECONDS)
+        except EngineError as exc:  # another release, another token: the operator's to fix
+            if str(exc) != reported:
+                log.error("%s; this gateway stays not ready until it is fixed", exc)
+                reported = str(exc)
+        await asyncio.sleep(CONFIRM_EVERY_SECONDS)
     identity.confirm(info)
     log.info(
         "the engine answered: it serves %s (identity %s)", info.model_name, info.model_identity

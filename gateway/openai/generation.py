@@ -31,8 +31,9 @@ from typing import Any
 from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.outputs import EngineRequest, RequestOutput, RequestTimings, TokenLogprob, Usage
 from loramux.engine.sequence import FinishReason
+from loramux.engine.structured import StructuredOutputError
 from loramux.gateway.engine_client.base import EngineClient
-from loramux.gateway.errors import GatewayError, as_gateway_error
+from loramux.gateway.errors import BadRequest, GatewayError, as_gateway_error
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +139,12 @@ class Generation:
         detokenizer: Callable[[], IncrementalDetokenizer],
         started: float,
         on_end: Callable[[Generation], Awaitable[None]],
+        schema_param: str = "response_format",
     ):
         self.engine = engine
+        self.schema_param = schema_param
+        """The request field whose schema the engine refuses, if it does: `response_format`,
+        or `tools` for a forced call's."""
         self.request = request
         self.started = started
         """When the request arrived (time.perf_counter): the time to first token counts from it."""
@@ -204,6 +209,8 @@ class Generation:
                 # first waits, so an `abort` from now on reaches a request the engine has.
                 self._submitted = True
                 await self.engine.stream(self.request, self._take)
+        except StructuredOutputError as exc:  # the engine's compile refused the schema
+            self.error = BadRequest(str(exc), param=self.schema_param, code="invalid_request")
         except Exception as exc:
             self.error = as_gateway_error(exc)
         finally:

@@ -313,3 +313,28 @@ def test_auto_reads_the_adapters_call_whole_streamed_and_from_the_cache(
     hit = api.post("/chat/completions", json=body)
     assert hit.headers["x-cache"] == "exact"
     assert hit.json()["choices"][0] == whole
+
+
+def test_a_forced_call_the_engines_probe_refuses_is_a_400_naming_tools(api: httpx.Client) -> None:
+    """Bug: the engine's compile probe refuses this forced call's schema (a run past the
+    parser's item limit at the first token; the gateway's own check, with no tokenizer, passes
+    it), and the 400 named `response_format`, which the request does not have."""
+    parameters = {
+        "type": "object",
+        "properties": {"b": {"type": "array", "items": {"const": 1}, "minItems": 100_000}},
+        "required": ["b"],
+        "additionalProperties": False,
+    }
+    body = {
+        "model": "demo-model",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+        "max_tokens": 10,
+    }
+    whole = api.post("/chat/completions", json=body)
+    assert whole.status_code == 400, whole.text
+    streamed = api.post("/chat/completions", json={**body, "stream": True})
+    events = [json.loads(e) for e in streamed.text.split("data: ")[1:] if e.startswith("{")]
+    errors = [whole.json()["error"], *(e["error"] for e in events if "error" in e)]
+    assert [(e["param"], "Too many items" in e["message"]) for e in errors] == [("tools", True)] * 2
