@@ -13,7 +13,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from loramux.engine.identity import SAMPLE_BYTES, folder_digest, model_identity
+from loramux.engine.identity import (
+    SAMPLE_BYTES,
+    SPREAD_BYTES,
+    SPREAD_WINDOWS,
+    TENSOR_SAMPLE_BYTES,
+    folder_digest,
+    model_identity,
+)
 
 SMALL_WHOLE = 1 << 10
 """A whole-file threshold below the test checkpoint's size, so its weights are sampled."""
@@ -71,17 +78,91 @@ def test_config_tokenizer_header_and_sampled_bytes_change_it(tmp_path: Path, who
     assert len(seen) == 6
 
 
-def test_a_large_files_middle_is_sampled_not_read(tmp_path: Path) -> None:
-    """The documented compromise: past the whole-file threshold, bytes outside the first and
-    last SAMPLE_BYTES are not read (a 16 GB checkpoint is not read at every start)."""
-    folder = checkpoint(tmp_path / "m", rows=1024)  # 4 MiB of weights
+def llama_shard(folder: Path, trained: tuple[str, ...] = ()) -> Path:
+    """A Llama-style shard in safetensors' name order: embeddings first, the layer's MLP
+    (between the first and the last SAMPLE_BYTES), its attention, the final norm last; the
+    tensors named in `trained` get a fine-tune's small dense update."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))  # copied as is
+    rows = {"embed_tokens": 320, "mlp.down_proj": 512, "mlp.up_proj": 512}
+    rows |= {"self_attn.k_proj": 256, "self_attn.q_proj": 256, "self_attn.v_proj": 320}
+    weights, updates = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+    tensors = {}
+    for name, n in rows.items():
+        weight = torch.randn(n, 1024, generator=weights)  # float32: n rows of 4 KiB
+        if name in trained:
+            weight += 1e-3 * torch.randn(n, 1024, generator=updates)
+        prefix = "model." if name == "embed_tokens" else "model.layers.0."
+        tensors[f"{prefix}{name}.weight"] = weight
+    tensors["model.norm.weight"] = torch.ones(1024)
+    save_file(tensors, folder / "model.safetensors")
+    return folder
+
+
+@pytest.mark.parametrize(
+    "trained",
+    [
+        ("mlp.down_proj", "mlp.up_proj"),
+        ("self_attn.q_proj", "self_attn.k_proj"),
+        ("mlp.up_proj", "self_attn.k_proj", "self_attn.q_proj"),  # a merged LoRA
+        ("mlp.down_proj",),
+    ],
+    ids=["mlp", "q-k", "merged-lora", "one-tensor"],
+)
+def test_a_fine_tune_of_tensors_in_a_shards_middle_changes_it(
+    tmp_path: Path, trained: tuple[str, ...]
+) -> None:
+    """Frozen embeddings and norm, the base's config: the shard's header and its first and
+    last SAMPLE_BYTES are the base's, yet the fine-tuned weights get another identity (else the
+    response cache replays the base model's answers for them)."""
+    base = llama_shard(tmp_path / "base")
+    tuned = llama_shard(tmp_path / "tuned", trained)
+    base_bytes = (base / "model.safetensors").read_bytes()
+    tuned_bytes = (tuned / "model.safetensors").read_bytes()
+    assert len(base_bytes) > 4 * SAMPLE_BYTES and base_bytes != tuned_bytes
+    assert base_bytes[:SAMPLE_BYTES] == tuned_bytes[:SAMPLE_BYTES]
+    assert base_bytes[-SAMPLE_BYTES:] == tuned_bytes[-SAMPLE_BYTES:]
+    assert folder_digest(base) != folder_digest(tuned)  # whole
+    assert folder_digest(base, SMALL_WHOLE) != folder_digest(tuned, SMALL_WHOLE)  # sampled
+
+
+def test_bytes_between_a_tensors_samples_are_not_read(tmp_path: Path) -> None:
+    """The documented compromise: past the whole-file threshold, a safetensors file's bytes are
+    read in its first and last SAMPLE_BYTES and at each tensor's start, middle and end
+    (TENSOR_SAMPLE_BYTES each), no more (a 16 GB checkpoint is not read at every start)."""
+    folder = checkpoint(tmp_path / "m", rows=1024)  # one tensor of 4 MiB
     weights = folder / "model.safetensors"
-    middle = weights.stat().st_size // 2
-    assert SAMPLE_BYTES < middle < weights.stat().st_size - SAMPLE_BYTES
+    data = 8 + header_length(weights)
+    middle = data + (4 << 20) // 2
+    between = data + SAMPLE_BYTES + (1 << 16)  # after the first MiB, before the middle sample
+    assert between + 1 < middle - TENSOR_SAMPLE_BYTES
     before = folder_digest(folder, SMALL_WHOLE), folder_digest(folder)
-    poke(weights, middle)
+    poke(weights, between)
     after = folder_digest(folder, SMALL_WHOLE), folder_digest(folder)
     assert after[0] == before[0] and after[1] != before[1]
+    poke(weights, middle)  # the tensor's middle is sampled
+    assert folder_digest(folder, SMALL_WHOLE) != after[0]
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model.safetensors"])
+def test_another_large_file_is_read_at_spread_windows(tmp_path: Path, name: str) -> None:
+    """A large file that is not safetensors (.bin, .pt, .gguf: no header to read offsets from),
+    or whose header is not one, is read in its first and last SAMPLE_BYTES and at
+    SPREAD_WINDOWS evenly spaced windows of SPREAD_BYTES; a change between them is not seen."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    size = 8 << 20
+    weights = folder / name
+    weights.write_bytes(bytes(range(256)) * (size // 256))
+    starts = [i * (size - SPREAD_BYTES) // (SPREAD_WINDOWS - 1) for i in range(SPREAD_WINDOWS)]
+    window, following = starts[SPREAD_WINDOWS // 2], starts[SPREAD_WINDOWS // 2 + 1]
+    assert window > SAMPLE_BYTES and window + SPREAD_BYTES < following - 1
+    seen = {folder_digest(folder, SMALL_WHOLE)}
+    poke(weights, following - 1)  # between two windows
+    assert folder_digest(folder, SMALL_WHOLE) in seen
+    poke(weights, window)
+    seen.add(folder_digest(folder, SMALL_WHOLE))
+    assert len(seen) == 2
 
 
 def test_the_dtype_and_random_weights_change_it(tmp_path: Path) -> None:
