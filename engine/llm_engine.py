@@ -21,7 +21,6 @@ Not thread-safe: one thread owns an LLMEngine (the async facade runs it off the 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -269,6 +268,7 @@ class LLMEngine:
                 replace(params, seed=choice_seed(params.seed, i)) if i else params,
                 adapter_id=request.adapter or BASE_ADAPTER,
                 cache_salt=request.cache_salt,
+                owner=request.owner or "",
                 stop_token_ids=stop_ids,
                 index=i,
                 grammar=compiled.matcher() if compiled is not None else None,
@@ -305,10 +305,6 @@ class LLMEngine:
             self.lora.sweep()
             self.lora.advance()
         batch = self.scheduler.schedule()
-        now = time.time()
-        for chunk in batch.chunks:
-            if chunk.seq.scheduled_time is None:
-                chunk.seq.scheduled_time = now
         # Each request once: failing one choice ends its others, which may be waiting too.
         outputs = [
             self._fail(seq, ADAPTER_UNREADABLE, AdapterUnavailableError)

@@ -13,6 +13,10 @@ each keep sending would displace each other's requests in turn for ever; with tw
 queued requests differ by at most one, each owner's new requests are refused at the door. With
 one owner alone nothing changes: its own requests never displace each other.
 
+Inside the queue, the scheduler orders new requests round-robin by owner (`Scheduler.add`), so
+the queue's order is not arrival order: "newest" here is by arrival (`Sequence.arrival_time`),
+never by place in the queue.
+
 Owners are what the gateway names (`EngineRequest.owner`, the tenant's id); requests without
 one share one owner, "".
 """
@@ -42,7 +46,7 @@ def displaced(
     when `owner` may not have it. `waiting` is the scheduler's waiting queue; only requests that
     were never computed count, and only those with a stream (`owner_of` names their owner, None
     for a request whose consumer left). Of the owner with the most of them (ties: the owner with
-    the newest), the newest."""
+    the newest), the newest by arrival: `waiting` is in fair order, not arrival order."""
     counts: Counter[str] = Counter()
     newest: dict[str, Sequence] = {}
     for seq in waiting:

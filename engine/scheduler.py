@@ -2,7 +2,7 @@
 what a computed step changes (`postprocess`).
 
 One token budget per step is shared by decode tokens and prefill chunks. Running sequences
-are served first, oldest first; then waiting ones are admitted in arrival order while budget,
+are served first, oldest first; then waiting ones are admitted in queue order while budget,
 sequence slots, adapter slots and KV blocks last; `_admit_waiting` says who may go ahead of
 whom and why no request starves. When blocks run out for a running sequence, the newest running
 sequence is preempted (its blocks freed, to be recomputed later — usually largely from the prefix
@@ -17,6 +17,11 @@ finishing is decided when the step is postprocessed; a sequence that a pending t
 for its length is not scheduled again meanwhile (one ended by a stop token computes one wasted
 token, which its postprocessing drops).
 
+Fair order. A new request is queued round-robin by owner (`Sequence.owner`, the tenant) over
+the requests that were never computed (`add`), so one owner's thousands of queued requests
+cannot hold another's back for long; sequences that have been computed (preempted ones, at the
+head) keep their places. With one owner the order is arrival order.
+
 Choices (n > 1). A request's choice 0 is scheduled like any sequence, holding the others in its
 `forks` and, from admission on, a running seat for each. The step that computes the end of its
 prompt forks them (`_fork`): they share its blocks, are running from then on, and sample their
@@ -29,7 +34,8 @@ choice 0 that does hands its forks to the next choice, which computes the prompt
 from __future__ import annotations
 
 import itertools
-from collections import deque
+import time
+from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -154,9 +160,39 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         """Running sequences in admission order: the last is the newest, preempted first."""
+        self._fresh: Counter[str] = Counter()
+        """Waiting sequences never computed (`scheduled_time` None), per owner."""
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new request's sequence at its fair place: round-robin by owner over the
+        waiting sequences never computed. Ranking those from the head (an owner's first is 0,
+        its next 1, ...), a request whose owner has r of them goes before the first whose rank
+        is above r and behind its owner's own, else at the end. So with one owner (or none) it
+        goes at the end, and a request of an owner with none queued goes after at most one of
+        every other owner's. Sequences that were computed (preempted: at the head) neither rank
+        nor move. Unless some owner has r + 2 or more queued, it goes at the end without a look
+        at the queue; otherwise the scan stops at its place, (r + 1) rounds from the head."""
+        rank = self._fresh[seq.owner]
+        self._count(seq, 1)
+        if max(self._fresh.values()) <= rank + 1:
+            self.waiting.append(seq)
+            return
+        seen: Counter[str] = Counter()
+        for position, other in enumerate(self.waiting):
+            if other.scheduled_time is not None:
+                continue
+            if seen[other.owner] > rank and seen[seq.owner] == rank:
+                self.waiting.insert(position, seq)
+                return
+            seen[other.owner] += 1
         self.waiting.append(seq)
+
+    def _count(self, seq: Sequence, delta: int) -> None:
+        """`seq` joins (1) or leaves (-1) the waiting queue: count it if never computed."""
+        if seq.scheduled_time is None:
+            self._fresh[seq.owner] += delta
+            if not self._fresh[seq.owner]:
+                del self._fresh[seq.owner]
 
     @property
     def has_work(self) -> bool:
@@ -187,7 +223,7 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit in arrival order.
+        """Admit in queue order (arrival order, round-robin by owner: `add`).
 
         - A request whose adapter is still loading from disk is passed over: it loads off the
           step loop and keeps its place. One whose adapter failed to load is passed over too,
@@ -259,6 +295,7 @@ class Scheduler:
         first token is the one it samples in this step."""
         self.block_manager.fork(parent, child)
         child.num_pending_tokens = 1
+        child.scheduled_time = time.time()
         if self.adapters is not None:
             self.adapters.acquire(child)  # the parent's adapter: already in a slot
         child.status = SequenceStatus.RUNNING
@@ -274,6 +311,9 @@ class Scheduler:
     def _start(self, seq: Sequence, allocation: Allocation, out: SchedulerOutput) -> None:
         """Move an admitted request to running: pin its adapter, attach its cached prefix, grow."""
         assert seq.num_pending_tokens == 0, "admitted with a token still on the device"
+        self._count(seq, -1)
+        if seq.scheduled_time is None:
+            seq.scheduled_time = time.time()  # when a step first computes it
         if self.adapters is not None:
             self.adapters.acquire(seq)
         self.block_manager.allocate(seq, allocation)
@@ -308,6 +348,7 @@ class Scheduler:
         elif seq in self.waiting:
             self._hand_on_forks(seq, self.waiting.index(seq))
             self.waiting.remove(seq)
+            self._count(seq, -1)
         else:
             for parent in itertools.chain(self.waiting, self.running):
                 if seq in parent.forks:
@@ -325,6 +366,7 @@ class Scheduler:
         heir, *others = seq.forks
         seq.forks, heir.forks = [], others
         self.waiting.insert(0 if position is None else position, heir)
+        self._count(heir, 1)
 
     # -- after a step --------------------------------------------------------------------------
     def postprocess(

@@ -50,6 +50,9 @@ class Sequence:
     adapter_id: str = BASE_ADAPTER
     cache_salt: str | None = None
     """Prefix-cache namespace (see `EngineRequest.cache_salt`)."""
+    owner: str = ""
+    """Its request's owner (`EngineRequest.owner`, "" for none): the scheduler queues new
+    requests round-robin by owner (`Scheduler.add`)."""
     stop_token_ids: frozenset[int] = frozenset()
     """Sampling one of these ends the request (EOS unless `ignore_eos`, and `stop_token_ids`)."""
     grammar: GrammarMatcher | None = None
@@ -71,7 +74,8 @@ class Sequence:
     arrival_time: float = field(default_factory=time.time)
     """Wall-clock seconds (time.time()) when it was added; the timings below are too."""
     scheduled_time: float | None = None
-    """When a step first computed it: its queue time ends here."""
+    """When a step first computed it (its admission, or the fork of a choice): its queue time
+    ends here. None: never computed (what the scheduler's fair order and queue_share count)."""
     first_token_time: float | None = None
     last_token_time: float | None = None
     index: int = 0
