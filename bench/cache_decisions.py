@@ -5,7 +5,7 @@ Pairs: `bench/data/paraphrase_pairs.jsonl` (written and frozen before the verifi
 see bench/data/README.md), scored on its tuning folds (0–1) and its held-out folds (2–4), and the
 older `semantic_pairs.jsonl` as a regression set. Each pair is judged as the cache judges a
 lookup of `b` against a stored `a`: the cosine similarity of the two embeddings, then the rule
-(a pair either of whose questions is laid out as code, `keys.layout_bound`, never hits).
+(a pair either of whose questions is cached exactly only, `keys.exact_only`, never hits).
 
 Rules (candidates):
 - `similarity`: the threshold alone;
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from loramux.cache.embedder import Embedder
-from loramux.cache.keys import layout_bound, question_text
+from loramux.cache.keys import exact_only, question_text
 from loramux.cache.verifier import DEFAULT_WORD_THRESHOLD, Verdict, parse, verify
 
 DATA = Path(__file__).parent / "data"
@@ -83,7 +83,7 @@ async def score(embedder: Embedder, pairs: Sequence[Pair]) -> list[Scored]:
     for n, p in enumerate(pairs):
         a, b = texts[2 * n], texts[2 * n + 1]
         similarity = float(vectors[2 * n] @ vectors[2 * n + 1])
-        if layout_bound(p.a) or layout_bound(p.b):  # the cache never compares them
+        if exact_only(p.a) or exact_only(p.b):  # the cache never compares them
             refused = Verdict(False, "layout")
             scored.append(Scored(p, similarity, refused, refused, refused))
             continue

@@ -76,12 +76,13 @@ def semantic_question(req: CacheRequest) -> str | None:
     Runs of whitespace become one space and trailing sentence punctuation goes ("What is X?"
     and "what is x" embed alike), except inside quotes and backticks (`question_text`). Text
     completions are never semantic (a paraphrased prompt asks for another continuation), nor
-    are empty or very long last messages, nor messages laid out as code (`layout_bound`).
+    are empty or very long last messages, nor messages `exact_only` refuses (laid out as code,
+    an unclosed quote, `!5` or `(2+3)!`).
     """
     if req.kind != "chat" or not req.messages:
         return None
     role, content = req.messages[-1]
-    if role != "user" or layout_bound(content):
+    if role != "user" or exact_only(content):
         return None
     text = question_text(content)
     if not text or len(text) > SEMANTIC_MAX_CHARS:
@@ -94,17 +95,42 @@ _LAYOUT = re.compile(r"```|~~~|\n[ \t]+\S|\t")
 `print` inside or after a loop), and no normalization can tell."""
 
 LITERAL = re.compile(
-    r"(?<!\w)'[^'\n]*'(?!\w)"  # 'a b' (not the apostrophes of "it's" or "students'")
-    r'|"[^"]*"|`[^`]*`|‘[^’\n]*’|“[^”]*”'
+    # 'a b', 'don't stop' (not the apostrophes of "it's" or "students'"); a newline may be
+    # inside: the span is found on the raw message, before whitespace is collapsed
+    r"(?<!\w)'(?:[^']|(?<=[^\W_])'(?=[^\W_]))*'(?!\w)"
+    r'|"[^"]*"|`[^`]*`|“[^”]*”'
+    r"|‘(?:[^’]|(?<=[^\W_])’(?=[^\W_]))*’"  # ‘It’s OK’: a ’ between letters is an apostrophe
 )
 """A quoted or backticked span: its characters are the question (`'a  b'` has another length
-than `'a b'`, `'Hello'` other letters than `'hello'`), kept verbatim and compared exactly."""
+than `'a b'`, `'Hello'` other letters than `'hello'`), kept verbatim and compared exactly. An
+apostrophe between two letters does not close a single-quoted span."""
+
+_UNCLOSED = re.compile(r'["`“‘]')
+"""Quote marks that only open or close a span: one left outside every `LITERAL` span is a quote
+left open (or an inch mark), and what it quotes cannot be told."""
+
+_UNREAD_FACTORIAL = re.compile(r"(?<![\w!])!\d|\)!")
+"""A factorial the verifier cannot read: the subfactorial `!5` (44, read as 5), and one of a
+bracketed expression, `(2+3)!` (read as 2+3)."""
 
 
 def layout_bound(content: str) -> bool:
     """Whether a message's meaning may depend on its layout (`_LAYOUT`): such a message is cached
     exactly only, never semantically."""
     return _LAYOUT.search(content) is not None
+
+
+def exact_only(content: str) -> bool:
+    """Whether a message is cached exactly only, never semantically: laid out as code
+    (`layout_bound`), a quote mark left open (`_UNCLOSED`), a factorial it cannot read (`_UNREAD_FACTORIAL`), or
+    quoted spans that normalizing would change (each span is found once, on the raw message;
+    `question_text` must keep them all, verbatim, and find no other)."""
+    if layout_bound(content) or _UNREAD_FACTORIAL.search(content):
+        return True
+    spans = [m.group() for m in LITERAL.finditer(content)]
+    if _UNCLOSED.search(LITERAL.sub("", content)):
+        return True
+    return [m.group() for m in LITERAL.finditer(question_text(content))] != spans
 
 
 def question_text(content: str) -> str:

@@ -8,12 +8,15 @@ and names the first check that fails:
 - `length`: either has more than `MAX_CONTENT_WORDS` content words: such a question is not
   compared (the checks below cost up to the square of its words), and never hits;
 - `literal`: the quoted and backticked spans (`keys.LITERAL`) differ in any character, case and
-  whitespace included ("'a b'" / "'a  b'", "'Hello'" / "'hello'"), or one asks about letter case
-  ("capital letter", "uppercase", …) and the words differ in case ("Hello" / "hello"); the
-  other checks read words lower-cased;
+  whitespace included ("'a b'" / "'a  b'", "'Hello'" / "'hello'"), or a word of both (paired
+  case-insensitively) is written in another case where case may matter: in capitals or with a
+  capital inside ("HeLLo" / "hello", "COVID" / "covid"), or anywhere when one asks about letter
+  case ("capitals", "uppercase", "small letters", …: "Hello" / "hello"); a sentence's first
+  capital is no difference. The other checks read words lower-cased;
 - `number`: the multisets of numbers (digits with their sign, number words, "15%" = "15 percent")
   or of arithmetic operators ("12 / 4" / "12 * 4"; "*" = "times" = "multiplied"; "5!" =
-  "factorial") differ;
+  "factorial") differ, or a "!" follows another number or is doubled ("5! + 3" / "5 + 3!",
+  "5!!" / "5!"; `_factorials_match`);
 - `negation`: one negates more often than the other ("not", "never", "without", "n't", …);
 - `pronoun`: the third-person pronouns differ ("what did he say to her" / "what did she say to
   him": who is meant); "I" and "you" are phrasing;
@@ -78,17 +81,20 @@ _WORD = re.compile(
     r"|(?<=\s)[-−](?=\s+\d)"  # minus, spaced: "10 - 3" (unspaced, a range: _RANGE)
     r"|(?<=[\d\s])[/⁄](?=\s*\d)|(?<=\d)[/⁄]"  # divided, next to a number: "12/4", "x / 2"
     r"|\*\*|[%$€£+*×÷^]"
-    r"|(?<=\d)!"  # factorial: "5!"
+    r"|(?<=\d)!+"  # factorial: "5!", double factorial "5!!" (one token, `_factorials`)
     r"|[,;:]"
 )
 _CASED_WORD = re.compile(r"[^\W\d_]+")
 _ABOUT_CASE = re.compile(
-    r"\b(?:upper|lower|title|camel|snake)[ -]?case|\bcase[ -]?(?:in)?sensitiv"
-    r"|\bcapitali[sz]|\bcapital letter|\bin capitals\b|\ball caps\b",
+    r"\b(?:upper|lower|title|camel|snake|pascal|kebab|sentence)[ -]?case|\bcase\b"
+    r"|\bcase[ -]?(?:in)?sensitiv|\bcapitali[sz]|\bcapital letter|\bcapitals\b|\bcaps\b"
+    r"|\b(?:block|small|big|large|lower|upper)[ -]?letter|\b(?:ma|mi)juscule|\bminuscule",
     re.IGNORECASE,
 )
-"""A question about letter case: "capital letter", "uppercase", "capitalized", "case-sensitive"
-(not "the capital of France")."""
+"""A question about letter case: "capital letter", "capitals", "uppercase", "capitalized",
+"case-sensitive", "block letters", "small letters", "caps", any "case" (not "the capital of
+France"). Such a question refuses any word whose case differs (`_case_differs`); a word written
+in capitals or with a capital inside is refused whatever the wording."""
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
 _RANGE = re.compile(r"(?<=\d)[-−](?=\d)")
 """An unspaced hyphen between numbers, read as "to": "3-5 cups" is "3 to 5 cups", and "10-3"
@@ -150,8 +156,14 @@ class Question:
     """Stems in order with clause breaks (",", ";", ":") kept: what `relation` reads."""
     literals: tuple[str, ...] = ()
     """Quoted and backticked spans, verbatim, in order (`keys.LITERAL`)."""
-    cased: tuple[str, ...] | None = None
-    """Its words as written, in order, when it asks about letter case; else None."""
+    cased: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """Each word, lower-cased, with how it is written (sorted; a sentence-initial capital, and
+    "I", as lower case): what `_case_differs` compares."""
+    about_case: bool = False
+    """It asks about letter case (`_ABOUT_CASE`)."""
+    factorials: tuple[str, ...] = ()
+    """When a "!" follows a digit: every number in order, with the "!"s written after it
+    ("5!", "3", "5!!"); else empty. What `_factorials_match` compares."""
 
 
 def _lower_words(text: str) -> list[str]:
@@ -160,11 +172,14 @@ def _lower_words(text: str) -> list[str]:
     text = _RANGE.sub(" to ", text)
     for contraction, expansion in CONTRACTIONS.items():
         text = text.replace(contraction, expansion)
-    return [SYMBOLS.get(w, w) for w in _WORD.findall(text)]
+    # A run of "!" after a digit stays as written: `parse` attaches it to its number first.
+    return [w if w[0] == "!" else SYMBOLS.get(w, w) for w in _WORD.findall(text)]
 
 
-def _entities(text: str) -> frozenset[str]:
-    found = set()
+def _plain_spellings(text: str) -> list[tuple[str, bool]]:
+    """Each word as written, and whether its case is plain: no capital, or only a capital
+    first letter at a sentence's start, or "I"."""
+    found = []
     for match in _CASED_WORD.finditer(text):
         word = match.group()
         before = match.start() - 1
@@ -172,10 +187,70 @@ def _entities(text: str) -> frozenset[str]:
             before -= 1
         initial = before < 0 or text[before] in _SENTENCE_END
         capitals = sum(c.isupper() for c in word)
-        if word == "I" or capitals == 0 or (initial and capitals == 1 and word[0].isupper()):
+        plain = word == "I" or capitals == 0 or (initial and capitals == 1 and word[0].isupper())
+        found.append((word, plain))
+    return found
+
+
+def _entities(text: str) -> frozenset[str]:
+    return frozenset(word.lower() for word, plain in _plain_spellings(text) if not plain)
+
+
+def _cased(text: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Each word, lower-cased, with its spellings (plain ones lower-cased), sorted."""
+    spellings: dict[str, set[str]] = {}
+    for word, plain in _plain_spellings(text):
+        spellings.setdefault(word.lower(), set()).add(word.lower() if plain else word)
+    return tuple(sorted((word, tuple(sorted(ways))) for word, ways in spellings.items()))
+
+
+def _marked(spelling: str) -> bool:
+    """Written in capitals or with a capital inside ("HELLO", "HeLLo", "aBC"): its case is
+    deliberate, whatever the question asks."""
+    return len(spelling) > 1 and any(c.isupper() for c in spelling[1:])
+
+
+def _case_differs(a: Question, b: Question) -> bool:
+    """A word of both written in another case: any such word when either asks about letter
+    case, else a word written in capitals or with a capital inside in either (`_marked`).
+    Words are paired case-insensitively, so other wording is left to the later checks."""
+    strict = a.about_case or b.about_case
+    ways_a, ways_b = dict(a.cased), dict(b.cased)
+    for word in ways_a.keys() & ways_b.keys():
+        if ways_a[word] != ways_b[word] and (
+            strict or any(map(_marked, (*ways_a[word], *ways_b[word])))
+        ):
+            return True
+    return False
+
+
+def _factorials(written: list[str]) -> tuple[str, ...]:
+    """The numbers of `written` in order, each with the "!"s after it, when any has one."""
+    if not any(w[0] == "!" for w in written):
+        return ()
+    found: list[str] = []
+    for word in written:
+        if word[0] == "!" and found:
+            found[-1] += word
             continue
-        found.add(word.lower())
-    return frozenset(found)
+        value = None if word in _CLAUSE_BREAK else _number(word)
+        if value is not None:
+            found.append(f"{value:g}")
+    return tuple(found)
+
+
+def _factorials_match(a: Question, b: Question) -> bool:
+    """The same numbers with the same "!"s, in the same order ("5! + 3" is not "5 + 3!", "5!!"
+    not "5!"); or each has one number and one operator, a single factorial ("5!", "the factorial
+    of 5")."""
+    if a.factorials == b.factorials:
+        return True
+
+    def lone(q: Question) -> bool:
+        single = (f"{q.numbers[0]:g}!",) if len(q.numbers) == 1 else None
+        return q.operators == ("factorial",) and q.factorials in ((), single)
+
+    return lone(a) and lone(b)
 
 
 def _number(word: str) -> float | None:
@@ -196,11 +271,14 @@ def _stems(words: list[str]) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=4096)
 def parse(text: str) -> Question:
+    """`text` (as `keys.question_text` leaves it) as the verifier compares it."""
     literals = tuple(m.group() for m in LITERAL.finditer(text))
-    cased = tuple(_CASED_WORD.findall(text)) if _ABOUT_CASE.search(text) else None
+    cased, about_case = _cased(text), _ABOUT_CASE.search(text) is not None
     # Compatibility forms as their plain letters and digits: "x²" is "x2", "½" is "1⁄2".
     text = unicodedata.normalize("NFKC", text)
     written = _lower_words(text)
+    factorials = _factorials(written)
+    written = [f for w in written for f in (["factorial"] * len(w) if w[0] == "!" else [w])]
     words = [w for w in written if w not in _CLAUSE_BREAK]
     stems = _stems(words)
     sequence = [w if w in _CLAUSE_BREAK else stems[w] for w in written]
@@ -236,6 +314,8 @@ def parse(text: str) -> Question:
         sequence=tuple(sequence),
         literals=literals,
         cased=cased,
+        about_case=about_case,
+        factorials=factorials,
     )
 
 
@@ -250,9 +330,9 @@ def verify(
     a, b = parse(query), parse(candidate)
     if max(len(a.content), len(b.content)) > MAX_CONTENT_WORDS:
         return Verdict(False, "length")
-    if a.literals != b.literals or a.cased != b.cased:
+    if a.literals != b.literals or _case_differs(a, b):
         return Verdict(False, "literal")
-    if a.numbers != b.numbers or a.operators != b.operators:
+    if a.numbers != b.numbers or a.operators != b.operators or not _factorials_match(a, b):
         return Verdict(False, "number")
     if a.negations != b.negations:
         return Verdict(False, "negation")

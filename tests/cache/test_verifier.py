@@ -22,7 +22,6 @@ SAME = [
     ("What is 12 * 4?", "What is 12 multiplied by 4?"),
     ("What is 10 - 3?", "What is 10 minus 3?"),
     ("What is 2^10?", "What is 2 to the power of 10?"),
-    ("Is COVID-19 contagious?", "Is covid 19 contagious?"),
     ("What is 5!", "What is the factorial of 5?"),
     ("Translate 'good morning' into Spanish.", "Translate 'good morning' to Spanish"),
     ("Can I take aspirin with ibuprofen?", "Can I take aspirin and ibuprofen?"),
@@ -62,6 +61,9 @@ DIFFERENT = [
     ),
     ("Is Hello written in uppercase?", "Is hello written in uppercase?", "literal"),
     ("What is 5!", "What is 5", "number"),
+    # A word in capitals may be the word asked about ("Is HELLO shouting?"): a lost hit.
+    ("Is COVID-19 contagious?", "Is covid 19 contagious?", "literal"),
+    ("Is COVID-19 contagious?", "Is Covid 19 contagious?", "literal"),
 ]
 
 
