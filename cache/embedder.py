@@ -16,7 +16,8 @@ Owners are served in turn: each batch takes one waiting text of each owner with 
 round after round, until it is full. An owner that sends many long texts fills the batches
 only while no one else waits; another owner's text goes into the next batch. An owner that
 already has `max_waiting` texts waiting (or being encoded) is refused more (`Backlogged`), and
-the cache treats that as a miss.
+the cache treats that as a miss. The verifier's word lookups (`learn_words`) are texts like any
+other: they take the same turns and count towards the same bound.
 
 The model reads at most `max_seq_length` (256) word pieces of a text and drops the rest: two
 texts that differ only after them embed alike (similarity 1.0), and 1000 characters of
@@ -105,11 +106,13 @@ class Embedder:
         """Vectors of single words, for the verifier's soft alignment."""
 
     async def learn_words(self, words: list[str], owner: str = "") -> None:
-        """Encode the words `self.words` does not know yet for `owner`, on the embedder's
-        worker."""
-        if self.words.unknown(words, owner):
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._worker, self.words.learn, words, owner)
+        """Encode the words `self.words` does not know yet for `owner`: each is a text of
+        `owner` (`encode`), so word lookups take their turn with other owners' texts and count
+        towards `max_waiting` (Backlogged past it), and are remembered in `self.words`."""
+        unknown = self.words.unknown(words, owner)
+        if unknown:
+            encodings = await self.encode(unknown, owner)
+            self.words.add({w: e.vector for w, e in zip(unknown, encodings, strict=True)}, owner)
 
     async def embed(self, texts: list[str], owner: str = "") -> F32:
         """Embeddings of `texts`, one row each, normalized (cosine similarity = dot product);

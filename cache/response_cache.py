@@ -15,10 +15,11 @@ by request id: `report_wrong_hit` deletes the entry, and the next identical requ
 
 A purge is final for what came before it: writes carry a `Fence` (see `cache.purge`).
 
-A lookup waits for its question's embedding at most `embed_timeout` seconds, and a tenant
-with `Embedder.max_waiting` texts already waiting gets none (`Backlogged`): either is a plain
-miss, counted in `stats.embed_skipped` (and `stats.errors`, the
-`loramux_response_cache_errors_total` series); the embedder serves tenants in turn, so this
+A lookup waits for its question's embedding and its candidates' word vectors (the verifier's,
+`Embedder.learn_words`) at most `embed_timeout` seconds in all, and a tenant with
+`Embedder.max_waiting` texts already waiting gets none (`Backlogged`): either is a plain miss,
+counted in `stats.embed_skipped` (and `stats.errors`, the `loramux_response_cache_errors_total`
+series); the embedder serves tenants in turn, so this
 bounds what one tenant's flood of long questions costs the others. A store whose tenant is
 backlogged stores the exact entry only.
 
@@ -245,8 +246,10 @@ class ResponseCache:
         self, req: CacheRequest, policy: CachePolicy, question: str, bucket: BucketKeys
     ) -> tuple[CacheHit, str] | None:
         """The best verified semantic candidate in the (prefetched) bucket, and its entry's key."""
+        # One deadline for the question's embedding and its candidates' word lookups.
+        deadline = asyncio.get_running_loop().time() + self.embed_timeout
         try:
-            async with asyncio.timeout(self.embed_timeout):
+            async with asyncio.timeout_at(deadline):
                 vector = await self.embedder.embed_whole(question, req.tenant_id)
         except (TimeoutError, Backlogged):
             self._skipped_embedding()
@@ -262,7 +265,12 @@ class ResponseCache:
         if found and not above:
             tenant.near_misses += 1
         for candidate in above:
-            verdict = await self._verify(question, candidate, policy, req.tenant_id)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    verdict = await self._verify(question, candidate, policy, req.tenant_id)
+            except (TimeoutError, Backlogged):
+                self._skipped_embedding()
+                return None
             if not verdict.accepted:
                 self.stats.verifier_rejections += 1
                 tenant.refusals[verdict.reason] += 1

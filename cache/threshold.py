@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from loramux.cache.embedder import Embedder
-from loramux.cache.keys import question_text
+from loramux.cache.keys import exact_only, question_text
 from loramux.cache.verifier import parse, verify
 
 Objective = Literal["f1", "precision"]
@@ -74,10 +74,18 @@ async def score_pairs(
 ) -> list[ScoredPair]:
     """Each (cached question, asked question, same) as the cache would judge it: the cosine
     similarity of their embeddings and the verifier's verdict (with word vectors); a pair with a
-    question longer than the embedder reads is never verified."""
+    question longer than the embedder reads, or cached exactly only, is never verified. Texts and
+    words are embedded a batch at a time, in turn with the tenants' lookups."""
     texts = [question_text(t) for a, b, _ in pairs for t in (a, b)]
-    encodings = await embedder.encode(texts)
-    await embedder.learn_words([w for t in texts for w in parse(t).words])
+    # A chunk at a time, each waiting its turn (`Embedder`): thousands of texts and words never
+    # hold the embedder's one worker from the tenants' lookups, nor fill this owner's queue.
+    step = embedder.max_batch
+    encodings = []
+    for start in range(0, len(texts), step):
+        encodings += await embedder.encode(texts[start : start + step])
+    words = list(dict.fromkeys(w for t in texts for w in parse(t).words))
+    for start in range(0, len(words), step):
+        await embedder.learn_words(words[start : start + step])
 
     def judge() -> list[ScoredPair]:
         scored = []
@@ -87,8 +95,10 @@ async def score_pairs(
             similarity = float(ea.vector @ eb.vector)
             # A question longer than the embedder reads never hits (`ResponseCache`).
             whole = ea.whole and eb.whole
+            # Nor does one the cache keeps exact only (`keys.exact_only`).
+            semantic = not (exact_only(pairs[n][0]) or exact_only(pairs[n][1]))
             verdict = verify(b, a, embedder.words.similarity)
-            scored.append(ScoredPair(similarity, whole and verdict.accepted, same))
+            scored.append(ScoredPair(similarity, whole and semantic and verdict.accepted, same))
         return scored
 
     # Up to thousands of verdicts: on a thread, as the cache's own, so the loop serves on.

@@ -60,11 +60,15 @@ class WordVectors:
             show_progress_bar=False,
         )
         fresh = dict(zip(missing, np.asarray(vectors, dtype=np.float32), strict=True))
+        self.add(fresh, owner)
+        return found | fresh
+
+    def add(self, vectors: dict[str, F32], owner: str = "") -> None:
+        """Remember `vectors` (word -> its unit vector, encoded elsewhere) for `owner`."""
         with self._lock:
-            self._known.update({(owner, w): v for w, v in fresh.items()})
+            self._known.update({(owner, w): v for w, v in vectors.items()})
             while len(self._known) > self.remember:
                 self._known.popitem(last=False)
-        return found | fresh
 
     def similarity(self, a: Sequence[str], b: Sequence[str], owner: str = "") -> F32:
         """len(a) × len(b) cosine similarities (`verifier.WordSimilarity`), with `owner`'s

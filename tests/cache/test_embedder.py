@@ -153,3 +153,27 @@ async def test_a_tenant_with_too_many_texts_waiting_is_refused_more() -> None:
     outcomes = await asyncio.gather(*asks, return_exceptions=True)
     assert [isinstance(o, Backlogged) for o in outcomes] == [False] * 3 + [True, False, False]
     await embedder.encode([f"{tag} report 3"], "tenant-a")  # none waiting any more
+
+
+async def test_word_lookups_take_their_turn_and_count_towards_the_bound() -> None:
+    """Bug: the verifier's word lookups (`learn_words`) went straight to the one worker, first
+    come first served and uncapped: tenant A's 16 lookups of 64 words all ran before tenant B's
+    one question. They are texts of their tenant now: B's question is in the first batch, and
+    A's lookups past `max_waiting` are refused (the cache's lookup is then a plain miss)."""
+    embedder = Embedder(max_waiting=2)
+    tag = uuid.uuid4().hex[:6]
+    done: list[str] = []
+
+    async def learn(n: int) -> None:
+        await embedder.learn_words([f"zq{tag}w{n}x{i}" for i in range(64)], "tenant-a")
+        done.append(f"a{n}")
+
+    async def ask() -> None:
+        await embedder.encode([f"{tag} how do I reset my password"], "tenant-b")
+        done.append("b")
+
+    outcomes = await asyncio.gather(*(learn(n) for n in range(16)), ask(), return_exceptions=True)
+    assert done == ["b", "a0"]
+    assert [isinstance(o, Backlogged) for o in outcomes] == [False] + [True] * 15 + [False]
+    assert embedder.words.unknown([f"zq{tag}w0x{i}" for i in range(64)], "tenant-a") == []
+    assert len(embedder.words.unknown([f"zq{tag}w1x0"], "tenant-a")) == 1

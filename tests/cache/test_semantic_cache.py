@@ -186,6 +186,25 @@ async def test_a_lookup_past_its_embedding_deadline_is_a_counted_miss(
     assert hit is not None and hit.kind == "semantic"
 
 
+async def test_a_lookup_past_its_deadline_in_the_verifiers_word_lookups_is_a_counted_miss(
+    make_cache: MakeCache,
+) -> None:
+    """Bug: the verifier's word lookups (`Embedder.learn_words`) ran outside `embed_timeout`,
+    however long the embedder's queue. The deadline covers the question's embedding and its
+    candidates' word lookups: past it, a plain miss, counted. The question's own embedding is
+    remembered here, so only the word lookups wait."""
+    cache = make_cache(embed_timeout=0.0)
+    cache.embedder = Embedder()  # knows no word yet
+    await cache.store(chat("How do I modify my delivery address?"), SEMANTIC, answer("the answer"))
+    asked = chat("How do I change my delivery address?")
+    await cache.embedder.embed(["How do I change my delivery address"], asked.tenant_id)
+    assert await cache.lookup(asked, SEMANTIC) is None
+    assert cache.stats.embed_skipped == 1 and cache.stats.errors == 1
+    cache.embed_timeout = 60.0
+    hit = await cache.lookup(asked, SEMANTIC)
+    assert hit is not None and hit.kind == "semantic"
+
+
 async def test_the_same_question_after_another_conversation_misses(make_cache: MakeCache) -> None:
     cache = make_cache()
     about_paris = (("user", "Tell me about Paris."), ("assistant", "Paris is in France."))
