@@ -72,6 +72,9 @@ class _Stream:
     owner: str = NO_OWNER
     queued: bool = True
     """No output has reached its consumer yet (counted in `AsyncEngine._queued`)."""
+    delivered: bool = False
+    """The step thread has handed it an output: it is never displaced after that (a choice
+    aborted alone while its request waits has an output, though no sequence ran)."""
 
 
 class AsyncEngine:
@@ -268,7 +271,7 @@ class AsyncEngine:
 
             def owner_of(request_id: str) -> str | None:
                 stream = streams.get(request_id)
-                return None if stream is None else stream.owner
+                return None if stream is None or stream.delivered else stream.owner
 
             victim = displaced(self.engine.scheduler.waiting, owner_of, owner)
             stream = None if victim is None else streams.get(victim)
@@ -290,6 +293,7 @@ class AsyncEngine:
         for stream, out in targets:
             if stream is None:
                 continue
+            stream.delivered = True
             item: _Item = out
             if out.finish_reason is FinishReason.ERROR:
                 item = out.error_type(out.error or "the engine could not finish this request")

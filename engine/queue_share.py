@@ -6,7 +6,8 @@ long as it kept it full. So when the queue is full, a request whose owner has at
 fewer *queued* requests (waiting, never computed) than the owner with the most gets in, and
 the newest queued request of that owner is refused instead, with the same EngineOverloadedError
 it would have got had it arrived last. Requests that have run are never displaced (a preempted
-one has produced tokens), nor are requests whose prefill has started.
+one has produced tokens), nor are requests whose prefill has started, nor requests whose stream
+has had any output (a choice aborted alone while its request waits).
 
 The margin of two makes the exchange strictly even the queue out: with one, two owners that
 each keep sending would displace each other's requests in turn for ever; with two, once their

@@ -111,3 +111,46 @@ async def test_requests_without_an_owner_share_one(engine: AsyncEngine) -> None:
 async def test_an_owner_longer_than_a_salt_is_refused(engine: AsyncEngine) -> None:
     with pytest.raises(InvalidRequestError, match="owner"):
         await _outputs(engine, _request("long", "o" * 1025))
+
+
+async def test_a_request_that_had_an_output_is_never_displaced(demo_model_dir: Path) -> None:
+    """Bug: a waiting request whose choice 1 was aborted alone has had an output (that choice's
+    end) though none of its sequences ran, and it was still displaced: its stream ended with
+    EngineOverloadedError after an output. Now the newest request with no output goes."""
+    engine = AsyncEngine(make_engine(demo_model_dir, max_num_seqs=2, max_waiting=2))
+    engine.start()
+    seen: dict[str, list[RequestOutput | Exception]] = {}
+
+    async def collect(request: EngineRequest) -> None:
+        try:
+            async for out in engine.generate(request):
+                seen[request.request_id].append(out)
+        except EngineOverloadedError as exc:
+            seen[request.request_id].append(exc)
+
+    def refused(request_id: str) -> bool:
+        return any(isinstance(x, EngineOverloadedError) for x in seen[request_id])
+
+    params = SamplingParams(max_tokens=470, ignore_eos=True, n=2)
+    tasks = []
+    try:
+        for i, rid in enumerate(["f0", "f1", "f2", "f3"]):  # f0's two choices run, 3 wait
+            seen[rid] = []
+            request = EngineRequest(rid, params, prompt_token_ids=PROMPT, owner="flooder")
+            tasks.append(asyncio.create_task(collect(request)))
+            await _until(lambda i=i: len(engine._streams) == i + 1, f"{rid} registered")
+        await _until(lambda: engine.stats().waiting == 3, "f1, f2 and f3 wait")
+        engine.abort("f3", choice=1)
+        await _until(lambda: len(seen["f3"]) == 1, "f3 had an output")
+        seen["v"] = []
+        victim = EngineRequest(
+            "v", SamplingParams(max_tokens=2), prompt_token_ids=PROMPT, owner="victim"
+        )
+        tasks.append(asyncio.create_task(collect(victim)))
+        await _until(lambda: any(map(refused, ("f1", "f2", "f3", "v"))), "a refusal")
+        assert [rid for rid in ("f1", "f2", "f3", "v") if refused(rid)] == ["f2"], seen
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        engine.shutdown()
