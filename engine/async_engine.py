@@ -266,15 +266,17 @@ class AsyncEngine:
         """Refuse the newest queued request of the owner with the most, if `owner` may take its
         place (engine.queue_share): it ends in the engine (its blocks freed, counted as
         aborted) and its stream gets EngineOverloadedError, as at admission. False if none."""
-        with self._lock:
-            streams = self._streams
+        streams = self._streams
+        # Not under `_lock`: the scan reads the whole waiting queue (milliseconds with
+        # thousands queued), and the event loop takes the lock for every output it reads. One
+        # `dict.get` is atomic; a stream that goes meanwhile is skipped, or found gone below.
 
-            def owner_of(request_id: str) -> str | None:
-                stream = streams.get(request_id)
-                return None if stream is None or stream.delivered else stream.owner
+        def owner_of(request_id: str) -> str | None:
+            stream = streams.get(request_id)
+            return None if stream is None or stream.delivered else stream.owner
 
-            victim = displaced(self.engine.scheduler.waiting, owner_of, owner)
-            stream = None if victim is None else streams.get(victim)
+        victim = displaced(self.engine.scheduler.waiting, owner_of, owner)
+        stream = None if victim is None else streams.get(victim)
         if victim is None or stream is None:
             return False
         log.info("request %s refused: its owner holds the most of the full queue", victim)
