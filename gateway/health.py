@@ -189,6 +189,7 @@ async def metrics(
         len(usage),
         dict(usage.dropped),
         sources.cache.decision_counts(),
+        sources.cache.stats.fenced,
     )
     body = sources.metrics.render(degradation, await sources.engines.get())
     return Response(body, media_type="text/plain; version=0.0.4")

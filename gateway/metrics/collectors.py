@@ -27,6 +27,8 @@ class Degradation:
     cache_decisions: Mapping[str, int] = field(default_factory=dict)
     """The semantic cache's near misses, verifier refusals (`refused_<check>`) and reported
     wrong hits, summed over tenants (per tenant: GET /admin/tenants/{id}/cache/stats)."""
+    cache_fenced: int = 0
+    """Cache writes refused because a purge (or the tenant's deletion) came after their lookup."""
 
 
 @dataclass(eq=False)
@@ -46,6 +48,11 @@ class DegradationCollector(Collector):
             "loramux_response_cache_errors",
             "Cache operations skipped because Redis (or the embedder) failed",
             value=d.cache_errors,
+        )
+        yield CounterMetricFamily(
+            "loramux_response_cache_fenced",
+            "Cache writes refused because a purge came after their lookup (cache.purge)",
+            value=d.cache_fenced,
         )
         down = CounterMetricFamily(
             "loramux_quota_redis_down",

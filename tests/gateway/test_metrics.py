@@ -23,6 +23,8 @@ from loramux.engine.config import EngineConfig
 from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.service.health import create_health_app
 from loramux.gateway.health import PROBE_INTERVAL as ENGINE_METRICS_INTERVAL
+from loramux.gateway.metrics import Metrics
+from loramux.gateway.metrics.collectors import Degradation
 from loramux.gateway.server import RunningServer
 from tests.gateway.serve_process import wait_for
 from tests.gateway.servers import gateway_server
@@ -138,6 +140,16 @@ def test_counters_end_in_total_and_count_the_load(load: dict[str, Any]) -> None:
     assert grew(load, "loramux_response_cache_lookups_total", route=CHAT) >= 2
     assert grew(load, "loramux_generation_tokens_total") > 0
     assert grew(load, "loramux_prefix_cache_queries_total") > 0
+    # Read at scrape time, from the start at 0 (a purge racing a store counts one: below).
+    assert any(n == "loramux_response_cache_fenced_total" for n, _ in load["after"])
+
+
+def test_cache_writes_a_purge_refused_are_exposed() -> None:
+    """Bug: the cache counted the writes its purge fence refused (`CacheStats.fenced`), and
+    no series exposed them."""
+    text = Metrics().render(Degradation(0, {}, 0, {}, {}, cache_fenced=2), []).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert [s.value for s in families["loramux_response_cache_fenced"].samples] == [2.0]
 
 
 def test_finish_reasons_count_aborts_apart_from_errors(load: dict[str, Any]) -> None:
