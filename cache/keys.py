@@ -41,6 +41,12 @@ KEY_VERSION = 2
 """Bumped when the key derivation changes, so old entries are never misread (2: schemas and
 tools keep their key order)."""
 
+
+def glob_escape(text: str) -> str:
+    """`text` as a Redis MATCH pattern that matches only itself."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
 SEMANTIC_MAX_CHARS = 1000
 """Longer last messages are documents, not questions: they are cached exactly only."""
 

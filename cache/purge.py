@@ -21,7 +21,7 @@ import secrets
 import redis.asyncio
 from redis.commands.core import AsyncScript
 
-from loramux.cache.keys import Keyspace
+from loramux.cache.keys import Keyspace, glob_escape
 from loramux.cache.types import MAX_TTL
 
 
@@ -49,7 +49,7 @@ async def purge_scope(
         # and a tenant's delete, committed by then, answered 500 with its cache unpurged.
         # Moving the epoch again is harmless.
         await purge_epoch(keys=epoch_keys, args=args)
-    pattern = _glob_escape(keys.scope(tenant_id, adapter)) + "*"
+    pattern = glob_escape(keys.scope(tenant_id, adapter)) + "*"
     removed = 0
     batch: list[bytes] = []
     async for key in client.scan_iter(match=pattern, count=1000):
@@ -66,7 +66,3 @@ async def _unlink(client: redis.asyncio.Redis, batch: list[bytes]) -> int:
     """Unlink `batch`; how many of them were response entries."""
     await client.unlink(*batch)
     return sum(Keyspace.is_exact(k.decode()) for k in batch)
-
-
-def _glob_escape(text: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)

@@ -26,6 +26,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from loramux.cache.keys import glob_escape
 from loramux.gateway.admin.wire import given
 from loramux.gateway.db import Quota
 from loramux.gateway.errors import BadRequest, Conflict, ServiceUnavailable
@@ -111,7 +112,7 @@ class QuotaLimits:
     async def _reseed_ledgers(self, tenant_id: str, key_id: str | None) -> None:
         """Take the total out of the scope's budget ledgers of every period, keeping their
         reservations: the next admission seeds it again (see the module's docstring)."""
-        pattern = _glob_escape(f"{scope_prefix(tenant_id, key_id)}:budget:") + "*"
+        pattern = glob_escape(f"{scope_prefix(tenant_id, key_id)}:budget:") + "*"
         try:
             ledgers = [key async for key in self.redis.scan_iter(match=pattern, count=1000)]
             for ledger in ledgers:
@@ -127,10 +128,6 @@ def _budget_restarts(before: tuple[int | None, str | None], quota: Quota) -> boo
     """Whether the update set a budget where there was none, or moved it to another period."""
     budget, period = before
     return quota.token_budget is not None and (budget is None or period != quota.budget_period)
-
-
-def _glob_escape(text: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 async def _find(session: AsyncSession, tenant_id: str, key_id: str | None) -> Quota | None:
