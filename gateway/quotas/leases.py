@@ -24,9 +24,14 @@ class LeaseKeeper:
     """Renews the slots of this process's running requests. The renewal task starts with the
     first slot held, on the running event loop; `close` stops it."""
 
-    def __init__(self, redis: Redis, lease_ms: int, now_ms: Callable[[], int]):
+    def __init__(
+        self, redis: Redis, lease_ms: int, now_ms: Callable[[], int], timeout: float
+    ) -> None:
         self.redis = redis
         self.lease_ms = lease_ms
+        self.timeout = timeout
+        """Seconds a renewal waits on Redis: a connection to a Redis gone silent (a host that
+        drops packets answers no RST) would otherwise hold every later renewal."""
         self.now_ms = now_ms
         self._renew = redis.register_script(RENEW)
         self._held: dict[str, tuple[str, ...]] = {}
@@ -43,11 +48,12 @@ class LeaseKeeper:
         self._held.pop(member, None)
 
     async def renew_all(self) -> None:
-        """Push every held slot's expiry one lease ahead (one pipelined round trip)."""
+        """Push every held slot's expiry one lease ahead (one pipelined round trip); TimeoutError
+        past `timeout`."""
         held = list(self._held.items())
         if not held:
             return
-        async with self.redis.pipeline(transaction=False) as pipe:
+        async with asyncio.timeout(self.timeout), self.redis.pipeline(transaction=False) as pipe:
             for member, keys in held:
                 await self._renew(
                     keys=keys, args=[self.now_ms(), self.lease_ms, member], client=pipe
@@ -66,5 +72,5 @@ class LeaseKeeper:
             await asyncio.sleep(self.lease_ms / 3000)
             try:
                 await self.renew_all()
-            except (RedisError, OSError) as exc:
+            except (RedisError, OSError, TimeoutError) as exc:
                 log.warning("could not renew %d concurrency slots: %s", len(self._held), exc)

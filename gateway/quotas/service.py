@@ -103,7 +103,8 @@ class QuotaService:
         self.usage = usage
         self.config = QuotaConfig(sessions, settings.config_cache_seconds)
         self.timeout = settings.redis_timeout_ms / 1000
-        self.leases = LeaseKeeper(redis, int(settings.slot_lease_seconds * 1000), self._now_ms)
+        lease_ms = int(settings.slot_lease_seconds * 1000)
+        self.leases = LeaseKeeper(redis, lease_ms, self._now_ms, self.timeout)
         self.mark_ms = max(RELEASE_MARK_MIN_MS, self.leases.lease_ms, settings.redis_timeout_ms)
         self.redis_down: Counter[str] = Counter()
         """What Redis being unavailable did: `refused` (503), `unchecked` (admitted without a

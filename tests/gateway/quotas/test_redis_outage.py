@@ -262,3 +262,26 @@ async def test_settlements_redis_refuses_for_good_are_dropped_and_logged_once(
 )
 def test_only_a_refusal_no_retry_can_change_drops_a_settlement(reply: str, for_good: bool) -> None:
     assert refused_for_good(BaseParser.parse_error(reply)) is for_good
+
+
+async def test_slot_renewal_gives_up_on_a_redis_that_stopped_answering(
+    rig: QuotaRig, own_redis: RedisServer
+) -> None:
+    """A Redis that keeps its connections open and answers nothing (paused here, as a host
+    gone silent would) holds a renewal only for the Redis timeout: the renewal fails, and the
+    next one, on a fresh connection, renews the slots once Redis answers again."""
+    svc = rig.service(own_redis.url, redis_timeout_ms=300)
+    p = await rig.principal(tenant={"max_concurrent": 1})
+    admission = await svc.admit(p, 1, 1)
+    own_redis.pause()
+    try:
+        renewal = asyncio.ensure_future(svc.leases.renew_all())
+        # far past the Redis timeout: only a renewal that waits on Redis for ever is still going
+        done, _ = await asyncio.wait({renewal}, timeout=5)
+        assert renewal in done, "renewing slots waited on a silent Redis past the Redis timeout"
+        assert isinstance(renewal.exception(), TimeoutError)
+    finally:
+        renewal.cancel()
+        own_redis.resume()
+    await svc.leases.renew_all()
+    await admission.settle(1)
