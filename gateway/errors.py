@@ -16,6 +16,8 @@ import msgspec
 from litestar import Request, Response
 from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException, InternalServerException, ValidationException
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from sqlalchemy.exc import SQLAlchemyError
 
 from loramux.adapters.errors import AdapterError, FileTooLarge
@@ -190,9 +192,11 @@ def to_gateway_error(exc: Exception) -> GatewayError | None:
             return _from_engine(exc)
         case SQLAlchemyError() if (fault := fault_of(exc)) is not None:
             return _from_database(fault, exc)
-        case ConnectionError():
+        case ConnectionError() | RedisConnectionError() | RedisTimeoutError():
             # A driver that surfaces a refused or reset connection as the OS error itself
-            # (asyncpg while connecting): a backing service is down, not a bug.
+            # (asyncpg while connecting), or a Redis down or silent that a route did not expect
+            # (redis-py's own classes): a backing service is down, not a bug. Redis's other
+            # errors (a script's, a wrong type) stay unexpected.
             return ServiceUnavailable(
                 "a service the gateway depends on is unavailable; retry later",
                 code="backend_unavailable",

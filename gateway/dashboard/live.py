@@ -4,14 +4,19 @@ the quota use of every tenant with limits.
 
 A tenant sees the tenant-wide limits and its own key's, never the limits of its other keys.
 Budgets are counted over the current UTC day or month from the usage rollups, as the limiter's
-ledgers are seeded; per-minute limits and concurrency are read live.
+ledgers are seeded; per-minute limits and concurrency are read live, each read bounded by the
+quota service's Redis timeout. While that Redis is down or silent the page still answers: the
+live figures are None and the page says they are unavailable (`LiveFigures.available`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass
 from datetime import datetime
 
+from redis.exceptions import RedisError
 from sqlalchemy import select
 
 from loramux.gateway.dashboard.sources import DashboardSources
@@ -29,18 +34,23 @@ LIMITS = (
 MAX_TENANTS_SHOWN = 50
 """The admin's quota table shows this many tenants with limits, by name."""
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class QuotaLine:
     scope: str
     limit: str
     value: int
-    used: int
+    used: int | None
+    """None: a live figure the quota Redis did not give (budgets are read from SQL)."""
     period: str
     """What `used` counts over: `minute`, `now`, or the budget's `day` / `month`."""
 
     @property
     def fraction(self) -> float:
+        if self.used is None:
+            return 0.0
         return min(self.used / self.value, 1.0) if self.value else 1.0
 
 
@@ -63,8 +73,60 @@ class TenantQuotas:
     lines: list[QuotaLine]
 
 
+@dataclass(frozen=True)
+class LiveFigures:
+    """The live panel of one page: the shown tenant's limits against their use and its requests
+    in flight, or, on an admin's all-tenants page, the quota use of every tenant with limits."""
+
+    quotas: list[QuotaLine]
+    in_flight: int | None
+    """Requests of the tenant holding a concurrency slot now (0 without a concurrency limit);
+    None: the quota Redis did not answer."""
+    tenant_quotas: list[TenantQuotas]
+    available: bool
+    """False when a read of the quota Redis failed or timed out: the figures it did not give
+    are None."""
+
+
+class LiveReads:
+    """One page's reads of the limiter's buckets, each bounded by the quota service's Redis
+    timeout. After one fails (Redis down, or silent past the timeout) the rest are not tried,
+    so a page waits at most one timeout, and `failed` says the page lacks live figures."""
+
+    def __init__(self, src: DashboardSources) -> None:
+        self.src = src
+        self.failed = False
+
+    async def use(self, tenant_id: str, key_id: str | None) -> LiveUse | None:
+        """The scope's use now; None once a read has failed."""
+        if self.failed:
+            return None
+        try:
+            async with asyncio.timeout(self.src.redis_timeout):
+                return await live_use(self.src.redis, tenant_id, key_id)
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("dashboard: no live figures, the quota Redis did not answer: %r", exc)
+            self.failed = True
+            return None
+
+
+async def live_figures(
+    src: DashboardSources, tenant_id: str | None, now: datetime, own_key: str | None
+) -> LiveFigures:
+    """The live panel of `tenant_id`'s page (None: every tenant's, an admin's only); `own_key`
+    as for `quota_lines`."""
+    reads = LiveReads(src)
+    if tenant_id is None:
+        across = await quotas_across_tenants(src, reads, now) if own_key is None else []
+        return LiveFigures([], 0, across, not reads.failed)
+    quotas = await quota_lines(src, reads, tenant_id, now, own_key)
+    use = await reads.use(tenant_id, None)
+    in_flight = use.in_flight if use is not None else None
+    return LiveFigures(quotas, in_flight, [], not reads.failed)
+
+
 async def quota_lines(
-    src: DashboardSources, tenant_id: str, now: datetime, own_key: str | None
+    src: DashboardSources, reads: LiveReads, tenant_id: str, now: datetime, own_key: str | None
 ) -> list[QuotaLine]:
     """The tenant's limits and use; `own_key`: a tenant viewer's key, whose limits are the
     only key limits shown (None: an admin, who sees every key's)."""
@@ -83,8 +145,7 @@ async def quota_lines(
         scope = "tenant" if quota.key_id is None else f"key lmx-{quota.key_id}"
         scope += f" ({key_name})" if key_name else ""
         if any(getattr(quota, field) is not None for field, _, _ in LIMITS):
-            use = await live_use(src.redis, tenant_id, quota.key_id)
-            lines += _live_lines(scope, quota, use)
+            lines += _live_lines(scope, quota, await reads.use(tenant_id, quota.key_id))
         if quota.token_budget is not None and quota.budget_period is not None:
             used = await _budget_used(src, tenant_id, quota.key_id, quota.budget_period, now)
             limit = f"tokens per {quota.budget_period}"
@@ -92,19 +153,18 @@ async def quota_lines(
     return lines
 
 
-def _live_lines(scope: str, quota: Quota, use: LiveUse) -> list[QuotaLine]:
+def _live_lines(scope: str, quota: Quota, use: LiveUse | None) -> list[QuotaLine]:
     return [
         QuotaLine(
-            scope, text, value, getattr(use, field), "now" if field == "in_flight" else "minute"
+            scope,
+            text,
+            value,
+            getattr(use, field) if use is not None else None,
+            "now" if field == "in_flight" else "minute",
         )
         for name, text, field in LIMITS
         if (value := getattr(quota, name)) is not None
     ]
-
-
-async def in_flight_of(src: DashboardSources, tenant_id: str) -> int:
-    """Requests of the tenant holding a concurrency slot now (0 without a concurrency limit)."""
-    return (await live_use(src.redis, tenant_id, None)).in_flight
 
 
 async def _budget_used(
@@ -127,7 +187,9 @@ async def engine_health(src: DashboardSources) -> list[EngineHealth]:
     ]
 
 
-async def quotas_across_tenants(src: DashboardSources, now: datetime) -> list[TenantQuotas]:
+async def quotas_across_tenants(
+    src: DashboardSources, reads: LiveReads, now: datetime
+) -> list[TenantQuotas]:
     """The limits and use of the first `MAX_TENANTS_SHOWN` tenants (by name) that have any."""
     async with src.sessions() as session:
         tenants = (
@@ -138,4 +200,6 @@ async def quotas_across_tenants(src: DashboardSources, now: datetime) -> list[Te
                 .limit(MAX_TENANTS_SHOWN)
             )
         ).all()
-    return [TenantQuotas(name, await quota_lines(src, tid, now, None)) for tid, name in tenants]
+    return [
+        TenantQuotas(name, await quota_lines(src, reads, tid, now, None)) for tid, name in tenants
+    ]

@@ -80,9 +80,9 @@ def dashboard_page(view: DashboardView, viewer: Viewer) -> Html:
         _header(view, viewer),
         el(
             "main",
-            live_panel(view.in_flight, view.quotas, view.live) if view.tenant else None,
+            live_panel(view.current, view.live) if view.tenant else None,
             engine_panel(view.engines) if viewer.is_admin else None,
-            tenant_quota_panel(view.tenant_quotas) if viewer.is_admin and not view.tenant else None,
+            tenant_quota_panel(view.current) if viewer.is_admin and not view.tenant else None,
             _summary(view.totals),
             _charts(view),
             _breakdown(view),

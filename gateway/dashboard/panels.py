@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from loramux.cache.tenant_stats import TenantCacheStats
 from loramux.gateway.dashboard.html import Child, Html, el
-from loramux.gateway.dashboard.live import EngineHealth, QuotaLine, TenantQuotas
+from loramux.gateway.dashboard.live import EngineHealth, LiveFigures, QuotaLine
 
 REFRESH_SECONDS = 10
 ORANGE, RED, TEAL = "#fa8231", "#eb3b5a", "#20bf6b"
@@ -21,21 +21,39 @@ def percent(value: float | None) -> str:
     return "—" if value is None else f"{value * 100:.1f}%"
 
 
-def live_panel(in_flight: int, quotas: Sequence[QuotaLine], live: bool) -> Html:
+def live_panel(current: LiveFigures, live: bool) -> Html:
     refresh = f"refreshes every {REFRESH_SECONDS} s" if live else "refresh off"
     return el(
         "section",
         el("h2", "Now"),
+        _unavailable(current),
         el(
             "p",
-            el("strong", f"{in_flight:,}", data_testid="in-flight"),
+            el("strong", _count(current.in_flight), data_testid="in-flight"),
             " requests in flight (holding a concurrency slot)",
             el("small", f" · {refresh}"),
         ),
-        quota_table(quotas),
+        quota_table(current.quotas),
         class_="card",
         data_testid="live-panel",
     )
+
+
+def _unavailable(current: LiveFigures) -> Html | None:
+    """The notice of a page whose live figures the quota Redis did not give."""
+    if current.available:
+        return None
+    return el(
+        "p",
+        "Live figures are unavailable: the quota service did not answer. Usage and budgets "
+        "below are read from the usage records and are up to date.",
+        class_="error",
+        data_testid="live-unavailable",
+    )
+
+
+def _count(n: int | None) -> str:
+    return "—" if n is None else f"{n:,}"
 
 
 def quota_table(quotas: Sequence[QuotaLine]) -> Html:
@@ -59,7 +77,7 @@ def quota_table(quotas: Sequence[QuotaLine]) -> Html:
 def _used(q: QuotaLine) -> Child:
     testid = "budget-used" if q.period in ("day", "month") else "quota-used"
     when = {"minute": " in the last minute", "now": " now"}.get(q.period, f" this {q.period}")
-    return [el("span", f"{q.used:,}", data_testid=testid), when]
+    return [el("span", _count(q.used), data_testid=testid), when]
 
 
 def _meter(fraction: float) -> Html:
@@ -94,15 +112,16 @@ def engine_panel(engines: Sequence[EngineHealth]) -> Html:
     return el("section", el("h2", "Engines"), el("table", head, rows), class_="card")
 
 
-def tenant_quota_panel(tenants: Sequence[TenantQuotas]) -> Html:
-    if not tenants:
+def tenant_quota_panel(current: LiveFigures) -> Html:
+    if not current.tenant_quotas:
         body: Child = el("p", "No tenant has limits.")
     else:
         body = [
             el("div", el("h3", t.name), quota_table(t.lines), data_testid="tenant-quotas")
-            for t in tenants
+            for t in current.tenant_quotas
         ]
-    return el("section", el("h2", "Quota use across tenants"), body, class_="card")
+    title = el("h2", "Quota use across tenants")
+    return el("section", title, _unavailable(current), body, class_="card")
 
 
 def cache_panel(stats: TenantCacheStats) -> Html:

@@ -22,6 +22,9 @@ class DashboardSources:
     sessions: async_sessionmaker[AsyncSession]
     redis: Redis
     """The quota Redis: the live panel reads the limiter's buckets."""
+    redis_timeout: float
+    """Seconds a read of the quota Redis may take (the quota service's own timeout,
+    LORAMUX_QUOTA_REDIS_TIMEOUT_MS): a silent Redis must not hold the page."""
     engine: EngineClient
     keys: ApiKeyAuth
     admin: AdminAuth
@@ -38,6 +41,7 @@ class DashboardSources:
         return cls(
             gw.sessions,
             gw.redis,
+            gw.quotas.timeout,
             gw.engine,
             gw.keys,
             gw.admin,

@@ -17,15 +17,7 @@ from sqlalchemy import select
 
 from loramux.cache.tenant_stats import TenantCacheStats
 from loramux.gateway.catalog import latest_versions
-from loramux.gateway.dashboard.live import (
-    EngineHealth,
-    QuotaLine,
-    TenantQuotas,
-    engine_health,
-    in_flight_of,
-    quota_lines,
-    quotas_across_tenants,
-)
+from loramux.gateway.dashboard.live import EngineHealth, LiveFigures, engine_health, live_figures
 from loramux.gateway.dashboard.sources import DashboardSources
 from loramux.gateway.db import ApiKey, Tenant, UsageTotals
 from loramux.gateway.db.adapter import SHARED_OWNER
@@ -133,12 +125,11 @@ class DashboardView:
     """Every day of the window, oldest first, days without traffic included."""
     hourly: list[Breakdown]
     """The last 24 hours, this one included."""
-    quotas: list[QuotaLine]
-    in_flight: int
+    current: LiveFigures
+    """The live panel: limits against their use now, requests in flight; on an admin's
+    all-tenants page, every tenant's quota use."""
     engines: list[EngineHealth] = field(default_factory=list)
     """Admins only."""
-    tenant_quotas: list[TenantQuotas] = field(default_factory=list)
-    """Admins only, on the all-tenants page."""
     cache: TenantCacheStats | None = None
     """The tenant's response-cache counts since this gateway process started."""
 
@@ -203,10 +194,8 @@ async def load_view(
         hourly=_every(
             hourly, [hour - timedelta(hours=23 - i) for i in range(24)], "%Y-%m-%dT%H:00"
         ),
-        quotas=await quota_lines(src, tenant_id, now, own_key) if tenant_id else [],
-        in_flight=await in_flight_of(src, tenant_id) if tenant_id else 0,
+        current=await live_figures(src, tenant_id, now, own_key),
         engines=await engine_health(src) if is_admin else [],
-        tenant_quotas=await quotas_across_tenants(src, now) if is_admin and not tenant_id else [],
         cache=src.cache.tenant_stats(tenant_id) if tenant_id else None,
     )
 
@@ -325,10 +314,11 @@ def view_json(view: DashboardView) -> dict[str, Any]:
         ],
         "keys": [{"key": b.label} | totals_json(b.totals) for b in view.keys],
         "daily": [{"day": b.label} | totals_json(b.totals) for b in view.daily],
-        "in_flight": view.in_flight,
+        "live_available": view.current.available,
+        "in_flight": view.current.in_flight,
         "quotas": [
             {"scope": q.scope, "limit": q.limit, "value": q.value, "used": q.used}
             | {"period": q.period}
-            for q in view.quotas
+            for q in view.current.quotas
         ],
     }
