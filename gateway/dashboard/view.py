@@ -23,6 +23,7 @@ from loramux.gateway.db import ApiKey, Tenant, UsageTotals
 from loramux.gateway.db.adapter import SHARED_OWNER
 from loramux.gateway.db.usage_rollup import REFUSALS
 from loramux.gateway.errors import BadRequest, NotFound, PermissionDenied
+from loramux.gateway.tenants.lookup import tenant_id_of
 from loramux.gateway.usage.outcomes import UNRESOLVED_MODEL
 from loramux.gateway.usage.query import Dimension, read_usage
 from loramux.gateway.usage.recorder import day_of, hour_of
@@ -160,9 +161,12 @@ async def load_view(
     own_key: str | None,
     live: bool = True,
 ) -> DashboardView:
-    """The dashboard of `tenant_id` (None: every tenant) over `window`; `own_key`: the key of a
-    tenant viewer (None: an admin)."""
+    """The dashboard of `tenant_id` (None: every tenant; an admin may give its name) over
+    `window`; `own_key`: the key of a tenant viewer (None: an admin)."""
     is_admin = own_key is None
+    if is_admin and tenant_id is not None:
+        async with src.sessions() as session:
+            tenant_id = await tenant_id_of(session, tenant_id)
     tenants = await _tenants(src, None if is_admin else tenant_id)
     names = {t.id: t.name for t in tenants}
     if tenant_id is not None and tenant_id not in names:

@@ -176,6 +176,20 @@ def test_an_admin_sees_every_tenant(
         assert f'value="{traffic.b.tenant_id}"' in page  # the tenant picker
 
 
+def test_an_admin_picks_a_tenant_by_id_or_name(
+    gateway: RunningServer, admin_token: str, traffic: Traffic
+) -> None:
+    """As wherever a tenant is taken (docs/architecture.md), and as the usage API takes it."""
+    with signed_in(gateway, admin_token) as client:
+        for ref in (traffic.b.tenant_id, traffic.b.tenant_name):
+            shown = json_of(client.get("/dashboard/data", params={"tenant": ref}))
+            assert shown["tenant"]["id"] == traffic.b.tenant_id
+            assert shown["totals"]["requests"] == 1
+        page = client.get("/dashboard", params={"tenant": traffic.b.tenant_name})
+        assert page.status_code == 200 and traffic.b.tenant_name in page.text
+        assert client.get("/dashboard/data", params={"tenant": "no-such"}).status_code == 404
+
+
 def refused(client: httpx.Client, cookie: str) -> None:
     client.cookies.set(COOKIE, cookie, path="/dashboard")
     page = client.get("/dashboard")
