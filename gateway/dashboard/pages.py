@@ -307,6 +307,13 @@ def _breakdown_row(b: Breakdown) -> Html:
     )
 
 
+def _key_state(k: Breakdown) -> Html | None:
+    """A revoked key (its row stays) or a key whose row is gone, marked as such."""
+    if k.revoked:
+        return el("small", " (revoked)", data_testid="revoked")
+    return el("small", " (deleted)", data_testid="deleted") if k.deleted else None
+
+
 def _key_breakdown(keys: Sequence[Breakdown]) -> Html:
     head = el(
         "tr", el("th", "Key"), el("th", "Requests"), el("th", "Tokens"), el("th", "Aborts"),
@@ -318,7 +325,7 @@ def _key_breakdown(keys: Sequence[Breakdown]) -> Html:
             el(
                 "td",
                 k.label,
-                el("small", " (revoked or deleted)") if k.deleted else None,
+                _key_state(k),
                 data_testid="key",
             ),
             el("td", _number(k.totals.requests), data_testid="requests"),

@@ -107,6 +107,9 @@ class Breakdown:
     label: str
     totals: UsageTotals
     deleted: bool = False
+    """An adapter no longer live; a key whose row is gone."""
+    revoked: bool = False
+    """A key revoked (its row and usage stay)."""
 
 
 @dataclass(frozen=True)
@@ -238,21 +241,22 @@ def _adapter_label(model: str, tenant_id: str, tenant_name: str) -> str:
 
 
 async def _per_key(src: DashboardSources, tenant_id: str, window: Window) -> list[Breakdown]:
+    """One row per key that made requests in the window; revoked keys and keys whose row is
+    gone are marked."""
     groups = await read_usage(
         src.sessions, tenant=tenant_id, start=window.start, end=window.end, by=["key"]
     )
+    query = select(ApiKey.id, ApiKey.name, ApiKey.revoked_at).where(ApiKey.tenant_id == tenant_id)
     async with src.sessions() as session:
-        names = dict(
-            (
-                await session.execute(
-                    select(ApiKey.id, ApiKey.name).where(ApiKey.tenant_id == tenant_id)
-                )
-            ).all()
-        )
+        keys = {
+            key_id: (name, revoked_at) for key_id, name, revoked_at in await session.execute(query)
+        }
     rows = []
     for (key_id,), totals in groups.items():
-        label = f"lmx-{key_id}" + (f" ({names[key_id]})" if names.get(key_id) else "")
-        rows.append(Breakdown(label, totals, deleted=key_id not in names))
+        name, revoked_at = keys.get(key_id, (None, None))
+        label = f"lmx-{key_id}" + (f" ({name})" if name else "")
+        deleted, revoked = key_id not in keys, revoked_at is not None
+        rows.append(Breakdown(label, totals, deleted=deleted, revoked=revoked))
     return _busiest(rows)
 
 
@@ -316,7 +320,10 @@ def view_json(view: DashboardView) -> dict[str, Any]:
         "breakdown": [
             {"group": b.label, "deleted": b.deleted} | totals_json(b.totals) for b in view.breakdown
         ],
-        "keys": [{"key": b.label} | totals_json(b.totals) for b in view.keys],
+        "keys": [
+            {"key": b.label, "revoked": b.revoked, "deleted": b.deleted} | totals_json(b.totals)
+            for b in view.keys
+        ],
         "daily": [{"day": b.label} | totals_json(b.totals) for b in view.daily],
         "live_available": view.current.available,
         "in_flight": view.current.in_flight,

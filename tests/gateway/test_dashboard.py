@@ -25,7 +25,7 @@ from loramux.gateway.dashboard.session import COOKIE, SESSION_SECONDS, Viewer, m
 from loramux.gateway.dashboard.sources import DashboardSources
 from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import json_of
-from tests.gateway.tenants import TenantKey, new_tenant
+from tests.gateway.tenants import TenantKey, new_key, new_tenant
 
 ARTIFACTS = Path(__file__).parents[2] / "test-artifacts"
 PROMPTS = ["Hello there", "What is LoRA?", "Count to three", "Hello there"]
@@ -232,6 +232,24 @@ def test_a_revoked_key_ends_its_session(gateway: RunningServer, operator: httpx.
         assert client.get("/dashboard/data").status_code == 200
         assert operator.delete(f"/admin/keys/{tenant.key_id}").status_code == 200
         assert client.get("/dashboard/data").status_code == 401
+
+
+def test_a_revoked_keys_usage_stays_marked_revoked(
+    gateway: RunningServer, operator: httpx.Client
+) -> None:
+    """A revoked key keeps its row (and its usage); the per-key table says it is revoked."""
+    t = new_tenant(operator, "dash-revoked-row")
+    old_id, old_key = new_key(operator, t.tenant_id, name="laptop")
+    chat(gateway, old_key, "Hello there")
+    gateway.run(gateway.state.usage.flush())
+    assert operator.delete(f"/admin/keys/{old_id}").status_code == 200
+    with signed_in(gateway, t.key) as client:
+        keys = {k["key"]: k for k in json_of(client.get("/dashboard/data"))["keys"]}
+        page = client.get("/dashboard").text
+    old = keys[f"lmx-{old_id} (laptop)"]
+    assert old["revoked"] is True and old["deleted"] is False and old["requests"] == 1
+    row = page[page.index(f"lmx-{old_id} (laptop)") :]
+    assert "(revoked)" in row[: row.index("</tr>")]
 
 
 def test_sign_in_refuses_bad_credentials_and_other_origins(
