@@ -239,7 +239,7 @@ def sign_in(client: httpx.Client, credential: str) -> None:
 
 def server_side(server: RunningServer, tenant: str, key_id: str, n: int) -> list[float]:
     """Milliseconds to gather the page's numbers and build its HTML, on the gateway's loop."""
-    viewer = Viewer(key_id, tenant, int(time.time()) + 900)
+    viewer = Viewer(key_id, tenant, int(time.time()) + 900, "bench")
 
     async def render() -> float:
         start = time.perf_counter()

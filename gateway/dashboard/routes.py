@@ -22,7 +22,15 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from loramux.gateway.dashboard.html import Html
 from loramux.gateway.dashboard.pages import dashboard_page, sign_in_page
-from loramux.gateway.dashboard.session import COOKIE, Viewer, current_viewer, mint, sign_in
+from loramux.gateway.dashboard.session import (
+    COOKIE,
+    SESSION_SECONDS,
+    Viewer,
+    current_viewer,
+    mint,
+    sign_in,
+    sign_out,
+)
 from loramux.gateway.dashboard.sources import DashboardSources
 from loramux.gateway.dashboard.style import STYLESHEET
 from loramux.gateway.dashboard.view import chosen_tenant, load_view, view_json, window_of
@@ -33,6 +41,11 @@ AnyRequest = Request[Any, Any, Any]
 Days = Annotated[int, QueryParameter(ge=1, le=366)]
 FirstDay = Annotated[str | None, QueryParameter(name="from", max_length=10)]
 LastDay = Annotated[str | None, QueryParameter(name="to", max_length=10)]
+NOT_SIGNED_OUT = (
+    "This browser is signed out, but the session could not be ended on the server (a service it "
+    "needs did not answer): a copy of its cookie stays valid until the session expires, at most "
+    f"{SESSION_SECONDS // 60} minutes."
+)
 SECURITY_HEADERS = {
     "content-security-policy": "default-src 'none'; style-src 'self'; img-src 'self'; "
     "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
@@ -154,9 +167,15 @@ class DashboardController(Controller):
         return response
 
     @post("/logout", status_code=303)
-    async def logout(self, request: AnyRequest) -> Redirect:
+    async def logout(
+        self, request: AnyRequest, dashboard: NamedDependency[DashboardSources]
+    ) -> Response[Any]:
+        """End the session (`session.sign_out`) and delete the cookie. If the session could not
+        be ended on the server, the sign-in form says so (503); the cookie is deleted still."""
         _refuse_other_origins(request)
-        response = Redirect(self.path, status_code=303)
+        response: Response[Any] = Redirect(self.path, status_code=303)
+        if not await sign_out(dashboard, request.cookies.get(COOKIE)):
+            response = _page(sign_in_page(NOT_SIGNED_OUT), status=503)
         response.delete_cookie(COOKIE, path=self.path)
         return response
 

@@ -212,7 +212,7 @@ def test_a_tampered_expired_or_foreign_cookie_is_refused(
             "tenant": traffic.b.tenant_id
         }
         refused(client, jwt.encode(forged, "x" * 64, algorithm="HS256"))
-        a_viewer = Viewer(traffic.a.key_id, traffic.a.tenant_id, int(time.time()) - 5)
+        a_viewer = Viewer(traffic.a.key_id, traffic.a.tenant_id, int(time.time()) - 5, "s")
         refused(client, mint(DashboardSources.of(gateway.state), a_viewer))  # expired
         refused(client, admin_token)  # an admin token is not a session
         other_audience = jwt.decode(good, options={"verify_signature": False}) | {
@@ -303,6 +303,21 @@ def test_sign_out_clears_the_session(gateway: RunningServer, traffic: Traffic) -
         r = client.post("/dashboard/logout")
         assert r.status_code == 303 and COOKIE not in client.cookies
         assert client.get("/dashboard/data").status_code == 401
+
+
+@pytest.mark.parametrize("who", ["tenant", "admin"])
+def test_sign_out_ends_the_session_not_only_the_browsers_copy(
+    gateway: RunningServer, admin_token: str, traffic: Traffic, who: str
+) -> None:
+    """A copy of the cookie (a shared computer's disk, a proxy's log) is refused once its
+    session signed out; another session of the same credential goes on."""
+    credential = traffic.a.key if who == "tenant" else admin_token
+    with signed_in(gateway, credential) as other, signed_in(gateway, credential) as client:
+        copy = client.cookies[COOKIE]
+        assert client.post("/dashboard/logout").status_code == 303
+        with httpx.Client(base_url=gateway.url, timeout=60) as replay:
+            refused(replay, copy)
+        assert other.get("/dashboard/data").status_code == 200
 
 
 def test_names_are_escaped(

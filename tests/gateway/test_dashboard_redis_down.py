@@ -1,6 +1,6 @@
-"""The dashboard while the quota Redis (which the live panel reads) is down or silent: the page and
-its data still answer with the usage and budgets read from SQL, and say the live figures are
-unavailable instead of failing."""
+"""The dashboard while the quota Redis (the live panel's figures, the record of sign-outs) is down
+or silent: the page and its data still answer with the usage and budgets read from SQL and say
+the live figures are unavailable; a sign-out it cannot record says so, and the cookie goes."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loramux.gateway.dashboard.session import COOKIE
 from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import admin_client, json_of
 from tests.gateway.servers import TcpRelay, gateway_server
@@ -109,3 +110,18 @@ def test_the_dashboard_answers_while_the_quota_redis_is_silent(
             quota_redis.resume()
         assert_live_unavailable(data)
         assert json_of(client.get("/dashboard/data"))["live_available"] is True
+
+
+def test_a_sign_out_the_quota_redis_cannot_record_says_so(
+    cut_off: RunningServer, relay: TcpRelay
+) -> None:
+    with admin_client(cut_off) as admin:
+        t = new_tenant(admin, "dash-sign-out")
+    with signed_in(cut_off, t.key) as client:
+        relay.block()
+        try:
+            r = client.post("/dashboard/logout")
+        finally:
+            relay.unblock()
+        assert r.status_code == 503 and "could not be ended on the server" in r.text
+        assert COOKIE not in client.cookies
