@@ -21,7 +21,6 @@ registered (engine.service.uploads).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
 import tempfile
@@ -32,6 +31,7 @@ from pathlib import Path
 from loramux.adapters.errors import FileTooLarge
 from loramux.adapters.peft_format import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE
 from loramux.engine.errors import (
+    AdapterUnavailableError,
     EngineOverloadedError,
     InvalidRequestError,
     UnknownAdapterError,
@@ -87,7 +87,11 @@ class UploadParts:
         max_gateway_bytes: int | None = None,
     ):
         self.folder = folder
-        """Where uploads under way keep their files (in the run's own adapter folder)."""
+        """Where uploads under way keep their files (in the run's own adapter folder). Emptied
+        here, once: it belongs to this run, so what is in it now no upload owns, and nothing
+        under it is removed later but a dropped upload's own folder (a sweep at an upload's
+        start, done on a worker thread, took the folder of an upload started meanwhile)."""
+        shutil.rmtree(folder, ignore_errors=True)
         self.max_adapter_bytes = max_adapter_bytes
         self.max_partial_bytes = max_partial_bytes
         self.max_uploads = max_uploads
@@ -185,10 +189,7 @@ class UploadParts:
                 # It would postpone the upload's abandonment without adding a byte.
                 self._drop(digest)
                 raise InvalidRequestError("an adapter part holds no bytes")
-            if upload.folder is None:
-                upload.folder = await self._create(digest, upload, config or b"")
-            with contextlib.suppress(FileNotFoundError):  # dropped meanwhile: its folder went
-                await asyncio.to_thread(_append, upload.folder / WEIGHTS_FILE, part)
+            await self._write(digest, upload, config or b"", part)
             if upload.retired:
                 raise UnknownAdapterError("the adapter was retired while it was uploaded")
             if self._uploads.get(digest) is not upload:
@@ -264,12 +265,21 @@ class UploadParts:
         self._keep(digest, upload)
         return upload
 
-    async def _create(self, digest: str, upload: _Upload, config: bytes) -> Path:
-        """The upload's folder, with its config and an empty weights file, made off the event
-        loop (with, when no other upload is under way or being removed, a sweep of what nothing
-        owns: `_sweep`)."""
-        sweep = len(self._uploads) == 1 and not self._removals
-        return await asyncio.to_thread(_create, self.folder, config, sweep)
+    async def _write(self, digest: str, upload: _Upload, config: bytes, part: bytes) -> None:
+        """Write a part (its first one makes the upload's folder, with the config), off the
+        event loop. Files gone under an upload still under way are the engine's fault, not the
+        adapter's (AdapterUnavailableError: the gateway retries); an upload dropped meanwhile
+        lost its folder with it, and its caller refuses the part."""
+        try:
+            if upload.folder is None:
+                upload.folder = await asyncio.to_thread(_create, self.folder, config)
+            await asyncio.to_thread(_append, upload.folder, part)
+        except FileNotFoundError:
+            if self._uploads.get(digest) is upload:
+                self._drop(digest)
+                raise AdapterUnavailableError(
+                    "this upload's files went missing on the engine; retry"
+                ) from None
 
     def cancel(self, digest: str) -> None:
         """Drop the upload of `digest` under way: it is being retired (its tenant deleted it),
@@ -335,13 +345,8 @@ class UploadParts:
                 shutil.rmtree(upload.folder, ignore_errors=True)
 
 
-def _create(root: Path, config: bytes, sweep: bool) -> Path:
-    """A new upload's folder under `root`, its config written and its weights file empty;
-    `sweep`: first remove whatever is under `root` (no upload owns it: a folder a removal
-    could not remove, or a part written after it)."""
-    if sweep and root.exists():
-        for entry in root.iterdir():
-            shutil.rmtree(entry, ignore_errors=True)
+def _create(root: Path, config: bytes) -> Path:
+    """A new upload's folder under `root`, its config written and its weights file empty."""
     root.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(dir=root))
     (folder / CONFIG_FILE).write_bytes(config)
@@ -349,9 +354,12 @@ def _create(root: Path, config: bytes, sweep: bool) -> Path:
     return folder
 
 
-def _append(path: Path, data: bytes) -> None:
+def _append(folder: Path, data: bytes) -> None:
     """Append to an upload's weights file; FileNotFoundError once its upload was dropped (the
-    file is never created here: a part written after its folder went does not make it again)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    file is never created here: a part written after its folder went does not make it again),
+    or when its config is gone."""
+    fd = os.open(folder / WEIGHTS_FILE, os.O_WRONLY | os.O_APPEND)
     with os.fdopen(fd, "ab") as file:
         file.write(data)
+    if not (folder / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{folder / CONFIG_FILE} is gone")

@@ -4,12 +4,17 @@ their bounds, and how they end."""
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from loramux.adapters.peft_format import WEIGHTS_FILE
-from loramux.engine.errors import EngineOverloadedError, InvalidRequestError
+from loramux.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE
+from loramux.engine.errors import (
+    AdapterUnavailableError,
+    EngineOverloadedError,
+    InvalidRequestError,
+)
 from loramux.engine.service.upload_parts import UploadParts
 
 GATEWAY, DIGEST = b"gateway", "ab" * 32
@@ -140,4 +145,44 @@ async def test_a_first_part_waits_for_another_upload_a_bounded_time(tmp_path: Pa
     with pytest.raises(EngineOverloadedError, match="retry"):
         await parts.wait_turn(b"second", DIGEST)
     assert parts.reserved == 202  # the upload under way goes on
+    parts.close()
+
+
+async def test_the_uploading_folder_is_emptied_once_never_under_another_upload(
+    tmp_path: Path,
+) -> None:
+    """What the run's `.uploading` folder holds is removed when the uploads are set up, and
+    nothing there is removed when an upload starts. The first of two uploads starting at once
+    used to sweep the folder on a worker thread, after the second's thread had made its folder
+    (driven in that order here): the second lost its files, its later parts were written
+    nowhere and its last part was refused as a broken adapter (missing_config, a 400)."""
+    root = tmp_path / ".uploading"
+    (root / "left-over").mkdir(parents=True)
+    parts = UploadParts(root, 1000, 1000)
+    assert not root.exists()
+    root.mkdir()
+    second = Path(tempfile.mkdtemp(dir=root))  # as the second upload's `_create` makes it
+    assert await parts.receive(GATEWAY, DIGEST, b"{}", b"x" * 10, 0, 20) is None
+    assert second.is_dir() and len(list(root.iterdir())) == 2
+    whole = await parts.receive(GATEWAY, DIGEST, None, b"x" * 10, 10, 20)
+    assert whole is not None and (whole / WEIGHTS_FILE).read_bytes() == b"x" * 20
+    parts.close()
+
+
+async def test_an_upload_whose_files_went_missing_is_the_engine_s_failure(
+    tmp_path: Path,
+) -> None:
+    """An upload under way whose files are gone from the engine's disk is refused as the
+    engine's failure (adapter_unavailable: a 503 the gateway retries), and dropped: its parts
+    used to be written nowhere, and the whole upload refused as the client's broken adapter."""
+    parts = UploadParts(tmp_path, 1000, 1000)
+    for gone in (WEIGHTS_FILE, CONFIG_FILE):
+        assert await parts.receive(GATEWAY, DIGEST, b"{}", b"x" * 10, 0, 20) is None
+        (folder,) = tmp_path.iterdir()
+        (folder / gone).unlink()
+        with pytest.raises(AdapterUnavailableError):
+            await parts.receive(GATEWAY, DIGEST, None, b"x" * 10, 10, 20)
+        assert parts.reserved == 0
+        await parts.settled()
+        assert list(tmp_path.iterdir()) == []
     parts.close()
