@@ -167,7 +167,7 @@ def _refuse_unsupported_features(config: dict[str, Any]) -> None:
     for name, value in config.items():
         if name in _IGNORED_FIELDS or name in _HANDLED_FIELDS or value in (None, False, "", [], {}):
             continue
-        raise UnsupportedOption(f"the PEFT option {name[:60]}={_brief(value)} is not supported")
+        raise UnsupportedOption(f"the PEFT option {_brief(name)}={_brief(value)} is not supported")
 
 
 def _brief(value: Any) -> str:

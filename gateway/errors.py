@@ -73,14 +73,21 @@ class GatewayError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
+        """The response body, writable whatever the message and param hold (`_writable`)."""
         return {
             "error": {
-                "message": self.message,
+                "message": _writable(self.message),
                 "type": self.type,
-                "param": self.param,
+                "param": None if self.param is None else _writable(self.param),
                 "code": self.code,
             }
         }
+
+
+def _writable(text: str) -> str:
+    """`text` with what UTF-8 cannot carry escaped: a lone surrogate (JSON may hold one,
+    `"\\udc80"`) quoted from a client's input made the body unwritable, a 500."""
+    return text.encode("utf-8", "backslashreplace").decode()
 
 
 class BadRequest(GatewayError):

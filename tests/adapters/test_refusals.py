@@ -107,6 +107,17 @@ def test_config_fields_are_checked(tmp_path: Path, changes: dict, code: str) -> 
     assert refusal(folder).code == code
 
 
+def test_an_option_named_with_a_lone_surrogate_is_named_escaped(tmp_path: Path) -> None:
+    """JSON may name an option with a lone surrogate (`"\\udc80x"`): it is an unsupported
+    option, its name escaped in the message, which UTF-8 then carries (the raw name made the
+    gateway's answer unwritable: a 500)."""
+    folder = make_peft_adapter(tmp_path / "a")
+    edit_config(folder, **{"\udc80x": 1})
+    error = refusal(folder)
+    assert error.code == "unsupported_option"
+    assert "\\udc80x" in error.message.encode().decode()
+
+
 def test_rank_limit_is_configurable(tmp_path: Path) -> None:
     folder = make_peft_adapter(tmp_path / "a", r=128, lora_alpha=128)
     assert load_peft_adapter(folder, tiny_base(), AdapterLimits(max_rank=128)).rank == 128

@@ -245,6 +245,7 @@ def broken(adapters: dict[str, Path], config: bytes | None, weights: bytes | Non
         (b"[1, 2]", None, "invalid_config"),
         (b"[" * 100_000 + b"]" * 100_000, None, "invalid_config"),
         (b'{"peft_type": "LORA", "x": ' + b"[" * 950 + b"]" * 950 + b"}", None, "invalid_config"),
+        (b'{"peft_type": "LORA", "\\udc80x": 1}', None, "unsupported_option"),
         (None, b"\x80\x04\x95 pickled torch weights", "invalid_weights"),
         (None, b"", "invalid_weights"),
     ],

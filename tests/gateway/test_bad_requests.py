@@ -9,7 +9,9 @@ from typing import Any
 
 import httpx
 import pytest
+from litestar.serialization import encode_json
 
+from loramux.gateway.errors import BadRequest
 from loramux.gateway.openai.body import nests_deeper_than
 from loramux.gateway.openai.prompt import MAX_MESSAGES
 from loramux.gateway.server import RunningServer
@@ -324,3 +326,13 @@ def test_a_model_holding_nul_is_not_found_on_either_database(
     response = httpx.post(f"{each_gateway.url}{path}", json=body, headers=headers, timeout=60)
     assert response.status_code == 404, response.text
     assert response.json()["error"]["code"] == "model_not_found"
+
+
+def test_an_error_quoting_a_lone_surrogate_is_still_written() -> None:
+    """JSON may hold a lone surrogate (`"\\udc80"`), which UTF-8 cannot: an error quoting one
+    from a client's input (its message or param) is written with it escaped, never left
+    unwritable (a 500 in place of the refusal)."""
+    error = BadRequest("the option '\udc80x' is not supported", param="\udc80")
+    body = json.loads(encode_json(error.body()))
+    assert body["error"]["message"] == "the option '\\udc80x' is not supported"
+    assert body["error"]["param"] == "\\udc80"
