@@ -63,8 +63,8 @@ MAX_CONFIG_DEPTH = 32
 MAX_RANK_CEILING = 256
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-_KEY = re.compile(
-    r"base_model\.model\.(?:model\.)?layers\.(0|[1-9][0-9]*)\."
+_KEY = re.compile(  # a layer index of at most 6 digits: int() refuses one of over 4,300
+    r"base_model\.model\.(?:model\.)?layers\.(0|[1-9][0-9]{0,5})\."
     r"(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.lora_(A\.weight|B\.weight|magnitude_vector)"
 )
 _HALF = {"A.weight": "A", "B.weight": "B", "magnitude_vector": "M"}

@@ -158,6 +158,10 @@ def test_tensor_the_config_does_not_target(tmp_path: Path) -> None:
         "base_model.model.lm_head.lora_A.weight",
         "base_model.model.model.layers.0.mlp.q_proj.lora_A.weight",
         "base_model.model.model.layers.00.self_attn.q_proj.lora_A.weight",
+        pytest.param(  # int() refuses a layer index of 5,000 digits (a ValueError, a 500)
+            "base_model.model.model.layers." + "9" * 5000 + ".self_attn.q_proj.lora_A.weight",
+            id="layer index of 5000 digits",
+        ),
         "base_model.model.layers.0.self_attn.q_proj.lora_A.weight",  # duplicate of the A
     ],
 )
