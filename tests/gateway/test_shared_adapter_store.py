@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,7 +17,8 @@ import pytest
 from sqlalchemy import func, select, update
 
 from loramux.adapters.base_spec import BaseModelSpec
-from loramux.adapters.store import AdapterStore, StoredAdapter
+from loramux.adapters.peft_format import CONFIG_FILE, WEIGHTS_FILE
+from loramux.adapters.store import AdapterMetadata, AdapterStore, StoredAdapter
 from loramux.gateway.adapters import shared_store
 from loramux.gateway.adapters.shared_store import FILES, SharedAdapterStore, TamperedAdapter
 from loramux.gateway.db import AdapterFilePart
@@ -133,6 +135,34 @@ async def test_putting_a_digest_again_or_from_two_gateways_at_once_stores_it_onc
     other = SharedAdapterStore(shared.engine, PART_BYTES)
     await asyncio.gather(shared.put(uploaded), other.put(uploaded), shared.put(uploaded))
     assert await parts(shared, uploaded.digest) == once
+
+
+async def test_a_put_holds_about_one_part_in_memory_whatever_the_adapter_s_size(
+    tmp_path: Path,
+) -> None:
+    """A put reads and inserts each file one part at a time. It read the whole weights file,
+    then sliced it into copies: twice the adapter in memory, so a 512 MiB upload
+    (LORAMUX_MAX_UPLOAD_MB) made a gateway hold over 1 GiB for each put under way."""
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    await asyncio.to_thread(upgrade, url)
+    digest, part_bytes = "f" * 64, 1 << 20
+    folder = tmp_path / digest
+    folder.mkdir()
+    (folder / CONFIG_FILE).write_text("{}")
+    (folder / WEIGHTS_FILE).write_bytes(bytes(range(256)) * (16 * part_bytes // 256))
+    stored = StoredAdapter(folder, AdapterMetadata(digest, 8, 16.0, False, 2.0, ("q",), 1, 0))
+    shared = SharedAdapterStore.from_url(url, part_bytes)
+    try:
+        tracemalloc.start()
+        try:
+            await shared.put(stored)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert await parts(shared, digest) == 1 + 16  # no empty part after the last whole one
+    finally:
+        await shared.close()
+    assert peak < 4 * part_bytes, f"a put of 16 parts peaked at {peak / part_bytes:.1f} parts"
 
 
 async def test_a_deleted_or_never_stored_digest_cannot_be_fetched(
