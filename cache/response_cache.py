@@ -46,7 +46,7 @@ from redis.exceptions import ResponseError
 from loramux.cache import scripts
 from loramux.cache.embedder import Backlogged, Embedder
 from loramux.cache.keys import BucketKeys, Keyspace, semantic_question
-from loramux.cache.purge import purge_scope
+from loramux.cache.purge import DeletedTenantPurges, purge_scope
 from loramux.cache.semantic_index import Candidate, CoreVectorIndex
 from loramux.cache.tenant_stats import NEAR_MISS_MARGIN, CacheStats, TenantCacheStats
 from loramux.cache.types import (
@@ -104,6 +104,9 @@ class ResponseCache:
         self._store_script = redis.register_script(scripts.STORE)
         self._remember_script = redis.register_script(scripts.REMEMBER)
         self._purge_epoch = redis.register_script(scripts.PURGE_EPOCH)
+        self.deleted_tenants = DeletedTenantPurges(
+            functools.partial(self.purge, tenant_deleted=True)
+        )
 
     @property
     def errors(self) -> int:

@@ -90,6 +90,7 @@ class GatewayState:
                 task.cancel()
         await self.quotas.close()
         await self.cache.drain()
+        self.cache.deleted_tenants.cancel()
         await self.usage.close()
         await self.engine.close()
         self.prompts.close()

@@ -31,6 +31,8 @@ class Deleted(Struct):
     id: str
     deleted: bool = True
     detail: dict[str, int] = msgspec.field(default_factory=dict)
+    note: str | None = None
+    """What the DELETE, which took effect, could not finish yet (and retries by itself)."""
 
 
 _HIDDEN_CHARACTERS = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})

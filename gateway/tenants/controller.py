@@ -84,8 +84,11 @@ class TenantController(Controller):
         entry: NamedDependency[AuditRecord],
     ) -> Deleted:
         """Delete a tenant with its keys and quotas; its private adapters are deleted and
-        retired (requests in flight finish)."""
+        retired (requests in flight finish) and its cached responses purged (`note` says when
+        the response cache did not answer: the purge is then retried)."""
         deleted = await tenants.delete(tenant)
         entry.target = deleted.id
-        entry.detail = deleted.detail
+        entry.detail = dict(deleted.detail)
+        if deleted.note is not None:
+            entry.detail["note"] = deleted.note
         return deleted

@@ -27,6 +27,11 @@ from loramux.gateway.prefix_cache import scope_of
 from loramux.gateway.tenants.lookup import check_tenant_name, get_locked_tenant, get_tenant
 from loramux.gateway.tenants.schemas import TenantCreate, TenantOut, TenantPage, TenantUpdate
 
+_UNPURGED = (
+    "the tenant was deleted, but the response cache did not answer: its cached responses are "
+    "purged once it does (this gateway retries), else they expire unserved"
+)
+
 
 def tenant_out(tenant: Tenant) -> TenantOut:
     scope = scope_of(tenant.settings or {})
@@ -100,12 +105,13 @@ class TenantService:
         await self.adapters.retire_unused(digests)
         self.adapters.catalog.invalidate()
         # A tombstone: a request in flight, or one another process still admits for a moment
-        # (its key cache), can store nothing of this tenant after its purge.
-        purged = await self.response_cache.purge(tenant_id, tenant_deleted=True)
-        return Deleted(
-            tenant_id,
-            detail={"keys": len(key_ids), "adapter_versions": versions, "cache_entries": purged},
-        )
+        # (its key cache), can store nothing of this tenant after its purge. The delete has
+        # committed: a cache Redis that fails leaves the purge to a retry (cache.purge).
+        detail = {"keys": len(key_ids), "adapter_versions": versions}
+        purged = await self.response_cache.deleted_tenants.purge(tenant_id)
+        if purged is None:
+            return Deleted(tenant_id, detail=detail, note=_UNPURGED)
+        return Deleted(tenant_id, detail=detail | {"cache_entries": purged})
 
 
 async def _key_ids(session: AsyncSession, tenant_id: str) -> list[str]:
