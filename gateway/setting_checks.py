@@ -158,3 +158,19 @@ CACHE_BOUNDS = {
     "mirror_mb": Bound("CACHE_MIRROR_MB", 0),  # 0: only the bucket being searched is kept
     "redis_timeout_ms": Bound("CACHE_REDIS_TIMEOUT_MS", 1, 60_000),  # as the quotas'
 }
+
+
+MIN_SECRET_BYTES = 32
+"""The shortest admin secret taken: it signs admin tokens and, derived, the dashboard's session
+cookies, which every tenant signed in holds; a shorter, guessable one could be found from a
+cookie offline, and an admin token minted with it."""
+
+
+def check_admin_secret(secret: str, source: str) -> None:
+    """ConfigError naming `source` (never the secret) when `secret` is shorter than
+    `MIN_SECRET_BYTES` bytes."""
+    if len(secret.encode()) < MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"{source} must be at least {MIN_SECRET_BYTES} bytes (it is "
+            f"{len(secret.encode())}); generate one with `openssl rand -hex 32`"
+        )

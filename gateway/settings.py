@@ -19,6 +19,7 @@ from loramux.gateway.setting_checks import (
     QUOTA_BOUNDS,
     SERVER_BOUNDS,
     ConfigError,
+    check_admin_secret,
     check_bounds,
     env_value,
 )
@@ -188,7 +189,7 @@ class ServerSettings:
     redis_url: str | None = field(default_factory=lambda: env_value("REDIS_URL", None))
     """LORAMUX_REDIS_URL: Redis for quotas (and the response cache unless LORAMUX_CACHE_REDIS_URL); unset: `serve` starts its own redis-server."""
     admin_secret: str | None = field(default_factory=lambda: env_value("ADMIN_SECRET", None))
-    """LORAMUX_ADMIN_SECRET: signs admin JWTs (HS256); generated and kept in the data dir when unset."""
+    """LORAMUX_ADMIN_SECRET: signs admin JWTs (HS256) and dashboard sessions, at least 32 bytes; generated and kept in the data dir when unset."""
     admin_public_key: str | None = field(
         default_factory=lambda: env_value("ADMIN_PUBLIC_KEY", None)
     )
@@ -243,6 +244,8 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         check_bounds(self, SERVER_BOUNDS)
+        if self.admin_secret is not None:
+            check_admin_secret(self.admin_secret, "LORAMUX_ADMIN_SECRET")
 
 
 @dataclass(frozen=True)

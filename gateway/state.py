@@ -30,6 +30,7 @@ from loramux.gateway.metrics import Metrics
 from loramux.gateway.prompt_tokens import PromptTokens
 from loramux.gateway.quotas import QuotaService
 from loramux.gateway.served_identity import ServedIdentity, confirm_identity, engine_info
+from loramux.gateway.setting_checks import check_admin_secret
 from loramux.gateway.settings import Settings, private_folder
 from loramux.gateway.supervisor import Supervisor
 from loramux.gateway.usage import UsageRecorder
@@ -122,7 +123,9 @@ def admin_secret(settings: Settings) -> str:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_urlsafe(48))
-    return path.read_text().strip()
+    secret = path.read_text().strip()
+    check_admin_secret(secret, str(path))
+    return secret
 
 
 def admin_auth(settings: Settings) -> AdminAuth:

@@ -4,9 +4,12 @@ another site (SameSite=Strict).
 
 The session token is HS256 with its own audience, signed with a key derived from the admin
 secret (HMAC of a fixed label), so it is never accepted as an admin token nor the other way
-round, and every gateway sharing the admin secret accepts it. A tenant session lasts
-`SESSION_SECONDS`; an admin session no longer than the admin token it came from. A tenant
-session also ends as soon as its key is revoked or expires or its tenant is disabled.
+round, and every gateway sharing the admin secret accepts it. The label separates the two
+uses, but a tenant's own cookie still lets it test guesses of the admin secret offline: only the
+secret's length (`setting_checks.MIN_SECRET_BYTES`, checked at start) makes that hopeless.
+A tenant session lasts `SESSION_SECONDS`; an admin session no longer than the admin token it
+came from. A tenant session also ends as soon as its key is revoked or expires or its tenant is
+disabled.
 
 Signing out ends the session itself, not only the browser's cookie: each session token carries
 an id (`jti`), and sign-out writes that id to the quota Redis until the token's expiry, where

@@ -8,6 +8,7 @@ import hmac
 import json
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import jwt
@@ -16,6 +17,8 @@ import pytest
 from loramux.gateway.auth.admin_jwt import AUDIENCE, DEFAULT_MAX_TTL
 from loramux.gateway.cli import main
 from loramux.gateway.server import RunningServer
+from loramux.gateway.setting_checks import ConfigError
+from loramux.gateway.settings import ServerSettings, Settings
 from loramux.gateway.state import admin_secret
 from tests.gateway.conftest import admin_client, json_of
 
@@ -196,3 +199,24 @@ def test_a_refused_token_is_audited_whatever_its_path_holds(each_gateway: Runnin
         ("anonymous", "admin.auth", f"GET /admin/tenants/{marker}"),
         ("anonymous", "admin.auth", f"GET /admin/tenants/{marker}\\x00"),
     ]
+
+
+def test_an_admin_secret_under_32_bytes_is_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The admin secret also signs (derived) every dashboard session cookie a tenant holds: a
+    short one would be found from a cookie offline, and admin tokens minted with it. The refusal
+    names the variable, or the data dir's file, never the secret."""
+    monkeypatch.setenv("LORAMUX_ADMIN_SECRET", "hunter2")
+    with pytest.raises(ConfigError, match="LORAMUX_ADMIN_SECRET must be at least 32 bytes") as e:
+        ServerSettings()
+    assert "hunter2" not in str(e.value)
+    monkeypatch.setenv("LORAMUX_ADMIN_SECRET", "é" * 16)  # 32 bytes
+    assert ServerSettings().admin_secret == "é" * 16
+
+    monkeypatch.delenv("LORAMUX_ADMIN_SECRET")
+    settings = Settings(data_dir=tmp_path)
+    assert len(admin_secret(settings)) >= 32  # the generated one
+    (tmp_path / "admin_secret").write_text("changeme\n")
+    with pytest.raises(ConfigError, match="admin_secret must be at least 32 bytes"):
+        admin_secret(settings)
