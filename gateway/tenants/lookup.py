@@ -94,13 +94,26 @@ async def owner_id(session: AsyncSession, ref: str) -> str:
         ) from None
 
 
+_UNADDRESSABLE = frozenset("/?#")
+"""Characters no tenant name holds: a name is a path segment (`/admin/tenants/{tenant}`, where
+`%2F` is decoded before routing) and the owner of an `owner/name` model (split at its first
+`/`). Names created before this rule keep working by id."""
+
+
 def check_tenant_name(name: str) -> None:
     """Refuse a tenant name that could be read as something else: `shared` (the owner of shared
-    adapters) or anything shaped like a tenant id."""
+    adapters), anything shaped like a tenant id, or a name no path or model could address (one
+    holding `/`, `?` or `#`, or of dots alone, which a URL's path resolves away)."""
     check_display_name(name, "name")
     if name == SHARED_OWNER or name.startswith(TENANT_ID_PREFIX):
         raise BadRequest(
             f"a tenant may not be named {SHARED_OWNER!r} or start with {TENANT_ID_PREFIX!r}",
+            param="name",
+            code="invalid_request",
+        )
+    if _UNADDRESSABLE.intersection(name) or not name.strip("."):
+        raise BadRequest(
+            "a tenant name may not hold '/', '?' or '#', nor be dots alone",
             param="name",
             code="invalid_request",
         )

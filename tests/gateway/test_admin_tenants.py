@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -134,6 +135,30 @@ def test_names_that_hide_or_disguise_text_are_refused(admin: httpx.Client, case:
         assert all(t["name"] != name for t in same_name)
     assert json_of(admin.get(f"/admin/tenants/{tenant['id']}"))["name"] == tenant["name"]
     assert json_of(admin.get(f"/admin/tenants/{tenant['id']}/keys"))["items"] == []
+
+
+@pytest.mark.parametrize("name", ["acme/corp", "acme?corp", "acme#corp", ".", "..", "..."])
+def test_tenant_names_no_path_or_model_could_address_are_refused(
+    admin: httpx.Client, name: str
+) -> None:
+    """A tenant is addressed by name in a path segment and in an `owner/name` model: a name
+    holding `/`, `?` or `#`, or of dots alone, could be named by neither."""
+    tenant = new_tenant(admin)
+    for response in (
+        admin.post("/admin/tenants", json={"name": name}),
+        admin.patch(f"/admin/tenants/{tenant['id']}", json={"name": name}),
+    ):
+        assert response.status_code == 400, response.text
+        error = json_of(response)["error"]
+        assert (error["param"], error["code"]) == ("name", "invalid_request")
+    assert new_key(admin, tenant["id"], name="ci/cd key?#1")["name"] == "ci/cd key?#1"
+
+
+def test_a_tenant_is_addressed_by_any_name_it_may_take(admin: httpx.Client) -> None:
+    for name in (unique("acme.corp 100% "), unique(".hidden"), unique("a&b=c;d")):
+        tenant = json_of(admin.post("/admin/tenants", json={"name": name}))
+        got = admin.get(f"/admin/tenants/{quote(name, safe='')}")
+        assert got.status_code == 200 and json_of(got)["id"] == tenant["id"], got.text
 
 
 def test_names_in_any_script_are_accepted(admin: httpx.Client) -> None:
