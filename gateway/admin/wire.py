@@ -35,22 +35,24 @@ class Deleted(Struct):
     """What the DELETE, which took effect, could not finish yet (and retries by itself)."""
 
 
-_HIDDEN_CHARACTERS = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+_HIDDEN_CHARACTERS = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp", "Zs"})
 """Unicode categories that hide or disguise text: controls (NUL, escape), format characters
-(bidirectional overrides, zero-width joiners), lone surrogates, line and paragraph separators."""
+(bidirectional overrides, zero-width joiners), lone surrogates, line and paragraph separators,
+and every space but U+0020 (a no-break or ideographic space reads as a space, so `acme corp`
+and `acme\u00a0corp` would be two names that look the same)."""
 
 
 def check_display_name(value: str, field: str) -> None:
     """Refuse a name people read (in listings, the dashboard, logs) that could disguise itself:
-    leading or trailing whitespace, or a character of `_HIDDEN_CHARACTERS`."""
+    leading or trailing whitespace, or a character of `_HIDDEN_CHARACTERS` other than ' '."""
     if value != value.strip():
         raise BadRequest(
             f"{field} may not start or end with whitespace", param=field, code="invalid_request"
         )
     for position, char in enumerate(value):
-        if unicodedata.category(char) in _HIDDEN_CHARACTERS:
+        if char != " " and unicodedata.category(char) in _HIDDEN_CHARACTERS:
             raise BadRequest(
-                f"{field} may not hold control or format characters "
+                f"{field} may not hold control, format or space characters other than ' ' "
                 f"(U+{ord(char):04X} at position {position})",
                 param=field,
                 code="invalid_request",

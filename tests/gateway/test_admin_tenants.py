@@ -112,6 +112,10 @@ DISGUISED_NAMES = {
     "line separator": "acme\u2028corp",
     "leading space": " acme",
     "trailing no-break space": "acme\u00a0",
+    "no-break space": "acme\u00a0corp",
+    "narrow no-break space": "acme\u202fcorp",
+    "em space": "acme\u2003corp",
+    "ideographic space": "acme\u3000corp",
     "201 characters": "a" * 201,
 }
 
