@@ -32,6 +32,7 @@ class KeyController(Controller):
         data: JSONBody[KeyCreate | None] = None,
     ) -> NewKeyOut:
         """Issue a key (the body is optional). The answer's `key` is shown once."""
+        entry.detail = {"tenant": tenant}  # as given: a refused create is audited with it too
         key = await keys.create(tenant, data or KeyCreate())
         entry.detail = {"tenant_id": key.tenant_id}
         entry.target = key.id

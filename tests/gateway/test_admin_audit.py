@@ -63,6 +63,16 @@ def test_changes_and_failures_are_audited(
     assert all(e["created_at"].endswith("Z") for e in entries)
 
 
+def test_a_refused_key_create_is_audited_with_the_tenant_it_was_for(admin: httpx.Client) -> None:
+    tenant = json_of(admin.post("/admin/tenants", json={"name": f"audit-{uuid.uuid4().hex[:8]}"}))
+    for ref in (tenant["id"], tenant["name"]):
+        past = {"expires_at": "2001-01-01T00:00:00Z"}
+        assert admin.post(f"/admin/tenants/{ref}/keys", json=past).status_code == 400
+        [entry] = json_of(admin.get("/admin/audit", params={"limit": 1}))["items"]
+        assert (entry["action"], entry["outcome"]) == ("key.create", "invalid_request")
+        assert entry["detail"]["tenant"] == ref, entry
+
+
 def test_limit(admin: httpx.Client) -> None:
     assert len(json_of(admin.get("/admin/audit", params={"limit": 1}))["items"]) == 1
     assert admin.get("/admin/audit", params={"limit": 0}).status_code == 400
