@@ -9,6 +9,7 @@ from pathlib import Path
 from sqlalchemy import func, select
 
 from loramux.engine.errors import EngineStoppedError
+from loramux.gateway.audit.service import OK, AuditLog
 from loramux.gateway.auth.api_keys import NewKey, mint_key
 from loramux.gateway.db import ApiKey, Tenant
 from loramux.gateway.state import GatewayState
@@ -16,6 +17,8 @@ from loramux.gateway.state import GatewayState
 log = logging.getLogger(__name__)
 
 
+FIRST_START = "first-start"
+"""The audit log's actor for what a first start does."""
 PENDING = "first-start.pending"
 """In the data directory from before the demo tenant is created until the demo adapters are
 uploaded: a start that finds it finishes what a stopped first start left undone."""
@@ -58,16 +61,22 @@ def _demo_adapter_names(gw: GatewayState) -> list[str]:
 
 
 async def _create_demo_tenant(gw: GatewayState) -> NewKey:
-    """Tenant `demo` and its API key, committed together: the key's secret is in the result
-    only (the database keeps its hash)."""
+    """Tenant `demo` and its API key, committed together and audited (actor `first-start`) as
+    an admin's `tenant.create` and `key.create`: the key's secret is in the result only (the
+    database keeps its hash)."""
     key = mint_key()
-    async with gw.sessions() as session, session.begin():
-        tenant = Tenant(name="demo")
-        session.add(tenant)
-        await session.flush()
-        session.add(
-            ApiKey(id=key.id, tenant_id=tenant.id, name="demo", secret_hash=key.secret_hash)
-        )
+    audit_log = AuditLog(gw.sessions)
+    async with audit_log.audited(FIRST_START, "tenant.create") as entry:
+        entry.detail = {"name": "demo"}
+        async with gw.sessions() as session, session.begin():
+            tenant = Tenant(name="demo")
+            session.add(tenant)
+            await session.flush()
+            entry.target = tenant_id = tenant.id
+            session.add(
+                ApiKey(id=key.id, tenant_id=tenant_id, name="demo", secret_hash=key.secret_hash)
+            )
+    await audit_log.write(FIRST_START, "key.create", key.id, OK, {"tenant_id": tenant_id})
     return key
 
 
@@ -88,7 +97,6 @@ def _print_key(key: NewKey, models: list[str], url: str) -> None:
 async def _upload_demo_adapters(gw: GatewayState, model_dir: Path, count: int) -> list[str]:
     from loramux.adapters.demo import build_demo_adapters
     from loramux.gateway.adapters.service import AdapterService
-    from loramux.gateway.audit.service import AuditLog
 
     folders = build_demo_adapters(model_dir, gw.settings.data_dir / "demo-adapters", count)
     audit_log = AuditLog(gw.sessions)
@@ -100,7 +108,7 @@ async def _upload_demo_adapters(gw: GatewayState, model_dir: Path, count: int) -
                 session, gw.store, gw.engine, gw.catalog, gw.model_name, gw.shared_store
             )
             target = f"shared/{name}"
-            async with audit_log.audited("first-start", "adapter.upload", target) as entry:
+            async with audit_log.audited(FIRST_START, "adapter.upload", target) as entry:
                 await adapters.check_name_and_owner(name, "shared")
                 adapter = (await adapters.publish("shared", name, folder)).adapter
                 entry.detail = {"version": adapter.version, "digest": adapter.digest}

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from loramux.gateway.db import AdapterVersion
+from loramux.gateway.admin.paging import Paging
+from loramux.gateway.audit.service import AuditLog
+from loramux.gateway.db import AdapterVersion, ApiKey, Tenant
 from loramux.gateway.db.adapter import SHARED_OWNER
 from loramux.gateway.db.migrate import upgrade
 from loramux.gateway.demo_setup import PENDING, first_start
@@ -120,3 +122,25 @@ async def test_with_no_engine_answering_the_first_start_shows_the_key_and_leaves
         assert (data / PENDING).exists()  # the next start uploads them
     finally:
         await state.close()
+
+
+async def test_the_first_starts_tenant_key_and_adapters_are_audited(
+    demo_state: GatewayState,
+) -> None:
+    """The first start's actions are audited like an admin's, as actor `first-start`: tenant
+    `demo` and its unrestricted key (a credential) too, not only the demo adapters."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        await first_start(demo_state, demo_state.settings.model_dir, URL)
+    async with demo_state.sessions() as session:
+        tenant_id = await session.scalar(select(Tenant.id).where(Tenant.name == "demo"))
+        key_id = await session.scalar(select(ApiKey.id).where(ApiKey.tenant_id == tenant_id))
+    rows, _ = await AuditLog(demo_state.sessions).recent(Paging(50, 0, None))
+    seen = [(r.actor, r.action, r.target, r.outcome, r.detail) for r in reversed(rows)]
+    assert seen[:2] == [
+        ("first-start", "tenant.create", tenant_id, "ok", {"name": "demo"}),
+        ("first-start", "key.create", key_id, "ok", {"tenant_id": tenant_id}),
+    ]
+    assert [(a, t) for _, a, t, _, _ in seen[2:]] == [
+        ("adapter.upload", "shared/demo-0"),
+        ("adapter.upload", "shared/demo-1"),
+    ]
