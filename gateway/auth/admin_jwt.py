@@ -5,7 +5,9 @@ data directory). RS256 when a public key is configured; tokens are then minted e
 
 A token lives at most `max_ttl` seconds (LORAMUX_ADMIN_TOKEN_MAX_TTL): `exp - iat` and
 `exp - now` are both bounded, and `iat` and `exp` must be integers, so a leaked token cannot
-have been minted to last for ever (`exp: 1e20`).
+have been minted to last for ever (`exp: 1e20`). Clocks may differ by `CLOCK_SKEW_SECONDS`:
+a token minted on a host whose clock runs that far ahead (its `iat` in our future, `exp` up to
+`max_ttl` past it) is taken, and one is refused that much after its `exp`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from loramux.gateway.errors import Unauthorized
 
 AUDIENCE = "loramux-admin"
 DEFAULT_MAX_TTL = 24 * 3600
+CLOCK_SKEW_SECONDS = 30
+"""How far the minting host's clock may be from ours, either way."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,7 @@ class AdminAuth:
                 self._verify_key,  # type: ignore[arg-type]
                 algorithms=[self.algorithm],
                 audience=AUDIENCE,
+                leeway=CLOCK_SKEW_SECONDS,
                 options={"require": ["exp", "iat", "aud", "sub"]},
             )
         except jwt.ExpiredSignatureError:
@@ -95,12 +100,13 @@ class AdminAuth:
 
     def _check_lifetime(self, iat: object, exp: object) -> None:
         """Refuse a token meant to live longer than `max_ttl`, or with non-integer times (PyJWT
-        takes `1e20` or `"123"` as numbers)."""
+        takes `1e20` or `"123"` as numbers). `exp - now` may exceed it by the clock skew."""
         if not (_is_int(iat) and _is_int(exp)):
             raise Unauthorized(
                 "invalid admin token: iat and exp must be integers", code="invalid_token"
             )
-        if exp - iat > self.max_ttl or exp - int(time.time()) > self.max_ttl:
+        left = exp - int(time.time()) - CLOCK_SKEW_SECONDS
+        if exp - iat > self.max_ttl or left > self.max_ttl:
             raise Unauthorized(
                 f"admin token lives longer than the {self.max_ttl} s allowed "
                 "(LORAMUX_ADMIN_TOKEN_MAX_TTL)",

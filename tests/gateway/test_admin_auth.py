@@ -14,7 +14,7 @@ import httpx
 import jwt
 import pytest
 
-from loramux.gateway.auth.admin_jwt import AUDIENCE, DEFAULT_MAX_TTL
+from loramux.gateway.auth.admin_jwt import AUDIENCE, CLOCK_SKEW_SECONDS, DEFAULT_MAX_TTL
 from loramux.gateway.cli import main
 from loramux.gateway.server import RunningServer
 from loramux.gateway.setting_checks import ConfigError
@@ -162,6 +162,20 @@ def test_a_token_living_exactly_the_maximum_is_accepted(
     now = int(time.time())
     token = signed(admin_secret(gateway.state.settings), iat=now, exp=now + MAX_TTL)
     assert admin.get("/admin/tenants", headers={"authorization": f"Bearer {token}"})
+
+
+def test_a_token_minted_on_a_clock_a_little_ahead_is_accepted(
+    gateway: RunningServer, admin: httpx.Client
+) -> None:
+    """RS256 tokens are minted on other hosts: one whose clock runs a few seconds ahead mints
+    `iat` in our future and `exp = iat + max`. Up to CLOCK_SKEW_SECONDS of that is accepted,
+    not more."""
+    secret = admin_secret(gateway.state.settings)
+    for ahead, status in ((2, 200), (CLOCK_SKEW_SECONDS - 5, 200), (CLOCK_SKEW_SECONDS + 60, 401)):
+        iat = int(time.time()) + ahead
+        token = signed(secret, iat=iat, exp=iat + MAX_TTL)
+        got = admin.get("/admin/tenants", headers={"authorization": f"Bearer {token}"})
+        assert got.status_code == status, (ahead, got.text)
 
 
 def test_the_cli_mints_tokens_within_the_maximum_lifetime(
