@@ -1,5 +1,6 @@
 """Pages of admin lists: `?limit=&offset=` (limit 1-500, 50 when absent) and `?name=` (a
-case-insensitive part of the name), answered as `{"items", "total", "limit", "offset"}`.
+part of the name, ASCII letters in any case: see `Paging.name_filter`), answered as
+`{"items", "total", "limit", "offset"}`.
 
 `total` counts every row the filter matches, so a client walks `offset` from 0 in steps of
 `limit` until `offset >= total`. Each list orders by a unique key (creation time, then id), so
@@ -8,6 +9,7 @@ the walk sees each row exactly once while nothing is added or removed under it.
 
 from __future__ import annotations
 
+import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
@@ -28,12 +30,25 @@ class Paging:
     limit: int
     offset: int
     name: str | None
-    """Rows whose name holds this text (case-insensitive); None: every row."""
+    """Rows whose name holds this text (ASCII letters in any case); None: every row."""
 
     def name_filter(self, column: Any) -> ColumnElement[bool] | None:
+        """Rows whose `column` holds the name, ASCII letters in any case. SQL lower() folds only
+        ASCII on SQLite and in PostgreSQL's C locale, all of Unicode in other locales: the
+        needle is matched folded either way, so `Ölwerk` finds `Ölwerk` (and, where the
+        database folds Unicode, `ölwerk` too)."""
         if self.name is None:
             return None
-        return func.lower(column).contains(self.name.lower(), autoescape=True)
+        lowered = func.lower(column)
+        ascii_folded = self.name.translate(_ASCII_LOWER)
+        unicode_folded = self.name.lower()
+        matches = lowered.contains(ascii_folded, autoescape=True)
+        if unicode_folded == ascii_folded:
+            return matches
+        return matches | lowered.contains(unicode_folded, autoescape=True)
+
+
+_ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
 
 
 async def provide_paging(
