@@ -37,6 +37,12 @@ PROBE_INTERVAL = 0.05
 """At most this often (seconds) a worker's /health, /ready and /metrics ask the engines (and,
 for /ready, the database and Redis); requests in between get the last answer."""
 
+READY_PROBE_SECONDS = 5.0
+"""How long /ready waits for each of the database, the engines and Redis before counting it as
+not answering, as long as the engine client's probe and the Redis client's reads: a database
+behind a network that drops packets held its SELECT 1, and with it every /ready (they share one
+answer), forever."""
+
 
 class Coalesced(Generic[T]):
     """The answer of `ask`, asked at most once per `min_interval` seconds: callers in between
@@ -151,7 +157,7 @@ async def health(probes: NamedDependency[Probes]) -> Response[dict[str, Any]]:
 
 @get("/ready", include_in_schema=False)
 async def ready(probes: NamedDependency[Probes]) -> Response[dict[str, Any]]:
-    """Ready to serve: the database answers and the engine is running."""
+    """Ready to serve: the database, the engine and Redis each answer within READY_PROBE_SECONDS."""
     checks = await probes.readiness.get()
     ok = all(checks.values())
     return Response({"ready": ok, "checks": checks}, status_code=200 if ok else 503)
@@ -160,19 +166,28 @@ async def ready(probes: NamedDependency[Probes]) -> Response[dict[str, Any]]:
 async def _readiness(
     sessions: async_sessionmaker[AsyncSession], redis: Redis, engine: EngineClient
 ) -> dict[str, bool]:
-    checks: dict[str, bool] = {}
-    try:
+    """Whether the database, the engines and Redis answer, asked together."""
+
+    async def database() -> bool:
         async with sessions() as session:
             await session.execute(text("SELECT 1"))
-        checks["database"] = True
-    except Exception:
-        checks["database"] = False
-    checks["engine"] = await engine.ready()
+        return True
+
+    async def redis_answers() -> bool:
+        return bool(await redis.ping())
+
+    probes = {"database": database(), "engine": engine.ready(), "redis": redis_answers()}
+    answers = await asyncio.gather(*(_answered(p) for p in probes.values()))
+    return dict(zip(probes, answers, strict=True))
+
+
+async def _answered(probe: Awaitable[bool]) -> bool:
+    """What `probe` says, or False when it fails or has not answered in READY_PROBE_SECONDS."""
     try:
-        checks["redis"] = bool(await redis.ping())
+        async with asyncio.timeout(READY_PROBE_SECONDS):
+            return await probe
     except Exception:
-        checks["redis"] = False
-    return checks
+        return False
 
 
 @get("/metrics", include_in_schema=False)

@@ -73,7 +73,8 @@ def engine_service(
 class TcpRelay:
     """Relays TCP connections from a port of 127.0.0.1 to `target`; `cut()` closes every
     connection under way, as a network failure would; `block()` also refuses new ones until
-    `unblock()` (a failure that lasts). `seen` keeps every byte relayed, both ways: what an
+    `unblock()` (a failure that lasts); `stall()` keeps every connection open but forwards
+    nothing until `flow()` (a partition that drops packets, no reset). `seen` keeps every byte relayed, both ways: what an
     eavesdropper on the network reads."""
 
     def __init__(self, target_port: int):
@@ -85,6 +86,8 @@ class TcpRelay:
         self._relayed = threading.Condition(self._lock)
         self.seen = bytearray()
         self.blocked = False
+        self._flowing = threading.Event()
+        self._flowing.set()
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -108,6 +111,12 @@ class TcpRelay:
 
     def unblock(self) -> None:
         self.blocked = False
+
+    def stall(self) -> None:
+        self._flowing.clear()
+
+    def flow(self) -> None:
+        self._flowing.set()
 
     def cut(self) -> None:
         with self._lock:
@@ -139,6 +148,7 @@ class TcpRelay:
     def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
         with contextlib.suppress(OSError):
             while data := source.recv(65536):
+                self._flowing.wait()
                 with self._lock:
                     self.seen += data
                     self._relayed.notify_all()

@@ -1,15 +1,23 @@
 """Liveness (/health) against the in-thread gateway: what it says while all is well, and that it
-fails once a child process serve supervises keeps dying."""
+fails once a child process serve supervises keeps dying; readiness (/ready) while the database
+does not answer."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import httpx
+from sqlalchemy import make_url
 
-from loramux.gateway.server import RunningServer
+from loramux.gateway.db.migrate import upgrade
+from loramux.gateway.health import READY_PROBE_SECONDS
+from loramux.gateway.server import RunningServer, engine_client, serve_in_thread
+from loramux.gateway.settings import EngineSettings, ServerSettings, Settings
 from loramux.gateway.supervisor import FAILING_EXITS, ChildSpec, SupervisedChild, Supervisor
 from tests.gateway.serve_process import wait_for
+from tests.gateway.servers import TcpRelay
+from tests.migrations.test_revisions import new_postgres_database
 
 
 async def _ready() -> bool:
@@ -54,3 +62,43 @@ def test_health_fails_once_a_supervised_child_keeps_dying(gateway: RunningServer
     finally:
         gateway.state.children = None
         gateway.run(stop())
+
+
+def test_ready_answers_503_while_the_database_does_not_answer(
+    demo_model_dir: Path, tmp_path: Path, postgres_url: str, redis_url: str
+) -> None:
+    """A database behind a network that drops packets (connections open, nothing comes back):
+    its SELECT 1 never ends, and every /ready waited on it."""
+    url = new_postgres_database(postgres_url)
+    upgrade(url)
+    relay = TcpRelay(make_url(url).port or 5432)
+    through_relay = make_url(url).set(port=relay.port).render_as_string(hide_password=False)
+    settings = Settings(
+        data_dir=tmp_path / "gw",
+        model=demo_model_dir,
+        engine=EngineSettings(max_model_len=512, kv_cache_mb=32),
+        server=ServerSettings(database_url=through_relay, model_name="demo-model"),
+    )
+    client = engine_client(settings, demo_model_dir)
+    with serve_in_thread(settings, client, demo_model_dir, redis_url=redis_url) as gw:
+        assert httpx.get(f"{gw.url}/ready", timeout=30).status_code == 200
+        relay.stall()
+        answers: list[httpx.Response] = []
+
+        def not_ready() -> bool:
+            try:
+                answers.append(httpx.get(f"{gw.url}/ready", timeout=READY_PROBE_SECONDS * 4))
+            except httpx.ReadTimeout:
+                raise AssertionError("/ready waits on a database that does not answer") from None
+            return answers[-1].status_code == 503
+
+        try:
+            wait_for(not_ready, 60, "/ready says the database does not answer")
+            assert answers[-1].json()["checks"] == {
+                "database": False,
+                "engine": True,
+                "redis": True,
+            }
+        finally:
+            relay.flow()
+            relay.close()
