@@ -178,11 +178,14 @@ async def _budget_used(
 
 
 async def engine_health(src: DashboardSources) -> list[EngineHealth]:
-    """One line per engine; an engine that cannot answer is down."""
+    """One line per engine, in engine order (the panel's `#<index in LORAMUX_ENGINE_URLS>`);
+    an engine that cannot answer is down."""
     if not await src.engine.ready():
         return [EngineHealth(False, 0, 0, 0, 0)]
     return [
-        EngineHealth(True, s.running, s.waiting, s.kv_blocks_used, s.kv_blocks_total)
+        EngineHealth(False, 0, 0, 0, 0)
+        if s is None
+        else EngineHealth(True, s.running, s.waiting, s.kv_blocks_used, s.kv_blocks_total)
         for s in await src.engine.stats()
     ]
 

@@ -108,10 +108,14 @@ class EngineClient(Protocol):
         """New requests for `digest` are refused; in-flight ones finish on it."""
         ...
 
-    async def stats(self) -> list[EngineStats]: ...
+    async def stats(self) -> list[EngineStats | None]:
+        """Each engine's stats, in engine order as `metrics`, None for one that does not answer
+        (an empty list: none is known)."""
+        ...
 
-    async def metrics(self) -> list[str]:
-        """Each answering engine's Prometheus text (engine.metrics), in engine order."""
+    async def metrics(self) -> list[str | None]:
+        """Each engine's Prometheus text (engine.metrics), in engine order (its index in
+        LORAMUX_ENGINE_URLS), None for one that does not answer: the index labels its series."""
         ...
 
     async def ready(self) -> bool: ...

@@ -66,10 +66,10 @@ class LocalEngineClient:
     async def retire_adapter(self, digest: str) -> None:
         self.engine.retire_adapter(digest)
 
-    async def stats(self) -> list[EngineStats]:
+    async def stats(self) -> list[EngineStats | None]:
         return [self.engine.stats()]
 
-    async def metrics(self) -> list[str]:
+    async def metrics(self) -> list[str | None]:
         return [self.engine.engine.metrics.render()]
 
     async def ready(self) -> bool:

@@ -154,7 +154,7 @@ class RayEngineClient:
         it still has, and retires the others: in-flight requests finish, then the adapter and
         its files there go (engine.ray_deployment RETIRE_CHECK_SECONDS)."""
 
-    async def stats(self) -> list[EngineStats]:
+    async def stats(self) -> list[EngineStats | None]:
         return [EngineStats(**s.engine) for s in await self.replica_stats()]
 
     async def replica_stats(self, digests: list[str] | None = None) -> list[ReplicaStats]:
@@ -168,7 +168,7 @@ class RayEngineClient:
             found[s.replica] = s
         return sorted(found.values(), key=lambda s: s.replica)
 
-    async def metrics(self) -> list[str]:
+    async def metrics(self) -> list[str | None]:
         return [await self._call("metrics")]
 
     async def ready(self) -> bool:

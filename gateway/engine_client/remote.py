@@ -72,7 +72,7 @@ class RemoteEngineClient:
         self._serving: dict[str, _Serving] = {}
         """Requests whose `generate` stream is open or opening, by request id."""
         self._loads_at = 0.0
-        self._refresh: asyncio.Task[list[EngineStats]] | None = None
+        self._refresh: asyncio.Task[list[EngineStats | None]] | None = None
 
     async def start(self) -> None:
         """Connect, and learn which adapters each engine already serves (engines that do not
@@ -239,13 +239,14 @@ class RemoteEngineClient:
 
         await asyncio.gather(*(retire(e) for e in self._endpoints))
 
-    async def stats(self) -> list[EngineStats]:
-        """One EngineStats per engine that answers (and fresh loads for routing)."""
-        answers = await asyncio.gather(*(self._stats_of(e) for e in self._endpoints))
-        return [s for s in answers if s is not None]
+    async def stats(self) -> list[EngineStats | None]:
+        """Each engine's EngineStats in LORAMUX_ENGINE_URLS order, None where one does not
+        answer (and fresh loads for routing)."""
+        return list(await asyncio.gather(*(self._stats_of(e) for e in self._endpoints)))
 
-    async def metrics(self) -> list[str]:
-        """The Prometheus text of each engine that answers."""
+    async def metrics(self) -> list[str | None]:
+        """The Prometheus text of each engine, in LORAMUX_ENGINE_URLS order; None where one does
+        not answer, so that the next keeps its index."""
 
         async def of(endpoint: Endpoint) -> str | None:
             try:
@@ -253,12 +254,11 @@ class RemoteEngineClient:
             except EngineError:
                 return None
 
-        answers = await asyncio.gather(*(of(e) for e in self._endpoints))
-        return [a for a in answers if a is not None]
+        return list(await asyncio.gather(*(of(e) for e in self._endpoints)))
 
     async def ready(self) -> bool:
         """At least one engine answers."""
-        return bool(await self.stats())
+        return any(s is not None for s in await self.stats())
 
     # -- routing and failover ------------------------------------------------------------------
     async def _on_engine(

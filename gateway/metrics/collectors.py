@@ -88,16 +88,20 @@ class DegradationCollector(Collector):
 @dataclass(eq=False)
 class EngineSeries(Collector):
     """The engines' series as of the last `update`, each sample labelled `engine` with the
-    engine's index in LORAMUX_ENGINE_URLS (0 for the in-process one), as vLLM labels them."""
+    engine's index in LORAMUX_ENGINE_URLS (0 for the in-process one), as vLLM labels them.
+    An engine that did not answer is None in `texts` and has no series: the engines after it
+    keep their index, never taking its label."""
 
-    texts: list[str] = field(default_factory=list)
+    texts: list[str | None] = field(default_factory=list)
 
-    def update(self, texts: list[str]) -> None:
+    def update(self, texts: list[str | None]) -> None:
         self.texts = texts
 
     def collect(self) -> Iterator[Metric]:
         merged: dict[str, Metric] = {}
         for index, text in enumerate(self.texts):
+            if text is None:
+                continue
             for family in text_string_to_metric_families(text):
                 into = merged.setdefault(
                     family.name, Metric(family.name, family.documentation, family.type)

@@ -13,11 +13,12 @@ import httpx
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from loramux.engine.service.runner import RunningEngineService
 from loramux.gateway.db.migrate import upgrade
 from loramux.gateway.db.session import create_engine, session_factory
 from loramux.gateway.server import RunningServer, engine_client, serve_in_thread
 from loramux.gateway.settings import EngineSettings, ServerSettings, Settings
-from tests.gateway.servers import gateway_server
+from tests.gateway.servers import ENGINE_TOKEN, engine_service, gateway_server
 from tests.migrations.test_revisions import new_postgres_database
 
 
@@ -41,6 +42,22 @@ def admin(gateway: RunningServer, admin_token: str) -> Iterator[httpx.Client]:
         base_url=gateway.url, headers={"authorization": f"Bearer {admin_token}"}, timeout=60
     ) as c:
         yield c
+
+
+@pytest.fixture
+def two_engine_gateway(
+    demo_model_dir: Path, tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[list[RunningEngineService], RunningServer]]:
+    """A gateway of its own on two engine services (LORAMUX_ENGINE_URLS, in that order), for
+    tests that stop one."""
+    with (
+        engine_service(demo_model_dir, tmp_path / "a") as a,
+        engine_service(demo_model_dir, tmp_path / "b") as b,
+    ):
+        monkeypatch.setenv("LORAMUX_ENGINE_URLS", f"{a.url},{b.url}")
+        monkeypatch.setenv("LORAMUX_ENGINE_TOKEN", ENGINE_TOKEN)
+        with gateway_server(demo_model_dir, tmp_path / "gw", redis_url) as gw:
+            yield [a, b], gw
 
 
 @pytest.fixture(scope="session")

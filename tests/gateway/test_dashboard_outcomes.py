@@ -18,6 +18,7 @@ import pytest
 from playwright.sync_api import sync_playwright
 
 from bench.usage_workload import CHROMIUM_ARGS
+from loramux.engine.service.runner import RunningEngineService
 from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import json_of
 from tests.gateway.serve_process import wait_for
@@ -266,6 +267,21 @@ def test_an_admin_sees_engine_health_and_quota_use_across_tenants(
     assert 'data-testid="engine-state">up<' in page
     assert re.search(r'data-testid="engine-kv">[\d.]+% of [\d,]+ blocks<', page)
     assert mixed.tenant.tenant_name in page and f"lmx-{mixed.other_key_id}" in page
+
+
+def test_an_admin_sees_each_engine_at_its_index_while_one_before_it_is_down(
+    two_engine_gateway: tuple[list[RunningEngineService], RunningServer],
+) -> None:
+    """Engine #0 down, #1 up: the panel showed one row, #0 up (engine 1's numbers)."""
+    engines, gw = two_engine_gateway
+    engines[0].stop()
+    with signed_in(gw, gw.state.admin.mint("test-admin", ttl_seconds=600)) as dashboard:
+
+        def states() -> list[tuple[str, str]]:
+            page = dashboard.get("/dashboard", params={"days": 1}).text
+            return re.findall(r'<td>#(\d+)</td><td data-testid="engine-state">(\w+)<', page)
+
+        wait_for(lambda: states() == [("0", "down"), ("1", "up")], 30, "#0 down, #1 up")
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.config import EngineConfig
 from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.service.health import create_health_app
+from loramux.engine.service.runner import RunningEngineService
 from loramux.gateway.health import PROBE_INTERVAL as ENGINE_METRICS_INTERVAL
 from loramux.gateway.metrics import Metrics
 from loramux.gateway.metrics.collectors import Degradation
@@ -305,3 +306,26 @@ def test_with_a_metrics_token_only_a_scrape_bearing_it_reads_the_gateway_or_the_
         assert port.get("/metrics").status_code == 401
         assert "loramux_" in port.get("/metrics", headers=good).text
         assert port.get("/health").status_code in (200, 503)
+
+
+def engine_labels(url: str) -> set[str]:
+    """The `engine` labels of the engines' series on the gateway's /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {
+        s.labels["engine"]
+        for f in text_string_to_metric_families(text)
+        if f.name == "loramux_kv_cache_blocks"
+        for s in f.samples
+    }
+
+
+def test_an_engine_keeps_its_label_while_an_engine_before_it_is_down(
+    two_engine_gateway: tuple[list[RunningEngineService], RunningServer],
+) -> None:
+    """engine="<index in LORAMUX_ENGINE_URLS>": with the first of two engines down, the second's
+    series were labelled engine="0", passing for the dead engine's."""
+    engines, gw = two_engine_gateway
+    wait_for(lambda: engine_labels(gw.url) == {"0", "1"}, 30, "both engines scraped")
+    engines[0].stop()
+    wait_for(lambda: len(engine_labels(gw.url)) == 1, 30, "engine 0 left the scrape")
+    assert engine_labels(gw.url) == {"1"}

@@ -102,7 +102,7 @@ class Residue:
 
 
 async def residue(server: RunningServer, redis_url: str, tenants: Sequence[Tenant]) -> Residue:
-    stats = await on_gateway(server, server.state.engine.stats())
+    stats = [s for s in await on_gateway(server, server.state.engine.stats()) if s is not None]
     return Residue(
         running=sum(s.running for s in stats),
         waiting=sum(s.waiting for s in stats),
