@@ -35,6 +35,7 @@ from loramux.engine.errors import (
 from loramux.engine.structured import StructuredOutputError
 from loramux.gateway.db.faults import Fault, fault_of
 from loramux.gateway.engine_client.base import EngineTimeoutError
+from loramux.gateway.logged_text import loggable
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +391,7 @@ admin audit reads it)."""
 def exception_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     err = to_gateway_error(exc)
     if err is None:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        log.exception("unhandled error on %s %s", request.method, loggable(request.url.path))
         err = InternalError("internal error")
     if err.status in (404, 405) and (path := _with_empty_segment(request.scope)):
         err = _empty_segment(path)

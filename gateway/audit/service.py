@@ -15,6 +15,8 @@ take the `entry` dependency, which wraps the whole request, body decoding includ
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -26,10 +28,14 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from loramux.gateway.admin.paging import Paging, page_of
 from loramux.gateway.db import AuditEntry
 from loramux.gateway.errors import NUL, to_gateway_error
+from loramux.gateway.logged_text import loggable
 
 log = logging.getLogger(__name__)
 
 OK = "ok"
+FAILURE_LOG_INTERVAL = 10.0
+"""At most one line per this many seconds says that entries could not be written: while the
+database refuses writes, a stranger's every request with a bad admin token makes one fail."""
 
 
 @dataclass
@@ -45,6 +51,8 @@ class AuditLog:
 
     def __init__(self, sessions: async_sessionmaker[AsyncSession]) -> None:
         self._sessions = sessions
+        self._failure_logged = -math.inf
+        self._failures_unlogged = 0
 
     @asynccontextmanager
     async def audited(
@@ -96,7 +104,24 @@ class AuditLog:
             async with self._sessions() as session, session.begin():
                 session.add(entry)
         except Exception:
-            log.exception("could not write the audit entry for %s on %s", action, target)
+            self._log_failure(action, target)
+
+    def _log_failure(self, action: str, target: str | None) -> None:
+        """Log the entry that could not be written, with its error, unless a line did less than
+        FAILURE_LOG_INTERVAL ago; the next line counts those left out. Call it while handling
+        the error."""
+        now = time.monotonic()
+        if now - self._failure_logged < FAILURE_LOG_INTERVAL:
+            self._failures_unlogged += 1
+            return
+        unlogged, self._failures_unlogged, self._failure_logged = self._failures_unlogged, 0, now
+        log.exception(
+            "could not write the audit entry for %s on %s (and %d more not logged since the "
+            "last such line)",
+            action,
+            loggable(target) if target is not None else "no target",
+            unlogged,
+        )
 
     async def recent(self, paging: Paging) -> tuple[list[AuditEntry], int]:
         """A page of entries, newest first, and how many the filter matches; `paging.name`

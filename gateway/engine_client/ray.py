@@ -107,7 +107,11 @@ class RayEngineClient:
                     f"{request.request_id}"
                 ) from None
             except EngineStoppedError as exc:
-                log.warning("engine replica lost before %s started (try %d)", request, attempt + 1)
+                log.warning(  # its id alone: the request holds what a tenant wrote
+                    "engine replica lost before %s started (try %d)",
+                    request.request_id,
+                    attempt + 1,
+                )
                 error = exc
                 continue
             if first is None:

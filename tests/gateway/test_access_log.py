@@ -1,5 +1,6 @@
 """The access log of a real `loramux serve` process names each request's path and parameter
-names but never a query value: a key sent as `?api_key=` is not written to the log."""
+names but never a query value: a key sent as `?api_key=` is not written to the log. Text a
+client chose enters other log lines escaped and bounded (`loggable`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loramux.gateway.logged_text import MAX_LOGGED_CHARS, loggable
 from tests.gateway.serve_process import START_SECONDS, wait_for
 
 SECRETS = ["lmx-querysecret1", "eyJquerysecret2", "lmx-baresecret3", "querysecret4"]
@@ -84,3 +86,11 @@ def test_query_values_never_reach_the_access_log(served: tuple[str, Path]) -> No
     text = log.read_text()
     leaked = [secret for secret in SECRETS if secret in text]
     assert leaked == [], text[-3000:]
+
+
+def test_client_text_is_logged_on_one_line_and_bounded() -> None:
+    assert (
+        loggable("/a\r\nINFO forged\x1b[2J\u2028x\x85") == r"'/a\r\nINFO forged\x1b[2J\u2028x\x85'"
+    )
+    long = loggable("x" * (MAX_LOGGED_CHARS + 5000))
+    assert long == repr("x" * MAX_LOGGED_CHARS) + "… (5,000 more characters)"

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+import sqlite3
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 
+from loramux.gateway.audit.service import AuditLog
 from loramux.gateway.dashboard.session import LOGIN
+from loramux.gateway.db.session import create_engine, session_factory
 from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import admin_client, json_of
+from tests.gateway.servers import gateway_server
 
 
 def test_changes_and_failures_are_audited(
@@ -108,3 +115,51 @@ def test_an_admin_token_refused_at_the_dashboards_sign_in_is_audited(
     ours = [e for e in entries if e["action"] == "admin.auth" and e["target"] == LOGIN]
     assert len(ours) >= 3
     assert {(e["actor"], e["outcome"]) for e in ours} == {("anonymous", "invalid_token")}
+
+
+@contextmanager
+def errors_logged() -> Iterator[list[logging.LogRecord]]:
+    """The records of ERROR and above that loramux's loggers write meanwhile."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("loramux").addHandler(handler)
+    try:
+        yield records
+    finally:
+        logging.getLogger("loramux").removeHandler(handler)
+
+
+def test_a_path_a_stranger_chose_cannot_forge_log_lines(
+    demo_model_dir: Path, tmp_path: Path, redis_url: str
+) -> None:
+    """A refused token's entry that cannot be written (the database busy) is logged with its
+    target, the decoded path: its `%0D%0A` ended the line and began one the stranger wrote."""
+    forged = "INFO - 2026-11-27 00:00:00,000 - loramux.gateway.admin - admin token of root ok"
+    path = "/admin/tenants/x%0D%0A" + forged.replace(" ", "%20")
+    with gateway_server(demo_model_dir, tmp_path / "gw", redis_url) as gw, errors_logged() as log:
+        holder = sqlite3.connect(gw.state.settings.database_url.removeprefix("sqlite:///"))
+        holder.execute("BEGIN EXCLUSIVE")  # another writer holds the database
+        try:
+            r = httpx.get(gw.url + path, headers={"authorization": "Bearer x"}, timeout=60)
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+    assert r.status_code == 401
+    [line] = [m for rec in log if "audit entry" in (m := rec.getMessage())]
+    assert "\n" not in line and "\r" not in line
+    assert "x\\r\\nINFO" in line  # the path is in it, escaped
+
+
+async def test_entries_that_cannot_be_written_are_logged_once_per_interval(tmp_path: Path) -> None:
+    """While the database refuses writes, each request with a bad admin token fails one: the
+    first is logged with its error, the next ones only counted."""
+    audit = AuditLog(session_factory(create_engine(f"sqlite:///{tmp_path / 'no-tables.db'}")))
+    with errors_logged() as log:
+        for _ in range(3):
+            await audit.write("anonymous", "admin.auth", "GET /admin/x", "invalid_token", {})
+    assert [r.getMessage() for r in log] == [
+        "could not write the audit entry for admin.auth on 'GET /admin/x' "
+        "(and 0 more not logged since the last such line)"
+    ]
+    assert log[0].exc_info is not None
