@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import secrets
 import time
 
 from litestar import Litestar
@@ -22,6 +21,7 @@ from loramux.gateway.health import health_router
 from loramux.gateway.metrics import Metrics, route_label
 from loramux.gateway.metrics.routes import ARRIVED, CHAT, COMPLETIONS
 from loramux.gateway.openai import openai_router
+from loramux.gateway.request_ids import new_request_id
 from loramux.gateway.state import GatewayState
 
 CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,64}")
@@ -34,16 +34,17 @@ def request_id_middleware(app: ASGIApp, metrics: Metrics) -> ASGIApp:
     (gateway.tracing) when tracing is on.
 
     The gateway's id (`req_<random>`, in `scope["state"]["request_id"]`) keys the request in
-    the engine and names its response (`chatcmpl-…`) and usage event. A client's
-    `x-request-id` is only echoed back for its tracing (when it is a plain token, else the
-    gateway's id is): ids clients choose collide across tenants, so they never key anything."""
+    the engine and names its response (`chatcmpl-…`: gateway.request_ids) and usage event. A
+    client's `x-request-id` is only echoed back for its tracing (when it is a plain token, else
+    the gateway's id is): ids clients choose collide across tenants, so they never key anything.
+    The response's `id` always names the gateway's (a wrong cache hit is reported by it)."""
 
     async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
         started = time.perf_counter()
-        request_id = f"req_{secrets.token_hex(12)}"
+        request_id = new_request_id()
         incoming = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
         echoed = incoming if CLIENT_REQUEST_ID.fullmatch(incoming) else request_id
         state = scope.setdefault("state", {})

@@ -116,8 +116,10 @@ class CacheController(Controller):
         cache_admin: NamedDependency[CacheAdmin],
         entry: NamedDependency[AuditRecord],
     ) -> WrongHitOut:
-        """Report a wrong cached response by its tenant and `x-request-id`: the entry it came from
-        is invalidated (the next identical request misses) and counted. 404 for a request that
+        """Report a wrong cached response by its tenant and its `id` (`chatcmpl-…`, in the body
+        and every chunk of a stream), or its `x-request-id` when the client sent none (a
+        client's own is echoed there, and names nothing here): the entry it came from is
+        invalidated (the next identical request misses) and counted. 404 for a request that
         tenant has no cached response on record for, including another tenant's."""
         entry.target = data.tenant
         entry.detail = {"request_id": data.request_id}

@@ -47,7 +47,8 @@ class Purged(Struct):
 
 
 class WrongHit(Struct, forbid_unknown_fields=True):
-    """A response an admin reports as wrong: its tenant and the `x-request-id` it was sent with."""
+    """A response an admin reports as wrong: its tenant and its `id` (`chatcmpl-…`, `cmpl-…`),
+    or the `x-request-id` it was sent with when its client sent none (the gateway's `req_…`)."""
 
     tenant: Annotated[str, Meta(min_length=1, max_length=200)]
     request_id: Annotated[str, Meta(min_length=1, max_length=200)]

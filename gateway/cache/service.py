@@ -28,6 +28,7 @@ from loramux.gateway.cache_policy import TenantCacheSettings
 from loramux.gateway.db import AdapterVersion, ApiKey
 from loramux.gateway.db.adapter import SHARED_OWNER
 from loramux.gateway.errors import NotFound, ServiceUnavailable, Unprocessable
+from loramux.gateway.request_ids import request_id_of
 from loramux.gateway.tenants.lookup import get_locked_tenant, get_tenant, owner_id, tenant_id_of
 
 _DIGEST = re.compile(r"^[0-9a-f]{16,64}$")
@@ -76,10 +77,12 @@ class CacheAdmin:
                 f"the response cache is unavailable: {exc}", code="cache_unavailable"
             ) from exc
 
-    async def report_wrong_hit(self, tenant_id: str, request_id: str) -> None:
-        """Invalidate the entry that answered the tenant's request. NotFound alike for an unknown
-        tenant, an unknown request and another tenant's request (nothing says which)."""
+    async def report_wrong_hit(self, tenant_id: str, reported: str) -> None:
+        """Invalidate the entry that answered the tenant's request, named by its response's `id`
+        or the gateway's request id. NotFound alike for an unknown tenant, an unknown request
+        and another tenant's request (nothing says which)."""
         tenant_id = (await get_tenant(self.session, tenant_id)).id
+        request_id = request_id_of(reported)
         try:
             found = await self.response_cache.report_wrong_hit(tenant_id, request_id)
         except Exception as exc:

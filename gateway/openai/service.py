@@ -86,6 +86,7 @@ from loramux.gateway.openai.tools import ToolCallFormat, tool_plan
 from loramux.gateway.prefix_cache import cache_salt
 from loramux.gateway.prompt_tokens import PromptTokens
 from loramux.gateway.quotas import Admission, QuotaService
+from loramux.gateway.request_ids import response_id
 
 Body = ChatCompletionRequest | CompletionRequest
 
@@ -267,13 +268,10 @@ class CompletionService:
 
     def _meta(self, req: Body, request_id: str, model: ResolvedModel) -> ResponseMeta:
         kind: Kind = "chat" if isinstance(req, ChatCompletionRequest) else "text"
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        response_id = f"{prefix}-{request_id.removeprefix('req_')}"
         fingerprint = self.limits.fingerprint(model.digest)
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-        return ResponseMeta(
-            kind, response_id, int(time.time()), model.name, fingerprint, include_usage
-        )
+        named = response_id(kind, request_id)
+        return ResponseMeta(kind, named, int(time.time()), model.name, fingerprint, include_usage)
 
     # -- answering: one sequence of parts, streamed or gathered ------------------------------------
     def start(self, p: Prepared) -> Generation | None:

@@ -1,10 +1,12 @@
 """Request ids: the gateway names every request itself. A client's `x-request-id` is echoed
 back for its tracing but keys nothing, so tenants that pick the same id never collide or learn
-of each other; only plain short ids are echoed."""
+of each other; only plain short ids are echoed. The response's `id` always names the gateway's
+id: a wrong cache hit is reported by it."""
 
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 import httpx
@@ -93,3 +95,37 @@ def test_only_plain_short_request_ids_are_echoed(
     assert r.headers["x-request-id"].startswith("req_")
     plain = httpx.get(f"{gateway.url}/v1/models", headers=auth(a, "0af7651916cd43dd-8448eb211c80"))
     assert plain.headers["x-request-id"] == "0af7651916cd43dd-8448eb211c80"
+
+
+@pytest.mark.parametrize("route", ["chat/completions", "completions"])
+def test_a_hit_sent_with_the_clients_own_id_is_reported_by_its_response_id(
+    gateway: RunningServer, admin: httpx.Client, route: str
+) -> None:
+    """The feedback endpoint took only the gateway's `req_…`, which a response whose client
+    sent its own x-request-id (OpenAI's SDKs and tracing proxies do) carries nowhere: such a
+    wrong hit could not be reported (404)."""
+    tenant, other = new_tenant(admin, "rid-feedback"), new_tenant(admin, "rid-feedback")
+    asked = f"Where is my invoice? {uuid.uuid4().hex}"
+    chat = route == "chat/completions"
+    prompt = {"messages": [{"role": "user", "content": asked}]} if chat else {"prompt": asked}
+    body = {"model": "demo-model", "max_tokens": 4, "temperature": 0, **prompt}
+
+    def ask(trace: str) -> httpx.Response:
+        headers = {"authorization": f"Bearer {tenant.key}", "x-request-id": trace}
+        r = httpx.post(f"{gateway.url}/v1/{route}", json=body, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        return r
+
+    ask("client-trace-1")
+    hit = ask("client-trace-2")
+    assert hit.headers["x-cache"] == "exact"
+    assert hit.headers["x-request-id"] == "client-trace-2"
+
+    def report(by: TenantKey, request_id: str) -> int:
+        answer = {"tenant": by.tenant_id, "request_id": request_id}
+        return admin.post("/admin/cache/feedback", json=answer).status_code
+
+    assert report(tenant, "client-trace-2") == 404  # a client's id names nothing
+    assert report(other, hit.json()["id"]) == 404  # another tenant's response
+    assert report(tenant, hit.json()["id"]) == 200
+    assert ask("client-trace-3").headers["x-cache"] == "miss"
