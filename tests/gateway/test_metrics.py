@@ -32,6 +32,7 @@ from tests.gateway.servers import gateway_server
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 
 DASHBOARD = Path(__file__).parents[2] / "docker" / "grafana" / "loramux.json"
+METRICS_DOC = Path(__file__).parents[2] / "docs" / "metrics.md"
 CHAT = "/v1/chat/completions"
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -143,6 +144,14 @@ def test_counters_end_in_total_and_count_the_load(load: dict[str, Any]) -> None:
     assert grew(load, "loramux_prefix_cache_queries_total") > 0
     # Read at scrape time, from the start at 0 (a purge racing a store counts one: below).
     assert any(n == "loramux_response_cache_fenced_total" for n, _ in load["after"])
+
+
+def test_every_series_is_documented(load: dict[str, Any]) -> None:
+    """docs/metrics.md lists every series, the gateway's and the engines' (its table rows name
+    them as they are scraped: a counter with its `_total`)."""
+    documented = set(re.findall(r"`(loramux_\w+)`", METRICS_DOC.read_text()))
+    scraped = {n + "_total" if t == "counter" else n for n, t in load["types"].items()}
+    assert scraped - documented == set()
 
 
 def test_cache_writes_a_purge_refused_are_exposed() -> None:
