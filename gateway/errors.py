@@ -35,7 +35,7 @@ from loramux.engine.errors import (
 from loramux.engine.structured import StructuredOutputError
 from loramux.gateway.db.faults import Fault, fault_of
 from loramux.gateway.engine_client.base import EngineTimeoutError
-from loramux.gateway.logged_text import loggable
+from loramux.gateway.logged_text import loggable, writable
 
 log = logging.getLogger(__name__)
 
@@ -74,21 +74,15 @@ class GatewayError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        """The response body, writable whatever the message and param hold (`_writable`)."""
+        """The response body, writable whatever the message and param hold."""
         return {
             "error": {
-                "message": _writable(self.message),
+                "message": writable(self.message),
                 "type": self.type,
-                "param": None if self.param is None else _writable(self.param),
+                "param": None if self.param is None else writable(self.param),
                 "code": self.code,
             }
         }
-
-
-def _writable(text: str) -> str:
-    """`text` with what UTF-8 cannot carry escaped: a lone surrogate (JSON may hold one,
-    `"\\udc80"`) quoted from a client's input made the body unwritable, a 500."""
-    return text.encode("utf-8", "backslashreplace").decode()
 
 
 class BadRequest(GatewayError):
