@@ -3,16 +3,23 @@ a name filter, and a tenant is addressed by its id or its name on every route th
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import select, text
 
+from loramux.gateway.admin.paging import Paging
+from loramux.gateway.db import Tenant
+from loramux.gateway.db.migrate import upgrade
+from loramux.gateway.db.session import create_engine, session_factory
 from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import admin_client, json_of
 from tests.gateway.tenants import new_tenant, upload_adapter
+from tests.migrations.test_revisions import new_postgres_database
 
 
 def walk(admin: httpx.Client, path: str, limit: int, **params: str) -> list[dict]:
@@ -185,6 +192,31 @@ def test_a_name_filter_finds_a_non_ascii_name_on_either_database(
         ):
             page = json_of(admin.get("/admin/tenants", params={"name": needle}))
             assert [t["name"] for t in page["items"]] == [name], needle
+
+
+@pytest.mark.parametrize("name", ["ΟΔΟΣ", "İzmir"])
+def test_a_name_filter_finds_a_name_by_itself_where_the_database_folds_unicode(
+    postgres_url: str, name: str
+) -> None:
+    """In a UTF-8 locale PostgreSQL's lower() folds a letter at a time and unlike Python's
+    (a final `Σ` to `σ`, not `ς`; `İ` to `i`, not `i̇`): a name is found by its own text all
+    the same, both sides folded by the database."""
+    url = new_postgres_database(postgres_url, locale="C.utf8")
+    upgrade(url)
+
+    async def found() -> list[str]:
+        engine = create_engine(url)
+        try:
+            async with session_factory(engine)() as session:
+                assert await session.scalar(text("SELECT lower(:n)"), {"n": name}) != name
+                session.add(Tenant(name=name))
+                await session.commit()
+                where = Paging(limit=50, offset=0, name=name).name_filter(Tenant.name)
+                return list(await session.scalars(select(Tenant.name).where(where)))
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(found()) == [name]
 
 
 NUL_REFERENCES = [

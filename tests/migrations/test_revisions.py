@@ -36,20 +36,26 @@ def empty_database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return new_postgres_database(request.getfixturevalue("postgres_url"))
 
 
-def new_postgres_database(server: str) -> str:
-    """Create an empty database on the server of `server` (a URL) and return its URL."""
+def new_postgres_database(server: str, locale: str | None = None) -> str:
+    """Create an empty database on the server of `server` (a URL) and return its URL; in
+    `locale` (its collation and character classes, e.g. `C.utf8`) rather than the server's C."""
     name = f"migrations_{secrets.token_hex(4)}"
-    asyncio.run(create_database(server, name))
+    asyncio.run(create_database(server, name, locale))
     return make_url(server).set(database=name).render_as_string(hide_password=False)
 
 
-async def create_database(server: str, name: str) -> None:
+async def create_database(server: str, name: str, locale: str | None = None) -> None:
     engine = create_async_engine(
         async_url(server), isolation_level="AUTOCOMMIT", poolclass=pool.NullPool
     )
+    options = (
+        f" TEMPLATE template0 ENCODING 'UTF8' LC_COLLATE '{locale}' LC_CTYPE '{locale}'"
+        if locale
+        else ""
+    )
     try:
         async with engine.connect() as connection:
-            await connection.execute(text(f'CREATE DATABASE "{name}"'))
+            await connection.execute(text(f'CREATE DATABASE "{name}"{options}'))
     finally:
         await engine.dispose()
 
