@@ -41,22 +41,64 @@ _HIDDEN_CHARACTERS = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp", "Zs"})
 and every space but U+0020 (a no-break or ideographic space reads as a space, so `acme corp`
 and `acme\u00a0corp` would be two names that look the same)."""
 
+# Default_Ignorable_Code_Point, from Unicode 14.0's DerivedCoreProperties.txt (adjacent ranges
+# merged): what a renderer shows as nothing. Besides format characters it holds marks and
+# letters no category gives away: the combining grapheme joiner, variation selectors, the
+# Hangul fillers. Python's unicodedata has no such property.
+_DEFAULT_IGNORABLE = (
+    (0x00AD, 0x00AD),
+    (0x034F, 0x034F),
+    (0x061C, 0x061C),
+    (0x115F, 0x1160),
+    (0x17B4, 0x17B5),
+    (0x180B, 0x180F),
+    (0x200B, 0x200F),
+    (0x202A, 0x202E),
+    (0x2060, 0x206F),
+    (0x3164, 0x3164),
+    (0xFE00, 0xFE0F),
+    (0xFEFF, 0xFEFF),
+    (0xFFA0, 0xFFA0),
+    (0xFFF0, 0xFFF8),
+    (0x1BCA0, 0x1BCA3),
+    (0x1D173, 0x1D17A),
+    (0xE0000, 0xE0FFF),
+)
+
+
+def _is_hidden(char: str) -> bool:
+    """Whether `char` hides or disguises text: of `_HIDDEN_CHARACTERS` (but ' '), or ignorable."""
+    if char == " ":
+        return False
+    code = ord(char)
+    return unicodedata.category(char) in _HIDDEN_CHARACTERS or any(
+        first <= code <= last for first, last in _DEFAULT_IGNORABLE
+    )
+
 
 def check_display_name(value: str, field: str) -> None:
     """Refuse a name people read (in listings, the dashboard, logs) that could disguise itself:
-    leading or trailing whitespace, or a character of `_HIDDEN_CHARACTERS` other than ' '."""
+    leading or trailing whitespace, a character `_is_hidden`, or text not in Unicode's NFC (a
+    decomposed `e` + U+0301 reads as the composed `é` of another name)."""
     if value != value.strip():
         raise BadRequest(
             f"{field} may not start or end with whitespace", param=field, code="invalid_request"
         )
     for position, char in enumerate(value):
-        if char != " " and unicodedata.category(char) in _HIDDEN_CHARACTERS:
+        if _is_hidden(char):
             raise BadRequest(
-                f"{field} may not hold control, format or space characters other than ' ' "
-                f"(U+{ord(char):04X} at position {position})",
+                f"{field} may not hold control, format, invisible or space characters other "
+                f"than ' ' (U+{ord(char):04X} at position {position})",
                 param=field,
                 code="invalid_request",
             )
+    if not unicodedata.is_normalized("NFC", value):
+        raise BadRequest(
+            f"{field} must be in Unicode normal form NFC (composed: 'é' as U+00E9, not 'e' "
+            "followed by U+0301)",
+            param=field,
+            code="invalid_request",
+        )
 
 
 def given(body: Struct) -> dict[str, Any]:

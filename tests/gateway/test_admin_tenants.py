@@ -116,6 +116,11 @@ DISGUISED_NAMES = {
     "narrow no-break space": "acme\u202fcorp",
     "em space": "acme\u2003corp",
     "ideographic space": "acme\u3000corp",
+    "combining grapheme joiner": "ac\u034fme",
+    "variation selector-16": "acme\ufe0f",
+    "hangul filler": "ac\u3164me",
+    "hangul choseong filler": "\u115facme",
+    "decomposed é (not NFC)": "cafe\u0301 corp",
     "201 characters": "a" * 201,
 }
 
