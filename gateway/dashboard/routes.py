@@ -34,7 +34,7 @@ from loramux.gateway.dashboard.session import (
 from loramux.gateway.dashboard.sources import DashboardSources
 from loramux.gateway.dashboard.style import STYLESHEET
 from loramux.gateway.dashboard.view import chosen_tenant, load_view, view_json, window_of
-from loramux.gateway.errors import PermissionDenied, Unauthorized
+from loramux.gateway.errors import PermissionDenied, Unauthorized, refuse_nul
 from loramux.gateway.state import GatewayState
 
 AnyRequest = Request[Any, Any, Any]
@@ -91,11 +91,13 @@ def _refuse_other_origins(request: AnyRequest) -> None:
 
 
 class DashboardController(Controller):
-    """Mounted by `dashboard_router`, which provides `dashboard` (its `DashboardSources`)."""
+    """Mounted by `dashboard_router`, which provides `dashboard` (its `DashboardSources`).
+    `refuse_nul` answers a `?tenant=` holding NUL before any query, alike on every database."""
 
     path = "/dashboard"
     include_in_schema = False
     middleware = (security_headers,)
+    guards = (refuse_nul,)
 
     @get("/")
     async def page(

@@ -173,7 +173,7 @@ async def load_view(
     tenants = await _tenants(src, None if is_admin else tenant_id)
     names = {t.id: t.name for t in tenants}
     if tenant_id is not None and tenant_id not in names:
-        raise NotFound(f"no tenant {tenant_id!r}", param="tenant", code="not_found")
+        raise NotFound(f"no tenant {tenant_id[:100]!r}", param="tenant", code="not_found")
     dimension: Dimension = "model" if tenant_id else "tenant"
     # One read per group and day gives the daily series, the breakdown and the totals.
     groups = await read_usage(

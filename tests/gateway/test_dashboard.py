@@ -190,6 +190,22 @@ def test_an_admin_picks_a_tenant_by_id_or_name(
         assert client.get("/dashboard/data", params={"tenant": "no-such"}).status_code == 404
 
 
+@pytest.mark.parametrize("path", ["/dashboard/data", "/dashboard"])
+def test_an_admins_tenant_holding_nul_is_refused_before_any_query_on_either_database(
+    each_gateway: RunningServer, path: str
+) -> None:
+    """No reference holds NUL, answered alike on SQLite and PostgreSQL (docs/architecture.md);
+    a tenant that is not there is named back at most 100 characters long."""
+    token = each_gateway.state.admin.mint("nul-admin", ttl_seconds=600)
+    with signed_in(each_gateway, token) as client:
+        refused = client.get(path, params={"tenant": "acme\x00"})
+        assert refused.status_code == 400, refused.text
+        assert json_of(refused)["error"]["param"] == "tenant"
+        missing = client.get(path, params={"tenant": "no-such-" + "x" * 300})
+        assert missing.status_code == 404, missing.text
+        assert "no-such-" + "x" * 92 + "'" in json_of(missing)["error"]["message"]
+
+
 def refused(client: httpx.Client, cookie: str) -> None:
     client.cookies.set(COOKIE, cookie, path="/dashboard")
     page = client.get("/dashboard")
