@@ -8,7 +8,8 @@ round, and every gateway sharing the admin secret accepts it. The label separate
 uses, but a tenant's own cookie still lets it test guesses of the admin secret offline: only the
 secret's length (`setting_checks.MIN_SECRET_BYTES`, checked at start) makes that hopeless.
 A tenant session lasts `SESSION_SECONDS`; an admin session no longer than the admin token it
-came from. A tenant session also ends as soon as its key is revoked or expires or its tenant is
+came from, so a token past its `exp` signs in to none (though the admin API takes it within
+the clock skew). A tenant session also ends as soon as its key is revoked or expires or its tenant is
 disabled.
 
 Signing out ends the session itself, not only the browser's cookie: each session token carries
@@ -114,7 +115,8 @@ def decode(src: DashboardSources, token: str | None) -> Viewer:
 
 
 async def sign_in(src: DashboardSources, credential: str) -> Viewer:
-    """The viewer for a pasted API key (`lmx-…`) or admin token; Unauthorized otherwise."""
+    """The viewer for a pasted API key (`lmx-…`) or an admin token not past its `exp`;
+    Unauthorized otherwise."""
     credential = credential.strip()
     now = int(time.time())
     if credential.startswith("lmx-"):
@@ -122,6 +124,10 @@ async def sign_in(src: DashboardSources, credential: str) -> Viewer:
         return Viewer(principal.key_id, principal.tenant_id, now + SESSION_SECONDS, _new_id())
     try:
         identity = src.admin.verify(f"Bearer {credential}")
+        if int(identity.claims["exp"]) <= now:
+            # Taken by the admin API within the clock skew, but a session ending at its `exp`
+            # would be over before it began (a cookie of Max-Age 0, and no word of why).
+            raise Unauthorized("admin token expired", code="invalid_token")
     except GatewayError as exc:
         # Audited as the admin API's guard audits a refused token: someone guessing admin
         # tokens here instead was invisible in the audit log.

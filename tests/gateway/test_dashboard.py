@@ -283,6 +283,20 @@ def test_sign_in_refuses_bad_credentials_and_other_origins(
         assert client.get("/dashboard").status_code == 200  # the sign-in form
 
 
+def test_an_admin_token_past_its_exp_is_refused_at_sign_in_saying_so(
+    gateway: RunningServer,
+) -> None:
+    """The admin API takes a token up to the clock skew past its `exp`; a session would end at
+    that `exp`, before it began (a cookie of Max-Age 0): sign-in refuses it instead."""
+    token = gateway.state.admin.mint("skewed-admin", ttl_seconds=-10)
+    with httpx.Client(base_url=gateway.url, timeout=60) as client:
+        api = client.get("/admin/tenants", headers={"authorization": f"Bearer {token}"})
+        assert api.status_code == 200, api.text
+        r = client.post("/dashboard/login", data={"credential": token})
+        assert r.status_code == 401 and COOKIE not in client.cookies
+        assert 'data-testid="sign-in-error"' in r.text and "admin token expired" in r.text
+
+
 def test_every_dashboard_response_forbids_caching_and_sniffing(
     gateway: RunningServer, traffic: Traffic
 ) -> None:
