@@ -1,11 +1,17 @@
 from __future__ import annotations
 
+import uuid
 from datetime import datetime
 
 from sqlalchemy import BigInteger, DateTime, Float, Integer, String
 from sqlalchemy.orm import Mapped, mapped_column
 
 from loramux.gateway.db.base import Base, utcnow
+
+
+def new_event_id() -> str:
+    """An id no other usage event has: 32 hex digits."""
+    return uuid.uuid4().hex
 
 
 class UsageEvent(Base):
@@ -17,6 +23,10 @@ class UsageEvent(Base):
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), default=utcnow, index=True
     )
+    event_id: Mapped[str] = mapped_column(String(32), unique=True, index=True, default=new_event_id)
+    """Given when the event was recorded (`UsageRecord.event_id`): a write tried again after
+    its commit's reply was lost stores nothing twice. Rows stored before it existed hold
+    `legacy_<id>`."""
     request_id: Mapped[str] = mapped_column(String(64))
     tenant_id: Mapped[str] = mapped_column(String(32), index=True)
     key_id: Mapped[str] = mapped_column(String(32))

@@ -5,7 +5,11 @@ hourly and daily rollups.
 `interval` seconds (or sooner when it fills). One flush of a chunk is one transaction: it inserts
 the events and adds them into `usage_hourly` and `usage_daily` (aggregated here first, then one
 INSERT … ON CONFLICT DO UPDATE per table), so the rollups always equal the sums of the stored
-events. `close` drains everything, so a clean shutdown loses nothing; while the database is
+events. Writing a chunk again is harmless: each event has an id given when it was recorded
+(`event_id`, unique in `usage_events`), the insert skips those stored already and only the
+events it inserted are added into the rollups. A write whose commit went through but whose
+reply was lost (a connection broken at that moment) is taken as failed and tried again; it
+bills nothing twice. `close` drains everything, so a clean shutdown loses nothing; while the database is
 unavailable the events wait in a bounded buffer and writing is retried with backoff (see
 `UsageRecorder`). Usage never passes through Redis, so a Redis restart cannot lose any.
 """
@@ -24,13 +28,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Table, insert
+from sqlalchemy import Table
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DataError, IntegrityError, StatementError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from loramux.gateway.db import Base, UsageEvent, UsageTotals, usage_daily, usage_hourly
 from loramux.gateway.db.base import utcnow
+from loramux.gateway.db.usage import new_event_id
 from loramux.gateway.db.usage_rollup import GROUP_KEY, MEASURES, histogram_bin
 from loramux.gateway.usage.unwritten import UnwrittenTokens
 
@@ -63,6 +68,9 @@ class UsageRecord:
     refusal: str | None = None
     """For a 429: the limit that refused it (`requests`, `tokens`, `concurrency`, `budget`,
     `backlog`)."""
+    event_id: str = field(default_factory=new_event_id)
+    """This event's own id (32 hex digits), given when it is recorded: the same in every write
+    of it, so the database stores it once however often it is written."""
 
 
 def hour_of(ts: datetime) -> datetime:
@@ -139,6 +147,15 @@ def _upsert(dialect: str, table: Table) -> Any:
         index_elements=list(GROUP_KEY),
         set_={m: table.c[m] + stmt.excluded[m] for m in MEASURES},
     )
+
+
+@functools.cache
+def _insert_new(dialect: str) -> Any:
+    """The INSERT of events that skips those stored already (by `event_id`) and returns the ids
+    of those it inserted."""
+    insert_into = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    stmt = insert_into(usage_events).on_conflict_do_nothing(index_elements=["event_id"])
+    return stmt.returning(usage_events.c.event_id)
 
 
 def event_row(e: UsageRecord) -> dict[str, Any]:
@@ -270,9 +287,12 @@ class UsageRecorder:
         return written
 
     async def _write(self, chunk: list[UsageRecord]) -> None:
+        """Store the events of `chunk` not stored yet, and add those into the rollups."""
         async with self.sessions() as session, session.begin():
-            await session.execute(insert(usage_events), [event_row(e) for e in chunk])
-            hourly = hourly_rollup(chunk)
+            insert_new = _insert_new(session.get_bind().dialect.name)
+            result = await session.execute(insert_new, [event_row(e) for e in chunk])
+            inserted = set(result.scalars())
+            hourly = hourly_rollup(e for e in chunk if e.event_id in inserted)
             await add_to_rollup(session, usage_hourly, hourly)
             await add_to_rollup(session, usage_daily, daily_rollup(hourly))
 

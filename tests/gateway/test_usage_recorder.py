@@ -1,12 +1,15 @@
 """The usage recorder under failure: no event is lost across a database outage (they wait, in a
-bounded buffer, and are written once it is back), an event the database refuses is dropped
-alone without stopping the others, and every drop is counted and logged with its fields."""
+bounded buffer, and are written once it is back), none is stored twice when a write's commit
+went through but its reply was lost, an event the database refuses is dropped alone without
+stopping the others, and every drop is counted and logged with its fields."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import random
+import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -15,10 +18,11 @@ from sqlalchemy import func, pool, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 
-from loramux.gateway.db import UsageEvent
+from loramux.gateway.db import UsageEvent, usage_daily
 from loramux.gateway.db.migrate import upgrade
 from loramux.gateway.db.session import async_url, create_engine, session_factory
 from loramux.gateway.usage import UsageRecord, UsageRecorder
+from loramux.gateway.usage.recorder import UsageUnavailable
 from tests.gateway.test_usage_rollups import assert_rollups_match_events, random_events
 from tests.migrations.test_revisions import new_postgres_database
 
@@ -177,3 +181,97 @@ async def test_closing_while_the_database_is_away_drops_loudly_instead_of_raisin
         recorder.record(e)
     await recorder.close(retry_for=0.1)
     assert (len(recorder), recorder.dropped) == (0, {"shutdown": 5})
+
+
+class CommitReplyLost:
+    """A TCP relay to PostgreSQL that, once `armed` is set, lets the next COMMIT through to the
+    server and breaks the connection when the server answers it: the transaction is committed,
+    and the client never learns it. `fired` is set once that happened."""
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        self.armed = threading.Event()
+        self.fired = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            commit_sent = threading.Event()
+            args = (client, server, commit_sent)
+            threading.Thread(target=self._up, args=args, daemon=True).start()
+            threading.Thread(target=self._down, args=args, daemon=True).start()
+
+    def _up(
+        self, client: socket.socket, server: socket.socket, commit_sent: threading.Event
+    ) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                if self.armed.is_set() and not self.fired.is_set() and b"COMMIT" in data:
+                    commit_sent.set()
+                server.sendall(data)
+        _close(client, server)
+
+    def _down(
+        self, client: socket.socket, server: socket.socket, commit_sent: threading.Event
+    ) -> None:
+        with contextlib.suppress(OSError):
+            while data := server.recv(65536):
+                if commit_sent.is_set():  # the server has committed: its answer is lost
+                    self.fired.set()
+                    self.armed.clear()
+                    break
+                client.sendall(data)
+        _close(client, server)
+
+
+def _close(*sockets: socket.socket) -> None:
+    for s in sockets:
+        with contextlib.suppress(OSError):
+            s.shutdown(socket.SHUT_RDWR)
+        s.close()
+
+
+@pytest.fixture
+async def relayed(postgres_url: str) -> AsyncIterator[tuple[Sessions, CommitReplyLost]]:
+    """Sessions on a migrated database of the test's own, reached through a CommitReplyLost."""
+    url = await asyncio.to_thread(new_postgres_database, postgres_url)
+    await asyncio.to_thread(upgrade, url)
+    relay = CommitReplyLost(make_url(url).port or 5432)
+    engine = create_engine(make_url(url).set(port=relay.port).render_as_string(hide_password=False))
+    try:
+        yield session_factory(engine), relay
+    finally:
+        await engine.dispose()
+        relay.listener.close()
+
+
+async def test_a_write_whose_commit_reply_is_lost_stores_each_event_once(
+    relayed: tuple[Sessions, CommitReplyLost],
+) -> None:
+    """The write is taken as failed (the database may be unavailable) and the events are kept;
+    written again, those the lost commit stored already are not stored, nor rolled up, again."""
+    sessions, relay = relayed
+    events = random_events(random.Random(12), 50, ["t1"])
+    recorder = UsageRecorder(sessions)
+    relay.armed.set()
+    for e in events:
+        recorder.record(e)
+    with pytest.raises(UsageUnavailable):
+        await recorder.flush()
+    assert relay.fired.is_set() and len(recorder) == 50
+    await recorder.flush()  # the database answers again: what was kept is written
+    assert len(recorder) == 0
+
+    assert await stored(sessions) == 50
+    await assert_rollups_match_events(sessions)
+    tokens = sum(e.prompt_tokens + e.completion_tokens for e in events)
+    async with sessions() as session:
+        daily = usage_daily.c.prompt_tokens + usage_daily.c.completion_tokens
+        assert await session.scalar(select(func.sum(daily))) == tokens

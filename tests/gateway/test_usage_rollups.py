@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from alembic import command
-from sqlalchemy import Table, insert, select
+from sqlalchemy import DateTime, Table, column, insert, select, table
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -253,13 +253,17 @@ def test_percentiles_read_from_the_histogram_fall_in_the_true_percentiles_bin() 
 def test_upgrading_a_database_with_events_fills_the_rollups(empty_url: str) -> None:
     command.upgrade(alembic_config(empty_url), "161bc3649f82")  # before rollups existed
     events = random_events(random.Random(6), 1500, ["t1", "t2"])
-    # That schema predates `admitted_at` and `refusal` too.
-    rows = [
-        {k: v for k, v in vars(e).items() if k not in ("admitted_at", "refusal")} for e in events
-    ]
+    # That schema predates `admitted_at`, `refusal` and `event_id` too.
+    newer = ("admitted_at", "refusal", "event_id")
+    rows = [{k: v for k, v in vars(e).items() if k not in newer} for e in events]
+
+    names = [n for n in rows[0] if n != "created_at"]
+    old_events = table(
+        "usage_events", column("created_at", DateTime(timezone=True)), *map(column, names)
+    )
 
     def insert_events(connection: object) -> None:
-        connection.execute(insert(UsageEvent.__table__), rows)  # type: ignore[attr-defined]
+        connection.execute(insert(old_events), rows)  # type: ignore[attr-defined]
         connection.commit()  # type: ignore[attr-defined]
 
     with_connection(empty_url, insert_events)

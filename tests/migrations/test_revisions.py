@@ -135,6 +135,34 @@ def test_upgrade_works_from_any_directory_and_creates_the_sqlite_folder(
     assert current(url) == HEAD
 
 
+BEFORE_EVENT_IDS = "3e8f0c6a1d52"
+"""The revision before usage events had ids of their own (`event_id`)."""
+
+
+def test_events_stored_before_event_ids_get_unique_ones_and_lose_them_on_downgrade(
+    empty_database: str,
+) -> None:
+    """Each event already stored gets an id no other event has (the column is then NOT NULL and
+    unique); downgrading drops the column and keeps the events."""
+    upgrade(empty_database)
+    downgrade(empty_database, BEFORE_EVENT_IDS)
+    hour = datetime(2030, 1, 1, 10, tzinfo=UTC)
+    with_connection(empty_database, lambda c: _store_refusals(c, [(hour, "k1", None)] * 3))
+
+    upgrade(empty_database)
+    assert schema_diff(empty_database) == []
+    ids = with_connection(
+        empty_database, lambda c: list(c.scalars(text("SELECT event_id FROM usage_events")))
+    )
+    assert len(set(ids)) == 3 and all(i.startswith("legacy_") for i in ids)
+
+    downgrade(empty_database, BEFORE_EVENT_IDS)
+    columns = with_connection(empty_database, lambda c: inspect(c).get_columns("usage_events"))
+    assert "event_id" not in {c["name"] for c in columns}
+    count = "SELECT count(*) FROM usage_events"
+    assert with_connection(empty_database, lambda c: c.scalar(text(count))) == 3
+
+
 BEFORE_BACKLOG = "9b3e5a17c2d0"
 """The revision before rollups counted backlog refusals apart from `refused_requests`."""
 

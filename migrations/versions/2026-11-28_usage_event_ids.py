@@ -1,0 +1,38 @@
+"""usage_events.event_id: an id given to each event when it is recorded, unique, so a write
+tried again after its commit's reply was lost (committed, but taken as failed) stores and rolls
+up nothing twice (gateway.usage.recorder inserts ON CONFLICT DO NOTHING).
+
+The events already stored get `legacy_<id>` (unique, and never an id the gateway gives: those
+are 32 hex digits) before the column becomes NOT NULL and its unique index is built. On SQLite
+the NOT NULL rebuilds the table (Alembic's batch mode); on PostgreSQL it is one ALTER.
+
+Revision ID: 7c2d4e9a0b61
+Revises: 3e8f0c6a1d52
+Create Date: 2026-11-28 08:00:00
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "7c2d4e9a0b61"
+down_revision = "3e8f0c6a1d52"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.add_column("usage_events", sa.Column("event_id", sa.String(length=32), nullable=True))
+    events = sa.table("usage_events", sa.column("id"), sa.column("event_id"))
+    legacy = sa.literal("legacy_") + sa.cast(events.c.id, sa.String())
+    op.execute(sa.update(events).values(event_id=legacy))
+    with op.batch_alter_table("usage_events") as batch:
+        batch.alter_column("event_id", existing_type=sa.String(length=32), nullable=False)
+    op.create_index(op.f("ix_usage_events_event_id"), "usage_events", ["event_id"], unique=True)
+
+
+def downgrade() -> None:
+    op.drop_index(op.f("ix_usage_events_event_id"), table_name="usage_events")
+    with op.batch_alter_table("usage_events") as batch:
+        batch.drop_column("event_id")
