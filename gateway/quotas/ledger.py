@@ -11,11 +11,26 @@ to, even when it finished in the next: a request spanning a period boundary is c
 Events wait in their gateway process's UsageRecorder until written (a fraction of a second, or
 as long as the database cannot take writes); this process's waiting events are counted too,
 from the recorder's running totals (gateway.usage.unwritten), each once.
+
+A request still running when its ledger is seeded counts through its reservation, which the
+seed's script adds (gateway.quotas.scripts); one that ends before, through its event. One
+that ends while the seed is read or on its way to Redis fell between the two: its event was
+recorded after the totals were read (and is not in SQL either), and its settlement removed its
+reservation from a ledger without a total, charging nothing there. So a seed is a `Seed`: what
+was read, plus the tokens recorded since the read (`UnwrittenTokens.recorded`), taken when its
+script is sent; those recorded while it was on its way are charged once its reply came
+(`QuotaService._charge_recorded_late`). A request ending in those windows may count twice
+(its event added, and its settlement charged too if it reached Redis after the seed), never
+not at all.
+
 What this cannot see: requests still running when Redis lost its data, and the events other
 gateway processes have not written yet (no process can read another's buffer).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -28,13 +43,29 @@ ATTEMPTS = 3
 """Reads of SQL before a write of the scope's events that overlaps every one is let be."""
 
 
+@dataclass(frozen=True)
+class Seed:
+    """A ledger's starting value as read, and how to add what was recorded after the read."""
+
+    read: int
+    """Tokens in SQL and in the recorder's totals, as `spent_in_period` read them."""
+    recorded: Callable[[], int]
+    """Tokens of the scope and period the recorder has taken so far (never decreases)."""
+    recorded_at_read: int
+    """`recorded()` when the totals were read."""
+
+    def now(self) -> int:
+        """The seed to send: what was read, plus what was recorded since."""
+        return self.read + self.recorded() - self.recorded_at_read
+
+
 async def spent_in_period(
     sessions: async_sessionmaker[AsyncSession],
     tenant_id: str,
     key_id: str | None,
     period: BudgetPeriod,
     usage: UsageRecorder | None = None,
-) -> int:
+) -> Seed:
     """Prompt plus completion tokens of the scope's usage events admitted in `period` (a key's
     alone when `key_id` is given; cache hits record 0 billable tokens): those in SQL, plus those
     still waiting in `usage`, this process's recorder, each counted once.
@@ -48,18 +79,20 @@ async def spent_in_period(
     no write holding the tenant's events was under way from before the totals were read to
     after SQL answered (`UnwrittenTokens.writes`). Otherwise it waits for the write under way
     and reads again, up to ATTEMPTS times; the last reading counts, so an event of a write that
-    overlapped every read may count twice (one write's worth at most), never not at all."""
+    overlapped every read may count twice (one write's worth at most), never not at all.
+    Events recorded after the totals were read are added by `Seed.now`."""
     if usage is None:
-        return await _in_sql(sessions, tenant_id, key_id, period)
+        return Seed(await _in_sql(sessions, tenant_id, key_id, period), lambda: 0, 0)
     unwritten = usage.unwritten
+    scope = (tenant_id, key_id, period.start, period.end)
     for _ in range(ATTEMPTS):
         await unwritten.between_writes()
         writes = unwritten.writes(tenant_id)
-        waiting = unwritten.total(tenant_id, key_id, period.start, period.end)
+        waiting, recorded = unwritten.total(*scope), unwritten.recorded(*scope)
         in_sql = await _in_sql(sessions, tenant_id, key_id, period)
         if writes % 2 == 0 and unwritten.writes(tenant_id) == writes:
             break
-    return in_sql + waiting
+    return Seed(in_sql + waiting, lambda: unwritten.recorded(*scope), recorded)
 
 
 async def _in_sql(

@@ -225,6 +225,18 @@ end
 return 1
 """
 
+CHARGE_LATE = """
+-- KEYS: budget ledgers; ARGV: tokens for each. Adds them to each ledger that has its total
+-- (usage recorded while the ledger's seed was on its way: gateway.quotas.ledger); a ledger
+-- without one is left to its seed.
+for i, key in ipairs(KEYS) do
+  if redis.call('HEXISTS', key, 'spent') == 1 then
+    redis.call('HINCRBY', key, 'spent', tonumber(ARGV[i]))
+  end
+end
+return 1
+"""
+
 RENEW = (
     _CLOCK
     + """

@@ -52,7 +52,7 @@ from loramux.gateway.quotas.config import QuotaConfig
 from loramux.gateway.quotas.early import KnownRefusals
 from loramux.gateway.quotas.headers import rate_limit_headers, refusal
 from loramux.gateway.quotas.leases import LeaseKeeper
-from loramux.gateway.quotas.ledger import spent_in_period
+from loramux.gateway.quotas.ledger import Seed, spent_in_period
 from loramux.gateway.quotas.readings import (
     NEEDS_SEED,
     REFUSED,
@@ -60,7 +60,7 @@ from loramux.gateway.quotas.readings import (
     ScriptReply,
     parse_reply,
 )
-from loramux.gateway.quotas.scripts import ADMIT, SETTLE
+from loramux.gateway.quotas.scripts import ADMIT, CHARGE_LATE, SETTLE
 from loramux.gateway.quotas.single_flight import SingleFlight
 from loramux.gateway.quotas.unsettled import Unsettled
 from loramux.gateway.settings import QuotaSettings
@@ -112,7 +112,8 @@ class QuotaService:
         `dropped` (settlements given up: their reservations stay charged)."""
         self._admit = redis.register_script(ADMIT)
         self._settle = redis.register_script(SETTLE)
-        self._seeds: SingleFlight[str, int] = SingleFlight()
+        self._charge_late = redis.register_script(CHARGE_LATE)
+        self._seeds: SingleFlight[str, Seed] = SingleFlight()
         self._settling: set[asyncio.Task[None]] = set()
         self.unsettled = Unsettled(self._settle_once, settings.max_unsettled, self.redis_down)
         """Settlements waiting for Redis to answer again."""
@@ -176,12 +177,14 @@ class QuotaService:
     # -- Redis -------------------------------------------------------------------------------
     async def _check(self, principal: Principal, r: Reservation) -> ScriptReply | None:
         """The admission script's reply; None when Redis is down and `allow` is configured."""
-        seeds: dict[int, int] = {}
+        seeds: dict[int, Seed] = {}
+        sent: dict[int, int] = {}
         try:
-            reply = await self._run_admit(r, seeds)
+            reply = await self._run_admit(r, sent)
             if reply.status == NEEDS_SEED:
                 seeds = await self._read_seeds(principal.tenant_id, r.buckets, reply.missing)
-                reply = await self._run_admit(r, seeds)
+                sent = {i: s.now() for i, s in seeds.items()}
+                reply = await self._run_admit(r, sent)
         except asyncio.CancelledError:
             # The caller left (a client disconnect) with a script sent: Redis still runs it.
             self._release_lost(r)
@@ -198,7 +201,24 @@ class QuotaService:
             ) from None
         assert reply.status != NEEDS_SEED, "every missing ledger was seeded"
         assert reply.status != RELEASED, "only an admission given up on is released"
+        await self._charge_recorded_late(r.buckets, seeds, sent)
         return reply
+
+    async def _charge_recorded_late(
+        self, buckets: tuple[Bucket, ...], seeds: dict[int, Seed], sent: dict[int, int]
+    ) -> None:
+        """Charge each seeded ledger the tokens recorded while its seed was on its way to Redis
+        (a request that ended then may have settled before the ledger had a total): counted
+        twice at worst, never missed (gateway.quotas.ledger). Best effort: the admission stands."""
+        late = {buckets[i].keys[0]: s.now() - sent[i] for i, s in seeds.items()}
+        late = {key: tokens for key, tokens in late.items() if tokens}
+        if not late:
+            return
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self._charge_late(keys=list(late), args=list(late.values()))
+        except (RedisError, TimeoutError):
+            log.warning("tokens recorded while ledgers %s were seeded were not charged", list(late))
 
     async def _run_admit(self, r: Reservation, seeds: dict[int, int]) -> ScriptReply:
         keys = [k for b in r.buckets for k in b.keys] + [r.mark]
@@ -219,15 +239,15 @@ class QuotaService:
 
     async def _read_seeds(
         self, tenant_id: str, buckets: tuple[Bucket, ...], missing: list[int]
-    ) -> dict[int, int]:
+    ) -> dict[int, Seed]:
         """Spent tokens of each missing ledger's scope and period, from SQL and this process's
         unwritten usage events (shared by concurrent admissions that miss the same ledger)."""
-        seeds: dict[int, int] = {}
+        seeds: dict[int, Seed] = {}
         for index in missing:
             b = buckets[index]
             assert b.period is not None
 
-            async def read(b: Bucket = b) -> int:
+            async def read(b: Bucket = b) -> Seed:
                 assert b.period is not None
                 return await spent_in_period(
                     self.sessions, tenant_id, b.key_id, b.period, self.usage

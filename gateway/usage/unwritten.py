@@ -14,6 +14,13 @@ write commits while SQL is being read. `writes(tenant)` says whether such a wind
 it counts the starts and the ends of the writes that hold the tenant's billable events (odd
 while one is under way), so an unchanged, even count around a read means no event of the
 tenant was committed during it, and the totals and SQL then count each event exactly once.
+
+An event recorded after the totals were read is in neither, and its request's settlement
+charges nothing to a ledger still waiting for its seed. `recorded` counts every event recorded,
+never taken back: a seed adds what was recorded from its read until its script is sent, so
+such an event counts too (twice, should it be written before SQL answers, or settle after the
+seed reached Redis: a seed may count twice, never not at all). These counts keep the days of
+the last RECORDED_DAYS days, more than any budget period.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import asyncio
 import contextlib
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -30,6 +37,9 @@ if TYPE_CHECKING:
 
 Day = tuple[str, datetime]
 """A key id and the UTC start of a day."""
+
+RECORDED_DAYS = 62
+"""Days of admission `UnwrittenTokens.recorded` keeps counts of (two months at least)."""
 
 
 def admission_day(e: UsageRecord) -> datetime:
@@ -44,6 +54,7 @@ class UnwrittenTokens:
 
     def __init__(self) -> None:
         self._tokens: dict[str, Counter[Day]] = {}
+        self._recorded: dict[str, Counter[Day]] = {}
         self._writes: Counter[str] = Counter()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -51,9 +62,16 @@ class UnwrittenTokens:
     def add(self, e: UsageRecord) -> None:
         """Count an event that entered the buffer."""
         tokens = e.prompt_tokens + e.completion_tokens
-        if tokens:
-            days = self._tokens.setdefault(e.tenant_id, Counter())
-            days[(e.key_id, admission_day(e))] += tokens
+        if not tokens:
+            return
+        day = (e.key_id, admission_day(e))
+        self._tokens.setdefault(e.tenant_id, Counter())[day] += tokens
+        recorded = self._recorded.setdefault(e.tenant_id, Counter())
+        if day not in recorded:
+            oldest = day[1] - timedelta(days=RECORDED_DAYS)
+            for gone in [d for d in recorded if d[1] < oldest]:
+                del recorded[gone]
+        recorded[day] += tokens
 
     def remove(self, events: Iterable[UsageRecord]) -> None:
         """Stop counting events that left the buffer (written, or dropped)."""
@@ -72,11 +90,12 @@ class UnwrittenTokens:
     def total(self, tenant_id: str, key_id: str | None, start: datetime, end: datetime) -> int:
         """Tokens of the tenant's waiting events (of `key_id` alone when given) admitted on the
         UTC days in [start, end), whole days."""
-        return sum(
-            n
-            for (key, day), n in self._tokens.get(tenant_id, Counter()).items()
-            if key_id in (None, key) and start <= day < end
-        )
+        return _sum(self._tokens, tenant_id, key_id, start, end)
+
+    def recorded(self, tenant_id: str, key_id: str | None, start: datetime, end: datetime) -> int:
+        """Tokens of every event of the tenant (of `key_id` alone when given) admitted on the
+        UTC days in [start, end) that this recorder took, written or not: it never decreases."""
+        return _sum(self._recorded, tenant_id, key_id, start, end)
 
     def writes(self, tenant_id: str) -> int:
         """Starts plus ends of the writes holding the tenant's billable events (odd during one)."""
@@ -97,3 +116,18 @@ class UnwrittenTokens:
         finally:
             self._writes.update(tenants)
             self._idle.set()
+
+
+def _sum(
+    counts: dict[str, Counter[Day]],
+    tenant_id: str,
+    key_id: str | None,
+    start: datetime,
+    end: datetime,
+) -> int:
+    """The tenant's counts (of `key_id` alone when given) of the UTC days in [start, end)."""
+    return sum(
+        n
+        for (key, day), n in counts.get(tenant_id, Counter()).items()
+        if key_id in (None, key) and start <= day < end
+    )
