@@ -73,6 +73,11 @@ REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError)
 
 DOWN_LOG_INTERVAL = 10.0
 
+SEED_ROUNDS = 3
+"""Seedings of missing ledgers one admission makes before it gives up (503): a ledger that had
+its total can lose it while another is seeded (its budget set again), and is then missing in
+turn. Each round reads only the ledgers missing then."""
+
 RELEASE_MARK_MIN_MS = 300_000
 """How long, at least, the release of an admission whose reply never came keeps the request
 marked released (and at least a slot lease and a Redis timeout): its script, delayed on the
@@ -181,8 +186,10 @@ class QuotaService:
         sent: dict[int, int] = {}
         try:
             reply = await self._run_admit(r, sent)
-            if reply.status == NEEDS_SEED:
-                seeds = await self._read_seeds(principal.tenant_id, r.buckets, reply.missing)
+            for _ in range(SEED_ROUNDS):
+                if reply.status != NEEDS_SEED:
+                    break
+                seeds |= await self._read_seeds(principal.tenant_id, r.buckets, reply.missing)
                 sent = {i: s.now() for i, s in seeds.items()}
                 reply = await self._run_admit(r, sent)
         except asyncio.CancelledError:
@@ -199,9 +206,12 @@ class QuotaService:
             raise ServiceUnavailable(
                 "quota service error; try again shortly", code="quota_unavailable"
             ) from None
-        assert reply.status != NEEDS_SEED, "every missing ledger was seeded"
         assert reply.status != RELEASED, "only an admission given up on is released"
         await self._charge_recorded_late(r.buckets, seeds, sent)
+        if reply.status == NEEDS_SEED:  # nothing reserved: ledgers lost totals round after round
+            raise ServiceUnavailable(
+                "token budget unavailable; try again shortly", code="quota_unavailable"
+            )
         return reply
 
     async def _charge_recorded_late(

@@ -5,9 +5,10 @@ from the usage events in SQL when Redis has lost it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -348,6 +349,30 @@ async def pg_rig(redis_url: str, postgres_url: str) -> AsyncIterator[tuple[Quota
         await engine.dispose()
 
 
+@contextlib.asynccontextmanager
+async def usage_events_locked(url: str) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    """Every read of `usage_events` in the PostgreSQL database of `url` waits until the block
+    ends; yields a function that returns once one waits."""
+    dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    lock, watch = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+    waiting = (
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+        "AND query ILIKE '%usage_events%'"
+    )
+
+    async def a_read_waits() -> None:
+        while not await watch.fetchval(waiting):
+            await asyncio.sleep(0.01)
+
+    try:
+        async with lock.transaction():
+            await lock.execute("LOCK TABLE usage_events IN ACCESS EXCLUSIVE MODE")
+            yield a_read_waits
+    finally:
+        await lock.close()
+        await watch.close()
+
+
 async def test_a_request_ending_while_its_ledger_is_seeded_is_still_counted(
     pg_rig: tuple[QuotaRig, str],
 ) -> None:
@@ -365,22 +390,35 @@ async def test_a_request_ending_while_its_ledger_is_seeded_is_still_counted(
     await set_quota(rig, svc, p, None, QuotaUpdate(token_budget=None))
     await set_quota(rig, svc, p, None, QuotaUpdate(**monthly))  # the next admission seeds it
 
-    dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-    lock, watch = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
-    waiting = (
-        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-        "AND query ILIKE '%usage_events%'"
-    )
-    try:
-        async with lock.transaction():  # the seed's read of SQL waits until it ends
-            await lock.execute("LOCK TABLE usage_events IN ACCESS EXCLUSIVE MODE")
-            admitting = asyncio.create_task(svc.admit(p, 0, 100))
-            while not await watch.fetchval(waiting):  # until the seed's SQL read waits
-                await asyncio.sleep(0.01)
-            recorder.record(usage(p, 0, 800, now, running.admitted_at, "req_running"))
-            await running.settle(800)  # as the gateway ends a request: recorded, then settled
-    finally:
-        await lock.close()
-        await watch.close()
+    async with usage_events_locked(url) as a_read_waits:  # the seed's read of SQL waits
+        admitting = asyncio.create_task(svc.admit(p, 0, 100))
+        await a_read_waits()
+        recorder.record(usage(p, 0, 800, now, running.admitted_at, "req_running"))
+        await running.settle(800)  # as the gateway ends a request: recorded, then settled
     await (await admitting).settle(100)
     await assert_budget_left(svc, p, 100)  # 900 of 1000 spent
+
+
+async def test_a_ledger_losing_its_total_while_another_is_seeded_is_seeded_too(
+    pg_rig: tuple[QuotaRig, str],
+) -> None:
+    """An admission finds the key's ledger without a total and seeds it; meanwhile the tenant's
+    ledger, which had its total, loses it (its budget set again). The seeded admission then
+    finds that one missing: it is seeded in turn, not a failed assertion (a 500)."""
+    rig, url = pg_rig
+    svc = rig.service()
+    monthly = {"token_budget": 1000, "budget_period": "month"}
+    p = await rig.principal(tenant=monthly, key=monthly)
+    await (await svc.admit(p, 0, 300)).settle(300)
+    await rig.add_usage(p, p.key_id, 300)
+    await set_quota(rig, svc, p, p.key_id, QuotaUpdate(token_budget=None))
+    await set_quota(rig, svc, p, p.key_id, QuotaUpdate(**monthly))
+
+    async with usage_events_locked(url) as a_read_waits:
+        admitting = asyncio.create_task(svc.admit(p, 0, 100))
+        await a_read_waits()  # the key's ledger is being seeded
+        await set_quota(rig, svc, p, None, QuotaUpdate(token_budget=None))
+        await set_quota(rig, svc, p, None, QuotaUpdate(**monthly))
+    await (await admitting).settle(100)
+    await rig.add_usage(p, p.key_id, 100)
+    await assert_budget_left(svc, p, 600)
