@@ -37,9 +37,9 @@ from typing import Any
 
 from loramux.cache.types import CacheRequest
 
-KEY_VERSION = 2
+KEY_VERSION = 3
 """Bumped when the key derivation changes, so old entries are never misread (2: schemas and
-tools keep their key order)."""
+tools keep their key order; 3: so do the arguments of a history's tool calls)."""
 
 
 def glob_escape(text: str) -> str:

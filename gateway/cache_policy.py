@@ -153,13 +153,15 @@ def cache_request(
 
 
 def _tool_turns(messages: list[dict[str, Any]]) -> str | None:
-    """The calls and call ids of a history's tool turns, which (role, content) pairs miss."""
+    """The calls and call ids of a history's tool turns, which (role, content) pairs miss, as the
+    template takes them. A call's arguments keep the client's key order: the template writes
+    them with `tojson`, which does not sort, so two orders are two prompts."""
     turns = [
         [i, m.get("tool_calls"), m.get("tool_call_id")]
         for i, m in enumerate(messages)
         if "tool_calls" in m or "tool_call_id" in m
     ]
-    return json.dumps(turns, sort_keys=True, separators=(",", ":")) if turns else None
+    return json.dumps(turns, separators=(",", ":")) if turns else None
 
 
 def _canonical(value: dict[str, Any] | None) -> str | None:

@@ -114,3 +114,31 @@ def test_a_schema_differing_only_in_property_order_is_a_miss(
     other = api.post("/chat/completions", json=base | constraint(reordered(ORDERED)))
     assert (other.status_code, other.headers["x-cache"]) == (200, "miss"), other.text
     assert other.json()["choices"][0] != first.json()["choices"][0]
+
+
+def _history(arguments: dict[str, str]) -> list[dict[str, Any]]:
+    """A conversation whose assistant turn called a tool with `arguments`, and its result."""
+    call = {"name": "get_weather", "arguments": json.dumps(arguments)}
+    return [
+        {"role": "user", "content": f"Weather? ({uuid.uuid4().hex[:8]})"},
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "call_1", "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+
+
+def test_a_history_call_differing_only_in_argument_order_is_a_miss(api: httpx.Client) -> None:
+    """The chat template writes a history call's arguments in the client's key order (`tojson`
+    does not sort), so two orders are two prompts. The bug: the key sorted them, and the second
+    prompt was answered from the first one's entry."""
+    first = _history({"k0": "", "city": "Paris", "unit": "c"})
+    second = [*first[:1], *_history({"unit": "c", "city": "Paris", "k0": ""})[1:]]
+    asked = body(max_tokens=12)
+    stored = api.post("/chat/completions", json=asked | {"messages": first})
+    assert (stored.status_code, stored.headers["x-cache"]) == (200, "miss"), stored.text
+    again = api.post("/chat/completions", json=asked | {"messages": first})
+    assert again.headers["x-cache"] == "exact"
+    other = api.post("/chat/completions", json=asked | {"messages": second})
+    assert (other.status_code, other.headers["x-cache"]) == (200, "miss"), other.text
