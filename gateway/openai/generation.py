@@ -67,7 +67,6 @@ class ChoiceRun:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
-    chars: int = 0
     received: int = 0
     stopped_at: int | None = None
     finish: str | None = None
@@ -90,7 +89,9 @@ class ChoiceRun:
         for token in out.token_ids:
             self.received += 1
             ids.append(token)
-            offsets.append(self.chars + len(text))
+            # where the token's text starts: after all the text decoded so far, released or held
+            # back (a tail that could begin a stop string is released later, or never)
+            offsets.append(len(detok.text))
             text += detok.add(token)
             if detok.stopped:
                 self.stopped_at = self.received
@@ -110,7 +111,6 @@ class ChoiceRun:
         self, text: str, ids: list[int], logprobs: list[TokenLogprob] | None, offsets: list[int]
     ) -> None:
         self.texts.append(text)
-        self.chars += len(text)
         self.token_ids += ids
         self.offsets += offsets
         if logprobs is not None:

@@ -60,7 +60,9 @@ class ChoiceLogprobs(Struct, forbid_unknown_fields=True):
 
 class TextLogprobs(Struct, forbid_unknown_fields=True):
     """The legacy completions API's logprobs: parallel lists, one entry per token;
-    `text_offset` is where the token's text starts in the choice's text."""
+    `text_offset` is where the token's text starts in the choice's text: the length of the text of
+    the tokens before it (the token that completes a stop string starts where they end, though
+    the text is cut before the stop string)."""
 
     tokens: list[str]
     token_logprobs: list[float]

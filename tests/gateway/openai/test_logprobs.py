@@ -5,9 +5,11 @@ The values themselves are the engine's (tests/engine); here, that the API carrie
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import openai
+import pytest
 
 MESSAGES = [{"role": "user", "content": "Describe the sea in one sentence."}]
 
@@ -72,6 +74,53 @@ def test_completion_logprobs_in_the_legacy_format(oai: openai.OpenAI) -> None:
     assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)
     if choice.finish_reason == "length":
         assert "".join(lp.tokens) == choice.text
+
+
+LEGACY = {"model": "demo-model", "prompt": "Once upon", "max_tokens": 12, "temperature": 0}
+
+
+def _legacy(api: httpx.Client, stream: bool = False, **extra: Any) -> dict[str, Any]:
+    """A legacy completion's one choice with `logprobs: 0`, whole or gathered from its stream."""
+    body = LEGACY | {"logprobs": 0, "stream": stream} | extra
+    headers = {"cache-control": "no-store"}
+    if not stream:
+        return dict(api.post("/completions", json=body, headers=headers).json()["choices"][0])
+    text, tokens, offsets = "", [], []
+    with api.stream("POST", "/completions", json=body, headers=headers) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line.removeprefix("data: "))["choices"]:
+                    text += choice["text"]
+                    tokens += (choice["logprobs"] or {}).get("tokens") or []
+                    offsets += (choice["logprobs"] or {}).get("text_offset") or []
+    return {"text": text, "logprobs": {"tokens": tokens, "text_offset": offsets}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_offsets_count_every_earlier_tokens_text_whatever_the_stop_strings(
+    api: httpx.Client, stream: bool
+) -> None:
+    """A token's `text_offset` is the length of the text of the tokens before it: a stop string
+    that never matches moves none, and the token that completes one starts where the tokens
+    before it end. The bug: offsets counted the text released so far, which lags behind while
+    a tail that could begin a stop string is held back."""
+    plain = _legacy(api, stream)
+    tokens = plain["logprobs"]["tokens"]
+    text = "".join(tokens)
+    assert text == plain["text"] and "\ufffd" not in text, tokens
+    assert plain["logprobs"]["text_offset"] == [len("".join(tokens[:i])) for i in range(12)]
+    never = list({t[-1] + "\u0007\u0007" for t in tokens[:-1] if t})[:4]
+    unmatched = _legacy(api, stream, stop=never)
+    assert unmatched == plain
+    # two characters across a token boundary, first found there
+    stop = next(
+        stop
+        for k in range(2, len(tokens))
+        if text.find(stop := tokens[k - 1][-1] + tokens[k][0]) == len("".join(tokens[:k])) - 1
+    )
+    stopped = _legacy(api, stream, stop=[stop])["logprobs"]
+    assert stopped["tokens"] == tokens[: len(stopped["tokens"])]
+    assert stopped["text_offset"] == plain["logprobs"]["text_offset"][: len(stopped["tokens"])]
 
 
 def test_no_logprobs_unless_asked(oai: openai.OpenAI) -> None:
