@@ -83,9 +83,14 @@ class TokenPieces:
     def text_logprobs(
         self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob], offsets: Sequence[int]
     ) -> TextLogprobs:
-        """The completions API's logprobs for these tokens, `offsets` their text offsets."""
+        """The completions API's logprobs for these tokens, `offsets` their text offsets. Each
+        `top_logprobs` entry holds the k most likely tokens and the sampled one (OpenAI: "up to
+        logprobs+1 elements"; with `logprobs: 0`, the sampled token alone)."""
         tokens = [self.piece(t)[0] for t in token_ids]
-        tops = [{self.piece(t)[0]: p for t, p in lp.top} for lp in logprobs]
+        tops = [
+            {self.piece(t)[0]: p for t, p in lp.top} | {token: lp.logprob}
+            for token, lp in zip(tokens, logprobs, strict=True)
+        ]
         return TextLogprobs(tokens, [lp.logprob for lp in logprobs], tops, list(offsets))
 
 

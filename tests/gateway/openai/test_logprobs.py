@@ -123,6 +123,23 @@ def test_text_offsets_count_every_earlier_tokens_text_whatever_the_stop_strings(
     assert stopped["text_offset"] == plain["logprobs"]["text_offset"][: len(stopped["tokens"])]
 
 
+@pytest.mark.parametrize("k", [0, 1])
+def test_legacy_top_logprobs_always_hold_the_sampled_token(api: httpx.Client, k: int) -> None:
+    """OpenAI: "The API will always return the logprob of the sampled token, so there may be up
+    to logprobs+1 elements": with `logprobs: 0` each entry holds the sampled token alone. The bug:
+    entries listed the k most likely only, so a sampled token outside them was missing."""
+    body = LEGACY | {"max_tokens": 16, "temperature": 2.0, "seed": 11, "logprobs": k}
+    lp = api.post("/completions", json=body, headers={"cache-control": "no-store"}).json()
+    lp = lp["choices"][0]["logprobs"]
+    entries = zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True)
+    for token, logprob, top in entries:
+        assert top[token] == logprob and 1 <= len(top) <= k + 1, (token, logprob, top)
+    if k == 0:
+        assert all(len(top) == 1 for top in lp["top_logprobs"])
+    else:  # sampled at a high temperature: not always the most likely
+        assert any(len(top) == 2 for top in lp["top_logprobs"]), lp
+
+
 def test_no_logprobs_unless_asked(oai: openai.OpenAI) -> None:
     out = oai.chat.completions.create(
         model="demo-model",
