@@ -32,6 +32,8 @@ class ResolvedModel:
     version: int | None = None
     adapter: str | None = None
     """The adapter's own name (without owner or version); None for the base model."""
+    created: int = 0
+    """When the adapter version was uploaded (Unix seconds); 0 for the base model."""
 
     @property
     def billed_as(self) -> str:
@@ -66,11 +68,9 @@ class ModelCatalog:
         else:
             row = await self._find(principal, model)
             if row is None:
-                raise NotFound(
-                    f"The model '{model}' does not exist or you do not have access to it.",
-                    param="model",
-                )
-            resolved = ResolvedModel(model, row.digest, row.owner, row.version, row.name)
+                raise unknown_model(model)
+            created = int(row.created_at.timestamp())
+            resolved = ResolvedModel(model, row.digest, row.owner, row.version, row.name, created)
         if not (principal.may_use(model) or principal.may_use(_pinned(model)[0])):
             raise PermissionDenied(
                 f"this API key may not use the model '{model}'",
@@ -120,6 +120,13 @@ class ModelCatalog:
             self._visible.clear()
         self._visible[tenant_id] = (now, rows)
         return rows
+
+
+def unknown_model(model: str) -> NotFound:
+    """The 404 of a model that does not exist, or that the caller may not see or use."""
+    return NotFound(
+        f"The model '{model}' does not exist or you do not have access to it.", param="model"
+    )
 
 
 MAX_VERSION = 2**31 - 1

@@ -7,9 +7,9 @@ import hashlib
 from dataclasses import dataclass
 
 from loramux.gateway.auth.api_keys import Principal
-from loramux.gateway.catalog import ModelCatalog
+from loramux.gateway.catalog import ModelCatalog, unknown_model
 from loramux.gateway.db.adapter import SHARED_OWNER
-from loramux.gateway.errors import NotFound
+from loramux.gateway.errors import PermissionDenied
 from loramux.gateway.openai.shapes import Model, ModelList
 
 
@@ -46,12 +46,15 @@ class ModelDirectory:
         return ModelList("list", [m for m in models if principal.may_use(m.id)])
 
     async def get(self, principal: Principal, model_id: str) -> Model:
-        """One model of `list`; a model this key may not use is as unknown as one that does
-        not exist (404 either way)."""
-        for model in (await self.list(principal)).data:
-            if model.id == model_id:
-                return model
-        raise NotFound(
-            f"The model '{model_id}' does not exist or you do not have access to it.",
-            param="model",
-        )
+        """The model a completion naming `model_id` is served by (`ModelCatalog.resolve`: an
+        own or shared adapter, `owner/name`, `name@version` or the base model), under that id.
+        A model this key may not use is as unknown as one that does not exist (404 either way),
+        as is another tenant's adapter."""
+        try:
+            resolved = await self.catalog.resolve(principal, model_id)
+        except PermissionDenied:
+            raise unknown_model(model_id) from None
+        if resolved.adapter is None:
+            return Model(model_id, "model", 0, "loramux")
+        owned_by = "shared" if resolved.owner == SHARED_OWNER else principal.tenant_name
+        return Model(model_id, "model", resolved.created, owned_by, self.base_model)

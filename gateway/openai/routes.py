@@ -210,8 +210,9 @@ async def list_models(request: Request[Any, Any, Any], models: Models) -> ModelL
 async def retrieve_model(
     request: Request[Any, Any, Any], model: FromPath[str], models: Models
 ) -> Model:
-    """One model of the list (`shared/<name>` and `owner/name` included); 404 for a model this
-    key may not use, as for one that does not exist."""
+    """The model a completion naming it is served by: one of the list, `shared/<name>`,
+    `owner/name` (by tenant name or id) and `name@version` included; 404 for a model this key
+    may not use, as for one that does not exist."""
     return await models.get(caller(request), model.removeprefix("/"))
 
 

@@ -52,6 +52,33 @@ def test_every_listed_model_is_retrievable_and_another_tenants_is_not(
     assert get(gateway, b.key, "/models/mine").json()["id"] == "mine"  # b sees the shared one
 
 
+def test_every_model_id_a_completion_answers_with_is_retrievable(
+    gateway: RunningServer, admin_module: httpx.Client, demo_adapter_dirs: list[Path]
+) -> None:
+    """A completion takes `owner/name` (by tenant name or id), `shared/name` and `name@version`
+    and answers with that `model`; retrieving it gives the adapter it names. The bug: only the
+    ids the list shows were found, so a client checking the model it was answered by got 404."""
+    a, b = new_tenant(admin_module, "models-ids-a"), new_tenant(admin_module, "models-ids-b")
+    upload_adapter(admin_module, a.tenant_id, "solo", demo_adapter_dirs[3])
+    upload_adapter(admin_module, "shared", "pub", demo_adapter_dirs[4])
+    listed = {m["id"]: m for m in get(gateway, a.key, "/models").json()["data"]}
+    ids = {
+        f"{a.tenant_name}/solo": "solo",
+        f"{a.tenant_id}/solo": "solo",
+        "solo@1": "solo",
+        "shared/pub": "pub",
+        "pub@1": "pub",
+    }
+    for model, listed_as in ids.items():
+        assert fingerprint(gateway, a, model).startswith("fp_")
+        r = get(gateway, a.key, f"/models/{model}")
+        assert r.status_code == 200, (model, r.text)
+        assert r.json() == listed[listed_as] | {"id": model}
+    for foreign in (f"{a.tenant_id}/solo", f"{a.tenant_name}/solo", "solo@1", "solo@2"):
+        r = get(gateway, b.key, f"/models/{foreign}")
+        assert (r.status_code, r.json()["error"]["code"]) == (404, "model_not_found"), foreign
+
+
 def test_the_fingerprint_changes_with_the_adapter_digest_only(
     gateway: RunningServer, admin_module: httpx.Client, demo_adapter_dirs: list[Path]
 ) -> None:
