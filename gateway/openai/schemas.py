@@ -94,7 +94,8 @@ ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
 
 class _Sampling(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     model: str
-    stream: bool = False
+    stream: bool | None = None
+    """null is false, as in OpenAI's schema (its SDK sends null for `stream=None`)."""
     stream_options: StreamOptions | None = None
     max_tokens: TokenCount | None = None
     temperature: Temperature | None = None

@@ -135,7 +135,9 @@ class CompletionService:
         tokenized = await self._tokenize(draft, principal.tenant_id, gone)
         params = tokenized.text_request.params
         operation = tracing.OPERATIONS[meta.kind]
-        tracing.describe_request(operation, model.name, params, req.stream, principal.tenant_id)
+        tracing.describe_request(
+            operation, model.name, params, bool(req.stream), principal.tenant_id
+        )
         admission = await self._admit(principal, tokenized)
         try:
             cache = cache_plan(
@@ -154,7 +156,7 @@ class CompletionService:
             model=model,
             principal=principal,
             prompt_tokens=len(tokenized.prompt_ids),
-            stream=req.stream,
+            stream=bool(req.stream),
             admission=admission,
             cache=CacheLookup(*cache, consulted.hit, consulted.fence),
             tools=tools,

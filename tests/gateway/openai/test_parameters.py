@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from loramux.engine.outputs import EngineStats
@@ -183,3 +184,19 @@ def test_valid_parameters_are_served(api: httpx.Client, extra: dict[str, Any]) -
     r = api.post("/chat/completions", json=body)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == extra.get("n", 1)
+
+
+def test_stream_null_is_a_whole_response(api: httpx.Client, oai: openai.OpenAI) -> None:
+    """OpenAI's schema has `stream` nullable and its SDK sends `"stream": null` for
+    `stream=None`: both routes take it as false. The bug: a 400 for a bool that was null."""
+    out = oai.chat.completions.create(
+        model="demo-model",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=2,
+        stream=None,
+    )
+    assert out.choices[0].message.role == "assistant"
+    body = {"model": "demo-model", "prompt": "hi", "max_tokens": 2, "stream": None}
+    r = api.post("/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "text_completion"
