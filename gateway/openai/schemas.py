@@ -125,9 +125,15 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    # Declared to be refused when used (the deprecated form of tools):
+    # Declared to be refused when used: the deprecated form of tools, and what would change the
+    # output in a way loramux cannot serve (audio, a web search, a predicted output)
     functions: list[Any] | None = None
     function_call: Any | None = None
+    modalities: list[str] | None = None
+    """Refused unless it asks for text alone."""
+    audio: Any | None = None
+    web_search_options: Any | None = None
+    prediction: Any | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -142,12 +148,11 @@ class CompletionRequest(_Sampling, kw_only=True):
 
 
 def refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
-    """400 for parameters loramux does not implement, instead of ignoring them."""
+    """400 for parameters loramux does not implement, instead of ignoring them. Fields about
+    OpenAI's own service (`store`, `metadata`, `service_tier`, …) change no output here and are
+    ignored (docs/architecture.md, "Public API", lists them)."""
     if isinstance(req, ChatCompletionRequest):
-        if req.functions or req.function_call:
-            raise BadRequest(
-                "functions and function_call are deprecated; use tools", param="functions"
-            )
+        _refuse_unsupported_chat(req)
         return
     if req.echo:
         raise BadRequest("echo is not supported", param="echo")
@@ -155,3 +160,22 @@ def refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
         raise BadRequest("suffix is not supported", param="suffix")
     if req.best_of not in (None, 1):
         raise BadRequest("best_of is not supported", param="best_of")
+
+
+def _refuse_unsupported_chat(req: ChatCompletionRequest) -> None:
+    """The chat fields of `refuse_unsupported`: deprecated functions, and output other than text
+    (audio), from elsewhere (a web search) or matched against a prediction."""
+    if req.functions or req.function_call:
+        raise BadRequest("functions and function_call are deprecated; use tools", param="functions")
+    if req.modalities and set(req.modalities) != {"text"}:
+        raise BadRequest(
+            'only text output is served: modalities may hold only "text"', param="modalities"
+        )
+    unserved = (
+        ("audio", req.audio, "audio output is not supported"),
+        ("web_search_options", req.web_search_options, "web search is not supported"),
+        ("prediction", req.prediction, "predicted outputs are not supported"),
+    )
+    for param, value, message in unserved:
+        if value is not None:
+            raise BadRequest(message, param=param)

@@ -200,3 +200,63 @@ def test_stream_null_is_a_whole_response(api: httpx.Client, oai: openai.OpenAI) 
     r = api.post("/completions", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["object"] == "text_completion"
+
+
+UNSERVED: dict[str, tuple[str, dict[str, Any], str]] = {
+    "audio output": (
+        "chat",
+        {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}},
+        "modalities",
+    ),
+    "audio parameters": ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    "web search": (
+        "chat",
+        {"web_search_options": {"search_context_size": "high"}},
+        "web_search_options",
+    ),
+    "predicted output": (
+        "chat",
+        {"prediction": {"type": "content", "content": "hi"}},
+        "prediction",
+    ),
+    "functions": ("chat", {"functions": [{"name": "f"}]}, "functions"),
+    "echo": ("text", {"echo": True}, "echo"),
+    "suffix": ("text", {"suffix": "end"}, "suffix"),
+    "best_of": ("text", {"best_of": 2}, "best_of"),
+}
+
+
+@pytest.mark.parametrize("case", UNSERVED)
+def test_an_openai_field_that_would_change_the_output_is_refused_naming_it(
+    api: httpx.Client, case: str
+) -> None:
+    """A field OpenAI serves and loramux does not is a 400 naming it, never ignored: the client
+    would miss its `message.audio`, or take an answer as searched. The bug: audio output and web
+    search were answered with 200, without either."""
+    kind, field, param = UNSERVED[case]
+    if kind == "chat":
+        r = api.post(
+            "/chat/completions", json={"model": "demo-model", "messages": MESSAGES} | field
+        )
+    else:
+        r = api.post("/completions", json={"model": "demo-model", "prompt": "hi"} | field)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+def test_openai_fields_that_leave_the_output_alone_are_served(api: httpx.Client) -> None:
+    """Fields about OpenAI's own service (storage, tiers, metadata, reasoning models) and text as
+    the one output modality change nothing here, and are taken (docs/architecture.md lists them)."""
+    harmless = {
+        "modalities": ["text"],
+        "audio": None,
+        "store": True,
+        "metadata": {"k": "v"},
+        "service_tier": "auto",
+        "reasoning_effort": "low",
+        "prompt_cache_key": "k",
+        "safety_identifier": "s",
+    }
+    body = {"model": "demo-model", "messages": MESSAGES, "max_tokens": 2} | harmless
+    r = api.post("/chat/completions", json=body)
+    assert r.status_code == 200, r.text
