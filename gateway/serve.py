@@ -5,7 +5,7 @@ as a whole (gateway.supervisor).
 Start: redis-server and the engine are spawned first; while the engine loads its model, this
 process imports the gateway and migrates the database (each takes seconds, so they overlap); the
 gateway starts serving once both children are ready. Stop: SIGTERM or SIGINT lets requests in
-flight finish (up to GRACEFUL_SECONDS), then stops the children.
+flight finish (up to LORAMUX_STOP_GRACE_SECONDS), then stops the children.
 
 With `--workers N` (N > 1) the gateway itself runs as N supervised worker processes sharing the
 port (gateway.serve_workers); this process then only supervises.
@@ -45,8 +45,6 @@ log = logging.getLogger(__name__)
 LOCK_FILE = "serve.lock"
 """In the data directory: locked (flock) by the serve that runs on it, and holding its pid."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-GRACEFUL_SECONDS = 30
-"""On stop, requests in flight get this long to finish before they are cut."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +151,7 @@ async def _serve(
         port=bind.port,
         log_level="info",
         lifespan="on",
-        timeout_graceful_shutdown=GRACEFUL_SECONDS,
+        timeout_graceful_shutdown=settings.server.stop_grace_seconds,
     )
     sockets = None
     if bind.reuse_port:
@@ -186,7 +184,8 @@ async def _supervise_workers(
         log.info("%d gateway workers serve on %s:%d", bind.workers, bind.host, bind.port)
         await asyncio.Event().wait()  # until a stop signal cancels this task
     finally:
-        await asyncio.to_thread(children.stop, workers, GRACEFUL_SECONDS)
+        grace = settings.server.stop_grace_seconds
+        await asyncio.to_thread(children.stop, workers, grace)
 
 
 class _Server(uvicorn.Server):

@@ -131,6 +131,8 @@ SERVER_BOUNDS = {
     "key_cache_seconds": Bound("KEY_CACHE_SECONDS", 0, 300),
     # Below 0.1 s the writer wakes for nothing; an hour's usage is what a crash would lose.
     "usage_flush_seconds": Bound("USAGE_FLUSH_SECONDS", 0.1, HOUR),
+    # An hour: an orchestrator kills a service that takes longer to stop anyway.
+    "stop_grace_seconds": Bound("STOP_GRACE_SECONDS", 0, HOUR),
     # A leap year: an admin token that outlives it is one nobody would revoke in time.
     "admin_token_max_ttl": Bound("ADMIN_TOKEN_MAX_TTL", 1, 366 * 24 * HOUR),
     "max_upload_mb": Bound("MAX_UPLOAD_MB", 1),

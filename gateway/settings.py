@@ -239,6 +239,10 @@ class ServerSettings:
         default_factory=lambda: env_value("USAGE_FLUSH_SECONDS", 0.5, float)
     )
     """LORAMUX_USAGE_FLUSH_SECONDS: how often usage events are written to the database (sooner when many are waiting)."""
+    stop_grace_seconds: int = field(
+        default_factory=lambda: env_value("STOP_GRACE_SECONDS", 30, int)
+    )
+    """LORAMUX_STOP_GRACE_SECONDS: on SIGTERM or SIGINT, how long `serve` lets requests in flight finish before it cuts them."""
     demo_adapters: int = field(default_factory=lambda: env_value("DEMO_ADAPTERS", 4, int))
     """LORAMUX_DEMO_ADAPTERS: shared demo adapters uploaded on first start with the demo model."""
 

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -29,6 +29,7 @@ from loramux.gateway.engine_client.base import EngineClient, EngineInfo
 from loramux.gateway.metrics import Metrics
 from loramux.gateway.prompt_tokens import PromptTokens
 from loramux.gateway.quotas import QuotaService
+from loramux.gateway.runs_in_flight import RunsInFlight
 from loramux.gateway.served_identity import ServedIdentity, confirm_identity, engine_info
 from loramux.gateway.setting_checks import check_admin_secret
 from loramux.gateway.settings import Settings, private_folder
@@ -36,6 +37,12 @@ from loramux.gateway.supervisor import Supervisor
 from loramux.gateway.usage import UsageRecorder
 
 log = logging.getLogger(__name__)
+
+RUNS_END_SECONDS = 5.0
+"""At shutdown, how long the engine runs of requests cut at the end of the grace period get to
+end (aborted) and be metered before the usage recorder closes."""
+USAGE_CLOSE_SECONDS = 10.0
+"""At shutdown, how long the usage recorder retries writing to a database that is unavailable."""
 
 
 @dataclass
@@ -72,6 +79,8 @@ class GatewayState:
     """The start's sweep of adapter files dead processes left (gateway.adapters.sweep)."""
     confirming: asyncio.Task[None] | None = None
     """Asks an engine that did not answer at the start for its identity (gateway.served_identity)."""
+    runs: RunsInFlight = field(default_factory=RunsInFlight)
+    """The engine runs of completions, until each has ended (and been metered)."""
 
     async def start(self) -> None:
         """Start background tasks (on the serving event loop), after the server has set up its
@@ -86,13 +95,19 @@ class GatewayState:
             )
 
     async def close(self) -> None:
+        """Stop background work, end the runs still going, then write what is buffered (usage,
+        quota settlements, cache stores) and close every connection. Bounded: at most about
+        RUNS_END_SECONDS + USAGE_CLOSE_SECONDS, whatever is down."""
         for task in (self.sweeping, self.confirming):
             if task is not None:
                 task.cancel()
+        # Runs the HTTP server cut (their requests outlived the grace period) are metered and
+        # settled as they end: before quotas and usage close.
+        await self.runs.end(RUNS_END_SECONDS)
         await self.quotas.close()
         await self.cache.drain()
         self.cache.deleted_tenants.cancel()
-        await self.usage.close()
+        await self.usage.close(USAGE_CLOSE_SECONDS)
         await self.engine.close()
         self.prompts.close()
         await self.redis.aclose()

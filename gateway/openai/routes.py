@@ -261,6 +261,7 @@ def completion_service_of(gw: GatewayState) -> CompletionService:
         quotas=gw.quotas,
         cache=gw.cache,
         metering=Metering(gw.metrics, gw.usage),
+        runs=gw.runs,
         limits=limits,
         tool_format=tool_call_format(gw.prompts.chat_template),
     )

@@ -50,13 +50,7 @@ from loramux.gateway.openai.cache_plan import cache_plan
 from loramux.gateway.openai.finish import Metering
 from loramux.gateway.openai.generation import Generation
 from loramux.gateway.openai.logprobs import TokenPieces
-from loramux.gateway.openai.prepared import (
-    CacheLookup,
-    Draft,
-    Prepared,
-    ServingLimits,
-    Tokenized,
-)
+from loramux.gateway.openai.prepared import CacheLookup, Draft, Prepared, ServingLimits, Tokenized
 from loramux.gateway.openai.prompt import engine_prompt
 from loramux.gateway.openai.responses import (
     Ending,
@@ -87,6 +81,7 @@ from loramux.gateway.prefix_cache import cache_salt
 from loramux.gateway.prompt_tokens import PromptTokens
 from loramux.gateway.quotas import Admission, QuotaService
 from loramux.gateway.request_ids import response_id
+from loramux.gateway.runs_in_flight import RunsInFlight
 
 Body = ChatCompletionRequest | CompletionRequest
 
@@ -103,6 +98,8 @@ class CompletionService:
     quotas: QuotaService
     cache: ResponseCache
     metering: Metering
+    runs: RunsInFlight
+    """Every run started here, until it has ended (the gateway's shutdown ends them)."""
     limits: ServingLimits
     tool_format: ToolCallFormat | None
     """The tool-call format the model's chat template teaches; None when it renders no tools."""
@@ -279,15 +276,15 @@ class CompletionService:
     def start(self, p: Prepared) -> Generation | None:
         """Hand the request to the engine now, before the response starts (its prefill then
         overlaps the response's start); None for a cache hit (see `end_hit`). Whoever starts a
-        run aborts it if its response ends early (`Generation.abort` does nothing once it
-        ended)."""
+        run aborts it if its response ends early (`abort` does nothing once it ended)."""
         if p.cache.hit is not None:
             return None
         if p.run is None:
             detokenizer = partial(self.prompts.detokenizer, p.stop)
             finish = partial(self._finish, p)
             param = schema_param(p.tools.plan.forced_schema)
-            p.run = Generation(self.engine, p.request, detokenizer, p.started, finish, param)
+            run = Generation(self.engine, p.request, detokenizer, p.started, finish, param)
+            p.run = self.runs.add(run)
         return p.run
 
     async def outputs(self, p: Prepared) -> AsyncGenerator[Part | Ending]:

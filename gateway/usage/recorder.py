@@ -219,7 +219,8 @@ class UsageRecorder:
         self.max_buffered = max_buffered
         self.dropped: Counter[str] = Counter()
         """Events given up, by reason: `buffer_full`, `refused` (by the database, on their
-        own), `shutdown` (the database was unavailable when the recorder closed)."""
+        own), `shutdown` (the database was unavailable when the recorder closed, or the event
+        came after it closed)."""
         self.failed_attempts = 0
         """Writes failed in a row because the database was unavailable (0 when it is not)."""
         self._buffer: list[UsageRecord] = []
@@ -230,6 +231,8 @@ class UsageRecorder:
         self._writing = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
+        self._closed = False
+        """`close` has returned: nothing writes the buffer any more."""
         self._outage_logged = -OUTAGE_LOG_INTERVAL
 
     def __len__(self) -> int:
@@ -241,7 +244,11 @@ class UsageRecorder:
             self._task = asyncio.create_task(self._run(), name="usage-recorder")
 
     def record(self, event: UsageRecord) -> None:
-        """Buffer `event` (never raises: it runs on the request path)."""
+        """Buffer `event` (never raises: it runs on the request path). Once the recorder has
+        closed nothing would write it: it is dropped (logged), never kept silently."""
+        if self._closed:
+            self._drop(event, "shutdown", "it ended after the usage recorder closed")
+            return
         if len(self._buffer) >= self.max_buffered:
             self._drop(event, "buffer_full", f"{self.max_buffered} events already wait")
             return
@@ -310,6 +317,7 @@ class UsageRecorder:
         while True:
             try:
                 await self.flush()
+                self._closed = True
                 return
             except UsageUnavailable as exc:
                 self._note_failure(exc)
@@ -317,6 +325,7 @@ class UsageRecorder:
                     break
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, MAX_RETRY_DELAY)
+        self._closed = True
         for event in self._buffer:
             self._drop(event, "shutdown", "the database is unavailable")
         self.unwritten.remove(self._buffer)

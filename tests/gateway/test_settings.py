@@ -288,6 +288,7 @@ TIME_BOUNDS = [
     ("ENGINE_FIRST_OUTPUT_SECONDS", "1", "3600", ["3601", "1e300"], "1e-300"),  # all 504s
     ("KEY_CACHE_SECONDS", "0", "300", ["300.5", "1e300"], None),
     ("USAGE_FLUSH_SECONDS", "0.1", "3600", ["3601", "1e300"], "1e-300"),  # the writer spins
+    ("STOP_GRACE_SECONDS", "0", "3600", ["3601", str(10**30)], None),
     ("ADMIN_TOKEN_MAX_TTL", "1", "31622400", ["31622401", str(10**30)], None),
     ("QUOTA_CONFIG_CACHE_SECONDS", "0", "3600", ["3601", "1e300"], None),
     ("QUOTA_SLOT_LEASE_SECONDS", "1", "3600", ["3601", "86400"], "0.001"),  # renewals spin

@@ -275,3 +275,20 @@ async def test_a_write_whose_commit_reply_is_lost_stores_each_event_once(
     async with sessions() as session:
         daily = usage_daily.c.prompt_tokens + usage_daily.c.completion_tokens
         assert await session.scalar(select(func.sum(daily))) == tokens
+
+
+async def test_an_event_recorded_after_close_is_dropped_loudly_not_kept_unwritten(
+    sessions: Sessions, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request cut at shutdown is metered when its engine run ends, which can be after the
+    recorder closed: its event waited in a buffer nothing would write again, silently lost."""
+    events = random_events(random.Random(12), 2, ["t1"])
+    async with running(UsageRecorder(sessions, interval=0.02)) as recorder:
+        recorder.record(events[0])
+    recorder.record(events[1])
+    assert (len(recorder), recorder.dropped) == (0, {"shutdown": 1})
+    assert [e.request_id for e in await assert_rollups_match_events(sessions)] == [
+        events[0].request_id
+    ]
+    (lost,) = [r for r in caplog.records if "DROPPED" in r.getMessage()]
+    assert lost.levelname == "ERROR" and events[1].request_id in lost.getMessage()

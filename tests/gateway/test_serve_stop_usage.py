@@ -1,0 +1,116 @@
+"""Stopping `loramux serve` loses no usage (billing): every request that reached the engine is one
+usage event, whether it finished within the grace period, was cut at its end, or was cut by a
+second signal; with one gateway process or several."""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loramux.gateway.auth.admin_jwt import AdminAuth
+from tests.gateway.serve_process import Serve, serve, wait_for
+from tests.gateway.tenants import TenantKey, new_tenant
+
+SECRET = "stop-usage-test-secret-" + "x" * 32
+STREAMS = 12
+"""Long streams in flight at the stop: the engine runs one at a time, the others wait in its
+queue, so that most are cut wherever they were."""
+
+
+@pytest.fixture(scope="module")
+def env(demo_model_dir: Path) -> dict[str, str]:
+    return {
+        "LORAMUX_MODEL": str(demo_model_dir),
+        "LORAMUX_MODEL_NAME": "demo-model",
+        "LORAMUX_MAX_MODEL_LEN": "512",
+        "LORAMUX_KV_CACHE_MB": "32",
+        "LORAMUX_ADMIN_SECRET": SECRET,
+        "LORAMUX_DEMO_ADAPTERS": "0",
+        "LORAMUX_MAX_NUM_SEQS": "1",
+        "LORAMUX_ENGINE_THREADS": "1",
+    }
+
+
+def _tenant(running: Serve) -> TenantKey:
+    token = AdminAuth(SECRET).mint("stop-usage-test")
+    headers = {"authorization": f"Bearer {token}"}
+    with httpx.Client(base_url=running.url, headers=headers, timeout=60) as admin:
+        return new_tenant(admin, "stop")
+
+
+def _stream(url: str, key: str, started: threading.Event) -> str:
+    """How one long chat stream ended: `done`, `cut` (its connection closed before the end,
+    with or without an error event) or `refused`; `started` is set once its response began,
+    which is after the gateway handed it to the engine."""
+    body = {
+        "model": "demo-model",
+        "messages": [{"role": "user", "content": "tell me a long story"}],
+        "max_tokens": 480,
+        "stream": True,
+    }
+    headers = {"authorization": f"Bearer {key}"}
+    try:
+        with httpx.stream(
+            "POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120
+        ) as r:
+            started.set()
+            if r.status_code != 200:
+                return "refused"
+            last = ""
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    last = line.removeprefix("data: ")
+        return "done" if last == "[DONE]" else "cut"
+    except httpx.HTTPError:
+        return "cut"
+
+
+def _stop_with_streams_in_flight(running: Serve, *signals: signal.Signals) -> list[str]:
+    """Start STREAMS streams, send `signals` once every one is under way (the others once serve
+    logged the first), and return how each ended; serve exits 0 having written the usage of
+    every stream."""
+    tenant = _tenant(running)
+    with ThreadPoolExecutor(STREAMS) as pool:
+        started = [threading.Event() for _ in range(STREAMS)]
+        streams = [pool.submit(_stream, running.url, tenant.key, s) for s in started]
+        assert all(s.wait(120) for s in started), "the streams did not start"
+        first, *again = signals
+        running.proc.send_signal(first)
+        wait_for(lambda: f"received {first.name}" in running.output(), 30, "serve is stopping")
+        for sig in again:
+            running.proc.send_signal(sig)
+        assert running.proc.wait(timeout=120) == 0, running.output()
+        ends = [s.result(timeout=60) for s in streams]
+    assert "refused" not in ends, ends
+    rows = _usage_rows(running.data_dir, tenant.tenant_id)
+    assert len(rows) == STREAMS, (ends, rows, running.output())
+    return ends
+
+
+def _usage_rows(data_dir: Path, tenant_id: str) -> list[tuple[int, int]]:
+    """(status, completion tokens) of each usage event of the tenant, as serve left them."""
+    db = sqlite3.connect(data_dir / "loramux.db")
+    try:
+        return db.execute(
+            "SELECT status, completion_tokens FROM usage_events WHERE tenant_id = ?",
+            (tenant_id,),
+        ).fetchall()
+    finally:
+        db.close()
+
+
+def test_requests_cut_at_the_end_of_the_grace_period_still_write_their_usage(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """The HTTP server cancels the requests still running when the grace period ends and shuts
+    the gateway down at once; their engine runs end (aborted) a moment later, and were metered
+    after the usage recorder had flushed for the last time: never written, and not a word said."""
+    with serve(tmp_path, env | {"LORAMUX_STOP_GRACE_SECONDS": "1"}) as running:
+        ends = _stop_with_streams_in_flight(running, signal.SIGTERM)
+    assert "cut" in ends, ends
