@@ -195,6 +195,16 @@ class _Server(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         yield
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's, except that a forced exit (a second signal) cuts the requests in flight
+        and still shuts the gateway down: uvicorn skips the lifespan shutdown then, and with it
+        GatewayState.close, which bills the runs cut and writes the usage held (all lost)."""
+        await super().shutdown(sockets)
+        if self.force_exit:
+            for task in self.server_state.tasks:
+                task.cancel(msg="a second stop signal cut the request")
+            await self.lifespan.shutdown()  # returns at once if it already ran
+
 
 class StopSignals:
     """SIGTERM and SIGINT stop serve. While it starts they cancel the start; while the HTTP
