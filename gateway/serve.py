@@ -45,6 +45,11 @@ log = logging.getLogger(__name__)
 LOCK_FILE = "serve.lock"
 """In the data directory: locked (flock) by the serve that runs on it, and holding its pid."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+CLOSE_SECONDS = 20.0
+"""How long a gateway may take to close once its grace period is over (GatewayState.close: the
+runs it cut end and are billed, its usage is written: at most RUNS_END_SECONDS +
+USAGE_CLOSE_SECONDS there). Serve gives its workers this long beyond the grace period before it
+kills them, which lost the usage they held."""
 
 
 @dataclass(frozen=True)
@@ -185,7 +190,7 @@ async def _supervise_workers(
         await asyncio.Event().wait()  # until a stop signal cancels this task
     finally:
         grace = settings.server.stop_grace_seconds
-        await asyncio.to_thread(children.stop, workers, grace)
+        await asyncio.to_thread(children.stop, workers, grace + CLOSE_SECONDS)
 
 
 class _Server(uvicorn.Server):

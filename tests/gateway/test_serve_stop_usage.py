@@ -14,6 +14,8 @@ import httpx
 import pytest
 
 from loramux.gateway.auth.admin_jwt import AdminAuth
+from loramux.gateway.serve import CLOSE_SECONDS
+from loramux.gateway.state import RUNS_END_SECONDS, USAGE_CLOSE_SECONDS
 from tests.gateway.serve_process import Serve, serve, wait_for
 from tests.gateway.tenants import TenantKey, new_tenant
 
@@ -116,12 +118,21 @@ def test_a_second_sigint_cuts_the_requests_and_still_writes_their_usage(
     assert "cut" in ends, ends
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
 def test_requests_cut_at_the_end_of_the_grace_period_still_write_their_usage(
-    env: dict[str, str], tmp_path: Path
+    env: dict[str, str], tmp_path: Path, workers: str
 ) -> None:
     """The HTTP server cancels the requests still running when the grace period ends and shuts
     the gateway down at once; their engine runs end (aborted) a moment later, and were metered
-    after the usage recorder had flushed for the last time: never written, and not a word said."""
-    with serve(tmp_path, env | {"LORAMUX_STOP_GRACE_SECONDS": "1"}) as running:
+    after the usage recorder had flushed for the last time: never written, and not a word said.
+    With --workers 2, serve killed each worker when its grace period ended, before its close."""
+    short = env | {"LORAMUX_STOP_GRACE_SECONDS": "1"}
+    with serve(tmp_path, short, args=("--workers", workers)) as running:
         ends = _stop_with_streams_in_flight(running, signal.SIGTERM)
     assert "cut" in ends, ends
+
+
+def test_serve_gives_a_worker_the_time_its_close_may_take_after_the_grace_period() -> None:
+    """A gateway's close waits for the runs it cut, then for the database to take its usage;
+    serve kills a worker still closing after CLOSE_SECONDS (its connections close too)."""
+    assert RUNS_END_SECONDS + USAGE_CLOSE_SECONDS < CLOSE_SECONDS
