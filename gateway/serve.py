@@ -131,7 +131,7 @@ async def _serve(
         if token is not None:
             shared["LORAMUX_ENGINE_TOKEN"] = token
         shared[MULTIPROCESS_DIR] = str(metrics_folder(settings.data_dir))
-        await _supervise_workers(settings, bind, starting, children, shared)
+        await _supervise_workers(settings, bind, starting, children, shared, stop)
         return
 
     # Imported now, after the children were spawned, so that importing the gateway (torch,
@@ -170,10 +170,12 @@ async def _supervise_workers(
     starting: list[SupervisedChild],
     children: Supervisor,
     shared: dict[str, str],
+    stop: StopSignals,
 ) -> None:
     """Start the workers once redis-server and the engine are up (worker 0 first and alone: it
     migrates the database and runs the first-start setup), then supervise until stopped. On stop
-    the workers go first, letting their requests in flight finish, then the engine and Redis."""
+    the workers go first, letting their requests in flight finish (a second signal goes on to
+    them: they cut their requests), then the engine and Redis."""
     for child in starting:
         await child.started()
     specs = [
@@ -181,6 +183,7 @@ async def _supervise_workers(
         for i in range(bind.workers)
     ]
     workers = [children.spawn(specs[0])]
+    stop.forward_to(workers)
     try:
         await workers[0].started()
         workers += [children.spawn(spec) for spec in specs[1:]]
@@ -213,8 +216,9 @@ class _Server(uvicorn.Server):
 
 class StopSignals:
     """SIGTERM and SIGINT stop serve. While it starts they cancel the start; while the HTTP
-    server runs they ask it to shut down gracefully (a second signal forces it). Either way serve
-    then stops its children.
+    server runs they ask it to shut down gracefully (a second signal forces it), and so do the
+    gateway workers (`forward_to`) once serve stops them. Either way serve then stops its
+    children.
 
     uvicorn's own handlers are not used: after shutting down they re-raise the signal, whose
     default action killed serve before it could stop its children."""
@@ -225,6 +229,7 @@ class StopSignals:
         self._task: asyncio.Task[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._previous: dict[signal.Signals, Any] = {}
+        self._forwarded: list[SupervisedChild] = []
 
     def __enter__(self) -> StopSignals:
         self._loop = asyncio.get_running_loop()
@@ -242,6 +247,12 @@ class StopSignals:
         """The HTTP server was started: serve is past its start."""
         return self._server is not None
 
+    def forward_to(self, children: list[SupervisedChild]) -> None:
+        """Send a second signal on to `children` (gateway workers; the list as it grows), as
+        SIGINT: each worker then forces its own HTTP server's exit. They run in sessions of
+        their own, which a Ctrl-C in the terminal does not reach."""
+        self._forwarded = children
+
     async def serve(self, server: uvicorn.Server, sockets: list[socket.socket] | None) -> None:
         self._server = server
         server.should_exit = self.received is not None
@@ -251,6 +262,8 @@ class StopSignals:
         if self.received is not None:
             if self._server is not None:
                 self._server.force_exit = True
+            for child in self._forwarded:
+                child.send_signal(signal.SIGINT)
             return
         self.received = signal.Signals(signum)
         log.info("received %s: stopping", self.received.name)

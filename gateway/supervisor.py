@@ -177,6 +177,12 @@ class SupervisedChild:
         if self.proc is not None and self._signalled:
             _killpg(self.proc.pid, signal.SIGTERM)
 
+    def send_signal(self, sig: signal.Signals) -> None:
+        """Send `sig` to the child's group, unless the child was reaped (its id may be
+        another's by then)."""
+        if self.proc is not None and self.proc.returncode is None:
+            _killpg(self.proc.pid, sig)
+
     def stop(self, deadline: float) -> None:
         """`terminate`, then block until the child exited, killing its group at `deadline`
         (time.monotonic)."""

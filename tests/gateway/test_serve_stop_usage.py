@@ -107,13 +107,17 @@ def _usage_rows(data_dir: Path, tenant_id: str) -> list[tuple[int, int]]:
         db.close()
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
 def test_a_second_sigint_cuts_the_requests_and_still_writes_their_usage(
-    env: dict[str, str], tmp_path: Path
+    env: dict[str, str], tmp_path: Path, workers: str
 ) -> None:
     """uvicorn skips its lifespan shutdown on a forced exit: the gateway never closed, so the
     usage it held (its recorder flushes every 0.5 s) and that of the requests cut was lost.
-    The grace period is long: the requests end because the second signal cut them."""
-    with serve(tmp_path, env | {"LORAMUX_STOP_GRACE_SECONDS": "600"}) as running:
+    The grace period is long: the requests end because the second signal cut them. With
+    --workers 2 the second signal reached serve alone (its workers run in sessions of their
+    own), which had no HTTP server to force: its workers waited out the grace period."""
+    long = env | {"LORAMUX_STOP_GRACE_SECONDS": "600"}
+    with serve(tmp_path, long, args=("--workers", workers)) as running:
         ends = _stop_with_streams_in_flight(running, signal.SIGINT, signal.SIGINT)
     assert "cut" in ends, ends
 
