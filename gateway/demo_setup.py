@@ -1,17 +1,17 @@
 """First start on embedded defaults: a demo tenant with a key (printed once) and shared demo
-adapters; a first start that was stopped midway is finished by the next start."""
+adapters; a first start that was stopped midway is finished by the next start. A database has
+one first start, marked in it (`first_start`), whatever tenants it holds later."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-from sqlalchemy import func, select
-
 from loramux.engine.errors import EngineStoppedError
 from loramux.gateway.audit.service import OK, AuditLog
 from loramux.gateway.auth.api_keys import NewKey, mint_key
-from loramux.gateway.db import ApiKey, Tenant
+from loramux.gateway.db import ApiKey, FirstStart, Tenant
+from loramux.gateway.db.first_start import FIRST_START_ROW
 from loramux.gateway.state import GatewayState
 
 log = logging.getLogger(__name__)
@@ -25,19 +25,19 @@ uploaded: a start that finds it finishes what a stopped first start left undone.
 
 
 async def first_start(gw: GatewayState, model_dir: Path, url: str) -> None:
-    """On an empty database, create tenant `demo` and its key and print the key (once, with an
-    example request to `url`, where serve listens) right after the commit; then, with the demo
-    model, upload shared demo adapters, which takes seconds each. A first start stopped before
-    its end (SIGTERM while uploading) left a tenant whose key nobody had seen; now the key is
-    shown first, and the next start finds PENDING and uploads the adapters (an upload of the
-    same bytes answers the version already there), so no start leaves a half-made first start.
-    With no engine answering (an external one not up yet) the adapters wait for the next start
-    likewise."""
+    """On a database whose first start was not done (no `FirstStart` mark), create tenant
+    `demo` and its key and print the key (once, with an example request to `url`, where serve
+    listens) right after the commit; then, with the demo model, upload shared demo adapters,
+    which takes seconds each. A first start stopped before its end (SIGTERM while uploading)
+    left a tenant whose key nobody had seen; now the key is shown first, and the next start
+    finds PENDING and uploads the adapters (an upload of the same bytes answers the version
+    already there), so no start leaves a half-made first start. With no engine answering (an
+    external one not up yet) the adapters wait for the next start likewise."""
     pending = gw.settings.data_dir / PENDING
     names = _demo_adapter_names(gw)
     async with gw.sessions() as session:
-        has_tenants = bool(await session.scalar(select(func.count()).select_from(Tenant)))
-    if has_tenants:
+        done = await session.get(FirstStart, FIRST_START_ROW) is not None
+    if done:
         if not pending.exists():
             return
         log.info("finishing the first start, which was stopped before it ended")
@@ -61,9 +61,9 @@ def _demo_adapter_names(gw: GatewayState) -> list[str]:
 
 
 async def _create_demo_tenant(gw: GatewayState) -> NewKey:
-    """Tenant `demo` and its API key, committed together and audited (actor `first-start`) as
-    an admin's `tenant.create` and `key.create`: the key's secret is in the result only (the
-    database keeps its hash)."""
+    """Tenant `demo` and its API key, committed together with the first start's mark, and
+    audited (actor `first-start`) as an admin's `tenant.create` and `key.create`: the key's
+    secret is in the result only (the database keeps its hash)."""
     key = mint_key()
     audit_log = AuditLog(gw.sessions)
     async with audit_log.audited(FIRST_START, "tenant.create") as entry:
@@ -76,6 +76,7 @@ async def _create_demo_tenant(gw: GatewayState) -> NewKey:
             session.add(
                 ApiKey(id=key.id, tenant_id=tenant_id, name="demo", secret_hash=key.secret_hash)
             )
+            session.add(FirstStart(id=FIRST_START_ROW))
     await audit_log.write(FIRST_START, "key.create", key.id, OK, {"tenant_id": tenant_id})
     return key
 

@@ -5,6 +5,7 @@ from loramux.gateway.db.adapter_file import AdapterFilePart
 from loramux.gateway.db.api_key import ApiKey
 from loramux.gateway.db.audit import AuditEntry
 from loramux.gateway.db.base import Base
+from loramux.gateway.db.first_start import FirstStart
 from loramux.gateway.db.quota import Quota
 from loramux.gateway.db.tenant import Tenant
 from loramux.gateway.db.usage import UsageEvent
@@ -16,6 +17,7 @@ __all__ = [
     "ApiKey",
     "AuditEntry",
     "Base",
+    "FirstStart",
     "Quota",
     "Tenant",
     "UsageEvent",

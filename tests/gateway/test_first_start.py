@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import delete, func, select
 
 from loramux.gateway.admin.paging import Paging
 from loramux.gateway.audit.service import AuditLog
@@ -144,3 +144,21 @@ async def test_the_first_starts_tenant_key_and_adapters_are_audited(
         ("adapter.upload", "shared/demo-0"),
         ("adapter.upload", "shared/demo-1"),
     ]
+
+
+async def test_a_deleted_demo_tenant_is_not_made_again_at_the_next_start(
+    demo_state: GatewayState,
+) -> None:
+    """The first start went by an empty tenants table: an operator who deleted tenant `demo`
+    (its key had gone to the logs) got it back at the next restart, with a new live key
+    printed to the logs again."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        await first_start(demo_state, demo_state.settings.model_dir, URL)
+    async with demo_state.sessions() as session, session.begin():
+        await session.execute(delete(Tenant).where(Tenant.name == "demo"))
+    again = io.StringIO()
+    with contextlib.redirect_stdout(again):
+        await first_start(demo_state, demo_state.settings.model_dir, URL)
+    assert "lmx-" not in again.getvalue()
+    async with demo_state.sessions() as session:
+        assert await session.scalar(select(func.count()).select_from(Tenant)) == 0

@@ -19,7 +19,8 @@ from sqlalchemy import DateTime, column, insert, inspect, pool, select, table, t
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from loramux.gateway.db import Base, Tenant
+from loramux.gateway.db import Base, FirstStart, Tenant
+from loramux.gateway.db.first_start import FIRST_START_ROW
 from loramux.gateway.db.migrate import alembic_config, current, downgrade, upgrade, with_connection
 from loramux.gateway.db.session import async_url
 from loramux.gateway.db.usage_rollup import MEASURES
@@ -247,3 +248,24 @@ def _refusal_counters(
             at = bucket if bucket.tzinfo else bucket.replace(tzinfo=UTC)
             counters[(name, at, key)] = (values[0], values[1] if backlog else 0)
     return counters
+
+
+BEFORE_FIRST_START_MARK = "3e8f0c6a1d52"
+"""The revision before the first start was marked in the database (table `first_start`)."""
+
+
+@pytest.mark.parametrize("tenants", [["old"], []])
+def test_a_database_with_tenants_is_marked_as_past_its_first_start(
+    empty_database: str, tenants: list[str]
+) -> None:
+    """The first start went by an empty tenants table; now by its mark. A database that holds
+    tenants had its first start, so its next start makes no tenant `demo`; one without any has
+    not (or lost every tenant), and makes it."""
+    upgrade(empty_database)
+    downgrade(empty_database, BEFORE_FIRST_START_MARK)
+    for name in tenants:
+        with_connection(empty_database, lambda c, name=name: add_tenant(c, name))
+    upgrade(empty_database)
+    marks = with_connection(empty_database, lambda c: list(c.scalars(select(FirstStart.id))))
+    assert marks == ([FIRST_START_ROW] if tenants else [])
+    assert schema_diff(empty_database) == []
