@@ -7,6 +7,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
 from loramux.engine.errors import EngineStoppedError
 from loramux.gateway.audit.service import OK, AuditLog
 from loramux.gateway.auth.api_keys import NewKey, mint_key
@@ -42,8 +45,9 @@ async def first_start(gw: GatewayState, model_dir: Path, url: str) -> None:
             return
         log.info("finishing the first start, which was stopped before it ended")
     else:
-        pending.touch()
-        key = await _create_demo_tenant(gw)
+        key = await _create_demo_tenant(gw, pending)
+        if key is None:  # another gateway on this database made it
+            return
         _print_key(key, [gw.model_name, *names], url)
     if names:
         try:
@@ -60,15 +64,20 @@ def _demo_adapter_names(gw: GatewayState) -> list[str]:
     return [f"demo-{i}" for i in range(count)]
 
 
-async def _create_demo_tenant(gw: GatewayState) -> NewKey:
+async def _create_demo_tenant(gw: GatewayState, pending: Path) -> NewKey | None:
     """Tenant `demo` and its API key, committed together with the first start's mark, and
     audited (actor `first-start`) as an admin's `tenant.create` and `key.create`: the key's
-    secret is in the result only (the database keeps its hash)."""
+    secret is in the result only (the database keeps its hash). None, with nothing made, when
+    another gateway on this database claimed the first start (`_claim`); PENDING is made once
+    this one has."""
     key = mint_key()
     audit_log = AuditLog(gw.sessions)
-    async with audit_log.audited(FIRST_START, "tenant.create") as entry:
-        entry.detail = {"name": "demo"}
-        async with gw.sessions() as session, session.begin():
+    async with gw.sessions() as session:
+        if not await _claim(session):
+            return None  # closing the session rolls its transaction back
+        pending.touch()
+        async with audit_log.audited(FIRST_START, "tenant.create") as entry:
+            entry.detail = {"name": "demo"}
             tenant = Tenant(name="demo")
             session.add(tenant)
             await session.flush()
@@ -76,9 +85,23 @@ async def _create_demo_tenant(gw: GatewayState) -> NewKey:
             session.add(
                 ApiKey(id=key.id, tenant_id=tenant_id, name="demo", secret_hash=key.secret_hash)
             )
-            session.add(FirstStart(id=FIRST_START_ROW))
+            await session.commit()
     await audit_log.write(FIRST_START, "key.create", key.id, OK, {"tenant_id": tenant_id})
     return key
+
+
+async def _claim(session: AsyncSession) -> bool:
+    """Insert the first start's mark, first in the session's transaction (left open); False when
+    another gateway's is there. Gateways starting together on a new database (compose's
+    `--scale gateway=N`) all see no mark: the first insert holds the others' (PostgreSQL's
+    primary key, SQLite's write lock) until its transaction ends, and once it commits theirs
+    fail here, instead of their tenant `demo` breaking the unique name and their start."""
+    session.add(FirstStart(id=FIRST_START_ROW))
+    try:
+        await session.flush()
+    except IntegrityError:
+        return False
+    return True
 
 
 def _print_key(key: NewKey, models: list[str], url: str) -> None:

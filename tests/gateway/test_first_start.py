@@ -23,6 +23,7 @@ from loramux.gateway.demo_setup import PENDING, first_start
 from loramux.gateway.server import engine_client
 from loramux.gateway.settings import EngineSettings, ServerSettings, Settings
 from loramux.gateway.state import GatewayState, build_state
+from tests.migrations.test_revisions import new_postgres_database
 
 URL = "http://127.0.0.1:46815"
 
@@ -162,3 +163,51 @@ async def test_a_deleted_demo_tenant_is_not_made_again_at_the_next_start(
     assert "lmx-" not in again.getvalue()
     async with demo_state.sessions() as session:
         assert await session.scalar(select(func.count()).select_from(Tenant)) == 0
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def two_gateways(
+    request: pytest.FixtureRequest, tmp_path: Path, demo_model_dir: Path, redis_url: str
+) -> AsyncIterator[list[GatewayState]]:
+    """Two gateways on one migrated database, as compose runs them (`--scale gateway=2`): an
+    external engine (not answering: irrelevant here), LORAMUX_MODEL set (so no demo adapters,
+    only tenant `demo` and its key)."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'shared.db'}"
+    else:
+        server = request.getfixturevalue("postgres_url")
+        url = await asyncio.to_thread(new_postgres_database, server)
+    await asyncio.to_thread(upgrade, url)
+    states = []
+    for i in range(2):
+        data = tmp_path / f"gateway-{i}"
+        data.mkdir()
+        settings = Settings(
+            data_dir=data,
+            model=demo_model_dir,
+            engine=EngineSettings(max_model_len=512, kv_cache_mb=16),
+            server=ServerSettings(
+                database_url=url, engine_urls=(f"ipc://{tmp_path / 'no-engine.sock'}",)
+            ),
+        )
+        client = engine_client(settings, demo_model_dir)
+        states.append(await build_state(settings, client, demo_model_dir, redis_url))
+    yield states
+    for state in states:
+        await state.close()
+
+
+async def test_gateways_starting_together_on_a_new_database_make_one_demo_tenant(
+    two_gateways: list[GatewayState],
+) -> None:
+    """Both saw no tenant and both inserted tenant `demo`: the second's insert broke the unique
+    name and its start failed with an IntegrityError (compose restarted it)."""
+    for gw in two_gateways:  # each with its pool's connection open, as a gateway that started
+        async with gw.sessions() as session:
+            await session.scalar(select(func.count()).select_from(Tenant))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        await asyncio.gather(*(first_start(gw, gw.settings.model_dir, URL) for gw in two_gateways))
+    async with two_gateways[1].sessions() as session:
+        assert list(await session.scalars(select(Tenant.name))) == ["demo"]
+    assert len(set(re.findall(r"lmx-[\w.-]+", out.getvalue()))) == 1
