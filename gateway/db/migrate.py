@@ -17,12 +17,14 @@ from typing import TypeVar
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import make_url, pool
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from loramux import migrations
 from loramux.gateway.db.session import async_url, prepare_sqlite_file
+from loramux.gateway.setting_checks import StartError
 
 T = TypeVar("T")
 
@@ -36,14 +38,31 @@ def alembic_config(url: str) -> Config:
 
 
 def upgrade(url: str) -> None:
-    """Migrate to the newest revision. Idempotent: at head already, nothing changes, so this is
+    """Migrate to the newest revision (a StartError, changing nothing, when the database is
+    newer than this release). Idempotent: at head already, nothing changes, so this is
     safe on every start; on PostgreSQL concurrent callers take turns (advisory lock).
 
     A SQLite file is created owner-only first (`prepare_sqlite_file`), and switched to WAL
     once migrated (`use_wal`)."""
     prepare_sqlite_file(url)
-    command.upgrade(alembic_config(url), "head")
+    config = alembic_config(url)
+    _refuse_unknown_revision(url, ScriptDirectory.from_config(config))
+    command.upgrade(config, "head")
     use_wal(url)
+
+
+def _refuse_unknown_revision(url: str, scripts: ScriptDirectory) -> None:
+    """A StartError when the database is at a revision none of `scripts` is: a newer release
+    migrated it (an operator rolled the release back). Alembic could only say, in a traceback,
+    that it cannot locate it; and this release's code would misread the newer schema."""
+    revision = current(url)
+    if revision is None or revision in {script.revision for script in scripts.walk_revisions()}:
+        return
+    raise StartError(
+        f"the database is at revision {revision}, newer than this release (whose newest is "
+        f"{scripts.get_current_head()}): run the release that migrated it, or restore the "
+        "database from before that migration"
+    )
 
 
 def use_wal(url: str, attempts: int = 50) -> None:

@@ -24,6 +24,7 @@ from loramux.gateway.db.first_start import FIRST_START_ROW
 from loramux.gateway.db.migrate import alembic_config, current, downgrade, upgrade, with_connection
 from loramux.gateway.db.session import async_url
 from loramux.gateway.db.usage_rollup import MEASURES
+from loramux.gateway.setting_checks import StartError
 
 REPO = Path(__file__).parents[2]
 HEAD = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
@@ -269,3 +270,22 @@ def test_a_database_with_tenants_is_marked_as_past_its_first_start(
     marks = with_connection(empty_database, lambda c: list(c.scalars(select(FirstStart.id))))
     assert marks == ([FIRST_START_ROW] if tenants else [])
     assert schema_diff(empty_database) == []
+
+
+def test_a_database_a_newer_release_migrated_is_refused_in_one_line_and_left_alone(
+    empty_database: str,
+) -> None:
+    """An operator who rolls a release back and runs `loramux migrate` (or serve, which
+    migrates at its start) got Alembic's traceback for a revision it cannot locate."""
+    upgrade(empty_database)
+    newer = "ffffffffffff"
+    with_connection(empty_database, lambda c: _stamp(c, newer))
+    with pytest.raises(StartError, match=f"revision {newer}, newer than this release"):
+        upgrade(empty_database)
+    assert current(empty_database) == newer
+
+
+def _stamp(connection: Connection, revision: str) -> None:
+    """Mark the database as at `revision`, as Alembic would."""
+    connection.execute(text("UPDATE alembic_version SET version_num = :r"), {"r": revision})
+    connection.commit()
