@@ -32,7 +32,8 @@ from loramux.gateway.engine_child import engine_child
 from loramux.gateway.redis_server import redis_child
 from loramux.gateway.serve_workers import (
     MULTIPROCESS_DIR,
-    listening_sockets,
+    control_socket,
+    listening_socket,
     metrics_folder,
     worker_child,
 )
@@ -99,9 +100,13 @@ async def serve_forever(settings: Settings, model_dir: Path, bind: Bind) -> None
     """Run until SIGTERM or SIGINT; however it ends, no child outlives it. An OSError before
     the gateway serves (a folder it cannot make, no file descriptors left) is a StartError: the
     operator's to fix, said in one line."""
-    with StopSignals() as stop, Supervisor() as children:
+    with (
+        _listening(bind) as sockets,
+        StopSignals() as stop,
+        Supervisor() as children,
+    ):
         try:
-            await _serve(settings, model_dir, bind, children, stop)
+            await _serve(settings, model_dir, bind, sockets, children, stop)
         except asyncio.CancelledError:
             if stop.received is None:
                 raise
@@ -112,8 +117,29 @@ async def serve_forever(settings: Settings, model_dir: Path, bind: Bind) -> None
             raise StartError(f"could not start: {exc}") from exc
 
 
+@contextlib.contextmanager
+def _listening(bind: Bind) -> Iterator[list[socket.socket]]:
+    """The sockets this serve's gateway serves on, from before anything starts until serve
+    exits: its port, then a worker's control socket; none in the parent of workers, which
+    bind the port themselves."""
+    if bind.workers > 1:
+        yield []
+        return
+    with contextlib.ExitStack() as sockets:
+        port = sockets.enter_context(listening_socket(bind.host, bind.port, bind.reuse_port))
+        if bind.control_socket is None:
+            yield [port]
+        else:
+            yield [port, sockets.enter_context(control_socket(bind.control_socket))]
+
+
 async def _serve(
-    settings: Settings, model_dir: Path, bind: Bind, children: Supervisor, stop: StopSignals
+    settings: Settings,
+    model_dir: Path,
+    bind: Bind,
+    sockets: list[socket.socket],
+    children: Supervisor,
+    stop: StopSignals,
 ) -> None:
     starting: list[SupervisedChild] = []
     redis_url = settings.server.redis_url
@@ -126,11 +152,7 @@ async def _serve(
         server = replace(settings.server, engine_urls=(engine.url,), engine_token=engine.token)
         settings = replace(settings, server=server)
     if bind.workers > 1:
-        urls, token = settings.server.engine_urls, settings.server.engine_token
-        shared = {"LORAMUX_REDIS_URL": redis_url, "LORAMUX_ENGINE_URLS": ",".join(urls)}
-        if token is not None:
-            shared["LORAMUX_ENGINE_TOKEN"] = token
-        shared[MULTIPROCESS_DIR] = str(metrics_folder(settings.data_dir))
+        shared = _shared_with_workers(settings, redis_url)
         await _supervise_workers(settings, bind, starting, children, shared, stop)
         return
 
@@ -158,10 +180,18 @@ async def _serve(
         lifespan="on",
         timeout_graceful_shutdown=settings.server.stop_grace_seconds,
     )
-    sockets = None
-    if bind.reuse_port:
-        sockets = listening_sockets(bind.host, bind.port, bind.control_socket)
     await stop.serve(_Server(config), sockets)
+
+
+def _shared_with_workers(settings: Settings, redis_url: str) -> dict[str, str]:
+    """What the workers take from their parent: its redis-server and engine (as external
+    ones, LORAMUX_* variables) and the folder of their metrics."""
+    urls, token = settings.server.engine_urls, settings.server.engine_token
+    shared = {"LORAMUX_REDIS_URL": redis_url, "LORAMUX_ENGINE_URLS": ",".join(urls)}
+    if token is not None:
+        shared["LORAMUX_ENGINE_TOKEN"] = token
+    shared[MULTIPROCESS_DIR] = str(metrics_folder(settings.data_dir))
+    return shared
 
 
 async def _supervise_workers(

@@ -30,11 +30,14 @@ from pathlib import Path
 
 import httpx
 
+from loramux.gateway.setting_checks import StartError
 from loramux.gateway.supervisor import ChildSpec
 
 START_SECONDS = 300.0
 """How long a worker may take to import the gateway and serve (answer /health)."""
 MAX_WORKERS = 8
+BACKLOG = 2048
+"""Connections the port queues until the gateway accepts them (uvicorn's default)."""
 MAX_SOCKET_PATH = 100
 """A Unix socket's path has room for 107 bytes; a deeper data directory gets a temporary one."""
 
@@ -131,21 +134,32 @@ def worker_child(
     return ChildSpec(f"gateway-{index}", argv, ready, START_SECONDS, os.environ | shared)
 
 
-def listening_sockets(host: str, port: int, control: Path | None) -> list[socket.socket]:
-    """The shared port, bound with SO_REUSEPORT so that every worker can bind it, and the
-    worker's own control socket."""
+def listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """The gateway's port, bound and listening before serve starts anything else, so that a
+    port in use is refused at once, in one line naming it (uvicorn found it only once the
+    gateway was ready to serve, after the first start had printed its key, and exited past
+    serve's handling). With `reuse_port` (SO_REUSEPORT) every worker can bind it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    shared = socket.socket(family, socket.SOCK_STREAM)
-    shared.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    shared.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    shared.bind((host, port))
-    sockets = [shared]
-    if control is not None:
-        control.unlink(missing_ok=True)  # left by a worker that was killed
-        own = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        own.bind(str(control))
-        sockets.append(own)
-    return sockets
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        listener.bind((host, port))
+        listener.listen(BACKLOG)
+    except OSError as exc:
+        listener.close()
+        address = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        raise StartError(f"cannot listen on {address}: {exc.strerror or exc}") from exc
+    return listener
+
+
+def control_socket(path: Path) -> socket.socket:
+    """A worker's own Unix socket, where its parent probes it."""
+    path.unlink(missing_ok=True)  # left by a worker that was killed
+    own = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    own.bind(str(path))
+    return own
 
 
 def _control_socket(data_dir: Path, index: int) -> Path:

@@ -138,3 +138,21 @@ def _ready(running: Serve) -> bool:
         return httpx.get(f"{running.url}/ready", timeout=5).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def refusal(env: dict[str, str], data_dir: Path, *args: str, port: int | None = None) -> str:
+    """What `loramux serve` (on `port`, else a free one) says when it refuses to start: it exits
+    1 within seconds with one line on stderr (the last; no traceback)."""
+    port = free_port() if port is None else port
+    run = subprocess.run(
+        [sys.executable, "-m", "loramux.gateway.cli", "serve", "--port", str(port), *args],
+        env=os.environ | {"LORAMUX_DATA_DIR": str(data_dir)} | env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr, run.stderr[-2000:]
+    line = run.stderr.strip().splitlines()[-1]
+    assert line.startswith("loramux serve: "), run.stderr[-2000:]
+    return line

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,7 +27,15 @@ from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.service import serve_engine_in_thread
 from loramux.gateway.auth.admin_jwt import AdminAuth
 from loramux.gateway.openai.models import system_fingerprint
-from tests.gateway.serve_process import START_SECONDS, Serve, alive, free_port, serve, wait_for
+from tests.gateway.serve_process import (
+    START_SECONDS,
+    Serve,
+    alive,
+    free_port,
+    refusal,
+    serve,
+    wait_for,
+)
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 
 SECRET = "lifecycle-test-secret-" + "x" * 32
@@ -202,23 +211,6 @@ def test_sigkill_of_serve_takes_its_children_with_it(env: dict[str, str], tmp_pa
 # -- a start refused ------------------------------------------------------------------------------
 
 
-def _refusal(env: dict[str, str], data_dir: Path, *args: str) -> str:
-    """What `loramux serve` says when it refuses to start: it exits 1 within seconds with one
-    line on stderr (the last; no traceback)."""
-    run = subprocess.run(
-        [sys.executable, "-m", "loramux.gateway.cli", "serve", "--port", str(free_port()), *args],
-        env=os.environ | {"LORAMUX_DATA_DIR": str(data_dir)} | env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert run.returncode == 1, run.stderr[-2000:]
-    assert "Traceback" not in run.stderr, run.stderr[-2000:]
-    line = run.stderr.strip().splitlines()[-1]
-    assert line.startswith("loramux serve: "), run.stderr[-2000:]
-    return line
-
-
 @pytest.mark.parametrize(
     ("name", "value"),
     [
@@ -233,7 +225,7 @@ def test_a_bad_setting_is_one_line_naming_it_before_anything_starts(
     env: dict[str, str], tmp_path: Path, name: str, value: str
 ) -> None:
     """Found before any child starts: not by the engine failing to load, nor by a traceback."""
-    line = _refusal(env | {f"LORAMUX_{name}": value}, tmp_path / "data")
+    line = refusal(env | {f"LORAMUX_{name}": value}, tmp_path / "data")
     assert f"LORAMUX_{name}" in line and value in line
     assert not (tmp_path / "data" / "redis").exists()  # no child was started
 
@@ -246,15 +238,31 @@ def test_a_child_that_fails_at_start_or_an_os_error_is_one_line(
     --workers 2 serve waits for its redis-server before importing the gateway: quick."""
     external = env | {"LORAMUX_ENGINE_URLS": f"ipc://{tmp_path / 'no-engine.sock'}"}
     (tmp_path / "child" / "redis" / "redis.sock").mkdir(parents=True)
-    line = _refusal(external, tmp_path / "child", "--workers", "2")
+    line = refusal(external, tmp_path / "child", "--workers", "2")
     log = tmp_path / "child" / "redis" / "redis.log"
     assert (
         line == f"loramux serve: redis-server exited with status 1 before it was ready (see {log})"
     )
     (tmp_path / "oserror").mkdir()
     (tmp_path / "oserror" / "redis").touch()
-    line = _refusal(external, tmp_path / "oserror", "--workers", "2")
+    line = refusal(external, tmp_path / "oserror", "--workers", "2")
     assert line.startswith("loramux serve: could not start: [Errno 17] File exists"), line
+
+
+def test_a_port_in_use_is_one_line_naming_it_before_anything_starts(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """uvicorn found it only once the gateway was ready to serve, after its children, the
+    migration and the first start (which had printed the demo key), and it logged a line of its
+    own and exited with status 3, past serve's handling."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = refusal(env, tmp_path / "data", port=port)
+    assert line.startswith(f"loramux serve: cannot listen on 127.0.0.1:{port}: "), line
+    assert not (tmp_path / "data" / "redis").exists()  # no child was started
+    assert not (tmp_path / "data" / "loramux.db").exists()  # nor the first start
 
 
 # -- a child that dies is restarted --------------------------------------------------------------
@@ -317,7 +325,7 @@ def test_a_second_serve_on_the_same_data_dir_is_refused_and_harms_nothing(
 ) -> None:
     """It started its own redis-server and engine on the first's socket paths; stopping, it
     left the first serve's Redis without a socket file."""
-    line = _refusal(env, running.data_dir)
+    line = refusal(env, running.data_dir)
     assert str(running.data_dir) in line and f"pid {running.proc.pid}" in line, line
     assert (running.data_dir / "redis" / "redis.sock").exists()
     assert (running.data_dir / "serve.lock").read_text().strip() == str(running.proc.pid)
