@@ -107,7 +107,7 @@ def _serve(args: argparse.Namespace) -> None:
         port = settings.server.port if args.port is None else args.port
         workers = args.workers or default_workers()
         control = Path(args.control_socket) if args.control_socket else None
-        bind = Bind(host, port, workers, args.reuse_port, control)
+        bind = Bind(host, port, workers, args.listen_fd, control)
         asyncio.run(serve_forever(settings, model_dir, bind))
 
 
@@ -211,7 +211,7 @@ def _add_serve(sub: Subcommands) -> None:
         help="gateway processes sharing the port, the engine and Redis "
         "(default: one per two cores, at most 8)",
     )
-    p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--control-socket", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_serve)
 

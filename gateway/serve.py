@@ -8,7 +8,7 @@ gateway starts serving once both children are ready. Stop: SIGTERM or SIGINT let
 flight finish (up to LORAMUX_STOP_GRACE_SECONDS), then stops the children.
 
 With `--workers N` (N > 1) the gateway itself runs as N supervised worker processes sharing the
-port (gateway.serve_workers); this process then only supervises.
+port that serve bound (gateway.serve_workers); this process then only supervises.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ class Bind:
     port: int
     workers: int = 1
     """Gateway processes; with more than one, each is a child (gateway.serve_workers)."""
-    reuse_port: bool = False
-    """Bind the port with SO_REUSEPORT: this process is one of several workers."""
+    listen_fd: int | None = None
+    """A worker's listening socket: its parent's port, inherited as this descriptor."""
     control_socket: Path | None = None
     """A worker's own Unix socket, where its parent probes it."""
 
@@ -119,18 +119,17 @@ async def serve_forever(settings: Settings, model_dir: Path, bind: Bind) -> None
 
 @contextlib.contextmanager
 def _listening(bind: Bind) -> Iterator[list[socket.socket]]:
-    """The sockets this serve's gateway serves on, from before anything starts until serve
-    exits: its port, then a worker's control socket; none in the parent of workers, which
-    bind the port themselves."""
-    if bind.workers > 1:
-        yield []
-        return
+    """The sockets this serve listens on, from before anything starts until it exits: its port
+    (bound here, or a worker's inherited from its parent), then a worker's control socket."""
     with contextlib.ExitStack() as sockets:
-        port = sockets.enter_context(listening_socket(bind.host, bind.port, bind.reuse_port))
-        if bind.control_socket is None:
-            yield [port]
+        if bind.listen_fd is None:
+            port = listening_socket(bind.host, bind.port)
         else:
-            yield [port, sockets.enter_context(control_socket(bind.control_socket))]
+            port = socket.socket(fileno=bind.listen_fd)
+        listening = [sockets.enter_context(port)]
+        if bind.control_socket is not None:
+            listening.append(sockets.enter_context(control_socket(bind.control_socket)))
+        yield listening
 
 
 async def _serve(
@@ -153,7 +152,7 @@ async def _serve(
         settings = replace(settings, server=server)
     if bind.workers > 1:
         shared = _shared_with_workers(settings, redis_url)
-        await _supervise_workers(settings, bind, starting, children, shared, stop)
+        await _supervise_workers(settings, bind, sockets[0], starting, children, shared, stop)
         return
 
     # Imported now, after the children were spawned, so that importing the gateway (torch,
@@ -197,19 +196,20 @@ def _shared_with_workers(settings: Settings, redis_url: str) -> dict[str, str]:
 async def _supervise_workers(
     settings: Settings,
     bind: Bind,
+    port: socket.socket,
     starting: list[SupervisedChild],
     children: Supervisor,
     shared: dict[str, str],
     stop: StopSignals,
 ) -> None:
-    """Start the workers once redis-server and the engine are up (worker 0 first and alone: it
-    migrates the database and runs the first-start setup), then supervise until stopped. On stop
-    the workers go first, letting their requests in flight finish (a second signal goes on to
-    them: they cut their requests), then the engine and Redis."""
+    """Start the workers, serving on `port`, once redis-server and the engine are up (worker 0
+    first and alone: it migrates the database and runs the first-start setup), then supervise
+    until stopped. On stop the workers go first, letting their requests in flight finish (a
+    second signal goes on to them: they cut their requests), then the engine and Redis."""
     for child in starting:
         await child.started()
     specs = [
-        worker_child(i, bind.host, bind.port, settings.data_dir, shared)
+        worker_child(i, bind.host, bind.port, port.fileno(), settings.data_dir, shared)
         for i in range(bind.workers)
     ]
     workers = [children.spawn(specs[0])]
@@ -222,6 +222,9 @@ async def _supervise_workers(
         log.info("%d gateway workers serve on %s:%d", bind.workers, bind.host, bind.port)
         await asyncio.Event().wait()  # until a stop signal cancels this task
     finally:
+        # The workers' copies of the port go as each stops listening: then the port is closed
+        # and refuses new connections, instead of queueing them for no worker until serve exits.
+        port.close()
         grace = settings.server.stop_grace_seconds
         await asyncio.to_thread(children.stop, workers, grace + CLOSE_SECONDS)
 

@@ -2,8 +2,10 @@
 
 Each worker is a supervised child of serve running `loramux serve --workers 1` with the parent's
 redis-server and engine named as external ones (LORAMUX_REDIS_URL, LORAMUX_ENGINE_URLS), so it
-spawns no children of its own. All workers bind the same port with SO_REUSEPORT and the kernel
-spreads connections over them. What must be exact across workers already lives outside them:
+spawns no children of its own. Serve binds the port once, before it starts anything, and every
+worker serves on that one socket, inherited (`--listen-fd`): each accepts from its queue when
+free. (Each binding the port with SO_REUSEPORT let any process of the same user that set it
+join: a second serve on another data directory shared the first's port without a word.) What must be exact across workers already lives outside them:
 tenants, keys and adapters in the database (and the adapter store in the data directory), quotas
 and the response cache in Redis; so an adapter uploaded through one worker serves through all.
 
@@ -116,13 +118,15 @@ def default_workers() -> int:
 
 
 def worker_child(
-    index: int, host: str, port: int, data_dir: Path, shared: dict[str, str]
+    index: int, host: str, port: int, listener: int, data_dir: Path, shared: dict[str, str]
 ) -> ChildSpec:
-    """Worker `index`, serving on `host`:`port` with the redis-server and engine that `shared`
-    (LORAMUX_* variables) names."""
+    """Worker `index`, serving on `host`:`port` (the socket whose descriptor is `listener`,
+    which it inherits) with the redis-server and engine that `shared` (LORAMUX_* variables)
+    names."""
     control = _control_socket(data_dir, index)
     argv: tuple[str, ...] = (sys.executable, "-m", "loramux.gateway.cli", "serve", "--workers", "1")
-    argv += ("--host", host, "--port", str(port), "--reuse-port", "--control-socket", str(control))
+    argv += ("--host", host, "--port", str(port), "--listen-fd", str(listener))
+    argv += ("--control-socket", str(control))
 
     async def ready() -> bool:
         # Serving (/health), not /ready: a worker whose external engine is not up yet serves
@@ -131,20 +135,20 @@ def worker_child(
         async with httpx.AsyncClient(transport=transport, timeout=2.0) as client:
             return (await client.get("http://worker/health")).status_code == 200
 
-    return ChildSpec(f"gateway-{index}", argv, ready, START_SECONDS, os.environ | shared)
+    env = os.environ | shared
+    return ChildSpec(f"gateway-{index}", argv, ready, START_SECONDS, env, pass_fds=(listener,))
 
 
-def listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+def listening_socket(host: str, port: int) -> socket.socket:
     """The gateway's port, bound and listening before serve starts anything else, so that a
     port in use is refused at once, in one line naming it (uvicorn found it only once the
     gateway was ready to serve, after the first start had printed its key, and exited past
-    serve's handling). With `reuse_port` (SO_REUSEPORT) every worker can bind it."""
+    serve's handling). Without SO_REUSEPORT: no other process can join it; the workers
+    inherit this socket (`worker_child`)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         listener.bind((host, port))
         listener.listen(BACKLOG)
     except OSError as exc:

@@ -72,6 +72,8 @@ class ChildSpec:
     """Discard the child's stdout (it logs elsewhere)."""
     output: str = "its output is above"
     """Where the child says why it failed, for the one line of a ChildFailed."""
+    pass_fds: tuple[int, ...] = ()
+    """Descriptors the child inherits (a gateway worker's listening socket)."""
 
 
 def spawn(argv: list[str] | tuple[str, ...], **popen: Any) -> subprocess.Popen[bytes]:
@@ -248,6 +250,7 @@ class SupervisedChild:
             self.spec.argv,
             env=self.spec.env,
             stdout=subprocess.DEVNULL if self.spec.quiet else None,
+            pass_fds=self.spec.pass_fds,
         )
         self._started_at = time.monotonic()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 from pathlib import Path
 
 import httpx
@@ -13,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loramux.adapters.demo import build_demo_adapters
 from loramux.gateway.auth.admin_jwt import AdminAuth
-from tests.gateway.serve_process import Serve, alive, serve, wait_for
+from tests.gateway.serve_process import Serve, alive, refusal, serve, wait_for
 from tests.gateway.tenants import new_tenant, upload_adapter
 
 SECRET = "workers-test-secret-" + "x" * 32
@@ -41,7 +42,7 @@ def test_two_workers_share_one_engine_and_redis_and_sigterm_stops_them_all(
         commands = list(running.children().values())
         assert sum(" engine " in c for c in commands) == 1, commands
         assert sum("redis-server" in c for c in commands) == 1, commands
-        workers = {pid for pid, c in running.children().items() if "--reuse-port" in c}
+        workers = {pid for pid, c in running.children().items() if "--listen-fd" in c}
         assert len(workers) == 2, commands
 
         # Connections to the shared port land on both workers.
@@ -106,3 +107,25 @@ def _worker_pid(running: Serve, index: int) -> int:
     with _worker(running, index) as client:
         pid: int = client.get("/health").json()["pid"]
     return pid
+
+
+def test_a_port_another_process_listens_on_is_refused_in_one_line_with_workers(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """The workers bound the port each with SO_REUSEPORT, which lets any process of the same
+    user that sets it join: a second `serve --workers 2` (another data directory, another
+    database) joined the first's, as this socket does, without a word, and the kernel spread the
+    first's clients over both. Now the workers share their parent's one socket, bound without
+    it, so a port in use is refused as with one worker."""
+    env = {
+        "LORAMUX_MODEL": str(demo_model_dir),
+        "LORAMUX_ENGINE_URLS": f"ipc://{tmp_path / 'no-engine.sock'}",
+    }
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = refusal(env, tmp_path / "data", "--workers", "2", port=port)
+    assert line.startswith(f"loramux serve: cannot listen on 127.0.0.1:{port}: "), line
+    assert not (tmp_path / "data" / "redis").exists()  # no child was started
