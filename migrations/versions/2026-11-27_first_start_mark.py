@@ -5,7 +5,7 @@ gone to the logs) got it back, with a new key printed, at every restart.
 A database that already holds tenants has had its first start, and is marked so here; one
 without any (its first start never ran, or every tenant was deleted) gets one at its next start.
 
-Revision ID: 7c2d4e9a0b61
+Revision ID: 908a988c24bb
 Revises: 3e8f0c6a1d52
 Create Date: 2026-11-27 22:00:00
 """
@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 import sqlalchemy as sa
 from alembic import op
 
-revision = "7c2d4e9a0b61"
+revision = "908a988c24bb"
 down_revision = "3e8f0c6a1d52"
 branch_labels = None
 depends_on = None

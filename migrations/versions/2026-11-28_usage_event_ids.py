@@ -7,7 +7,7 @@ are 32 hex digits) before the column becomes NOT NULL and its unique index is bu
 the NOT NULL rebuilds the table (Alembic's batch mode); on PostgreSQL it is one ALTER.
 
 Revision ID: 7c2d4e9a0b61
-Revises: 3e8f0c6a1d52
+Revises: 908a988c24bb
 Create Date: 2026-11-28 08:00:00
 """
 
@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "7c2d4e9a0b61"
-down_revision = "3e8f0c6a1d52"
+down_revision = "908a988c24bb"
 branch_labels = None
 depends_on = None
 

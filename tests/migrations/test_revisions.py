@@ -137,7 +137,7 @@ def test_upgrade_works_from_any_directory_and_creates_the_sqlite_folder(
     assert current(url) == HEAD
 
 
-BEFORE_EVENT_IDS = "3e8f0c6a1d52"
+BEFORE_EVENT_IDS = "908a988c24bb"
 """The revision before usage events had ids of their own (`event_id`)."""
 
 
