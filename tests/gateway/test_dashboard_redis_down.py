@@ -16,7 +16,7 @@ from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import admin_client, json_of
 from tests.gateway.servers import TcpRelay, gateway_server
 from tests.gateway.tenants import TenantKey, new_tenant
-from tests.redis import RedisServer
+from tests.redis import RedisServer, running_redis
 
 QUOTA = {"rpm": 100, "max_concurrent": 4, "token_budget": 1_000_000, "budget_period": "day"}
 
@@ -24,12 +24,8 @@ QUOTA = {"rpm": 100, "max_concurrent": 4, "token_budget": 1_000_000, "budget_per
 @pytest.fixture(scope="module")
 def quota_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A redis-server of this module's own, to pause."""
-    server = RedisServer(tmp_path_factory.mktemp("dashboard-redis"))
-    server.start()
-    try:
+    with running_redis(tmp_path_factory.mktemp("dashboard-redis")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

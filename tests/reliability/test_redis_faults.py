@@ -17,7 +17,7 @@ import pytest
 
 from loramux.gateway.server import RunningServer
 from loramux.gateway.settings import QuotaSettings
-from tests.redis import RedisServer
+from tests.redis import RedisServer, running_redis
 from tests.reliability import books
 from tests.reliability.rig import (
     Drill,
@@ -38,12 +38,8 @@ LEASE_SECONDS = 3.0
 @pytest.fixture(scope="module")
 def redis_alone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A redis-server of this module's own, to pause and kill."""
-    server = RedisServer(tmp_path_factory.mktemp("redis-faults"))
-    server.start()
-    try:
+    with running_redis(tmp_path_factory.mktemp("redis-faults")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
