@@ -24,6 +24,18 @@ from loramux.gateway.settings import Settings
 ENGINE_TOKEN = "shared-secret"
 
 
+def demo_env(model_dir: Path, **more: str) -> dict[str, str]:
+    """The `LORAMUX_*` variables of a test's server on the demo model (a small context and KV
+    pool), with `more` added."""
+    return {
+        "LORAMUX_MODEL": str(model_dir),
+        "LORAMUX_MODEL_NAME": "demo-model",
+        "LORAMUX_MAX_MODEL_LEN": "512",
+        "LORAMUX_KV_CACHE_MB": "32",
+        **more,
+    }
+
+
 @contextlib.contextmanager
 def gateway_server(
     model_dir: Path,
@@ -33,14 +45,7 @@ def gateway_server(
 ) -> Iterator[RunningServer]:
     """A gateway on 127.0.0.1 with its SQLite database in `data_dir`, serving the demo model
     through the in-process engine, or through `client(settings)` when given."""
-    env = {
-        "LORAMUX_DATA_DIR": str(data_dir),
-        "LORAMUX_MODEL": str(model_dir),
-        "LORAMUX_MODEL_NAME": "demo-model",
-        "LORAMUX_MAX_MODEL_LEN": "512",
-        "LORAMUX_KV_CACHE_MB": "32",
-        "LORAMUX_KEY_CACHE_SECONDS": "0.5",
-    }
+    env = demo_env(model_dir, LORAMUX_DATA_DIR=str(data_dir), LORAMUX_KEY_CACHE_SECONDS="0.5")
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

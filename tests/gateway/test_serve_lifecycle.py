@@ -36,6 +36,7 @@ from tests.gateway.serve_process import (
     serve,
     wait_for,
 )
+from tests.gateway.servers import demo_env
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 
 SECRET = "lifecycle-test-secret-" + "x" * 32
@@ -44,13 +45,7 @@ STREAMS = 16
 
 @pytest.fixture(scope="module")
 def env(demo_model_dir: Path) -> dict[str, str]:
-    return {
-        "LORAMUX_MODEL": str(demo_model_dir),
-        "LORAMUX_MODEL_NAME": "demo-model",
-        "LORAMUX_MAX_MODEL_LEN": "512",
-        "LORAMUX_KV_CACHE_MB": "32",
-        "LORAMUX_ADMIN_SECRET": SECRET,
-    }
+    return demo_env(demo_model_dir, LORAMUX_ADMIN_SECRET=SECRET)
 
 
 def _admin(url: str) -> httpx.Client:

@@ -17,6 +17,7 @@ from loramux.gateway.auth.admin_jwt import AdminAuth
 from loramux.gateway.serve import CLOSE_SECONDS
 from loramux.gateway.state import RUNS_END_SECONDS, USAGE_CLOSE_SECONDS
 from tests.gateway.serve_process import Serve, serve, wait_for
+from tests.gateway.servers import demo_env
 from tests.gateway.tenants import TenantKey, new_tenant
 
 SECRET = "stop-usage-test-secret-" + "x" * 32
@@ -27,16 +28,13 @@ queue, so that most are cut wherever they were."""
 
 @pytest.fixture(scope="module")
 def env(demo_model_dir: Path) -> dict[str, str]:
-    return {
-        "LORAMUX_MODEL": str(demo_model_dir),
-        "LORAMUX_MODEL_NAME": "demo-model",
-        "LORAMUX_MAX_MODEL_LEN": "512",
-        "LORAMUX_KV_CACHE_MB": "32",
-        "LORAMUX_ADMIN_SECRET": SECRET,
-        "LORAMUX_DEMO_ADAPTERS": "0",
-        "LORAMUX_MAX_NUM_SEQS": "1",
-        "LORAMUX_ENGINE_THREADS": "1",
-    }
+    return demo_env(
+        demo_model_dir,
+        LORAMUX_ADMIN_SECRET=SECRET,
+        LORAMUX_DEMO_ADAPTERS="0",
+        LORAMUX_MAX_NUM_SEQS="1",
+        LORAMUX_ENGINE_THREADS="1",
+    )
 
 
 def _tenant(running: Serve) -> TenantKey:

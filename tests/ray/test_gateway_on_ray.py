@@ -21,6 +21,7 @@ from loramux.engine.ray_deployment import EngineDeploymentOptions
 from loramux.gateway.db import UsageEvent
 from loramux.gateway.settings import Settings
 from loramux.gateway.state import admin_auth
+from tests.gateway.servers import demo_env
 from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
 from tests.postgres import free_port
 from tests.ray.conftest import ENGINE_REPLICAS, serve, start_ray, stop_ray
@@ -43,16 +44,13 @@ def ray_gateway(
 ) -> Iterator[RayGateway]:
     from loramux.gateway.ray_app import GatewayDeploymentOptions, loramux_application
 
-    env = {
-        "LORAMUX_DATA_DIR": str(tmp_path_factory.mktemp("ray-gateway-data")),
-        "LORAMUX_MODEL": str(demo_model_dir),
-        "LORAMUX_MODEL_NAME": "demo-model",
-        "LORAMUX_MAX_MODEL_LEN": "512",
-        "LORAMUX_KV_CACHE_MB": "32",
-        "LORAMUX_KEY_CACHE_SECONDS": "0.5",
+    env = demo_env(
+        demo_model_dir,
+        LORAMUX_DATA_DIR=str(tmp_path_factory.mktemp("ray-gateway-data")),
+        LORAMUX_KEY_CACHE_SECONDS="0.5",
         # adapters reach the engine replicas through the database, not the gateways' folder
-        "LORAMUX_ADAPTER_STORE_URL": "db",
-    }
+        LORAMUX_ADAPTER_STORE_URL="db",
+    )
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     port = free_port()

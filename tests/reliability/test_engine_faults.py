@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from loramux.gateway.server import RunningServer
+from tests.gateway.servers import demo_env
 from tests.postgres import free_port
 from tests.reliability import books
 from tests.reliability.rig import (
@@ -49,15 +50,12 @@ class EngineProcess:
         self.port, self.health_port = free_port(), free_port()
         self.url = f"tcp://127.0.0.1:{self.port}"
         self.log = data_dir / "engine.log"
-        self.env = os.environ | {
-            "LORAMUX_MODEL": str(model_dir),
-            "LORAMUX_MODEL_NAME": "demo-model",
-            "LORAMUX_DATA_DIR": str(data_dir),
-            "LORAMUX_MAX_MODEL_LEN": "512",
-            "LORAMUX_KV_CACHE_MB": "32",
-            "LORAMUX_ENGINE_TOKEN": TOKEN,
-            "PYTHONPATH": os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")]),
-        }
+        self.env = os.environ | demo_env(
+            model_dir,
+            LORAMUX_DATA_DIR=str(data_dir),
+            LORAMUX_ENGINE_TOKEN=TOKEN,
+            PYTHONPATH=os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")]),
+        )
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
