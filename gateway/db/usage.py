@@ -23,10 +23,14 @@ class UsageEvent(Base):
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), default=utcnow, index=True
     )
-    event_id: Mapped[str] = mapped_column(String(32), unique=True, index=True, default=new_event_id)
+    event_id: Mapped[str | None] = mapped_column(
+        String(32), unique=True, index=True, nullable=True, default=new_event_id
+    )
     """Given when the event was recorded (`UsageRecord.event_id`): a write tried again after
     its commit's reply was lost stores nothing twice. Rows stored before it existed hold
-    `legacy_<id>`."""
+    `legacy_<id>`; rows a gateway of the previous release writes during a rolling upgrade hold
+    NULL (distinct in the unique index), which is why the column is nullable: a later release
+    may make it NOT NULL once no such gateway writes."""
     request_id: Mapped[str] = mapped_column(String(64))
     tenant_id: Mapped[str] = mapped_column(String(32), index=True)
     key_id: Mapped[str] = mapped_column(String(32))

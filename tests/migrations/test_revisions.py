@@ -25,6 +25,7 @@ from loramux.gateway.db.migrate import alembic_config, current, downgrade, upgra
 from loramux.gateway.db.session import async_url
 from loramux.gateway.db.usage_rollup import MEASURES
 from loramux.gateway.setting_checks import StartError
+from loramux.gateway.usage.recorder import _insert_new
 
 REPO = Path(__file__).parents[2]
 HEAD = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
@@ -144,8 +145,8 @@ BEFORE_EVENT_IDS = "908a988c24bb"
 def test_events_stored_before_event_ids_get_unique_ones_and_lose_them_on_downgrade(
     empty_database: str,
 ) -> None:
-    """Each event already stored gets an id no other event has (the column is then NOT NULL and
-    unique); downgrading drops the column and keeps the events."""
+    """Each event already stored gets an id no other event has (the column is then unique);
+    downgrading drops the column and keeps the events."""
     upgrade(empty_database)
     downgrade(empty_database, BEFORE_EVENT_IDS)
     hour = datetime(2030, 1, 1, 10, tzinfo=UTC)
@@ -163,6 +164,30 @@ def test_events_stored_before_event_ids_get_unique_ones_and_lose_them_on_downgra
     assert "event_id" not in {c["name"] for c in columns}
     count = "SELECT count(*) FROM usage_events"
     assert with_connection(empty_database, lambda c: c.scalar(text(count))) == 3
+
+
+def test_a_gateway_of_the_previous_release_still_stores_its_events_after_the_upgrade(
+    empty_database: str,
+) -> None:
+    """During a rolling upgrade a gateway of the previous release writes events without an
+    `event_id` into the migrated database: they are stored (the column stays nullable), and
+    the new release's writes still skip the events stored already."""
+    upgrade(empty_database)
+    hour = datetime(2030, 1, 1, 10, tzinfo=UTC)
+    with_connection(empty_database, lambda c: _store_refusals(c, [(hour, "k1", None)] * 2))
+
+    def new_write(connection: Connection) -> list[str]:
+        stmt = _insert_new(connection.dialect.name)
+        row = {"created_at": hour, "request_id": "req_new", "tenant_id": "tnt_old"}
+        row |= {"key_id": "k1", "model": "demo-model", "status": 200, "event_id": "e" * 32}
+        stored = [list(connection.scalars(stmt, [row])) for _ in range(2)]
+        connection.commit()
+        return [i for ids in stored for i in ids]
+
+    assert with_connection(empty_database, new_write) == ["e" * 32]
+    ids = "SELECT event_id FROM usage_events ORDER BY id"
+    stored = with_connection(empty_database, lambda c: list(c.scalars(text(ids))))
+    assert stored == [None, None, "e" * 32]
 
 
 BEFORE_BACKLOG = "9b3e5a17c2d0"
