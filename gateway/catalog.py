@@ -4,8 +4,8 @@
 the tenant itself, by id or name, or `shared`), then the base model's id. Any of these but the
 base model may end in `@version` to pin one live version (`support-bot@2`); without it the
 latest live version serves. Another tenant's private adapter resolves exactly like a name that
-does not exist. Lookups are cached for a moment; uploads and
-deletes in this process invalidate at once.
+does not exist. Lookups are cached for a moment; uploads and deletes in this process invalidate
+at once. A model longer than any that can resolve (`MAX_MODEL_ID`) is unknown without a lookup.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from loramux.gateway.auth.api_keys import Principal
 from loramux.gateway.db import AdapterVersion
-from loramux.gateway.db.adapter import SHARED_OWNER
+from loramux.gateway.db.adapter import MAX_ADAPTER_NAME, SHARED_OWNER
+from loramux.gateway.db.tenant import MAX_TENANT_NAME
 from loramux.gateway.errors import NUL, NotFound, PermissionDenied
 
 
@@ -44,6 +45,11 @@ class ResolvedModel:
         if self.adapter is None:
             return self.name
         return f"{SHARED_OWNER}/{self.adapter}" if self.owner == SHARED_OWNER else self.adapter
+
+
+MAX_CACHED = 100_000
+"""Lookups kept at most (then all are dropped). Misses are kept too, so a flood of unknown
+models costs no database query each; a key is at most `MAX_MODEL_ID` characters long."""
 
 
 class ModelCatalog:
@@ -80,6 +86,8 @@ class ModelCatalog:
         return resolved
 
     async def _find(self, principal: Principal, model: str) -> AdapterVersion | None:
+        if len(model) > MAX_MODEL_ID:
+            return None  # no adapter has a name this long: neither looked up nor cached
         tenant_id = principal.tenant_id
         key = (tenant_id, model)
         cached = self._cache.get(key)
@@ -101,7 +109,7 @@ class ModelCatalog:
                 row = await live_version(session, owner, name, version)
                 if row is not None:
                     break
-        if len(self._cache) > 100_000:
+        if len(self._cache) > MAX_CACHED:
             self._cache.clear()
         self._cache[key] = (now, row)
         return row
@@ -116,7 +124,7 @@ class ModelCatalog:
         async with self.sessions() as session:
             rows = await latest_versions(session, [tenant_id, SHARED_OWNER])
         rows = sorted(rows, key=lambda r: (r.owner != tenant_id, r.name))
-        if len(self._visible) > 100_000:
+        if len(self._visible) > MAX_CACHED:
             self._visible.clear()
         self._visible[tenant_id] = (now, rows)
         return rows
@@ -132,11 +140,18 @@ def unknown_model(model: str) -> NotFound:
 MAX_VERSION = 2**31 - 1
 """The largest version number the database stores (a 32-bit integer column)."""
 
+MAX_PIN_DIGITS = 9
+"""The most digits a pin (`@version`) may have; longer ones are no pin (`_pinned`)."""
+
+MAX_MODEL_ID = MAX_TENANT_NAME + len("/") + MAX_ADAPTER_NAME + len("@") + MAX_PIN_DIGITS
+"""The longest model that can resolve to an adapter (`owner/name@version`, the owner a tenant's
+name): a longer one is unknown without a lookup, and never kept in the catalog's cache."""
+
 
 def _pinned(model: str) -> tuple[str, int | None]:
     """`name@3` → (`name`, 3); a name without a well-formed pin → (name, None)."""
     name, at, version = model.rpartition("@")
-    if at and version.isascii() and version.isdigit() and len(version) <= 9:
+    if at and version.isascii() and version.isdigit() and len(version) <= MAX_PIN_DIGITS:
         return name, int(version)
     return model, None
 

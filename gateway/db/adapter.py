@@ -10,6 +10,9 @@ from loramux.gateway.db.base import Base, Timestamped, new_id
 SHARED_OWNER = "shared"
 """Owner of adapters every tenant may use."""
 
+MAX_ADAPTER_NAME = 100
+"""The most characters an adapter's name may hold (its column; uploads allow 64)."""
+
 
 class AdapterVersion(Timestamped, Base):
     """One uploaded version of an adapter `owner/name`; the highest live version serves."""
@@ -20,7 +23,7 @@ class AdapterVersion(Timestamped, Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("adp"))
     owner: Mapped[str] = mapped_column(String(32), index=True)
     """A tenant id, or `shared`."""
-    name: Mapped[str] = mapped_column(String(100))
+    name: Mapped[str] = mapped_column(String(MAX_ADAPTER_NAME))
     version: Mapped[int] = mapped_column(Integer)
     digest: Mapped[str] = mapped_column(String(64), index=True)
     rank: Mapped[int] = mapped_column(Integer)

@@ -13,9 +13,10 @@ import httpx
 import openai
 import pytest
 
+from loramux.gateway.catalog import MAX_MODEL_ID
 from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import admin_client, json_of
-from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
+from tests.gateway.tenants import TenantKey, new_key, new_tenant, upload_adapter
 
 PROMPT = [{"role": "user", "content": "Say something about adapters"}]
 
@@ -140,6 +141,33 @@ def test_a_version_number_no_version_can_have_is_a_404(
         admin.put(f"{path}/current", json={"version": version}),
     ):
         assert response.status_code in (400, 404), response.text
+
+
+def test_the_longest_model_id_resolves_and_longer_ones_are_not_kept(
+    gateway: RunningServer, admin: httpx.Client, demo_adapter_dirs: list[Path]
+) -> None:
+    """`owner/name@version` at its longest (a tenant name of 200 characters, an adapter name
+    of 64, a pin of 9 digits) serves; a made-up model longer than any that resolves is the
+    unknown model's 404, in a body or in GET /v1/models/{id}, and the catalog keeps nothing
+    of it (each was cached whole: 512 KiB a request, up to 100,000 of them)."""
+    name = f"{'o' * 190}-{uuid.uuid4().hex[:9]}"
+    r = admin.post("/admin/tenants", json={"name": name})
+    assert r.status_code == 201, r.text
+    tenant = TenantKey(r.json()["id"], name, *new_key(admin, r.json()["id"]))
+    upload_adapter(admin, tenant.tenant_id, "b" * 64, demo_adapter_dirs[38])
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=tenant.key, max_retries=0)
+    reply(no_cache(client), f"{name}/{'b' * 64}@000000001")
+
+    catalog = gateway.state.catalog
+    headers = {"authorization": f"Bearer {tenant.key}"}
+    with httpx.Client(base_url=gateway.url, headers=headers, timeout=60) as c:
+        for i in range(4):
+            body = {"model": f"{i}" + "m" * (64 << 10), "messages": PROMPT}
+            r = c.post("/v1/chat/completions", json=body)
+            assert (r.status_code, r.json()["error"]["code"]) == (404, "model_not_found")
+            r = c.get(f"/v1/models/{i}" + "g" * 6000)
+            assert (r.status_code, r.json()["error"]["code"]) == (404, "model_not_found")
+    assert max(len(model) for _, model in catalog._cache) <= MAX_MODEL_ID
 
 
 def _upload_files(folder: Path) -> dict[str, tuple[str, bytes]]:
