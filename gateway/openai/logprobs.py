@@ -4,7 +4,9 @@ and bytes come from the tokenizer here.
 A token's bytes are what it contributes to the output: for a byte-level BPE (GPT-2, Llama 3,
 Qwen, the demo model) the bytes its symbols stand for, which may be part of a UTF-8 character;
 for a byte-fallback token (`<0xE2>`) its one raw byte; otherwise the UTF-8 of its text. Its
-`token` string is those bytes decoded, a partial character as U+FFFD.
+`token` string is those bytes decoded; bytes that are no whole UTF-8 text (part of a character)
+are named as OpenAI names them, `bytes:\\xe2\\x80`, so distinct tokens read apart (their text
+would all be U+FFFD) in chat and legacy logprobs alike.
 """
 
 from __future__ import annotations
@@ -44,12 +46,27 @@ class TokenPieces:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._byte_level = backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
         self._pieces: dict[int, tuple[str, list[int]]] = {}
+        self._names: dict[int, str] = {}
 
     def piece(self, token_id: int) -> tuple[str, list[int]]:
+        """The token's text (a partial character as U+FFFD) and bytes."""
         found = self._pieces.get(token_id)
         if found is None:
             raw = self._bytes(token_id)
             found = self._pieces[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return found
+
+    def name(self, token_id: int) -> str:
+        """The token's `token` string in logprobs: its text, or `bytes:\\xe2…` (each byte
+        escaped) when its bytes are no whole UTF-8 text."""
+        found = self._names.get(token_id)
+        if found is None:
+            raw = bytes(self.piece(token_id)[1])
+            try:
+                found = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                found = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            self._names[token_id] = found
         return found
 
     def _bytes(self, token_id: int) -> bytes:
@@ -71,26 +88,27 @@ class TokenPieces:
         """A chat choice's `logprobs.content` for these tokens."""
         entries = []
         for token_id, lp in zip(token_ids, logprobs, strict=True):
-            text, raw = self.piece(token_id)
-            top = [TopLogprob(*self._text_first(t, p)) for t, p in lp.top]
-            entries.append(TokenLogprobEntry(text, lp.logprob, raw, top))
+            top = [TopLogprob(self.name(t), p, self.piece(t)[1]) for t, p in lp.top]
+            entries.append(
+                TokenLogprobEntry(self.name(token_id), lp.logprob, self.piece(token_id)[1], top)
+            )
         return entries
-
-    def _text_first(self, token_id: int, logprob: float) -> tuple[str, float, list[int]]:
-        text, raw = self.piece(token_id)
-        return text, logprob, raw
 
     def text_logprobs(
         self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob], offsets: Sequence[int]
     ) -> TextLogprobs:
         """The completions API's logprobs for these tokens, `offsets` their text offsets. Each
         `top_logprobs` entry holds the k most likely tokens and the sampled one (OpenAI: "up to
-        logprobs+1 elements"; with `logprobs: 0`, the sampled token alone)."""
-        tokens = [self.piece(t)[0] for t in token_ids]
-        tops = [
-            {self.piece(t)[0]: p for t, p in lp.top} | {token: lp.logprob}
-            for token, lp in zip(tokens, logprobs, strict=True)
-        ]
+        logprobs+1 elements"; with `logprobs: 0`, the sampled token alone). Two distinct tokens
+        named alike (`name`) share one key, holding the likelier one's logprob."""
+        tokens = [self.name(t) for t in token_ids]
+        tops = []
+        for token_id, lp in zip(token_ids, logprobs, strict=True):
+            top: dict[str, float] = {}
+            for t, p in [*lp.top, (token_id, lp.logprob)]:
+                name = self.name(t)
+                top[name] = max(p, top.get(name, p))
+            tops.append(top)
         return TextLogprobs(tokens, [lp.logprob for lp in logprobs], tops, list(offsets))
 
 

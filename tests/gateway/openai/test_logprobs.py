@@ -147,3 +147,33 @@ def test_no_logprobs_unless_asked(oai: openai.OpenAI) -> None:
         max_tokens=3,  # type: ignore[arg-type]
     )
     assert out.choices[0].logprobs is None
+
+
+LEAD_BYTES = {"161": 100, "162": 100, "175": 100}
+"""Demo tokenizer ids of the lone UTF-8 lead bytes 0xE2, 0xE3 and 0xF0, made the most likely."""
+
+
+def test_tokens_that_split_a_character_are_named_by_their_bytes_in_both_apis(
+    api: httpx.Client,
+) -> None:
+    """A token whose bytes are no whole UTF-8 text is named as OpenAI does, `bytes:\\xe2`, in
+    chat and legacy logprobs alike: distinct tokens keep distinct legacy `top_logprobs` keys.
+    The bug: all three read U+FFFD, one key, and the sampled token's logprob overwrote it."""
+    names = {"bytes:\\xe2", "bytes:\\xe3", "bytes:\\xf0"}
+    body = {"model": "demo-model", "max_tokens": 1, "temperature": 0, "logit_bias": LEAD_BYTES}
+    headers = {"cache-control": "no-store"}
+    legacy = body | {"prompt": "hello", "logprobs": 3}
+    lp = api.post("/completions", json=legacy, headers=headers).json()["choices"][0]["logprobs"]
+    assert set(lp["top_logprobs"][0]) == names and lp["tokens"][0] in names, lp
+    assert lp["top_logprobs"][0][lp["tokens"][0]] == lp["token_logprobs"][0]
+
+    chat = body | {"messages": MESSAGES, "logprobs": True, "top_logprobs": 3}
+    [entry] = api.post("/chat/completions", json=chat, headers=headers).json()["choices"][0][
+        "logprobs"
+    ]["content"]
+    assert {(t["token"], *t["bytes"]) for t in entry["top_logprobs"]} == {
+        ("bytes:\\xe2", 0xE2),
+        ("bytes:\\xe3", 0xE3),
+        ("bytes:\\xf0", 0xF0),
+    }
+    assert entry["token"] in names

@@ -72,3 +72,16 @@ def test_chat_entries_carry_the_top_alternatives_in_order(
         (pieces.piece(5)[0], -0.5),
         (pieces.piece(6)[0], -1.5),
     ]
+
+
+def test_legacy_top_logprobs_keep_the_likelier_of_two_tokens_named_alike() -> None:
+    """A token whose text is `bytes:\\xe2` reads like the byte-fallback token of 0xE2: their
+    one legacy key holds the likelier's logprob, and the sampled token's never replaces
+    another token's."""
+    vocab = {"<unk>": 0, "bytes:\\xe2": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+    bpe = models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(bpe), unk_token="<unk>")
+    pieces = TokenPieces(tokenizer)
+    assert pieces.name(2 + 0xE2) == pieces.name(1) == "bytes:\\xe2"
+    out = pieces.text_logprobs([1], [TokenLogprob(-2.0, [(2 + 0xE2, -0.5), (1, -2.0)])], [0])
+    assert out.tokens == ["bytes:\\xe2"] and out.top_logprobs == [{"bytes:\\xe2": -0.5}]
