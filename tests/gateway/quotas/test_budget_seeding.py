@@ -1,0 +1,113 @@
+"""Budget ledgers seeded while requests end: a request ending while its ledger is seeded is
+counted (twice at worst, never not at all), and a ledger losing its total while another is
+seeded is seeded in turn (gateway.quotas.ledger)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
+
+import asyncpg
+import pytest
+from sqlalchemy.engine import make_url
+
+from loramux.gateway.db.migrate import upgrade
+from loramux.gateway.db.session import create_engine, session_factory
+from loramux.gateway.quotas.schemas import QuotaUpdate
+from loramux.gateway.usage import UsageRecorder
+from tests.gateway.quotas.rig import Clock, QuotaRig
+from tests.gateway.quotas.test_budgets import assert_budget_left, set_quota, usage
+from tests.migrations.test_revisions import new_postgres_database
+
+
+@pytest.fixture
+async def pg_rig(redis_url: str, postgres_url: str) -> AsyncIterator[tuple[QuotaRig, str]]:
+    """A rig on a PostgreSQL database of the test's own, and its URL."""
+    url = await asyncio.to_thread(new_postgres_database, postgres_url)
+    await asyncio.to_thread(upgrade, url)
+    engine = create_engine(url)
+    rig = QuotaRig(redis_url, session_factory(engine), Clock(), [])
+    try:
+        yield rig, url
+    finally:
+        for svc in rig.services:
+            await svc.close()
+            await svc.redis.aclose()
+        await engine.dispose()
+
+
+@contextlib.asynccontextmanager
+async def usage_events_locked(url: str) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    """Every read of `usage_events` in the PostgreSQL database of `url` waits until the block
+    ends; yields a function that returns once one waits."""
+    dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    lock, watch = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+    waiting = (
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+        "AND query ILIKE '%usage_events%'"
+    )
+
+    async def a_read_waits() -> None:
+        while not await watch.fetchval(waiting):
+            await asyncio.sleep(0.01)
+
+    try:
+        async with lock.transaction():
+            await lock.execute("LOCK TABLE usage_events IN ACCESS EXCLUSIVE MODE")
+            yield a_read_waits
+    finally:
+        await lock.close()
+        await watch.close()
+
+
+async def test_a_request_ending_while_its_ledger_is_seeded_is_still_counted(
+    pg_rig: tuple[QuotaRig, str],
+) -> None:
+    """A budget set again is seeded by the next admission from the recorder's totals, then SQL.
+    A request holding a reservation in that ledger ends while SQL is being read: its event is
+    recorded after the totals were read, is not in SQL, and its settlement charges nothing to a
+    ledger without a total. It was counted nowhere (found by attacking the budgets)."""
+    rig, url = pg_rig
+    recorder = UsageRecorder(rig.sessions)  # its events wait unwritten, as for 0.5 s normally
+    svc = rig.service(usage=recorder)
+    monthly = {"token_budget": 1000, "budget_period": "month"}
+    p = await rig.principal(tenant=monthly)
+    now = datetime.fromtimestamp(rig.clock(), UTC)
+    running = await svc.admit(p, 0, 800)
+    await set_quota(rig, svc, p, None, QuotaUpdate(token_budget=None))
+    await set_quota(rig, svc, p, None, QuotaUpdate(**monthly))  # the next admission seeds it
+
+    async with usage_events_locked(url) as a_read_waits:  # the seed's read of SQL waits
+        admitting = asyncio.create_task(svc.admit(p, 0, 100))
+        await a_read_waits()
+        recorder.record(usage(p, 0, 800, now, running.admitted_at, "req_running"))
+        await running.settle(800)  # as the gateway ends a request: recorded, then settled
+    await (await admitting).settle(100)
+    await assert_budget_left(svc, p, 100)  # 900 of 1000 spent
+
+
+async def test_a_ledger_losing_its_total_while_another_is_seeded_is_seeded_too(
+    pg_rig: tuple[QuotaRig, str],
+) -> None:
+    """An admission finds the key's ledger without a total and seeds it; meanwhile the tenant's
+    ledger, which had its total, loses it (its budget set again). The seeded admission then
+    finds that one missing: it is seeded in turn, not a failed assertion (a 500)."""
+    rig, url = pg_rig
+    svc = rig.service()
+    monthly = {"token_budget": 1000, "budget_period": "month"}
+    p = await rig.principal(tenant=monthly, key=monthly)
+    await (await svc.admit(p, 0, 300)).settle(300)
+    await rig.add_usage(p, p.key_id, 300)
+    await set_quota(rig, svc, p, p.key_id, QuotaUpdate(token_budget=None))
+    await set_quota(rig, svc, p, p.key_id, QuotaUpdate(**monthly))
+
+    async with usage_events_locked(url) as a_read_waits:
+        admitting = asyncio.create_task(svc.admit(p, 0, 100))
+        await a_read_waits()  # the key's ledger is being seeded
+        await set_quota(rig, svc, p, None, QuotaUpdate(token_budget=None))
+        await set_quota(rig, svc, p, None, QuotaUpdate(**monthly))
+    await (await admitting).settle(100)
+    await rig.add_usage(p, p.key_id, 100)
+    await assert_budget_left(svc, p, 600)
