@@ -10,7 +10,9 @@ them together:
     <scope>:conc          sorted set: request → lease expiry (ms) of its concurrency slot
     <scope>:budget:<P>    hash: `spent` tokens of budget period P (`2026-11` for a month,
                           `2026-11-22` for a day, UTC), and request → its reservation for
-                          each request admitted but not yet settled
+                          each request admitted but not yet settled; `seeded`: the seed
+                          that set `spent`, until its admission charged what was recorded
+                          while it was on its way (gateway.quotas.ledger)
     lmx:q:{T}:released:<request>
                           set (with a TTL) when an admission whose reply never came is
                           released: its script, should it reach Redis later, reserves nothing

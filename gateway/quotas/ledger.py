@@ -19,9 +19,11 @@ recorded after the totals were read (and is not in SQL either), and its settleme
 reservation from a ledger without a total, charging nothing there. So a seed is a `Seed`: what
 was read, plus the tokens recorded since the read (`UnwrittenTokens.recorded`), taken when its
 script is sent; those recorded while it was on its way are charged once its reply came
-(`QuotaService._charge_recorded_late`). A request ending in those windows may count twice
-(its event added, and its settlement charged too if it reached Redis after the seed), never
-not at all.
+(`QuotaService._charge_recorded_late`), by the one admission whose seed set the total
+(admissions sharing a read each send it; the ledger's `seeded` field names the one Redis
+took, and the charge takes it away). A request ending in those windows may count twice (its
+event added, and its settlement charged too if it reached Redis after the seed), never not
+at all.
 
 What this cannot see: requests still running when Redis lost its data, and the events other
 gateway processes have not written yet (no process can read another's buffer).

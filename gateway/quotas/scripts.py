@@ -54,7 +54,9 @@ end
 
 -- A ledger without its total (a new period, a Redis that lost its data, or a budget set again:
 -- gateway.quotas.limits) starts from the seed, plus the reservations it still holds: requests
--- running across a budget set again, which the usage in SQL does not count yet.
+-- running across a budget set again, which the usage in SQL does not count yet. Its `seeded`
+-- field names the seed that set the total (member/seed), which alone may charge what was
+-- recorded while it was on its way (CHARGE_LATE).
 local missing = {}
 for i = 0, n - 1 do
   local key = KEYS[first[i]]
@@ -64,8 +66,8 @@ for i = 0, n - 1 do
       missing[#missing + 1] = i
     else
       local held = 0
-      for _, v in ipairs(redis.call('HVALS', key)) do held = held + tonumber(v) end
-      redis.call('HSET', key, 'spent', seed + held)
+      for _, v in ipairs(redis.call('HVALS', key)) do held = held + (tonumber(v) or 0) end
+      redis.call('HSET', key, 'spent', seed + held, 'seeded', member .. '/' .. arg(i, 4))
       redis.call('PEXPIREAT', key, tonumber(arg(i, 3)) + LEDGER_GRACE_MS)
     end
   end
@@ -226,12 +228,16 @@ return 1
 """
 
 CHARGE_LATE = """
--- KEYS: budget ledgers; ARGV: tokens for each. Adds them to each ledger that has its total
--- (usage recorded while the ledger's seed was on its way: gateway.quotas.ledger); a ledger
--- without one is left to its seed.
+-- KEYS: budget ledgers; ARGV: per ledger, the seed sent (member/seed, as ADMIT writes it in
+-- `seeded`) and tokens. Adds them to each ledger whose total that very seed set (usage recorded
+-- while it was on its way: gateway.quotas.ledger), once: the mark is taken away. A ledger
+-- another seed set, or without a total, is left alone.
 for i, key in ipairs(KEYS) do
-  if redis.call('HEXISTS', key, 'spent') == 1 then
-    redis.call('HINCRBY', key, 'spent', tonumber(ARGV[i]))
+  if redis.call('HGET', key, 'seeded') == ARGV[2 * i - 1] then
+    redis.call('HDEL', key, 'seeded')
+    if redis.call('HEXISTS', key, 'spent') == 1 then
+      redis.call('HINCRBY', key, 'spent', tonumber(ARGV[2 * i]))
+    end
   end
 end
 return 1

@@ -207,7 +207,7 @@ class QuotaService:
                 "quota service error; try again shortly", code="quota_unavailable"
             ) from None
         assert reply.status != RELEASED, "only an admission given up on is released"
-        await self._charge_recorded_late(r.buckets, seeds, sent)
+        await self._charge_recorded_late(r, seeds, sent)
         if reply.status == NEEDS_SEED:  # nothing reserved: ledgers lost totals round after round
             raise ServiceUnavailable(
                 "token budget unavailable; try again shortly", code="quota_unavailable"
@@ -215,18 +215,22 @@ class QuotaService:
         return reply
 
     async def _charge_recorded_late(
-        self, buckets: tuple[Bucket, ...], seeds: dict[int, Seed], sent: dict[int, int]
+        self, r: Reservation, seeds: dict[int, Seed], sent: dict[int, int]
     ) -> None:
-        """Charge each seeded ledger the tokens recorded while its seed was on its way to Redis
-        (a request that ended then may have settled before the ledger had a total): counted
-        twice at worst, never missed (gateway.quotas.ledger). Best effort: the admission stands."""
-        late = {buckets[i].keys[0]: s.now() - sent[i] for i, s in seeds.items()}
-        late = {key: tokens for key, tokens in late.items() if tokens}
+        """Charge each ledger whose total one of `r`'s seeds set the tokens recorded while that
+        seed was on its way to Redis (a request that ended then may have settled before the
+        ledger had a total): counted twice at worst, never missed (gateway.quotas.ledger).
+        Admissions sharing a seed each sent one; the script charges only for the seed that set
+        the total, once. Best effort: the admission stands."""
+        late = {
+            r.buckets[i].keys[0]: (f"{r.member}/{v}", seeds[i].now() - v) for i, v in sent.items()
+        }
         if not late:
             return
+        args = [x for seed, tokens in late.values() for x in (seed, tokens)]
         try:
             async with asyncio.timeout(self.timeout):
-                await self._charge_late(keys=list(late), args=list(late.values()))
+                await self._charge_late(keys=list(late), args=args)
         except (RedisError, TimeoutError):
             log.warning("tokens recorded while ledgers %s were seeded were not charged", list(late))
 

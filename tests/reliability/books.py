@@ -145,7 +145,7 @@ def open_reservations(redis_url: str, tenants: Sequence[Tenant]) -> dict[str, li
                 if key.endswith(":conc"):
                     members = [str(m) for m in client.zrangebyscore(key, now_ms, "+inf")]
                 elif ":budget:" in key:
-                    members = [str(f) for f in client.hkeys(key) if f != "spent"]
+                    members = [str(f) for f in client.hkeys(key) if f not in ("spent", "seeded")]
                 else:
                     continue
                 if members:

@@ -15,6 +15,7 @@ from sqlalchemy.engine import make_url
 
 from loramux.gateway.db.migrate import upgrade
 from loramux.gateway.db.session import create_engine, session_factory
+from loramux.gateway.quotas.buckets import budget_period, scope_prefix
 from loramux.gateway.quotas.schemas import QuotaUpdate
 from loramux.gateway.usage import UsageRecorder
 from tests.gateway.quotas.rig import Clock, QuotaRig
@@ -111,3 +112,52 @@ async def test_a_ledger_losing_its_total_while_another_is_seeded_is_seeded_too(
     await (await admitting).settle(100)
     await rig.add_usage(p, p.key_id, 100)
     await assert_budget_left(svc, p, 600)
+
+
+async def test_concurrent_admissions_sharing_a_seed_charge_a_late_event_once(rig: QuotaRig) -> None:
+    """Redis lost its data; three requests arrive together and share one seed (SingleFlight).
+    A request admitted before the loss ends while their seeded scripts are on their way: its
+    800 tokens are charged by the admission whose seed set the total alone (twice at worst),
+    not once per admission sharing the seed (found by attacking the budgets)."""
+    recorder = UsageRecorder(rig.sessions)  # unwritten, as for its 0.5 s normally
+    svc = rig.service(usage=recorder)
+    budget = {"token_budget": 10_000, "budget_period": "month"}
+    p = await rig.principal(tenant=budget)
+    now = datetime.fromtimestamp(rig.clock(), UTC)
+    running = await svc.admit(p, 0, 800)
+    month = budget_period("month", now)
+    await svc.redis.delete(f"{scope_prefix(p.tenant_id, None)}:budget:{month.name}")  # lost
+
+    concurrent = 3
+    unseeded: list[int] = []
+    seeded: list[int] = []
+    all_missed, all_replied = asyncio.Event(), asyncio.Event()
+    original = svc._run_admit
+
+    async def run_admit(r, seeds):  # type: ignore[no-untyped-def]
+        reply = await original(r, seeds)
+        if not seeds:  # all three miss the ledger before any seed is read
+            unseeded.append(1)
+            if len(unseeded) == concurrent:
+                all_missed.set()
+            await all_missed.wait()
+        else:  # the running request ends while the seeded scripts are on their way
+            seeded.append(1)
+            if len(seeded) == concurrent:
+                recorder.record(usage(p, 0, 800, now, running.admitted_at, "req_running"))
+                await running.settle(800)  # its reservation was lost with the ledger
+                all_replied.set()
+            await all_replied.wait()
+        return reply
+
+    svc._run_admit = run_admit  # type: ignore[method-assign]
+    admissions = await asyncio.gather(*(svc.admit(p, 0, 100) for _ in range(concurrent)))
+    svc._run_admit = original  # type: ignore[method-assign]
+    for a in admissions:
+        await a.settle(0)
+    # 800 spent of 10,000 (counted twice at worst: 1,600)
+    spent = int(
+        await svc.redis.hget(f"{scope_prefix(p.tenant_id, None)}:budget:{month.name}", "spent")
+    )
+    assert spent in (800, 1600), spent
+    await assert_budget_left(svc, p, 10_000 - spent)
