@@ -183,15 +183,16 @@ class QuotaService:
     async def _check(self, principal: Principal, r: Reservation) -> ScriptReply | None:
         """The admission script's reply; None when Redis is down and `allow` is configured."""
         seeds: dict[int, Seed] = {}
-        sent: dict[int, int] = {}
+        sent: list[tuple[int, Seed, int]] = []  # each seed sent, of every round
         try:
-            reply = await self._run_admit(r, sent)
+            reply = await self._run_admit(r, {})
             for _ in range(SEED_ROUNDS):
                 if reply.status != NEEDS_SEED:
                     break
                 seeds |= await self._read_seeds(principal.tenant_id, r.buckets, reply.missing)
-                sent = {i: s.now() for i, s in seeds.items()}
-                reply = await self._run_admit(r, sent)
+                values = {i: s.now() for i, s in seeds.items()}
+                sent += [(i, seeds[i], v) for i, v in values.items()]
+                reply = await self._run_admit(r, values)
         except asyncio.CancelledError:
             # The caller left (a client disconnect) with a script sent: Redis still runs it.
             self._release_lost(r)
@@ -207,7 +208,7 @@ class QuotaService:
                 "quota service error; try again shortly", code="quota_unavailable"
             ) from None
         assert reply.status != RELEASED, "only an admission given up on is released"
-        await self._charge_recorded_late(r, seeds, sent)
+        await self._charge_recorded_late(r, sent)
         if reply.status == NEEDS_SEED:  # nothing reserved: ledgers lost totals round after round
             raise ServiceUnavailable(
                 "token budget unavailable; try again shortly", code="quota_unavailable"
@@ -215,24 +216,24 @@ class QuotaService:
         return reply
 
     async def _charge_recorded_late(
-        self, r: Reservation, seeds: dict[int, Seed], sent: dict[int, int]
+        self, r: Reservation, sent: list[tuple[int, Seed, int]]
     ) -> None:
         """Charge each ledger whose total one of `r`'s seeds set the tokens recorded while that
         seed was on its way to Redis (a request that ended then may have settled before the
         ledger had a total): counted twice at worst, never missed (gateway.quotas.ledger).
-        Admissions sharing a seed each sent one; the script charges only for the seed that set
-        the total, once. Best effort: the admission stands."""
-        late = {
-            r.buckets[i].keys[0]: (f"{r.member}/{v}", seeds[i].now() - v) for i, v in sent.items()
-        }
+        `sent`: each seed sent (bucket index, its Seed, the value), of every round; the script
+        charges only for the seed that set the total (neither another round's, nor another
+        admission's sharing the read), once. Best effort: the admission stands."""
+        late = [(r.buckets[i].keys[0], f"{r.member}/{v}", seed.now() - v) for i, seed, v in sent]
         if not late:
             return
-        args = [x for seed, tokens in late.values() for x in (seed, tokens)]
+        keys = [key for key, _, _ in late]
+        args = [x for _, mark, tokens in late for x in (mark, tokens)]
         try:
             async with asyncio.timeout(self.timeout):
-                await self._charge_late(keys=list(late), args=args)
+                await self._charge_late(keys=keys, args=args)
         except (RedisError, TimeoutError):
-            log.warning("tokens recorded while ledgers %s were seeded were not charged", list(late))
+            log.warning("tokens recorded while ledgers %s were seeded were not charged", keys)
 
     async def _run_admit(self, r: Reservation, seeds: dict[int, int]) -> ScriptReply:
         keys = [k for b in r.buckets for k in b.keys] + [r.mark]

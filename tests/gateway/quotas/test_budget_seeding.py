@@ -161,3 +161,44 @@ async def test_concurrent_admissions_sharing_a_seed_charge_a_late_event_once(rig
     )
     assert spent in (800, 1600), spent
     await assert_budget_left(svc, p, 10_000 - spent)
+
+
+async def test_an_event_recorded_while_a_first_round_seed_was_on_its_way_counts_in_a_second_round(
+    rig: QuotaRig,
+) -> None:
+    """SEED_ROUNDS: round 1 seeds the key's ledger (its budget set again); while that script is
+    on its way a request holding a reservation there ends (recorded, then settled into the
+    ledger without a total: nothing charged), and the tenant's budget is set again, so round 2
+    seeds the tenant's ledger. The late charge of the key's ledger counts from round 1's seed,
+    the one that set its total, not round 2's (which counts the event already): counted once
+    (found by attacking the budgets)."""
+    recorder = UsageRecorder(rig.sessions)
+    svc = rig.service(usage=recorder)
+    monthly = {"token_budget": 10_000, "budget_period": "month"}
+    p = await rig.principal(tenant=monthly, key=monthly)
+    now = datetime.fromtimestamp(rig.clock(), UTC)
+    month = budget_period("month", now)
+    key_ledger = f"{scope_prefix(p.tenant_id, p.key_id)}:budget:{month.name}"
+    running = await svc.admit(p, 0, 800)
+    await set_quota(rig, svc, p, p.key_id, QuotaUpdate(token_budget=None))
+    await set_quota(rig, svc, p, p.key_id, QuotaUpdate(**monthly))  # the key's is seeded anew
+
+    original = svc._run_admit
+    rounds: list[dict[int, int]] = []
+
+    async def run_admit(r, seeds):  # type: ignore[no-untyped-def]
+        if seeds:
+            rounds.append(dict(seeds))
+        if len(rounds) == 1 and seeds:  # round 1's script is on its way
+            recorder.record(usage(p, 0, 800, now, running.admitted_at, "req_running"))
+            await running.settle(800)
+            await set_quota(rig, svc, p, None, QuotaUpdate(token_budget=None))
+            await set_quota(rig, svc, p, None, QuotaUpdate(**monthly))
+        return await original(r, seeds)
+
+    svc._run_admit = run_admit  # type: ignore[method-assign]
+    admitted = await svc.admit(p, 0, 100)
+    svc._run_admit = original  # type: ignore[method-assign]
+    await admitted.settle(0)
+    assert len(rounds) == 2, rounds  # the second round happened
+    assert int(await svc.redis.hget(key_ledger, "spent")) == 800  # the 800 counted, once
