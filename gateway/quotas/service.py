@@ -195,11 +195,11 @@ class QuotaService:
                 reply = await self._run_admit(r, values)
         except asyncio.CancelledError:
             # The caller left (a client disconnect) with a script sent: Redis still runs it.
-            self._release_lost(r)
+            self._release_lost(r, sent)
             raise
         except REDIS_DOWN as exc:
             self.known.clear()  # Redis may come back without its windows
-            self._release_lost(r)
+            self._release_lost(r, sent)
             self._redis_down(exc)
             return None
         except RedisError:
@@ -277,13 +277,21 @@ class QuotaService:
                 ) from None
         return seeds
 
-    def _release_lost(self, r: Reservation) -> None:
+    def _release_lost(self, r: Reservation, sent: list[tuple[int, Seed, int]]) -> None:
         """An admission whose reply never came (lost with Redis, or its caller cancelled): had
         the script run, settling with 0 releases what it reserved, in a task of its own. The
         settlement also marks the request released, for RELEASE_MARK_MIN_MS at least: its
         script may still be on its way (a connection that stalled, then timed out or was
-        cancelled; the settlement goes on another), and reserves nothing if it comes after."""
-        self._spawn(self._settle_now(dataclasses.replace(r, lost=True), 0, quiet=True))
+        cancelled; the settlement goes on another), and reserves nothing if it comes after.
+        Then, in the same task, what was recorded while its seeds (`sent`) were on their way is
+        charged, should one of them have set a ledger's total: a script coming after the
+        release seeds nothing."""
+        self._spawn(self._release_then_charge(dataclasses.replace(r, lost=True), sent))
+
+    async def _release_then_charge(self, r: Reservation, sent: list[tuple[int, Seed, int]]) -> None:
+        """`_release_lost`'s task: the release, then the late charge."""
+        await self._settle_now(r, 0, quiet=True)
+        await self._charge_recorded_late(r, sent)
 
     def _redis_down(self, exc: BaseException) -> None:
         """Refuse (raise), or admit unchecked, as configured; counted and logged either way."""

@@ -15,6 +15,7 @@ from sqlalchemy.engine import make_url
 
 from loramux.gateway.db.migrate import upgrade
 from loramux.gateway.db.session import create_engine, session_factory
+from loramux.gateway.errors import ServiceUnavailable
 from loramux.gateway.quotas.buckets import budget_period, scope_prefix
 from loramux.gateway.quotas.schemas import QuotaUpdate
 from loramux.gateway.usage import UsageRecorder
@@ -202,3 +203,45 @@ async def test_an_event_recorded_while_a_first_round_seed_was_on_its_way_counts_
     await admitted.settle(0)
     assert len(rounds) == 2, rounds  # the second round happened
     assert int(await svc.redis.hget(key_ledger, "spent")) == 800  # the 800 counted, once
+
+
+@pytest.mark.parametrize("lost", ["client left", "no answer"])
+async def test_a_seed_whose_reply_never_came_still_charges_what_was_recorded(
+    rig: QuotaRig, lost: str
+) -> None:
+    """The seeded script reaches Redis (Redis still runs it: the ledger gets its total), but
+    its reply never comes: the client left (cancelled), or Redis answered too late (503). A
+    request that ended while the script was on its way (its reservation lost with Redis's data)
+    is still charged, once: after the release, in its task (found by attacking the budgets)."""
+    recorder = UsageRecorder(rig.sessions)
+    svc = rig.service(usage=recorder)
+    budget = {"token_budget": 10_000, "budget_period": "month"}
+    p = await rig.principal(tenant=budget)
+    now = datetime.fromtimestamp(rig.clock(), UTC)
+    running = await svc.admit(p, 0, 800)
+    month = budget_period("month", now)
+    ledger = f"{scope_prefix(p.tenant_id, None)}:budget:{month.name}"
+    await svc.redis.delete(ledger)  # Redis lost its data
+
+    original = svc._run_admit
+
+    async def run_admit(r, seeds):  # type: ignore[no-untyped-def]
+        if not seeds:
+            return await original(r, seeds)
+        recorder.record(usage(p, 0, 800, now, running.admitted_at, "req_running"))
+        await running.settle(800)  # the lost ledger: nothing to settle
+        reply = await original(r, seeds)  # the script ran in Redis
+        if lost == "no answer":
+            raise TimeoutError
+        asyncio.current_task().cancel()  # type: ignore[union-attr]  # the client left
+        await asyncio.sleep(0)
+        return reply
+
+    svc._run_admit = run_admit  # type: ignore[method-assign]
+    task = asyncio.create_task(svc.admit(p, 0, 100))
+    with contextlib.suppress(asyncio.CancelledError, ServiceUnavailable):
+        await task
+    svc._run_admit = original  # type: ignore[method-assign]
+    assert task.cancelled() == (lost == "client left")
+    await svc.close()  # waits for the release under way, and what follows it
+    assert int(await svc.redis.hget(ledger, "spent")) == 800  # the ended request, once
