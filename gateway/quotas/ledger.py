@@ -13,19 +13,19 @@ as long as the database cannot take writes); this process's waiting events are c
 from the recorder's running totals (gateway.usage.unwritten), each once.
 
 A request still running when its ledger is seeded counts through its reservation, which the
-seed's script adds (gateway.quotas.scripts); one that ends before, through its event. One
-that ends while the seed is read or on its way to Redis fell between the two: its event was
-recorded after the totals were read (and is not in SQL either), and its settlement removed its
+seed's script adds (gateway.quotas.scripts); one that ends before, through its event. One that
+ends while the seed is read or on its way to Redis fell between the two: its event was recorded
+after the totals were read (and is not in SQL either), and its settlement removed its
 reservation from a ledger without a total, charging nothing there. So a seed is a `Seed`: what
 was read, plus the tokens recorded since the read (`UnwrittenTokens.recorded`), taken when its
-script is sent; those recorded while it was on its way are charged once its reply came, or,
-when none came (the caller left, Redis did not answer in time), after the admission's release
-(`QuotaService._charge_recorded_late`): by the one admission whose seed set the total, from
-what that seed counted (admissions sharing a read each send it, and an admission seeding in
-rounds sends it anew each round; the ledger's `seeded` field names the one Redis took, and
-the charge takes it away). A request ending in those windows may count twice (its event
-added, and its settlement charged too if it reached Redis after the seed), never not at all,
-unless Redis cannot be reached for the late charge (logged).
+script is sent; those recorded while it was on its way are charged once its reply came (even
+when a later round then failed: 503), or, when none came (the caller left, Redis did not answer
+in time), after the admission's release (`QuotaService._charge_recorded_late`): by the one
+admission whose seed set the total, from what that seed counted (admissions sharing a read each
+send it, and an admission seeding in rounds sends it anew each round; the ledger's `seeded`
+field names the one Redis took, and the charge takes it away). A request ending in those
+windows may count twice (its event added, and its settlement charged too if it reached Redis
+after the seed), never not at all, unless Redis cannot be reached for the late charge (logged).
 
 What this cannot see: requests still running when Redis lost its data, and the events other
 gateway processes have not written yet (no process can read another's buffer).

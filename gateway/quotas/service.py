@@ -204,9 +204,13 @@ class QuotaService:
             return None
         except RedisError:
             log.exception("quota admission script failed")
+            await self._charge_recorded_late(r, sent)  # an earlier round may have set totals
             raise ServiceUnavailable(
                 "quota service error; try again shortly", code="quota_unavailable"
             ) from None
+        except ServiceUnavailable:  # a seed unread: an earlier round may have set totals
+            await self._charge_recorded_late(r, sent)
+            raise
         assert reply.status != RELEASED, "only an admission given up on is released"
         await self._charge_recorded_late(r, sent)
         if reply.status == NEEDS_SEED:  # nothing reserved: ledgers lost totals round after round

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
+from pathlib import Path
 
 import asyncpg
 import pytest
@@ -19,7 +20,7 @@ from loramux.gateway.errors import ServiceUnavailable
 from loramux.gateway.quotas.buckets import budget_period, scope_prefix
 from loramux.gateway.quotas.schemas import QuotaUpdate
 from loramux.gateway.usage import UsageRecorder
-from tests.gateway.quotas.rig import Clock, QuotaRig
+from tests.gateway.quotas.rig import Clock, QuotaRig, refusal
 from tests.gateway.quotas.test_budgets import assert_budget_left, set_quota, usage
 from tests.migrations.test_revisions import new_postgres_database
 
@@ -164,15 +165,16 @@ async def test_concurrent_admissions_sharing_a_seed_charge_a_late_event_once(rig
     await assert_budget_left(svc, p, 10_000 - spent)
 
 
+@pytest.mark.parametrize("second_read", ["made", "failed"])
 async def test_an_event_recorded_while_a_first_round_seed_was_on_its_way_counts_in_a_second_round(
-    rig: QuotaRig,
+    rig: QuotaRig, tmp_path: Path, second_read: str
 ) -> None:
     """SEED_ROUNDS: round 1 seeds the key's ledger (its budget set again); while that script is
     on its way a request holding a reservation there ends (recorded, then settled into the
     ledger without a total: nothing charged), and the tenant's budget is set again, so round 2
     seeds the tenant's ledger. The late charge of the key's ledger counts from round 1's seed,
-    the one that set its total, not round 2's (which counts the event already): counted once
-    (found by attacking the budgets)."""
+    the one that set its total, not round 2's (which counts the event already): counted once,
+    and so too when round 2's read of SQL fails (503) (found by attacking the budgets)."""
     recorder = UsageRecorder(rig.sessions)
     svc = rig.service(usage=recorder)
     monthly = {"token_budget": 10_000, "budget_period": "month"}
@@ -195,13 +197,17 @@ async def test_an_event_recorded_while_a_first_round_seed_was_on_its_way_counts_
             await running.settle(800)
             await set_quota(rig, svc, p, None, QuotaUpdate(token_budget=None))
             await set_quota(rig, svc, p, None, QuotaUpdate(**monthly))
+            if second_read == "failed":  # the database went away
+                svc.sessions = session_factory(create_engine(f"sqlite:///{tmp_path}/gone/x.db"))
         return await original(r, seeds)
 
     svc._run_admit = run_admit  # type: ignore[method-assign]
-    admitted = await svc.admit(p, 0, 100)
+    if second_read == "failed":
+        assert isinstance(await refusal(svc.admit(p, 0, 100)), ServiceUnavailable)
+    else:
+        await (await svc.admit(p, 0, 100)).settle(0)
+        assert len(rounds) == 2, rounds  # the second round happened
     svc._run_admit = original  # type: ignore[method-assign]
-    await admitted.settle(0)
-    assert len(rounds) == 2, rounds  # the second round happened
     assert int(await svc.redis.hget(key_ledger, "spent")) == 800  # the 800 counted, once
 
 
