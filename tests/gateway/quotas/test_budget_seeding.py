@@ -53,8 +53,9 @@ async def usage_events_locked(url: str) -> AsyncIterator[Callable[[], Awaitable[
     )
 
     async def a_read_waits() -> None:
-        while not await watch.fetchval(waiting):
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(60):  # a read that never came would fail, not hang
+            while not await watch.fetchval(waiting):
+                await asyncio.sleep(0.01)
 
     try:
         async with lock.transaction():
