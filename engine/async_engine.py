@@ -21,6 +21,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -88,6 +89,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._stopping = False
+        self._step_since: float | None = None
+        """When the step thread began its current step (None between steps)."""
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -109,6 +112,12 @@ class AsyncEngine:
     def running(self) -> bool:
         """The step thread is alive and has not failed."""
         return self._thread is not None and self._thread.is_alive() and self._failure is None
+
+    def stalled_for(self) -> float:
+        """Seconds the step thread has been in its current step, handing out its outputs
+        included; 0 between steps."""
+        since = self._step_since
+        return 0.0 if since is None else time.monotonic() - since
 
     @property
     def tokenizer(self) -> object:
@@ -213,7 +222,9 @@ class AsyncEngine:
                 if not self._drain_commands(block):
                     return
                 if self.engine.has_work:
+                    self._step_since = time.monotonic()
                     self._deliver(self.engine.step())
+                    self._step_since = None
         except BaseException as exc:
             log.exception("the engine failed; every request in it fails")
             with self._lock:

@@ -14,6 +14,10 @@ A child that exits while serve runs is restarted, after a backoff that doubles f
 FIRST_BACKOFF to MAX_BACKOFF with each exit that follows a short run (one of at least
 STABLE_SECONDS resets it). Its state — up or not, restarts, why it last exited, whether it keeps
 failing — is what /health reports.
+
+A child that is up but hung (stopped by SIGSTOP, deadlocked, swapping, an engine whose step has
+stalled) exits never, so it is probed every LIVE_PROBE_SECONDS once ready: one that has not
+answered its probe for HUNG_SECONDS is killed, and so restarted like any child that exited.
 """
 
 from __future__ import annotations
@@ -48,6 +52,12 @@ FAILING_EXITS = 5
 liveness (/health) says so, so an orchestrator can restart the whole service."""
 PROBE_SECONDS = 0.1
 """Interval of readiness probes while a child starts."""
+LIVE_PROBE_SECONDS = 5.0
+"""Interval of liveness probes (the readiness probe again) once a child is ready."""
+PROBE_TIMEOUT_SECONDS = 5.0
+"""A probe not answered within this counts as failed."""
+HUNG_SECONDS = 60.0
+"""A ready child whose probe has failed for this long is hung: it is killed and restarted."""
 
 _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
@@ -74,6 +84,8 @@ class ChildSpec:
     """Where the child says why it failed, for the one line of a ChildFailed."""
     pass_fds: tuple[int, ...] = ()
     """Descriptors the child inherits (a gateway worker's listening socket)."""
+    hung_seconds: float = HUNG_SECONDS
+    """How long a ready child may fail its probe before it is killed as hung."""
 
 
 def spawn(argv: list[str] | tuple[str, ...], **popen: Any) -> subprocess.Popen[bytes]:
@@ -196,12 +208,12 @@ class SupervisedChild:
     async def _supervise(self) -> None:
         while True:
             assert self.proc is not None
-            code = await asyncio.to_thread(self.proc.wait)
+            hung, code = await self._exit_or_hang()
             if self._stopping:
                 return
             _killpg(self.proc.pid, signal.SIGKILL)  # what it started and left behind (GPU memory)
             self.up = False
-            self.last_exit = describe_exit(code)
+            self.last_exit = hung or describe_exit(code)
             ran = time.monotonic() - self._started_at
             self.short_runs = 0 if ran >= STABLE_SECONDS else self.short_runs + 1
             log.error(
@@ -218,6 +230,26 @@ class SupervisedChild:
             if self.up:
                 self.restarts += 1
                 log.warning("%s is back (pid %d)", self.spec.name, self.proc.pid)
+
+    async def _exit_or_hang(self) -> tuple[str | None, int]:
+        """Wait until the child exits, probing it meanwhile; one that has not answered for
+        `hung_seconds` is killed. Returns why it was killed (None if it exited) and its exit
+        status."""
+        assert self.proc is not None
+        exited = asyncio.ensure_future(asyncio.to_thread(self.proc.wait))
+        answered, hung = time.monotonic(), None
+        interval = min(LIVE_PROBE_SECONDS, self.spec.hung_seconds / 4)
+        while not exited.done():
+            await asyncio.wait({exited}, timeout=interval)
+            if exited.done() or self._stopping or hung is not None:
+                continue
+            if await self._probe():
+                answered = time.monotonic()
+            elif (silent := time.monotonic() - answered) >= self.spec.hung_seconds:
+                hung = f"stopped answering for {silent:.0f} s and was killed"
+                log.error("%s (pid %d) %s", self.spec.name, self.proc.pid, hung)
+                _killpg(self.proc.pid, signal.SIGKILL)
+        return hung, exited.result()
 
     def _backoff(self) -> float:
         return min(MAX_BACKOFF, FIRST_BACKOFF * 2 ** max(0, self.short_runs - 1))
@@ -277,7 +309,7 @@ class SupervisedChild:
 
     async def _probe(self) -> bool:
         try:
-            return await self.spec.ready()
+            return await asyncio.wait_for(self.spec.ready(), PROBE_TIMEOUT_SECONDS)
         except Exception:
             return False
 

@@ -6,6 +6,8 @@ test_service_adapters's."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import zmq
 
 from loramux.engine.identity import engine_build, model_identity
 from loramux.engine.sampling import SamplingParams
+from loramux.engine.service import health
 from loramux.engine.service.runner import RunningEngineService
 from loramux.engine.service.uploads import MAX_ADAPTER_MB
 from loramux.engine.service.wire import (
@@ -126,6 +129,39 @@ def test_a_gateway_that_goes_away_mid_stream_has_its_request_aborted(
     stats = wait_idle(gateway)
     assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert stats["generated_tokens"] - generated_before < 490  # aborted, not run to its end
+
+
+def test_health_says_stalled_while_one_step_takes_too_long(
+    gateway: Gateway, service: RunningEngineService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step thread stuck in one step (a deadlock, a hung device) kept /health at 200, so
+    nothing ever restarted the engine. It says 503 `stalled` while stuck, and 200 again once
+    the step ends. The stuck step is the real one, held at its start until released (the
+    fault injected; what it computes is untouched)."""
+    monkeypatch.setattr(health, "STALL_SECONDS", 0.2)
+    url, release, real_step = (
+        f"{service.health_url}/health",
+        threading.Event(),
+        service.engine.engine.step,
+    )
+
+    def stuck_step() -> Any:
+        release.wait(60)
+        return real_step()
+
+    monkeypatch.setattr(service.engine.engine, "step", stuck_step)
+    gateway.send(generate("stalled-1"))
+    deadline = time.monotonic() + 30
+    while (answer := httpx.get(url)).status_code == 200:
+        assert time.monotonic() < deadline, "health never said the step stalled"
+        time.sleep(0.05)
+    assert answer.status_code == 503 and answer.json() == {"status": "stalled"}
+    release.set()
+    received = [gateway.receive()]
+    while isinstance(received[-1], Delta) and received[-1].finish_reason is None:
+        received.append(gateway.receive())
+    assert received[-1].finish_reason == "length"  # type: ignore[union-attr]
+    assert httpx.get(url).json() == {"status": "ok"}
 
 
 def test_a_request_the_engine_cannot_compute_fails_alone_with_request_failed(

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from loramux.gateway.supervisor import FAILING_EXITS, ChildFailed, ChildSpec, Supervisor
@@ -119,3 +121,26 @@ async def test_a_restart_that_cannot_spawn_the_child_is_retried_until_it_can(
     hidden.rename(program)
     await _until(lambda: child.restarts == 1 and child.up, 30, "the child is back")
     assert child.proc is not None and alive(child.proc.pid)
+
+
+async def test_a_child_that_stops_answering_is_killed_and_restarted(
+    supervisor: Supervisor, unused_tcp_port: int
+) -> None:
+    """A hung child (here stopped by SIGSTOP) never exits, so it was never restarted: serve's
+    engine or redis-server could hang for good while /health said it was up."""
+    url = f"http://127.0.0.1:{unused_tcp_port}/"
+
+    async def answers() -> bool:
+        async with httpx.AsyncClient(timeout=0.5) as client:
+            return (await client.get(url)).status_code == 200
+
+    server = (sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(unused_tcp_port))
+    child = supervisor.spawn(ChildSpec("http", server, answers, 30, hung_seconds=1.0))
+    await child.started()
+    assert child.proc is not None
+    first = child.proc.pid
+    os.kill(first, signal.SIGSTOP)
+    await _until(lambda: child.restarts == 1 and child.up, 30, "the hung child is back")
+    assert not alive(first) and child.proc.pid != first
+    assert child.last_exit is not None and child.last_exit.startswith("stopped answering for")
+    assert await answers()
