@@ -16,6 +16,7 @@ from loramux.gateway import tracing
 from loramux.gateway.admin.router import admin_router
 from loramux.gateway.api_docs import explorer, explorer_asset
 from loramux.gateway.dashboard import dashboard_router
+from loramux.gateway.dashboard.routes import security_headers
 from loramux.gateway.errors import exception_handler, refuse_empty_segments
 from loramux.gateway.health import health_router
 from loramux.gateway.metrics import Metrics, route_label
@@ -105,6 +106,7 @@ def create_app(gw: GatewayState) -> Litestar:
         exception_handlers={Exception: exception_handler},
         guards=[refuse_empty_segments],
         middleware=[lambda app: request_id_middleware(app, gw.metrics)],
+        before_send=[security_headers],
         openapi_config=OpenAPIConfig(
             title="loramux",
             version="0.1.0",

@@ -18,7 +18,7 @@ from litestar.datastructures import MutableScopeHeaders
 from litestar.di import NamedDependency, Provide
 from litestar.params import FromQuery, QueryParameter
 from litestar.response import Redirect
-from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from litestar.types import Message, Scope
 
 from loramux.gateway.dashboard.html import Html
 from loramux.gateway.dashboard.pages import dashboard_page, sign_in_page
@@ -55,21 +55,17 @@ SECURITY_HEADERS = {
 }
 
 
-def security_headers(app: ASGIApp) -> ASGIApp:
-    """Set SECURITY_HEADERS on every response of the wrapped routes. As route middleware it
-    also sees error responses: Litestar renders a route's exceptions inside its middleware."""
-
-    async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
-        async def send_with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = MutableScopeHeaders.from_message(message)
-                for name, value in SECURITY_HEADERS.items():
-                    headers[name] = value
-            await send(message)
-
-        await app(scope, receive, send_with_headers)
-
-    return middleware
+async def security_headers(message: Message, scope: Scope) -> None:
+    """Set SECURITY_HEADERS on every response under /dashboard: a hook on the app's `send`
+    (`before_send`), so that it also reaches what no dashboard route answers (404, 405), which
+    route middleware never sees."""
+    path = scope.get("path", "")
+    if message["type"] == "http.response.start" and (
+        path == "/dashboard" or path.startswith("/dashboard/")
+    ):
+        headers = MutableScopeHeaders.from_message(message)
+        for name, value in SECURITY_HEADERS.items():
+            headers[name] = value
 
 
 def _own_key(viewer: Viewer) -> str | None:
@@ -96,7 +92,6 @@ class DashboardController(Controller):
 
     path = "/dashboard"
     include_in_schema = False
-    middleware = (security_headers,)
     guards = (refuse_nul,)
 
     @get("/")

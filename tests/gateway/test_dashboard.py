@@ -307,6 +307,8 @@ def test_every_dashboard_response_forbids_caching_and_sniffing(
             anonymous.get("/dashboard/style.css"),
             anonymous.post("/dashboard/login", data={"credential": "lmx-nope"}),
             anonymous.post("/dashboard/login", headers={"origin": "https://evil.example"}),
+            anonymous.get("/dashboard/no-such-page"),  # 404: no dashboard route answers it
+            anonymous.delete("/dashboard"),  # 405
         ]
     with signed_in(gateway, traffic.a.key) as client:
         responses += [
@@ -317,7 +319,7 @@ def test_every_dashboard_response_forbids_caching_and_sniffing(
             client.post("/dashboard/logout"),
         ]
     statuses = sorted({r.status_code for r in responses})
-    assert statuses == [200, 303, 400, 401, 403]
+    assert statuses == [200, 303, 400, 401, 403, 404, 405]
     for r in responses:
         assert r.headers.get("cache-control") == "no-store", (r.request.url, r.status_code)
         assert r.headers.get("x-content-type-options") == "nosniff", (r.request.url, r.status_code)
