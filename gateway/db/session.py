@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import ExceptionContext, make_url
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -18,6 +19,12 @@ from sqlalchemy.ext.asyncio import (
 )
 
 log = logging.getLogger(__name__)
+STATEMENT_SECONDS = 30.0
+"""How long one statement may run on PostgreSQL before asyncpg cancels it. Without a bound, a
+database that stops answering (hung, or cut off without a reset) held every request that reads
+it, and the usage recorder's flush, for good; now they get 503 `database_unavailable`."""
+CONNECT_SECONDS = 10.0
+"""How long opening a connection to PostgreSQL may take (asyncpg's default is 60 s)."""
 SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")
 """Files SQLite keeps beside a database; it creates them with the database file's mode."""
 
@@ -58,7 +65,10 @@ def _owner_only(file: Path) -> None:
 
 def create_engine(url: str) -> AsyncEngine:
     prepare_sqlite_file(url)
-    engine = create_async_engine(async_url(url), pool_pre_ping=True)
+    postgres = make_url(url).get_backend_name() == "postgresql"
+    bounds = {"timeout": CONNECT_SECONDS, "command_timeout": STATEMENT_SECONDS} if postgres else {}
+    engine = create_async_engine(async_url(url), pool_pre_ping=True, connect_args=bounds)
+    event.listen(engine.sync_engine, "handle_error", _timeout_is_unavailable)
     if engine.dialect.name == "sqlite":
 
         @event.listens_for(engine.sync_engine, "connect")
@@ -70,6 +80,16 @@ def create_engine(url: str) -> AsyncEngine:
             cur.close()
 
     return engine
+
+
+def _timeout_is_unavailable(context: ExceptionContext) -> None:
+    """asyncpg raises a bare TimeoutError when a statement or a connection runs out of time,
+    which no database error mapping knows (a 500): it is the database not answering, raised
+    as the OperationalError that says so (`gateway.db.faults`: 503)."""
+    error = context.original_exception
+    if isinstance(error, TimeoutError):
+        statement = context.statement or "connect"
+        raise OperationalError(statement, context.parameters, error) from error
 
 
 def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:

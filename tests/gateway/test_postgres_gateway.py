@@ -11,10 +11,11 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.exc import DBAPIError
 
 from loramux.gateway.db import Tenant
+from loramux.gateway.db import session as db_session
 from loramux.gateway.errors import to_gateway_error
 from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import json_of
@@ -117,6 +118,30 @@ def test_text_postgresql_cannot_store_is_the_clients_400(pg_gateway: RunningServ
 
     error = to_gateway_error(pg_gateway.run(compare_with_nul()))
     assert error is not None and (error.status, error.code) == (400, "invalid_request")
+
+
+async def test_a_statement_the_database_does_not_answer_is_a_503(
+    pg_gateway: RunningServer, postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A statement PostgreSQL does not answer (here: it waits on a lock another connection
+    holds; a hung server or a cut-off network alike) waited forever, holding its request, or
+    the usage flush, for good. asyncpg cancels it after STATEMENT_SECONDS, and the error is
+    the database's 503, not a 500."""
+    monkeypatch.setattr(db_session, "STATEMENT_SECONDS", 0.5)
+    holder, waiter = db_session.create_engine(postgres_url), db_session.create_engine(postgres_url)
+    try:
+        async with holder.begin() as locked:
+            await locked.execute(text("LOCK TABLE tenants IN ACCESS EXCLUSIVE MODE"))
+            with pytest.raises(DBAPIError) as caught:
+                async with waiter.connect() as reader:
+                    await reader.execute(select(Tenant.id).limit(1))
+        error = to_gateway_error(caught.value)
+        assert error is not None and (error.status, error.code) == (503, "database_unavailable")
+        async with waiter.connect() as reader:  # the pool recovers once the lock is gone
+            await reader.execute(select(Tenant.id).limit(1))
+    finally:
+        await holder.dispose()
+        await waiter.dispose()
 
 
 def test_a_revoked_key_is_refused(pg_gateway: RunningServer, pg_admin: httpx.Client) -> None:
