@@ -46,21 +46,30 @@ TOP_MODULES = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}
 """The modules outside the layers an adapter may adapt or save, by loramux name: PEFT's name."""
 
 # Fields read only while training or creating the adapter, or metadata: no effect on inference.
+# The *_config fields only configure their own `init_lora_weights` mode (PEFT drops or ignores
+# them otherwise); those that change the base weights are refused with their mode.
 _IGNORED_FIELDS = frozenset(
     {
         "auto_mapping", "base_model_name_or_path", "corda_config", "ensure_weight_tying",
-        "eva_config", "fan_in_fan_out", "inference_mode", "init_lora_weights", "loftq_config",
-        "lora_dropout", "lora_ga_config", "megatron_core", "peft_version", "qalora_group_size",
-        "revision", "task_type",
+        "eva_config", "fan_in_fan_out", "inference_mode", "loftq_config", "lora_dropout",
+        "lora_ga_config", "megatron_core", "peft_version", "qalora_group_size", "revision",
+        "task_type",
     }
 )  # fmt: skip
 _HANDLED_FIELDS = frozenset(
     {
         "peft_type", "r", "lora_alpha", "use_rslora", "target_modules", "exclude_modules",
         "layers_to_transform", "layers_pattern", "bias", "lora_bias", "use_dora",
-        "modules_to_save", "rank_pattern", "alpha_pattern",
+        "modules_to_save", "rank_pattern", "alpha_pattern", "init_lora_weights",
     }
 )  # fmt: skip
+# `init_lora_weights` modes that only set A and B's first values, which the saved weights then
+# replace: the adapter is plain LoRA on the unchanged base (true, false and null likewise). They
+# stay out of the digest: they do not change what the adapter computes. The other modes (pissa,
+# pissa_niter_<n>, olora, corda, loftq, lora_ga) start from base weights they change,
+# W - scaling * B0 @ A0, which a base model shared by every adapter cannot be.
+_BASE_KEEPING_INITS = frozenset({"gaussian", "eva", "orthogonal", "mica"})
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 _MAX_TARGET_ENTRIES = 4096
 _ALL_LINEAR = "all-linear"
 
@@ -164,10 +173,28 @@ def _refuse_unsupported_features(config: dict[str, Any]) -> None:
     for name in ("rank_pattern", "alpha_pattern"):
         if config.get(name):
             raise UnsupportedOption(f"{name} (per-module rank or alpha) is not supported")
+    _refuse_base_changing_init(config.get("init_lora_weights"))
     for name, value in config.items():
         if name in _IGNORED_FIELDS or name in _HANDLED_FIELDS or value in (None, False, "", [], {}):
             continue
         raise UnsupportedOption(f"the PEFT option {_brief(name)}={_brief(value)} is not supported")
+
+
+def _refuse_base_changing_init(init: Any) -> None:
+    """Refuse an `init_lora_weights` mode after which the adapter is more than plain LoRA on
+    the base model's weights as they are (PEFT re-runs it when it loads the adapter)."""
+    if init is None or isinstance(init, bool):
+        return
+    if isinstance(init, str) and init.lower() in _BASE_KEEPING_INITS:
+        return
+    if not isinstance(init, str) or not init.lower().startswith(_BASE_CHANGING_INITS):
+        raise UnsupportedOption(f"init_lora_weights={_brief(init)} is not a PEFT initialisation")
+    raise UnsupportedOption(
+        f"init_lora_weights={_brief(init)} is not supported: this initialisation changes the "
+        "base weights the adapter is trained on (W - scaling * B0 @ A0), and every adapter "
+        "shares one base model; PEFT's save_pretrained(path_initial_model_for_weight_conversion"
+        "=...) converts a PiSSA, OLoRA, CorDA or LoRA-GA adapter to plain LoRA"
+    )
 
 
 def _brief(value: Any) -> str:

@@ -107,6 +107,48 @@ def test_config_fields_are_checked(tmp_path: Path, changes: dict, code: str) -> 
     assert refusal(folder).code == code
 
 
+@pytest.mark.parametrize(
+    "init", ["pissa", "pissa_niter_4", "olora", "OLoRA", "corda", "loftq", "lora_ga"]
+)
+def test_an_initialisation_that_changes_the_base_weights_is_refused(
+    tmp_path: Path, init: str
+) -> None:
+    """PEFT re-runs such an initialisation when it loads the adapter: it rewrites every targeted
+    base weight to W - scaling * B0 @ A0 before reading A and B. One base model serves every
+    adapter, so these are refused, not served as W + scaling * B @ A."""
+    folder = make_peft_adapter(tmp_path / "a")
+    edit_config(folder, init_lora_weights=init, loftq_config={"loftq_bits": 4, "loftq_iter": 1})
+    error = refusal(folder)
+    assert error.code == "unsupported_option"
+    assert "init_lora_weights" in error.message and "base weights" in error.message
+
+
+@pytest.mark.parametrize("init", ["unknown", 1, ["pissa"]])
+def test_an_unknown_initialisation_is_refused(tmp_path: Path, init: object) -> None:
+    folder = make_peft_adapter(tmp_path / "a")
+    edit_config(folder, init_lora_weights=init)
+    assert refusal(folder).code == "unsupported_option"
+
+
+@pytest.mark.parametrize("init", [True, False, None, "gaussian", "eva", "orthogonal", "mica"])
+def test_an_initialisation_that_keeps_the_base_weights_is_plain_lora(
+    tmp_path: Path, init: object
+) -> None:
+    """The saved A and B replace what these set first: the same adapter, the same digest; their
+    *_config fields (ignored by PEFT for other modes) change nothing either."""
+    folder = make_peft_adapter(tmp_path / "a")
+    plain = load_peft_adapter(folder, tiny_base())
+    edit_config(
+        folder,
+        init_lora_weights=init,
+        eva_config={"rho": 2.0},
+        corda_config={"corda_method": "kpm"},
+        loftq_config={},
+        lora_ga_config={"direction": "ArB2r"},
+    )
+    assert load_peft_adapter(folder, tiny_base()).digest == plain.digest
+
+
 def test_an_option_named_with_a_lone_surrogate_is_named_escaped(tmp_path: Path) -> None:
     """JSON may name an option with a lone surrogate (`"\\udc80x"`): it is an unsupported
     option, its name escaped in the message, which UTF-8 then carries (the raw name made the
