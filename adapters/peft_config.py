@@ -136,11 +136,16 @@ def parse_lora_config(config: Any, base: BaseModelSpec, max_rank: int) -> LoraSe
     use_dora = config.get("use_dora") or False
     if not isinstance(use_dora, bool):
         raise InvalidAdapterConfig(f"use_dora must be true or false, not {_brief(use_dora)}")
-    modules, top = _resolve_modules(config, base)
-    saved = _modules_to_save(config)
+    modules, targeted_top = _resolve_modules(config, base)
+    saved, shielded = _modules_to_save(config, base)
+    top = targeted_top - shielded  # as PEFT: no LoRA on a module modules_to_save names
+    if targeted_top and not (modules or top):
+        raise InvalidAdapterConfig("every module target_modules selects is in modules_to_save")
     if top & saved:
         raise InvalidAdapterConfig(
-            f"{', '.join(sorted(top & saved))} is both a LoRA target and in modules_to_save"
+            f"{', '.join(sorted(top & saved))} is both a LoRA target and saved whole: "
+            "modules_to_save names it by part of its name, so PEFT does not leave it out of "
+            "the targets (and cannot load the adapter); name it whole"
         )
     if use_dora and top:
         raise DoraUnsupported(
@@ -272,19 +277,40 @@ def _resolve_modules(
     return modules, top
 
 
-def _modules_to_save(config: dict[str, Any]) -> frozenset[str]:
-    """The TOP_MODULES named in `modules_to_save` (PEFT matches its entries as suffixes)."""
+def _modules_to_save(
+    config: dict[str, Any], base: BaseModelSpec
+) -> tuple[frozenset[str], frozenset[str]]:
+    """The TOP_MODULES `modules_to_save` saves whole, and those it keeps LoRA off, as PEFT
+    resolves it: it saves every module whose name ends with an entry (so "head" saves the
+    lm_head), and puts no LoRA on a module an entry names whole or by a dotted suffix.
+
+    An entry that also ends another module's name (a layer's norm, "s" of model.layers), or
+    none of TOP_MODULES, is refused: only the embedding and the lm_head can be saved."""
     entries = _target_list(config.get("modules_to_save"), "modules_to_save")
-    saved = set()
-    for entry in entries:
-        matched = [short for short, name in TOP_MODULES.items() if _matches(name, entry)]
-        if not matched:
+    others = _other_module_names(base)
+    saved: set[str] = set()
+    shielded: set[str] = set()
+    for entry in dict.fromkeys(entries):
+        matched = [short for short, name in TOP_MODULES.items() if name.endswith(entry)]
+        if not matched or any(name.endswith(entry) for name in others):
             raise ModulesToSaveUnsupported(
                 f"modules_to_save names {_brief(entry)}; only embed_tokens and lm_head can be "
                 "saved whole"
             )
         saved.update(matched)
-    return frozenset(saved)
+        shielded.update(short for short in matched if _matches(TOP_MODULES[short], entry))
+    return frozenset(saved), frozenset(shielded)
+
+
+def _other_module_names(base: BaseModelSpec) -> list[str]:
+    """The names of a Hugging Face `LlamaForCausalLM`'s modules other than TOP_MODULES."""
+    names = ["model", "model.layers", "model.norm", "model.rotary_emb"]
+    for layer in range(base.num_layers):
+        prefix = f"model.layers.{layer}"
+        names += [prefix, f"{prefix}.self_attn", f"{prefix}.mlp", f"{prefix}.mlp.act_fn"]
+        names += [f"{prefix}.input_layernorm", f"{prefix}.post_attention_layernorm"]
+        names += [f"{prefix}.{PARENT_MODULE[proj]}.{proj}_proj" for proj in PROJECTIONS]
+    return names
 
 
 def _target_list(value: Any, field: str) -> list[str]:

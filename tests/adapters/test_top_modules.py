@@ -103,12 +103,50 @@ def test_an_adapter_that_adds_tokens_is_refused(tmp_path: Path, kwargs: dict) ->
     assert "132" in error.message
 
 
-def test_a_module_both_adapted_and_saved_is_refused(tmp_path: Path) -> None:
+def test_a_saved_module_in_target_modules_is_only_saved_as_peft_does(tmp_path: Path) -> None:
+    """PEFT puts no LoRA on a module modules_to_save names: this genuine PEFT adapter holds the
+    q_proj pairs and a whole lm_head, the same as without lm_head in its targets."""
+    both = make_peft_adapter(
+        tmp_path / "b", target_modules=["q_proj", "lm_head"], modules_to_save=["lm_head"]
+    )
+    saved = make_peft_adapter(
+        tmp_path / "s", target_modules=["q_proj"], modules_to_save=["lm_head"]
+    )
+    adapter = load(both)
+    assert set(adapter.saved) == {"lm_head"} and not adapter.top
+    assert adapter.digest == load(saved).digest
+
+
+def test_modules_to_save_entries_match_as_plain_suffixes_as_in_peft(tmp_path: Path) -> None:
+    """PEFT saves every module whose name ends with an entry: "head" saves the lm_head."""
+    suffix = make_peft_adapter(tmp_path / "h", target_modules=["q_proj"], modules_to_save=["head"])
+    whole = make_peft_adapter(
+        tmp_path / "w", target_modules=["q_proj"], modules_to_save=["lm_head"]
+    )
+    adapter = load(suffix)
+    assert set(adapter.saved) == {"lm_head"} and not adapter.top
+    assert adapter.digest == load(whole).digest
+
+
+@pytest.mark.parametrize(
+    ("changes", "code"),
+    [
+        # "s" also ends model.layers, which PEFT would save whole too
+        ({"modules_to_save": ["s"]}, "modules_to_save_unsupported"),
+        # PEFT keeps LoRA off a saved module only when the entry names it whole: both, refused
+        ({"target_modules": ["q_proj", "lm_head"], "modules_to_save": ["head"]}, "invalid_config"),
+        # PEFT's "No modules were targeted for adaptation"
+        ({"target_modules": ["lm_head"], "modules_to_save": ["lm_head"]}, "invalid_config"),
+    ],
+)
+def test_modules_to_save_that_peft_cannot_load_is_refused(
+    tmp_path: Path, changes: dict, code: str
+) -> None:
     folder = make_peft_adapter(
         tmp_path / "a", target_modules=["q_proj"], modules_to_save=["lm_head"]
     )
-    edit_config(folder, target_modules=["q_proj", "lm_head"])
-    assert refusal(folder).code == "invalid_config"
+    edit_config(folder, **changes)
+    assert refusal(folder).code == code
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])

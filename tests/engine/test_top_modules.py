@@ -33,6 +33,13 @@ KINDS: dict[str, dict[str, Any]] = {
     "head-lora": {"r": 16, "target_modules": ["lm_head"]},
     "head-saved": {"r": 8, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]},
     "embed-saved": {"r": 4, "target_modules": ["o_proj"], "modules_to_save": ["embed_tokens"]},
+    # PEFT keeps LoRA off the saved lm_head, and "head" saves it (a plain suffix)
+    "head-targeted-and-saved": {
+        "r": 8,
+        "target_modules": ["k_proj", "lm_head"],
+        "modules_to_save": ["lm_head"],
+    },
+    "head-saved-by-suffix": {"r": 4, "target_modules": ["up_proj"], "modules_to_save": ["head"]},
 }
 PLAIN_INDICES = (1, 2)
 
@@ -43,7 +50,7 @@ def _demo_model(model_dir: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def top_dirs(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The four kinds on the demo model; saved copies are the base weights plus seeded noise."""
+    """The kinds on the demo model; saved copies are the base weights plus seeded noise."""
     out = tmp_path_factory.mktemp("top")
     folders = {}
     for seed, (name, kwargs) in enumerate(KINDS.items()):
