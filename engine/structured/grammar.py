@@ -60,9 +60,14 @@ class GrammarMatcher:
 
     def accept(self, token: int) -> bool:
         """Advance past `token`; False when the grammar did not allow it or the matcher failed
-        (ran past its limits, or the library panicked), which ends the request alone."""
+        (ran past its limits, or the library panicked), which ends the request alone.
+
+        The matcher may have failed while computing the mask `token` was drawn from (a grammar
+        with no way forward: llguidance's NoExtensionBias). Its mask then allows only EOS, and
+        `consume_token` accepts that EOS, so its error state is checked as well: else a cut
+        value would end as a complete one."""
         try:
-            return self.ll.consume_token(token)
+            return self.ll.consume_token(token) and not self.ll.is_error()
         except BaseException as exc:
             if not is_panic(exc):
                 raise

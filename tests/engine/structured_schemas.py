@@ -94,6 +94,14 @@ FAILS_MID_RUN = _object(
 """Compiles, and its first token is accepted; once `a` is chosen, the grammar forces 100,000
 items, past the parser's item limit: the request's own schema fails it mid-generation."""
 
+DEAD_END = {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}
+"""Compiles, and its first mask and token are fine; once `{"a":` is forced, the value of `a`
+(a reference to itself) has no way forward: computing that mask fails the grammar
+(NoExtensionBias), and the failed mask allows only EOS."""
+
+FAILING_MID_RUN = {"Too many items": FAILS_MID_RUN, "NoExtensionBias": DEAD_END}
+"""Schemas whose grammar fails mid-generation, by the reason the library gives."""
+
 SCHEMAS: dict[str, dict[str, Any]] = {
     "nested": NESTED,
     "arrays": ARRAYS,

@@ -25,7 +25,7 @@ from loramux.engine.structured import StructuredOutput, StructuredOutputError
 from loramux.engine.structured.grammar import CACHE_ENTRIES, GrammarCompiler
 from tests.engine.conftest import make_engine, run_to_completion
 from tests.engine.structured_schemas import (
-    FAILS_MID_RUN,
+    FAILING_MID_RUN,
     NESTED,
     RECURSIVE,
     SCHEMAS,
@@ -246,12 +246,15 @@ def test_an_uncompilable_schema_is_refused_before_anything_is_queued(
     assert engine.outputs.open_choices("bad") == []
 
 
+@pytest.mark.parametrize("reason", FAILING_MID_RUN)
 def test_a_grammar_failing_mid_generation_fails_its_request_alone_as_the_schemas_fault(
-    engine: LLMEngine,
+    engine: LLMEngine, reason: str
 ) -> None:
     """The request's last output says its schema failed it (the gateway's 400, not a 500),
-    with the library's reason; the request beside it is served."""
-    spec = _constrained(FAILS_MID_RUN)
+    with the library's reason; the request beside it is served. A grammar that fails while
+    computing its mask counts too: the bug was that its mask allowed only EOS, and the cut
+    output `{"a":` ended as a complete value (finish reason STOP)."""
+    spec = _constrained(FAILING_MID_RUN[reason])
     bound = EngineRequest(
         "mid-run", SamplingParams(max_tokens=20, structured=spec), prompt_token_ids=[5, 6, 7]
     )
@@ -262,7 +265,7 @@ def test_a_grammar_failing_mid_generation_fails_its_request_alone_as_the_schemas
         FinishReason.ERROR,
         StructuredOutputFailedError,
     ), last
-    assert "Too many items" in (last.error or "")
+    assert reason in (last.error or "")
     assert outputs["beside"][-1].finish_reason is FinishReason.LENGTH
     assert engine.stats().kv_blocks_used == 0
 

@@ -19,9 +19,10 @@ import pytest
 
 from loramux.engine.outputs import EngineStats
 from loramux.gateway.server import RunningServer
-from tests.engine.structured_schemas import FAILS_MID_RUN, SCHEMAS
+from tests.engine.structured_schemas import FAILING_MID_RUN, SCHEMAS
 from tests.gateway.openai.openapi_schemas import CHAT, COMPLETION, assert_valid
-from tests.gateway.tenants import TenantKey, upload_adapter
+from tests.gateway.tenants import TenantKey, new_tenant, upload_adapter
+from tests.gateway.test_billing import usage_events
 
 CONSTRAINED = 50
 FREE = 10
@@ -238,14 +239,29 @@ def test_a_schema_whose_first_token_forces_past_the_limits_is_a_400(
     assert "Too many items" in error["message"]
 
 
-def test_a_schema_that_fails_mid_generation_is_the_clients_error(api: httpx.Client) -> None:
-    """A grammar that runs past the library's limits after a few tokens: only the request's own
-    schema can do that, so it is a 400 invalid_request_error naming the structured output, not
-    a 500 `request_failed`."""
+@pytest.mark.parametrize("reason", FAILING_MID_RUN)
+def test_a_schema_that_fails_mid_generation_is_the_clients_error_billed_and_not_cached(
+    gateway: RunningServer, admin_module: httpx.Client, reason: str
+) -> None:
+    """A grammar that fails after a few tokens (past the library's limits, or with no way
+    forward): only the request's own schema can do that, so it is a 400 invalid_request_error
+    naming the structured output, not a 500 `request_failed`; it is billed for its prompt and
+    the tokens generated, and nothing is stored in the response cache: asked again, it fails
+    again. The bug (no way forward): the failed grammar's mask allowed only EOS, and the client
+    got a 200 with finish_reason `stop` and the cut `{"a":`, which the cache then served."""
+    tenant = new_tenant(admin_module, "mid-run")
     body = {"model": "demo-model", "messages": [{"role": "user", "content": "hi"}]}
-    body |= {"response_format": strict("mid", FAILS_MID_RUN), "max_tokens": 20}
-    r = api.post("/chat/completions", json=body, headers={"cache-control": "no-store"})
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert (error["type"], error["code"]) == ("invalid_request_error", "structured_output_failed")
-    assert "Too many items" in error["message"]
+    body |= {"response_format": strict("mid", FAILING_MID_RUN[reason]), "max_tokens": 20}
+    body |= {"temperature": 0}  # cacheable
+    headers = {"authorization": f"Bearer {tenant.key}"}
+    with httpx.Client(base_url=f"{gateway.url}/v1", headers=headers, timeout=60) as api:
+        for _ in range(2):
+            r = api.post("/chat/completions", json=body)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            code = ("invalid_request_error", "structured_output_failed")
+            assert (error["type"], error["code"]) == code
+            assert reason in error["message"]
+    events = usage_events(gateway, tenant, 2)
+    assert [e.status for e in events] == [400, 400]
+    assert all(e.prompt_tokens > 0 and e.completion_tokens > 0 for e in events), events

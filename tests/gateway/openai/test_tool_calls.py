@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from loramux.gateway.server import RunningServer
+from tests.engine.structured_schemas import DEAD_END
 from tests.gateway.openai.openapi_schemas import CHAT, CHUNK, assert_valid
 from tests.gateway.openai.tools.tool_adapter import MESSAGES as ADAPTER_MESSAGES
 from tests.gateway.openai.tools.tool_adapter import TOOLS as ADAPTER_TOOLS
@@ -138,6 +139,19 @@ def test_a_forced_call_of_parameters_that_allow_no_object_is_a_400(
     r = api.post("/chat/completions", json=ask(tools=[tool], tool_choice=tool_choice))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith("tools"), r.text
+
+
+@pytest.mark.parametrize("tool_choice", [NAMED, "required"])
+def test_a_forced_call_whose_grammar_fails_mid_generation_is_a_400(
+    api: httpx.Client, tool_choice: Any
+) -> None:
+    """Parameters whose grammar reaches a dead end once `{"a":` is written: the call cannot be
+    completed, so the request fails with the structured output's 400. The bug: the failed
+    grammar allowed only EOS, and the cut call came back as content, finish_reason `stop`."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": DEAD_END}}
+    r = api.post("/chat/completions", json=ask(tools=[tool], tool_choice=tool_choice))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "structured_output_failed", r.text
 
 
 def test_a_forced_call_of_untyped_parameters_is_a_call_with_object_arguments(
