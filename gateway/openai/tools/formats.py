@@ -21,6 +21,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 from enum import StrEnum
 from typing import Any
 
@@ -100,25 +101,36 @@ def call_id(calls_of: str, index: int) -> str:
 
 def decode_calls(body: str) -> list[tuple[str, str]] | None:
     """The (name, arguments JSON text) of each call in a region's JSON: call objects, arrays of
-    them, separated by whitespace or `;`. None unless all of `body` is such calls (at least one)."""
-    decoder = json.JSONDecoder()
+    them, separated by whitespace or `;`. None unless all of `body` is such calls (at least one).
+
+    The arguments text is the model's own, as it wrote it (see `_members`), never a re-encoding
+    of the decoded value: Python's numbers would change it (`9999e9999` became `Infinity`, which
+    is not JSON; `0.10000000000000000555` became `0.1`), and would refuse an integer longer than
+    4,300 digits, so such a call was no call at all."""
     calls: list[tuple[str, str]] = []
     at = _skip_separators(body, 0)
     while at < len(body):
         try:
-            value, at = decoder.raw_decode(body, at)
+            found, at = _calls_at(body, at)
         except (ValueError, RecursionError):
             return None
-        for item in value if isinstance(value, list) else [value]:
-            call = _call(item)
-            if call is None:
-                return None
-            calls.append(call)
+        if found is None:
+            return None
+        calls += found
         at = _skip_separators(body, at)
     return calls or None
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+_DECODER = json.JSONDecoder(parse_int=Decimal, parse_float=Decimal, parse_constant=_refuse_constant)
+"""Reads JSON (RFC 8259: no NaN or Infinity) without Python's number limits; the values it
+gives are only looked at, never written again."""
+
 _SEPARATORS = re.compile(r"[\s;]*")
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
 
 
 def _skip_separators(text: str, at: int) -> int:
@@ -127,33 +139,96 @@ def _skip_separators(text: str, at: int) -> int:
     return match.end()
 
 
-def _call(item: Any) -> tuple[str, str] | None:
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
-        return None
-    arguments = item.get("arguments", item.get("parameters", {}))
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except (ValueError, RecursionError):
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    text = arguments_text(arguments)
-    return None if text is None else (item["name"], text)
+def _skip_whitespace(text: str, at: int) -> int:
+    match = _WHITESPACE.match(text, at)
+    assert match is not None  # the pattern matches the empty string
+    return match.end()
 
 
-def arguments_text(arguments: dict[str, Any]) -> str | None:
-    """The arguments as JSON text; None where they cannot be written (nested past the encoder's
-    stack). Non-ASCII stays as it is, unless a lone surrogate (from a `\\ud800` escape) is in
-    it: then everything is ASCII-escaped, still valid JSON of the same value, and UTF-8-safe."""
+def _calls_at(text: str, at: int) -> tuple[list[tuple[str, str]] | None, int]:
+    """The calls of the JSON value at `at` (one call object or an array of them; None if it is
+    anything else), and where the value ends. ValueError where it is not JSON."""
+    if not text.startswith("[", at):
+        call, end = _call_at(text, at)
+        return (None if call is None else [call]), end
+    calls: list[tuple[str, str]] = []
+    every_item_a_call = True
+    at = _skip_whitespace(text, at + 1)
+    if text.startswith("]", at):
+        return calls, at + 1
+    while True:
+        call, at = _call_at(text, at)
+        if call is None:
+            every_item_a_call = False
+        else:
+            calls.append(call)
+        at = _skip_whitespace(text, at)
+        if text.startswith("]", at):
+            return (calls if every_item_a_call else None), at + 1
+        if not text.startswith(",", at):
+            raise ValueError("expected , or ] in an array")
+        at = _skip_whitespace(text, at + 1)
+
+
+def _call_at(text: str, at: int) -> tuple[tuple[str, str] | None, int]:
+    """The call the JSON value at `at` is (None if it is no call), and where the value ends."""
+    if not text.startswith("{", at):
+        _, end = _DECODER.raw_decode(text, at)
+        return None, end
+    members, end = _members(text, at)
+    name = members.get("name")
+    if name is None or not isinstance(name[0], str) or not name[0]:
+        return None, end
+    arguments = members.get("arguments", members.get("parameters"))
+    if arguments is None:
+        return (name[0], "{}"), end
+    value, start, stop = arguments
+    if isinstance(value, str):  # some models write the arguments as a JSON string
+        arguments_text = value.strip(" \t\n\r")
+        value = _DECODER.decode(arguments_text)
+    else:
+        arguments_text = text[start:stop]
+    if not isinstance(value, dict):
+        return None, end
+    return (name[0], _utf8_safe(arguments_text)), end
+
+
+def _members(text: str, at: int) -> tuple[dict[str, tuple[Any, int, int]], int]:
+    """The members of the JSON object at `at`: each key's value with where its text starts and
+    ends in `text` (the last of a repeated key, as `json.loads` keeps), and where the object
+    ends. ValueError where it is not JSON."""
+    members: dict[str, tuple[Any, int, int]] = {}
+    at = _skip_whitespace(text, at + 1)
+    if text.startswith("}", at):
+        return members, at + 1
+    while True:
+        if not text.startswith('"', at):
+            raise ValueError("expected a member's name")
+        key, at = _DECODER.raw_decode(text, at)
+        at = _skip_whitespace(text, at)
+        if not text.startswith(":", at):
+            raise ValueError("expected : after a member's name")
+        start = _skip_whitespace(text, at + 1)
+        value, at = _DECODER.raw_decode(text, start)
+        members[key] = (value, start, at)
+        at = _skip_whitespace(text, at)
+        if text.startswith("}", at):
+            return members, at + 1
+        if not text.startswith(",", at):
+            raise ValueError("expected , or } in an object")
+        at = _skip_whitespace(text, at + 1)
+
+
+def _utf8_safe(json_text: str) -> str:
+    """`json_text` as it is, unless it holds a lone surrogate (a model's arguments written as a
+    JSON string may, from a `\\ud800` escape), which UTF-8 cannot encode: each is then written
+    as its JSON escape. In valid JSON a surrogate can only be inside a string, where the escape
+    is the same value."""
     try:
-        text = json.dumps(arguments, ensure_ascii=False)
-        text.encode("utf-8")
-    except RecursionError:
-        return None
+        json_text.encode("utf-8")
     except UnicodeEncodeError:
-        return json.dumps(arguments)
-    return text
+        return json_text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return json_text
 
 
 def tool_calls(named: list[tuple[str, str]], calls_of: str, first_index: int) -> list[ToolCall]:

@@ -14,6 +14,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from tokenizers import Tokenizer
 
 from loramux.gateway.server import RunningServer
 from tests.engine.structured_schemas import DEAD_END
@@ -181,10 +182,9 @@ def test_a_forced_call_of_untyped_parameters_is_a_call_with_object_arguments(
     jsonschema.validate(arguments, parameters)
 
 
-def test_streamed_tool_call_deltas_reassemble_to_the_whole_call(api: httpx.Client) -> None:
-    # One call: a list of parallel calls has no bound the random-weight model must reach.
-    body = ask(tool_choice="required", parallel_tool_calls=False)
-    whole = api.post("/chat/completions", json=body, headers={"cache-control": "no-store"})
+def streamed_calls(api: httpx.Client, body: dict[str, Any]) -> tuple[str | None, list[Any]]:
+    """The finish reason and the calls of `body`'s request streamed, reassembled from the
+    tool-call deltas (each chunk checked against OpenAI's schema)."""
     calls: dict[int, dict[str, Any]] = {}
     finish = None
     with api.stream(
@@ -209,13 +209,57 @@ def test_streamed_tool_call_deltas_reassemble_to_the_whole_call(api: httpx.Clien
                     if "name" in function:
                         call["function"]["name"] = function["name"]
                     call["function"]["arguments"] += function.get("arguments") or ""
+    return finish, [calls[i] for i in sorted(calls)]
+
+
+def test_streamed_tool_call_deltas_reassemble_to_the_whole_call(api: httpx.Client) -> None:
+    # One call: a list of parallel calls has no bound the random-weight model must reach.
+    body = ask(tool_choice="required", parallel_tool_calls=False)
+    whole = api.post("/chat/completions", json=body, headers={"cache-control": "no-store"})
+    finish, calls = streamed_calls(api, body)
     expected = whole.json()["choices"][0]
     assert finish == expected["finish_reason"] == "tool_calls"
     # call ids derive from the response id: the same calls, under this response's ids
-    assert all(calls[i]["id"].startswith("call_") for i in calls)
-    assert [calls[i]["function"] for i in sorted(calls)] == [
+    assert all(c["id"].startswith("call_") for c in calls)
+    assert [c["function"] for c in calls] == [
         c["function"] for c in expected["message"]["tool_calls"]
     ]
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (RFC 8259)")
+
+
+def test_arguments_are_the_numbers_the_model_wrote_whole_and_streamed(
+    api: httpx.Client, demo_model_dir: Path
+) -> None:
+    """The grammar allows any JSON number, and logit_bias steers the demo model to write a
+    huge one (`9999e9999...`, valid JSON). The arguments are the model's text, the same whole
+    and streamed. The bug: the gateway read them with `json.loads` (a float, inf) and wrote
+    them again with `json.dumps`, so the client got `{"x": Infinity}`, which is not JSON."""
+    vocab = Tokenizer.from_file(str(demo_model_dir / "tokenizer.json"))
+    bias = {str(vocab.token_to_id(t)): b for t, b in (("9999", 50), ("e", 100), ("}", 60))}
+    parameters = {
+        "type": "object",
+        "properties": {"x": {"type": "number"}},
+        "required": ["x"],
+        "additionalProperties": False,
+    }
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    named = {"type": "function", "function": {"name": "f"}}
+    body = ask(tools=[tool], tool_choice=named, logit_bias=bias)
+    whole = api.post("/chat/completions", json=body, headers={"cache-control": "no-store"})
+    assert whole.status_code == 200, whole.text
+    assert_valid(CHAT, whole.json())
+    [choice] = whole.json()["choices"]
+    assert choice["finish_reason"] == "tool_calls", choice
+    [call] = choice["message"]["tool_calls"]
+    arguments = call["function"]["arguments"]
+    assert json.loads(arguments, parse_constant=_refuse_constant).keys() == {"x"}
+    assert "e" in arguments, arguments  # the bias did steer it to an exponent
+    finish, streamed = streamed_calls(api, body)
+    assert finish == "tool_calls"
+    assert [c["function"] for c in streamed] == [call["function"]]
 
 
 def test_a_cache_hit_replays_the_tool_calls_exactly(

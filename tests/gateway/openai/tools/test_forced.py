@@ -248,6 +248,22 @@ def test_forced_output_parses_into_tool_calls(output: Any) -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    "arguments",
+    ['{"n":' + "9" * 4301 + "}", '{"x":9999e9999}', '{"x":0.10000000000000000555,"y":-0E-0}'],
+)
+def test_a_forced_output_is_a_call_whose_arguments_are_the_models_own_text(
+    arguments: str,
+) -> None:
+    """A constrained output is JSON of its schema, so a call, whatever numbers it holds; its
+    arguments are the text the model wrote. The bugs: an integer of more than 4,300 digits
+    (past Python's limit) made the output no call, returned as content; `9999e9999` came back
+    as `Infinity` (not JSON) and `0.10000000000000000555` as `0.1`."""
+    parsed = parse_forced_output('{"name":"f","arguments":' + arguments + "}", "req_1")
+    assert [(c.function.name, c.function.arguments) for c in parsed.calls] == [("f", arguments)]
+    assert parsed.content is None
+
+
 def test_forced_output_cut_short_is_content_without_calls() -> None:
     text = '[{"name": "get_weather", "arguments": {"ci'
     parsed = parse_forced_output(text, "req_1")

@@ -108,6 +108,14 @@ def test_without_parallel_calls_only_the_first_call_counts() -> None:
         "null",
         '{"name": "f", "arguments": {}} trailing words',
         '{"name": "f", "arguments": {"a": NaN}} x',
+        '{"name": "f", "arguments": {"a": NaN}}',  # not JSON (RFC 8259)
+        '{"name": "f", "arguments": {"a": -Infinity}}',
+        '{"name": "f", "arguments": "{\\"a\\": Infinity}"}',
+        '{"name": "f", "arguments": {"a": 1}',  # unclosed
+        '{"name": "f" "arguments": {}}',
+        '{"name": "f", "arguments": {},}',
+        '[{"name": "f", "arguments": {}}, 1]',
+        '[{"name": "f", "arguments": {}},]',
     ],
 )
 def test_malformed_calls_stay_content(body: str) -> None:
@@ -137,11 +145,41 @@ def test_megabyte_arguments_parse_whole() -> None:
     assert json.loads(call.function.arguments) == {"blob": big}
 
 
-def test_lone_surrogate_escapes_give_ascii_escaped_arguments_that_encode_as_utf8() -> None:
-    text = '<tool_call>{"name": "f", "arguments": {"s": "a\\ud800b", "t": "é"}}</tool_call>'
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        '{"s": "a\\ud800b", "t": "é"}',  # a lone surrogate's escape, in the model's text
+        '"{\\"s\\": \\"a\\ud800b\\", \\"t\\": \\"é\\"}"',  # a lone surrogate, in the string
+        '{"s": "a\ud800b", "t": "é"}',  # a lone surrogate itself
+    ],
+)
+def test_arguments_holding_a_lone_surrogate_encode_as_utf8(arguments: str) -> None:
+    text = '<tool_call>{"name": "f", "arguments": ' + arguments + "}</tool_call>"
     (call,) = parse_tool_calls(text, F.HERMES, "r").calls
     call.function.arguments.encode("utf-8")  # the response can be written
     assert json.loads(call.function.arguments) == {"s": "a\ud800b", "t": "é"}
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        '{"x": 9999e9999}',
+        '{"x": 0.10000000000000000555, "y": -0.0}',
+        '{"n": ' + "1" * 5000 + "}",
+        '{ "nested" : { "a" : [ 1.0 , 2E+2 ] } , "s" : "\\u00e9\\n" }',
+    ],
+)
+@pytest.mark.parametrize("written_as", ["object", "string"])
+def test_arguments_are_the_models_own_text_however_python_would_read_them(
+    arguments: str, written_as: str
+) -> None:
+    """The arguments are the text the model wrote (of the object, or of the JSON string that
+    holds it), never re-encoded: `9999e9999` became `Infinity` (not JSON), `0.10000000000000000555`
+    became `0.1`, and an integer past 4,300 digits made the call no call at all."""
+    written = arguments if written_as == "object" else json.dumps(arguments)
+    text = '<tool_call>{"name": "f", "arguments": ' + written + "}</tool_call>"
+    (call,) = parse_tool_calls(text, F.HERMES, "r").calls
+    assert call.function.arguments == arguments
 
 
 def test_non_ascii_arguments_are_written_as_they_are() -> None:
