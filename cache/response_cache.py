@@ -191,7 +191,7 @@ class ResponseCache:
             if pending is not None:
                 found = await self._semantic(req, policy, *pending)
             if found is not None and request_id is not None:
-                await self._remember_request(req.tenant_id, request_id, found[1], policy.ttl, fence)
+                await self._remember_request(req.tenant_id, request_id, found[1], fence)
         except Exception as exc:
             self._failed("lookup", exc)
             tenant.misses += 1
@@ -303,15 +303,16 @@ class ResponseCache:
         return await asyncio.to_thread(verify, question, candidate.question, similarity)
 
     async def _remember_request(
-        self, tenant_id: str, request_id: str, entry_key: str, ttl: int, fence: Fence
+        self, tenant_id: str, request_id: str, entry_key: str, fence: Fence
     ) -> None:
-        """Record which entry answered the request, unless a purge came since its lookup."""
+        """Record which entry answered the request, for as long as that entry lives (its
+        remaining TTL, not the hit's policy's), unless a purge came since its lookup."""
         record = self.keys.request(tenant_id, request_id)
         async with asyncio.timeout(self.redis_timeout):
             done = await self._remember_script(
-                keys=[*fence.keys, record], args=[*fence.args(), entry_key, ttl]
+                keys=[*fence.keys, record, entry_key], args=fence.args()
             )
-        if not done:
+        if done == 0:
             self.stats.fenced += 1
 
     async def report_wrong_hit(self, tenant_id: str, request_id: str) -> bool:

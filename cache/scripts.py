@@ -49,11 +49,14 @@ return 1
 REMEMBER = (
     FENCE
     + """
--- KEYS: tenant epoch, adapter epoch, incarnation, request record
--- ARGV: tenant seen, adapter seen, incarnation seen, new incarnation, entry key, ttl_s
--- -> 1 recorded, 0 refused
+-- KEYS: tenant epoch, adapter epoch, incarnation, request record, entry
+-- ARGV: tenant seen, adapter seen, incarnation seen, new incarnation
+-- -> 1 recorded, 0 refused, -1 the entry is gone (nothing left to report)
+-- The record lives as long as the entry it names, whatever the hit's own policy TTL.
 if not fence_holds(1, 1) then return 0 end
-redis.call('SET', KEYS[4], ARGV[5], 'EX', ARGV[6])
+local ttl = redis.call('PTTL', KEYS[5])
+if ttl <= 0 then return -1 end
+redis.call('SET', KEYS[4], KEYS[5], 'PX', ttl)
 return 1
 """
 )

@@ -147,3 +147,23 @@ async def test_a_store_redis_refuses_leaves_no_request_record(
         assert not await cache.report_wrong_hit(req.tenant_id, "req_big")
     finally:
         await client.aclose()
+
+
+async def test_a_hit_stays_reportable_for_as_long_as_its_entry_lives(
+    make_cache: MakeCache,
+) -> None:
+    """Bug: a hit's request record took the hit's policy TTL, not its entry's: an entry stored
+    for a day and hit by a tenant whose TTL is 1 s stayed served, but the report of that hit
+    was refused a second later. The record now lives as long as the entry it names."""
+    cache = make_cache()
+    question = chat("What is the refund window for damaged items?")
+    await cache.store(question, dataclasses.replace(EXACT, ttl=86400), answer("a wrong answer"))
+    short_lived = dataclasses.replace(EXACT, ttl=1)
+    hit = (await cache.begin(question, short_lived, "req_hit")).hit
+    assert hit is not None and hit.kind == "exact"
+    entry = cache.keys.exact(question)
+    record = cache.keys.request(question.tenant_id, "req_hit")
+    assert await cache.redis.ttl(record) > 3600
+    assert abs(await cache.redis.pttl(record) - await cache.redis.pttl(entry)) < 60_000
+    assert await cache.report_wrong_hit(question.tenant_id, "req_hit")
+    assert await cache.lookup(question, short_lived) is None

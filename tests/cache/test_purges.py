@@ -98,7 +98,7 @@ async def test_a_hit_read_before_a_purge_records_no_request_after_it(
     assert consulted.hit is not None and consulted.fence is not None
     entry = asker.keys.exact(req)
     await purger.purge("tenant-a")
-    await asker._remember_request("tenant-a", "req-2", entry, 60, consulted.fence)
+    await asker._remember_request("tenant-a", "req-2", entry, consulted.fence)
     assert await scope_keys(asker, "tenant-a") == []
 
 
