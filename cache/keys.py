@@ -37,9 +37,10 @@ from typing import Any
 
 from loramux.cache.types import CacheRequest
 
-KEY_VERSION = 3
-"""Bumped when the key derivation changes, so old entries are never misread (2: schemas and
-tools keep their key order; 3: so do the arguments of a history's tool calls)."""
+KEY_VERSION = 4
+"""Bumped when the key derivation or an entry's format changes, so old entries are never
+misread (2: schemas and tools keep their key order; 3: so do the arguments of a history's tool
+calls; 4: an entry keeps the `system_fingerprint` it was made under)."""
 
 
 def glob_escape(text: str) -> str:

@@ -74,6 +74,10 @@ class CachedResponse:
     completion_tokens: int
     logprobs: Any = None
     tool_calls: Any = None
+    fingerprint: str = ""
+    """The `system_fingerprint` its answer was made under (engine build, weights, adapter),
+    which a hit replays: an answer another engine build made keeps that build's. '' where the
+    writer names none."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,7 @@ def encode_response(response: CachedResponse) -> bytes:
             "completion_tokens": response.completion_tokens,
             "logprobs": response.logprobs,
             "tool_calls": response.tool_calls,
+            "fingerprint": response.fingerprint,
         },
         ensure_ascii=False,
     ).encode()
@@ -150,4 +155,5 @@ def decode_response(raw: bytes | str) -> CachedResponse:
         data["completion_tokens"],
         data.get("logprobs"),
         data.get("tool_calls"),
+        data.get("fingerprint", ""),
     )

@@ -32,7 +32,8 @@ class ServingLimits:
     def served_base(self) -> str:
         """The base model as the response cache and system_fingerprint know it: its name and
         its identity, so that new weights under the same name never share the old ones'
-        answers or fingerprint."""
+        answers or fingerprint. Not the engine's build: another build's answers are served,
+        under the fingerprint they were made with (`CachedResponse.fingerprint`)."""
         return f"{self.base_model}@{self.identity.model_identity}"
 
     def fingerprint(self, adapter_digest: str | None) -> str:

@@ -8,14 +8,14 @@ response and a whole one are made from the same sequence (`CompletionService.out
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
 from loramux.cache.pacing import Pacing, hit_pieces
-from loramux.cache.types import CachedResponse
+from loramux.cache.types import CachedResponse, CacheHit
 from loramux.gateway.errors import GatewayError
 from loramux.gateway.openai.generation import ChoiceDelta, ChoiceRun
 from loramux.gateway.openai.logprobs import TokenPieces
@@ -56,6 +56,14 @@ class ResponseMeta:
     def chunk_usage(self) -> UnsetType | None:
         """A stream chunk's `usage` before the last: `null` with `include_usage`, else left out."""
         return None if self.include_usage else UNSET
+
+    def answered_by(self, hit: CacheHit | None) -> ResponseMeta:
+        """What a response answered by `hit` (None: by the engine) shares: a hit names the
+        `system_fingerprint` its answer was made under, which another engine build's differs
+        from this one's."""
+        if hit is None or not hit.response.fingerprint:
+            return self
+        return replace(self, fingerprint=hit.response.fingerprint)
 
 
 @dataclass(frozen=True)
@@ -135,7 +143,10 @@ def _empty(kind: Kind) -> Logprobs:
 
 
 # -- the cache -------------------------------------------------------------------------------------
-def cached(answer: Answer, prompt_tokens: int, completion_tokens: int) -> CachedResponse:
+def cached(
+    answer: Answer, prompt_tokens: int, completion_tokens: int, fingerprint: str
+) -> CachedResponse:
+    """The entry of an answer made under `fingerprint` (this build's `system_fingerprint`)."""
     return CachedResponse(
         answer.text,
         answer.finish_reason or "stop",
@@ -143,6 +154,7 @@ def cached(answer: Answer, prompt_tokens: int, completion_tokens: int) -> Cached
         completion_tokens,
         logprobs=msgspec.to_builtins(answer.logprobs),
         tool_calls=msgspec.to_builtins(answer.tool_calls),
+        fingerprint=fingerprint,
     )
 
 

@@ -149,7 +149,7 @@ class CompletionService:
         return Prepared(
             request=tokenized.engine_request,
             stop=params.stop,
-            meta=meta,
+            meta=meta.answered_by(consulted.hit),
             model=model,
             principal=principal,
             prompt_tokens=len(tokenized.prompt_ids),
@@ -381,7 +381,7 @@ class CompletionService:
         try:
             self.metering.meter_run(p, run)
             if run.status == 200 and run.finished and p.cache.policy.store:
-                entry = cached(p.answers[0], p.prompt_tokens, completion)
+                entry = cached(p.answers[0], p.prompt_tokens, completion, p.meta.fingerprint)
                 request_id, fence = p.request.request_id, p.cache.fence
                 await self.cache.store(p.cache.key, p.cache.policy, entry, request_id, fence)
         finally:

@@ -13,8 +13,10 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from loramux.cache.keys import Keyspace, glob_escape
 from loramux.engine.demo_model import build_demo_model
 from loramux.gateway.cache.service import CacheAdmin
 from loramux.gateway.server import RunningServer
@@ -227,6 +229,38 @@ def test_new_base_weights_under_the_same_name_never_replay_the_old_ones_answers(
         own = ask(api, tenant, QUESTION, system=system, headers={"cache-control": "no-store"})
     assert [r.headers["x-cache"] for r in after] == ["miss", "semantic"]
     assert text_of(after[0]) == text_of(after[1]) == text_of(own) != text_of(before)
+
+
+def test_a_hit_carries_the_fingerprint_its_answer_was_made_under(
+    admin: httpx.Client, api: httpx.Client, gateway: RunningServer, redis_url: str
+) -> None:
+    """Bug: a hit was stamped with this gateway's `system_fingerprint` whichever engine build
+    made its answer (the cache keys by the weights, not the build: gateways of two builds share
+    it during a rolling upgrade). The entry keeps its maker's fingerprint and a hit replays it."""
+    tenant = new_tenant(admin, "fingerprint")
+    question = unique(QUESTION)
+    made_here = ask(api, tenant, question).json()["system_fingerprint"]
+    # As a gateway on another engine build would have written the entry:
+    client = redis.Redis.from_url(redis_url)
+    scope = glob_escape(gateway.state.cache.keys.scope(tenant.tenant_id))
+    [entry] = [k for k in client.scan_iter(match=scope + "*") if Keyspace.is_exact(k.decode())]
+    other_build = "fp_0123456789ab"
+    client.set(
+        entry, json.dumps(json.loads(client.get(entry) or b"") | {"fingerprint": other_build})
+    )
+    client.close()
+    hit = ask(api, tenant, question)
+    assert hit.headers["x-cache"] == "exact" and made_here != other_build
+    assert hit.json()["system_fingerprint"] == other_build
+    auth = {"authorization": f"Bearer {tenant.key}"}
+    asked = {"model": "demo-model", "max_tokens": 12, "temperature": 0, "stream": True}
+    asked["messages"] = [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": question},
+    ]
+    with api.stream("POST", "/v1/chat/completions", json=asked, headers=auth) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert {c["system_fingerprint"] for c in chunks} == {other_build}
 
 
 def test_cache_settings_are_validated_and_read_back(admin: httpx.Client) -> None:
