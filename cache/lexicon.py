@@ -294,6 +294,9 @@ UNITS = {
 """Units of measure and periods of time, to one name per unit: a question "per month" is not one
 "per year", however close the two words sit in an embedding, while "annual" is "yearly"."""
 
-RELATION_WORDS = frozenset(_words("to from into than over for with against versus vs onto"))
+RELATION_WORDS = frozenset(
+    _words("to from into than over for with against versus vs onto in by as per")
+)
 """Words that give the two things around them different roles ("from dollars to euros",
-"taller than", "butter for oil"): swapping what sits on their two sides reverses the question."""
+"5 km in miles", "10 by 2", "taller than", "butter for oil"): swapping what sits on their two
+sides reverses the question."""

@@ -34,7 +34,8 @@ and names the first check that fails:
   when word vectors are given, a word at least `word_threshold` similar ("annual" meets
   "yearly", "modify" meets "change"; an added qualifier such as "international" meets nothing);
 - `relation`: two matched words swap places across a word that relates them ("dollars to
-  euros" / "euros to dollars", "Rome defeat Carthage" / "Carthage defeat Rome"). Clauses moved
+  euros" / "euros to dollars", "5 km in miles" / "5 miles in km", "10 by 2" / "2 by 10",
+  "Rome defeat Carthage" / "Carthage defeat Rome"). Clauses moved
   whole ("For a sore throat, what works?" / "What works for a sore throat?") and the passive
   voice ("Who discovered X?" / "By whom was X discovered?") move words without relating them
   anew, and pass.

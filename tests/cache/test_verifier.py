@@ -246,3 +246,25 @@ def test_the_relation_check_compares_each_pair_of_words_at_most_once(order: str)
     verdict = verify(", ".join(words), other)
     assert verdict.reason in {"ok", "relation"}
     assert verdict.compared <= n * (n - 1) // 2
+
+
+REVERSED_AROUND_IN_OR_BY = {
+    "km and miles": ("What is 5 km in miles?", "What is 5 miles in km?"),
+    "cm and inches": ("How many cm in an inch?", "How many inches in a cm?"),
+    "currencies": ("How much is 100 USD in EUR?", "How much is 100 EUR in USD?"),
+    "dividend and divisor": ("Divide 10 by 2", "Divide 2 by 10"),
+}
+
+
+@pytest.mark.parametrize("kind", REVERSED_AROUND_IN_OR_BY)
+def test_with_word_vectors_operands_swapped_around_in_or_by_are_a_reversed_relation(
+    kind: str, embedder: Embedder
+) -> None:
+    """Bug: a swap across "to" was refused but the same swap across "in" or "by" was accepted
+    ("What is 5 miles in km?" got the answer to "What is 5 km in miles?", similarity 0.98):
+    neither was a relation word (`lexicon.RELATION_WORDS`)."""
+    a, b = REVERSED_AROUND_IN_OR_BY[kind]
+    similarity = embedder.words.similarity
+    assert verify(a, b, similarity).reason == "relation"
+    assert verify(b, a, similarity).reason == "relation"
+
