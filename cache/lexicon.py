@@ -147,6 +147,43 @@ OPERATORS = {
 same, "12 / 4" another question. ("^" is read as "power", a content word, so "2^10" meets "2 to the
 power of 10".)"""
 
+COMPARISONS = {
+    "<": "<",
+    ">": ">",
+    "<=": "<=",
+    "≤": "<=",
+    ">=": ">=",
+    "≥": ">=",
+    "=": "=",
+    "==": "=",
+    "!=": "!=",
+    "≠": "!=",
+    "<>": "!=",
+}
+"""Comparison operators, to one name each; operators like the arithmetic ones (`OPERATORS`):
+"Is x < 5?" is not "Is x > 5?"."""
+
+COMPARATIVES = {
+    word: operator
+    for operator, words in {
+        "<": "less fewer smaller lower",
+        ">": "greater more larger bigger higher",
+    }.items()
+    for word in words.split()
+}
+"""Comparatives read as the comparison operator when "than" follows ("3 greater than 5" is
+"3 > 5", not "3 less than 5"); elsewhere they are words ("more details")."""
+
+
+def operator_at(words: list[str], place: int) -> str | None:
+    """The operator `words[place]` is read as, if any: arithmetic (`OPERATORS`), a comparison
+    (`COMPARISONS`), or a comparative before "than" (`COMPARATIVES`: "greater than" is ">")."""
+    word = words[place]
+    if word in COMPARATIVES and words[place + 1 : place + 2] == ["than"]:
+        return COMPARATIVES[word]
+    return OPERATORS.get(word) or COMPARISONS.get(word)
+
+
 THIRD_PERSON = frozenset(
     _words("he him his himself she her hers herself they them their theirs themselves")
 )

@@ -14,9 +14,9 @@ and names the first check that fails:
   case ("capitals", "uppercase", "small letters", …: "Hello" / "hello"); a sentence's first
   capital is no difference. The other checks read words lower-cased;
 - `number`: the multisets of numbers (digits with their sign, number words, "15%" = "15 percent")
-  or of arithmetic operators ("12 / 4" / "12 * 4"; "*" = "times" = "multiplied"; "5!" =
-  "factorial") differ, or a "!" follows another number or is doubled ("5! + 3" / "5 + 3!",
-  "5!!" / "5!"; `_factorials_match`);
+  or of operators differ (arithmetic: "12 / 4" / "12 * 4", "*" = "times", "5!" = "factorial";
+  comparisons: "x < 5" / "x > 5", "<" = "less than"), or a "!" follows another number or is
+  doubled ("5! + 3" / "5 + 3!", "5!!" / "5!"; `_factorials_match`);
 - `negation`: one negates more often than the other ("not", "never", "without", "n't", …);
 - `pronoun`: the third-person pronouns differ ("what did he say to her" / "what did she say to
   him": who is meant); "I" and "you" are phrasing;
@@ -65,12 +65,12 @@ from loramux.cache.lexicon import (
     FRAME_WORDS,
     NEGATIONS,
     NUMBER_WORDS,
-    OPERATORS,
     RELATION_WORDS,
     STOPWORDS,
     SYMBOLS,
     THIRD_PERSON,
     UNITS,
+    operator_at,
     stem,
 )
 from loramux.cache.opposites import has_opposites
@@ -82,6 +82,7 @@ _WORD = re.compile(
     r"|(?<=\s)[-−](?=\s+\d)"  # minus, spaced: "10 - 3" (unspaced, a range: _RANGE)
     r"|(?<=[\d\s])[/⁄](?=\s*\d)|(?<=\d)[/⁄]"  # divided, next to a number: "12/4", "x / 2"
     r"|\*\*|[%$€£+*×÷^]"
+    r"|[<>=]=|<>|[<>=≤≥≠]"  # comparisons: "x < 5", "x != 5" (`lexicon.COMPARISONS`)
     r"|(?<=\d)!+"  # factorial: "5!", double factorial "5!!" (one token, `_factorials`)
     r"|[,;:]"
 )
@@ -135,7 +136,7 @@ class Question:
     numbers: tuple[float, ...]
     """Sorted, signed."""
     operators: tuple[str, ...]
-    """Sorted arithmetic operators (`lexicon.OPERATORS`)."""
+    """Sorted arithmetic and comparison operators (`lexicon.operator_at`)."""
     negations: int
     persons: tuple[str, ...]
     """Sorted third-person pronouns (`lexicon.THIRD_PERSON`)."""
@@ -170,7 +171,7 @@ class Question:
 def _lower_words(text: str) -> list[str]:
     """Words, numbers, symbols and clause breaks, lower-cased and contractions expanded."""
     text = _THOUSANDS.sub("", text.lower().replace("’", "'"))
-    text = _RANGE.sub(" to ", text)
+    text = _RANGE.sub(" to ", text).replace("!=", " ≠ ")  # "x != 5", not a factorial
     for contraction, expansion in CONTRACTIONS.items():
         text = text.replace(contraction, expansion)
     # A run of "!" after a digit stays as written: `parse` attaches it to its number first.
@@ -293,9 +294,9 @@ def parse(text: str) -> Question:
         elif word in UNITS:
             units.append(UNITS[word])
             content.setdefault(UNITS[word], (UNITS[word], place))
-        elif word in OPERATORS:
-            operators.append(OPERATORS[word])
-            content.setdefault(OPERATORS[word], (OPERATORS[word], place))
+        elif (operator := operator_at(written, place)) is not None:
+            operators.append(operator)
+            content.setdefault(operator, (operator, place))
         elif word in _CLAUSE_BREAK or word in STOPWORDS or word in NEGATIONS:
             continue
         elif content or word not in FRAME_WORDS:

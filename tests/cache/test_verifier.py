@@ -268,3 +268,27 @@ def test_with_word_vectors_operands_swapped_around_in_or_by_are_a_reversed_relat
     assert verify(a, b, similarity).reason == "relation"
     assert verify(b, a, similarity).reason == "relation"
 
+
+COMPARISONS = {
+    "< and >": ("Is x > 5?", "Is x < 5?"),
+    "<= and <": ("Is x <= 5?", "Is x < 5?"),
+    ">= and <=": ("Is x >= 5?", "Is x ≤ 5?"),
+    "= and !=": ("Is x = 5?", "Is x != 5?"),
+    "greater and less than": ("Is 3 greater than 5?", "Is 3 less than 5?"),
+}
+
+
+@pytest.mark.parametrize("kind", COMPARISONS)
+def test_with_word_vectors_another_comparison_operator_is_refused(
+    kind: str, embedder: Embedder
+) -> None:
+    """Bug: comparison symbols were not read at all, so "Is x < 5?" got the answer to "Is x >
+    5?" (0.93). They are operators now, compared like the arithmetic ones, and "less than" is
+    "<"."""
+    a, b = COMPARISONS[kind]
+    similarity = embedder.words.similarity
+    assert verify(a, b, similarity).reason == "number"
+    assert verify(b, a, similarity).reason == "number"
+    assert verify("Is x less than 5?", "Is x < 5?", similarity).accepted
+    assert parse("Is 5! = 120?").operators == ("=", "factorial")
+
