@@ -273,6 +273,27 @@ OPPOSITES = [
 not its parent); compared after stemming (`stem`). Their "-er"/"-est" forms ("older" /
 "younger") are opposites too (`cache.opposites`)."""
 
+ALTERNATIVES = [
+    [_words(words) for words in group.split("|")]
+    for group in (
+        "yesterday | today tonight | tomorrow",
+        "last previous past | this current | next upcoming",
+        "morning | afternoon | evening | night tonight",
+        "before prior | during while throughout | after following",
+        "including include | except excluding besides",
+        "allow allowed permit permitted authorize authorized legal"
+        " | forbid forbidden prohibit prohibited ban banned disallow illegal",
+        "baby babies infant infants newborn toddler | child children kid kids"
+        " | teen teens teenager teenagers adolescent | adult adults grownup"
+        " | elderly senior seniors",
+    )
+]
+"""Classes of words that exclude each other: relative days and periods, times of day, the order
+of two events, inclusion, permission and ages. A word of one class is the opposite of a word of
+another class of its group ("today" / "tomorrow", "during" / "after", "allowed" /
+"prohibited", "child" / "adult"), however close their word vectors sit: the wording check would
+take them for synonyms."""
+
 OPPOSITE_PREFIX_PAIRS = (
     ("up", "down"),
     ("in", "out"),

@@ -1,8 +1,10 @@
 """Which words mean the opposite of which: the verifier's `antonym` check.
 
 Two words are opposites when the lexicon lists them (`lexicon.OPPOSITES`, compared after
-stemming), when one is the other with a negating prefix ("install" / "uninstall"), when they are
-one word after the two prefixes of a pair ("upload" / "download"), or when they are the same
+stemming) or puts them in two classes of one group of alternatives (`lexicon.ALTERNATIVES`:
+"today" / "tomorrow", "during" / "after", "allowed" / "prohibited"), when one is the other with
+a negating prefix ("install" / "uninstall"), when they are one word after the two prefixes of a
+pair ("upload" / "download"), or when they are the same
 derived form of listed opposites: comparatives, superlatives and agent nouns ("older" /
 "younger" from old / young, "fastest" / "slowest", "buyer" / "seller"), so a listed pair covers
 its "-er" and "-est" forms without listing each.
@@ -16,7 +18,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 
-from loramux.cache.lexicon import OPPOSITE_PREFIX_PAIRS, OPPOSITE_PREFIXES, OPPOSITES, stem
+from loramux.cache.lexicon import (
+    ALTERNATIVES,
+    OPPOSITE_PREFIX_PAIRS,
+    OPPOSITE_PREFIXES,
+    OPPOSITES,
+    stem,
+)
 
 DEGREES = ("er", "est")
 """Suffixes of comparatives, superlatives and agent nouns, as in "old-er", "old-est"."""
@@ -24,9 +32,18 @@ DEGREES = ("er", "est")
 
 @functools.cache
 def _listed() -> dict[str, frozenset[str]]:
-    """Each listed word's stem -> the stems of its opposites (both directions)."""
+    """Each listed word's stem -> the stems of its opposites (both directions): listed pairs,
+    and the words of the other classes of its group of alternatives."""
+    pairs = [
+        (a, b)
+        for group in ALTERNATIVES
+        for n, one in enumerate(group)
+        for other in group[n + 1 :]
+        for a in one
+        for b in other
+    ]
     found: dict[str, set[str]] = {}
-    for a, b in OPPOSITES:
+    for a, b in [*OPPOSITES, *pairs]:
         found.setdefault(stem(a), set()).add(stem(b))
         found.setdefault(stem(b), set()).add(stem(a))
     return {word: frozenset(others) for word, others in found.items()}

@@ -28,7 +28,9 @@ and names the first check that fails:
 - `unit`: the units and periods differ ("per month" / "per year", "Celsius" / "Fahrenheit";
   "annual" = "yearly");
 - `antonym`: a word only one has is the opposite of a word only the other has ("increase" /
-  "decrease", "install" / "uninstall", "zoom in" / "zoom out", "older" / "younger";
+  "decrease", "install" / "uninstall", "zoom in" / "zoom out", "older" / "younger"), or of
+  another class of its group of alternatives ("today" / "tomorrow", "during" / "after",
+  "allowed" / "prohibited", "child" / "adult"), which word vectors would take for synonyms;
   `cache.opposites`);
 - `wording`: a content word of one has no counterpart in the other — neither the same word nor,
   when word vectors are given, a word at least `word_threshold` similar ("annual" meets
