@@ -12,18 +12,19 @@ tenant id can spell a pattern that matches another tenant's keys.
   except the last user message — tenant, base model, adapter, parameters, the system prompt and
   every earlier turn — so the same question after a different conversation lands elsewhere.
   The `{…}` hash tag keeps a bucket's keys together;
-- purge epoch: `<prefix>:purged:<T>` and `<prefix>:purged:<T>:<A>`, outside the scopes they
-  guard (a purge's SCAN never meets them), a random id each purge of that scope sets (a
-  `gone:` tombstone for a deleted tenant), kept for the longest entry lifetime: every write of
-  an entry, a request record or a semantic-index entry checks them in its script
-  (`cache.types.Fence`);
-- incarnation: `<prefix>:boot`, a random id the first cache to run on a server sets (its start,
-  or the first write script on a server that forgot it: restarted without persistence, flushed,
-  or the key evicted), never expiring. A lookup reads it with the epochs, and a write whose
-  lookup read another (or none) is refused: a restart forgets the epochs, so equal epochs then
-  prove nothing.
+- incarnation: `<prefix>:incarnation`, a hash that never expires: `id`, a random id the first
+  cache to run on a server sets (its start, or the first write script on a server that lost
+  it: restarted without persistence, flushed, or the hash evicted), and the purge epochs,
+  fields `purged:<T>` and `purged:<T>:<A>`: a random id each purge of that scope sets (a
+  `gone:` tombstone for a deleted tenant), with its expiry (the longest entry lifetime; each
+  purge drops the expired ones). Every write of an entry, a request record or a
+  semantic-index entry checks them in its script, and a lookup reads them with the id
+  (`cache.types.Fence`): a write whose lookup read another id (or none) is refused. Epochs and
+  id live in one key so that the cache Redis's eviction (`allkeys-lru`) or a restart loses
+  them together: an epoch lost alone would read as never purged. Outside the scopes they
+  guard, a purge's SCAN never meets it.
 
-The scripts take keys of several hash slots (an entry, its record, the epochs): one Redis
+The scripts take keys of several hash slots (an entry, its record, the incarnation): one Redis
 server, not a Cluster.
 """
 
@@ -35,7 +36,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from loramux.cache.types import CacheRequest
+from loramux.cache.types import CacheRequest, Fence
 
 KEY_VERSION = 4
 """Bumped when the key derivation or an entry's format changes, so old entries are never
@@ -226,19 +227,22 @@ class Keyspace:
         return base if adapter is None else f"{base}{_short(adapter)}:"
 
     def epoch(self, tenant_id: str, adapter: str | None = None) -> str:
-        """The purge-epoch key of a tenant's scope, or of one adapter's scope of that tenant."""
-        base = f"{self.prefix}:purged:{_short(tenant_id)}"
+        """The purge epoch's field (in `incarnation`) of a tenant's scope, or of one adapter's
+        scope of that tenant."""
+        base = f"purged:{_short(tenant_id)}"
         return base if adapter is None else f"{base}:{_short(adapter)}"
 
     @property
-    def boot(self) -> str:
-        """The key of the server's incarnation id (see the module docstring)."""
-        return f"{self.prefix}:boot"
+    def incarnation(self) -> str:
+        """The key of the hash of the server's incarnation id and the purge epochs (see the
+        module docstring)."""
+        return f"{self.prefix}:incarnation"
 
-    def fence(self, req: CacheRequest) -> tuple[str, str, str]:
-        """The keys a write of `req`'s answer checks (`Fence.keys`): its tenant's and its
-        adapter's purge epochs, and the server's incarnation."""
-        return self.epoch(req.tenant_id), self.epoch(req.tenant_id, req.adapter), self.boot
+    def fence(self, req: CacheRequest) -> Fence:
+        """What a write of `req`'s answer checks, not yet read: its tenant's and its adapter's
+        purge epochs, and the server's incarnation."""
+        epochs = self.epoch(req.tenant_id), self.epoch(req.tenant_id, req.adapter)
+        return Fence(self.incarnation, epochs)
 
     def request(self, tenant_id: str, request_id: str) -> str:
         """Which entry answered a request (`…:r:<hash of the request id>`): found only under the

@@ -8,10 +8,11 @@ its scope's epoch, then deletes what its SCAN finds: an answer made before the p
 deleted by it or never written. Deleting a tenant leaves a tombstone for its epoch (kept for the
 longest entry lifetime, `MAX_TTL`) that refuses every write of that tenant, including those of a
 gateway process that still authenticates its keys for a moment. The cache Redis keeps no data
-across a restart, epochs and tombstones included, so the fence also carries the server's
-incarnation (`Keyspace.boot`, read in the same round trip): a write whose lookup read another
-incarnation, or none, is refused, and a restart between a lookup and its store cannot undo a
-purge. A store whose lookup failed has no fence; only a tombstone refuses it (see `Fence`).
+across a restart and may evict any key, so the epochs and tombstones are fields of the hash
+that holds the server's incarnation id (`Keyspace.incarnation`), lost with it, and the fence
+also carries that id (read in the same round trip): a write whose lookup read another
+incarnation, or none, is refused, and neither a restart nor an eviction between a lookup and
+its store can undo a purge. A store whose lookup failed has no fence; only a tombstone refuses it (see `Fence`).
 
 A tenant's delete commits before its purge, so a purge the cache Redis does not answer is
 retried in the background (`DeletedTenantPurges`) until it does. If the process stops first,
@@ -55,7 +56,7 @@ async def purge_scope(
     if tenant_deleted and adapter is not None:
         raise ValueError("a deleted tenant is purged whole")
     epoch = ("gone:" if tenant_deleted else "") + secrets.token_hex(8)
-    epoch_keys, args = [keys.epoch(tenant_id, adapter)], [epoch, str(MAX_TTL)]
+    epoch_keys, args = [keys.incarnation], [keys.epoch(tenant_id, adapter), epoch, str(MAX_TTL)]
     try:
         await purge_epoch(keys=epoch_keys, args=args)
     except redis.exceptions.ConnectionError:

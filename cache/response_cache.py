@@ -33,6 +33,7 @@ resumes when Redis is back.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import secrets
@@ -47,9 +48,10 @@ from loramux.cache import scripts
 from loramux.cache.embedder import Backlogged, Embedder
 from loramux.cache.keys import BucketKeys, Keyspace, semantic_question
 from loramux.cache.purge import DeletedTenantPurges, purge_scope
-from loramux.cache.semantic_index import Candidate, CoreVectorIndex
+from loramux.cache.semantic_index import Candidate, CoreVectorIndex, Read, run_reads
 from loramux.cache.tenant_stats import NEAR_MISS_MARGIN, CacheStats, TenantCacheStats
 from loramux.cache.types import (
+    INCARNATION_ID,
     CachedResponse,
     CacheHit,
     CachePolicy,
@@ -124,7 +126,7 @@ class ResponseCache:
         try:
             async with asyncio.timeout(self.redis_timeout):
                 await self.index.load_scripts()
-                await self.redis.set(self.keys.boot, secrets.token_hex(8), nx=True)
+                await self.redis.hsetnx(self.keys.incarnation, INCARNATION_ID, secrets.token_hex(8))
                 self.vector_search = await self._detect_vector_search()
         except Exception as exc:
             self._failed("start", exc)
@@ -180,14 +182,13 @@ class ResponseCache:
         """
         if not policy.lookup and not policy.store:
             return Consulted(None, None)
-        fence_keys = self.keys.fence(req)
-        fence = Fence(fence_keys, None)  # until read
+        fence = self.keys.fence(req)  # until read
         if not policy.lookup:
-            return Consulted(None, await self._read_fence(fence_keys))
+            return Consulted(None, await self._read_fence(fence))
         tenant = self.tenant_stats(req.tenant_id)
         tenant.lookups += 1
         try:
-            fence, found, pending = await self._first_read(req, policy, fence_keys)
+            fence, found, pending = await self._first_read(req, policy, fence)
             if pending is not None:
                 found = await self._semantic(req, policy, *pending)
             if found is not None and request_id is not None:
@@ -208,42 +209,38 @@ class ResponseCache:
             tenant.semantic_hits += 1
         return Consulted(hit, fence)
 
-    async def _read_fence(self, fence_keys: tuple[str, str, str]) -> Fence:
+    async def _read_fence(self, fence: Fence) -> Fence:
         """The fence of a request that stores without looking up."""
         try:
             async with asyncio.timeout(self.redis_timeout):
-                seen = await self.redis.mget(list(fence_keys))
+                seen = await self.redis.hmget(fence.key, fence.read)
         except Exception as exc:
             self._failed("lookup", exc)
-            return Fence(fence_keys, None)
-        return _fence(fence_keys, seen)
+            return fence
+        return _seen(fence, seen)
 
     async def _first_read(
-        self, req: CacheRequest, policy: CachePolicy, fence_keys: tuple[str, str, str]
+        self, req: CacheRequest, policy: CachePolicy, fence: Fence
     ) -> tuple[Fence, tuple[CacheHit, str] | None, tuple[str, BucketKeys] | None]:
         """One round trip: the fence, an exact hit with its entry's key, and (on an exact miss
         when the policy allows semantic hits) the question and bucket left to search."""
         key = self.keys.exact(req)
         question = semantic_question(req) if policy.semantic else None
-        values: Sequence[bytes | str | None]
+        reads: list[Read] = [("mget", [key], []), ("hmget", [fence.key], fence.read)]
         if question is None:
             async with asyncio.timeout(self.redis_timeout):
-                values = await self.redis.mget([key, *fence_keys])
+                (raw,), seen = await run_reads(self.redis, reads)
             pending = None
         else:
             bucket = self.keys.bucket(req, self.embedder.model_id)
             async with asyncio.timeout(self.redis_timeout):
                 # with (core index) the bucket's news
-                values = await self.index.prefetch(bucket, also_get=[key, *fence_keys])
+                (raw,), seen = await self.index.prefetch(bucket, also_read=reads)
             pending = (question, bucket)
-        raw, *seen = values
         if raw is not None:
-            return (
-                _fence(fence_keys, seen),
-                (CacheHit(decode_response(raw), "exact", None), key),
-                None,
-            )
-        return _fence(fence_keys, seen), None, pending
+            hit = CacheHit(decode_response(raw), "exact", None)
+            return _seen(fence, seen), (hit, key), None
+        return _seen(fence, seen), None, pending
 
     async def _semantic(
         self, req: CacheRequest, policy: CachePolicy, question: str, bucket: BucketKeys
@@ -365,7 +362,7 @@ class ResponseCache:
         """The entry, then the request's record of it, in one script (a response waits for
         it; a record never points at an entry Redis refused, out of memory), then the semantic
         index's entry, each checked against the fence; False when the fence refused them."""
-        fence = fence or Fence(self.keys.fence(req), None)
+        fence = fence or self.keys.fence(req)
         key = self.keys.exact(req)
         keys = [*fence.keys, key]
         if request_id is not None:
@@ -438,7 +435,7 @@ class ResponseCache:
             )
 
 
-def _fence(keys: tuple[str, str, str], seen: Sequence[bytes | str | None]) -> Fence:
-    """A fence from its keys' values as MGET read them (None: never purged, or no incarnation)."""
+def _seen(fence: Fence, seen: Sequence[bytes | str | None]) -> Fence:
+    """`fence` with its fields' values as HMGET read them (None: never purged, no incarnation)."""
     tenant, adapter, boot = (v.decode() if isinstance(v, bytes) else v or "" for v in seen)
-    return Fence(keys, (tenant, adapter, boot))
+    return dataclasses.replace(fence, seen=(tenant, adapter, boot))

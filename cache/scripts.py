@@ -6,42 +6,42 @@ its tenant's deletion, refuses the write in the same step; PURGE_EPOCH is what a
 
 ADD (the core-Redis semantic index) takes a bucket's keys in `BucketKeys.all()` order: KEYS[1]
 info, [2] vectors, [3] meta, [4] lru, [5] expiry, [6] free, [7] log, [8] by_response, then the
-fence's three keys when fenced; SYNC and LOAD take info, vectors, meta and log.
+fence's key (the incarnation hash) when fenced; SYNC and LOAD take info, vectors, meta and log.
 The bucket's version is head + LLEN(log): every change of a slot appends the slot to the log,
 and a process that has applied the log up to version v asks only for what came after v.
 """
 
 FENCE = """
--- Whether a write may go ahead, for the fence at KEYS[k..k+2] (tenant epoch, adapter epoch,
--- incarnation) and ARGV[a..a+3] (their values seen, a new incarnation id): its tenant is not
--- deleted (a 'gone:' tombstone) and, unless it read nothing ('*'), the server is the incarnation
--- it read and neither its tenant's nor its adapter's scope was purged since ('' for a key that
--- was not set). A server without an incarnation (fresh: restarted, flushed) gets one here, so a
--- write that read none is refused: epochs equal to those read then prove nothing.
+-- Whether a write may go ahead, for the fence at KEYS[k] (the incarnation hash: its 'id' and
+-- every purge epoch, evicted or lost together) and ARGV[a..a+5] (the tenant's and the adapter's
+-- epoch fields, their values and the id seen, a new id): its tenant is not deleted (a 'gone:'
+-- tombstone) and, unless it read nothing ('*'), the server is the incarnation it read and
+-- neither its tenant's nor its adapter's scope was purged since ('' for a field not set). A
+-- server without an incarnation (fresh: restarted, flushed, the hash evicted) gets one here, so
+-- a write that read none is refused: epochs equal to those read then prove nothing.
 local function fence_holds(k, a)
-  local boot = redis.call('GET', KEYS[k + 2])
+  local now = redis.call('HMGET', KEYS[k], 'id', ARGV[a], ARGV[a + 1])
+  local boot = now[1]
   if not boot then
-    boot = ARGV[a + 3]
-    redis.call('SET', KEYS[k + 2], boot)
+    boot = ARGV[a + 5]
+    redis.call('HSET', KEYS[k], 'id', boot)
   end
-  local tenant = redis.call('GET', KEYS[k]) or ''
+  local tenant = now[2] or ''
   if string.sub(tenant, 1, 5) == 'gone:' then return false end
-  if ARGV[a] == '*' then return true end
-  return boot == ARGV[a + 2] and tenant == ARGV[a]
-    and (redis.call('GET', KEYS[k + 1]) or '') == ARGV[a + 1]
+  if ARGV[a + 2] == '*' then return true end
+  return boot == ARGV[a + 4] and tenant == ARGV[a + 2] and (now[3] or '') == ARGV[a + 3]
 end
 """
 
 STORE = (
     FENCE
     + """
--- KEYS: tenant epoch, adapter epoch, incarnation, entry[, request record]
--- ARGV: tenant seen, adapter seen, incarnation seen, new incarnation, response, ttl_s
--- -> 1 stored, 0 refused
+-- KEYS: incarnation, entry[, request record]
+-- ARGV: the fence's six (`Fence.args`), response, ttl_s -> 1 stored, 0 refused
 -- The entry first: a record never points at an entry Redis refused (out of memory).
 if not fence_holds(1, 1) then return 0 end
-redis.call('SET', KEYS[4], ARGV[5], 'EX', ARGV[6])
-if KEYS[5] then redis.call('SET', KEYS[5], KEYS[4], 'EX', ARGV[6]) end
+redis.call('SET', KEYS[2], ARGV[7], 'EX', ARGV[8])
+if KEYS[3] then redis.call('SET', KEYS[3], KEYS[2], 'EX', ARGV[8]) end
 return 1
 """
 )
@@ -49,36 +49,46 @@ return 1
 REMEMBER = (
     FENCE
     + """
--- KEYS: tenant epoch, adapter epoch, incarnation, request record, entry
--- ARGV: tenant seen, adapter seen, incarnation seen, new incarnation
+-- KEYS: incarnation, request record, entry; ARGV: the fence's six (`Fence.args`)
 -- -> 1 recorded, 0 refused, -1 the entry is gone (nothing left to report)
 -- The record lives as long as the entry it names, whatever the hit's own policy TTL.
 if not fence_holds(1, 1) then return 0 end
-local ttl = redis.call('PTTL', KEYS[5])
+local ttl = redis.call('PTTL', KEYS[3])
 if ttl <= 0 then return -1 end
-redis.call('SET', KEYS[4], KEYS[5], 'PX', ttl)
+redis.call('SET', KEYS[2], KEYS[3], 'PX', ttl)
 return 1
 """
 )
 
 PURGE_EPOCH = """
--- KEYS: an epoch; ARGV: its new value, ttl_s. A tombstone stays one (a deleted tenant's purge).
-local now = redis.call('GET', KEYS[1])
-if now and string.sub(now, 1, 5) == 'gone:' then ARGV[1] = now end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+-- KEYS: the incarnation hash; ARGV: an epoch's field, its new value, ttl_s.
+-- The epoch is written '<value>@<expiry ms>' (hash fields have no TTL of their own, so each
+-- purge also drops the epochs past their expiry). A tombstone stays one, its expiry renewed
+-- (a deleted tenant's purge).
+local now = redis.call('TIME')
+now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local fields = redis.call('HGETALL', KEYS[1])
+for i = 1, #fields, 2 do
+  local expiry = tonumber(string.match(fields[i + 1], '@(%d+)$'))
+  if expiry and expiry <= now then redis.call('HDEL', KEYS[1], fields[i]) end
+end
+local value = ARGV[2]
+local was = redis.call('HGET', KEYS[1], ARGV[1])
+if was and string.sub(was, 1, 5) == 'gone:' then value = string.match(was, '^[^@]*') end
+redis.call('HSET', KEYS[1], ARGV[1], value .. '@' .. (now + tonumber(ARGV[3]) * 1000))
 return 1
 """
 
 VADD = (
     FENCE
     + """
--- KEYS: vector set[, tenant epoch, adapter epoch, incarnation: when fenced]
--- ARGV: tenant seen, adapter seen, incarnation seen, new incarnation, fp32 vector, element,
---       attributes, ttl_s -> the set's size after the add, or -1 when refused
-if #KEYS == 4 and not fence_holds(2, 1) then return -1 end
-redis.call('VADD', KEYS[1], 'FP32', ARGV[5], ARGV[6], 'Q8', 'SETATTR', ARGV[7])
-redis.call('EXPIRE', KEYS[1], ARGV[8], 'NX')
-redis.call('EXPIRE', KEYS[1], ARGV[8], 'GT')
+-- KEYS: vector set[, incarnation: when fenced]
+-- ARGV: the fence's six (`Fence.args`), fp32 vector, element, attributes, ttl_s
+-- -> the set's size after the add, or -1 when refused
+if #KEYS == 2 and not fence_holds(2, 1) then return -1 end
+redis.call('VADD', KEYS[1], 'FP32', ARGV[7], ARGV[8], 'Q8', 'SETATTR', ARGV[9])
+redis.call('EXPIRE', KEYS[1], ARGV[10], 'NX')
+redis.call('EXPIRE', KEYS[1], ARGV[10], 'GT')
 return redis.call('VCARD', KEYS[1])
 """
 )
@@ -87,9 +97,9 @@ ADD = (
     FENCE
     + """
 -- ARGV: now_ms, ttl_ms, record, meta_json, response_key, max_entries, record_size, log_cap, epoch
---       [, tenant seen, adapter seen, incarnation seen, new incarnation: with KEYS[9..11]]
+--       [, the fence's six (`Fence.args`): with the incarnation, KEYS[9]]
 -- -> the slot, or false when refused
-if #KEYS == 11 and not fence_holds(9, 10) then return false end
+if #KEYS == 9 and not fence_holds(9, 10) then return false end
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
 local size = tonumber(ARGV[7])
 if redis.call('EXISTS', KEYS[1]) == 0 then

@@ -23,11 +23,12 @@ import json
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 from redis.exceptions import NoScriptError
 
 from loramux.cache import scripts
@@ -66,6 +67,23 @@ class _Mirror:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+Read = tuple[str, list[str], list[Any]]
+"""A read queued with others in one round trip: ("mget", keys, []) or ("hmget", [key], fields)."""
+
+_READS: dict[str, Callable[[Pipeline, list[str], list[Any]], object]] = {
+    "mget": lambda pipe, keys, _: pipe.mget(keys),
+    "hmget": lambda pipe, keys, fields: pipe.hmget(keys[0], fields),
+}
+
+
+async def run_reads(redis: Redis, reads: Sequence[Read]) -> list[Any]:
+    """The replies to `reads`, read in one round trip."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for name, keys, args in reads:
+            _READS[name](pipe, keys, args)
+        return list(await pipe.execute())
 
 
 class CoreVectorIndex:
@@ -132,9 +150,9 @@ class CoreVectorIndex:
         await self.refresh(bucket)
         return self.candidates(bucket, query, threshold, limit)
 
-    async def refresh(self, bucket: BucketKeys, also_get: Sequence[str] = ()) -> list[bytes | None]:
-        """Bring this process's copy of the bucket up to date; returns the values of the keys
-        `also_get`, read in the same round trip."""
+    async def refresh(self, bucket: BucketKeys, also_read: Sequence[Read] = ()) -> list[Any]:
+        """Bring this process's copy of the bucket up to date; returns the replies to
+        `also_read`, read in the same round trip."""
         mirror = self._mirrors.get(bucket.info)
         if mirror is None:
             mirror = self._mirrors[bucket.info] = _Mirror(BucketMirror(self.dim))
@@ -144,8 +162,7 @@ class CoreVectorIndex:
             copy = mirror.copy
             args = [copy.epoch, copy.applied, self.max_delta, self._record_size]
             reads: list[tuple[str, list[str], list[Any]]] = [("sync", keys, args)]
-            if also_get:
-                reads.insert(0, ("mget", list(also_get), []))
+            reads[:0] = also_read
             replies = await self._run(reads)
             reply = replies[-1]
             if reply[0] and reply[2] == b"reload":
@@ -161,13 +178,11 @@ class CoreVectorIndex:
             self._shrink(keep=bucket.info)
         else:
             self._drop(bucket.info)
-        return list(replies[0]) if also_get else []
+        return list(replies[: len(also_read)])
 
-    async def prefetch(
-        self, bucket: BucketKeys, also_get: Sequence[str] = ()
-    ) -> list[bytes | None]:
+    async def prefetch(self, bucket: BucketKeys, also_read: Sequence[Read] = ()) -> list[Any]:
         """`refresh` (what a lookup does before it knows its query vector)."""
-        return await self.refresh(bucket, also_get)
+        return await self.refresh(bucket, also_read)
 
     async def nearest(
         self, bucket: BucketKeys, query: F32, threshold: float, limit: int
@@ -207,15 +222,15 @@ class CoreVectorIndex:
             response, _ = await pipe.execute()
         return response
 
-    async def _run(self, commands: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
-        """Run MGETs and scripts (by name) in one round trip; loads the scripts and retries once
-        when the server does not know them (after a restart)."""
+    async def _run(self, commands: list[Read]) -> list[Any]:
+        """Run reads (`Read`) and scripts (by name) in one round trip; loads the scripts and
+        retries once when the server does not know them (after a restart)."""
         for attempt in range(2):
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for name, keys, args in commands:
-                        if name == "mget":
-                            pipe.mget(keys)
+                        if name in _READS:
+                            _READS[name](pipe, keys, args)
                         else:
                             pipe.evalsha(_SHA[name], len(keys), *keys, *args)
                     return await pipe.execute()

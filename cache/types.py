@@ -18,6 +18,9 @@ from loramux.cache.pacing import Pacing
 MAX_TTL = 7 * 86400
 """The longest an entry may live (seconds); also how long a purge's epoch is remembered."""
 
+INCARNATION_ID = "id"
+"""The field of the incarnation hash (`Keyspace.incarnation`) that holds the server's id."""
+
 RequestKind = Literal["chat", "text"]
 HitKind = Literal["exact", "semantic"]
 VerifierName = Literal["strict", "off"]
@@ -98,28 +101,41 @@ class Fence:
     so an answer made before a purge (or a hit read before it) is never written after it; a
     deleted tenant's epoch is a tombstone that refuses every write.
 
-    The epochs prove nothing across a restart of the cache Redis, which keeps no data: the
-    purge's epochs and tombstones are forgotten, and an epoch never set reads '' as before the
-    purge. So the fence also holds the server's incarnation (`Keyspace.boot`, read in the same
-    round trip), and a write is refused when the server is another incarnation than its lookup
-    read, or when its lookup read none (the first write script on a fresh server sets one).
+    The epochs prove nothing once the cache Redis has lost them: it keeps no data across a
+    restart, and it may evict any key (`allkeys-lru`); an epoch never set reads '' as before
+    the purge. So the epochs are fields of the one hash that also holds the server's
+    incarnation id (`Keyspace.incarnation`), read in the same round trip, lost together, and a
+    write is refused when the server is another incarnation than its lookup read, or when its
+    lookup read none (the first write script on a server without one sets one).
 
-    `keys` are the two epochs' Redis keys and the incarnation's; `seen` their values then ('' for
-    none), or None for a write that read none (then only a tombstone the server holds refuses
-    it): one whose lookup failed (Redis down or restarting) stores when Redis is back, as a
-    cache that resumes by itself should. It knows no incarnation to compare, and needs none for
-    a purge before the failure: its answer was made after that purge. A purge after its failed
-    lookup and before its store, and a deleted tenant whose tombstone a restart lost (as every
-    request of that tenant a gateway still admits would), are not seen."""
+    `key` is that hash, `fields` the two epochs' fields in it; `seen` their values and the
+    incarnation id then ('' for none), or None for a write that read none (then only a
+    tombstone the server holds refuses it): one whose lookup failed (Redis down or restarting)
+    stores when Redis is back, as a cache that resumes by itself should. It knows no
+    incarnation to compare, and needs none for a purge before the failure: its answer was made
+    after that purge. A purge after its failed lookup and before its store, and a deleted
+    tenant whose tombstone a restart or an eviction lost (as every request of that tenant a
+    gateway still admits would), are not seen."""
 
-    keys: tuple[str, str, str]
-    seen: tuple[str, str, str] | None
+    key: str
+    fields: tuple[str, str]
+    seen: tuple[str, str, str] | None = None
+
+    @property
+    def keys(self) -> tuple[str]:
+        """The Redis keys the write scripts take for it: the incarnation hash."""
+        return (self.key,)
+
+    @property
+    def read(self) -> list[str]:
+        """The hash's fields a lookup reads (HMGET), in `seen` order: the two epochs, the id."""
+        return [*self.fields, INCARNATION_ID]
 
     def args(self) -> list[str]:
-        """The script's arguments: the values seen ('*' each for any), then a fresh id that
-        becomes the server's incarnation if it has none."""
+        """The scripts' six arguments: the epochs' fields, the values seen ('*' each for any),
+        then a fresh id that becomes the server's incarnation if it has none."""
         seen = list(self.seen) if self.seen is not None else ["*", "*", "*"]
-        return [*seen, secrets.token_hex(8)]
+        return [*self.fields, *seen, secrets.token_hex(8)]
 
 
 @dataclass(frozen=True)

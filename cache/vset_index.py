@@ -26,7 +26,7 @@ from redis.asyncio import Redis
 
 from loramux.cache import scripts
 from loramux.cache.keys import BucketKeys
-from loramux.cache.semantic_index import Candidate
+from loramux.cache.semantic_index import Candidate, Read, run_reads
 from loramux.cache.types import Fence
 from loramux.cache.vectors import F32
 
@@ -67,7 +67,7 @@ class VectorSetIndex:
         """Insert (or replace) the entry for `response_key`; False when its `fence` refused it
         (a purge since the request's lookup). Unfenced, only a deleted tenant refuses it."""
         attributes = json.dumps({"q": question, "x": _now_ms() + ttl * 1000})
-        epochs, seen = (fence.keys, fence.args()) if fence is not None else ((), ["*"] * 4)
+        epochs, seen = (fence.keys, fence.args()) if fence is not None else ((), ["*"] * 6)
         size = await self._add(
             keys=[bucket.vset, *epochs],
             args=[*seen, vector.astype("<f4").tobytes(), response_key, attributes, ttl],
@@ -84,14 +84,10 @@ class VectorSetIndex:
             await pipe.execute()
         return True
 
-    async def prefetch(
-        self, bucket: BucketKeys, also_get: Sequence[str] = ()
-    ) -> list[bytes | None]:
-        """The values of `also_get` (nothing to bring up to date: the search runs on the
+    async def prefetch(self, bucket: BucketKeys, also_read: Sequence[Read] = ()) -> list[Any]:
+        """The replies to `also_read` (nothing to bring up to date: the search runs on the
         server)."""
-        if not also_get:
-            return []
-        return [_as_bytes(value) for value in await self.redis.mget(list(also_get))]
+        return await run_reads(self.redis, also_read) if also_read else []
 
     async def nearest(
         self, bucket: BucketKeys, query: F32, threshold: float, limit: int

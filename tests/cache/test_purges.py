@@ -121,8 +121,11 @@ async def test_a_deleted_tenant_has_nothing_stored_ever_after(
     await purger.purge("tenant-a")
     await asker.store(req, policy, answer("Click reset."))
     assert await scope_keys(asker, "tenant-a") == []
-    tombstone = asker.keys.epoch("tenant-a")
-    assert MAX_TTL - 60 < await asker.redis.ttl(tombstone) <= MAX_TTL
+    tombstone = await asker.redis.hget(asker.keys.incarnation, asker.keys.epoch("tenant-a"))
+    assert tombstone is not None and tombstone.startswith(b"gone:")
+    expiry = int(tombstone.rsplit(b"@", 1)[1]) / 1000
+    seconds, microseconds = await asker.redis.time()
+    assert MAX_TTL - 60 < expiry - (seconds + microseconds / 1e6) <= MAX_TTL
     # Other tenants store as before.
     other = chat(QUESTION, tenant="tenant-b")
     await asker.store(other, policy, answer("Click reset."))
@@ -181,3 +184,36 @@ async def test_a_purge_after_a_redis_restart_goes_through(
         assert await cache.lookup(req, EXACT) is None  # the tombstone holds
     finally:
         await cache.redis.aclose()
+
+
+async def test_a_purge_stays_final_on_a_cache_redis_that_evicts(
+    own_redis: RedisServer, embedder: Embedder
+) -> None:
+    """Bug: the cache Redis evicts any key (`allkeys-lru`, docker/compose.yaml), and the purge
+    epochs were keys of their own: once other tenants' traffic evicted a purged scope's epoch,
+    it read '' as if never purged, and an answer looked up before the purge was written after
+    it, and served. The epochs are fields of the incarnation's hash: evicted with it, or not
+    at all, and a write whose lookup read an incarnation the server no longer has is refused."""
+    client = Redis.from_url(own_redis.url)
+    await client.config_set("maxmemory", "4mb")
+    await client.config_set("maxmemory-policy", "allkeys-lru")
+    cache = ResponseCache(client, embedder, prefix="evicting")
+    await cache.start()
+    try:
+        purged = chat(QUESTION, tenant="tnt_purged")
+        consulted = await cache.begin(purged, EXACT, "req-1")  # before the purge
+        assert consulted.hit is None and consulted.fence is not None
+        await cache.purge("tnt_purged")
+        # Other tenants' traffic, until the cache Redis evicts the purged scope's epoch.
+        for n in range(20_000):
+            other = chat(f"Question number {n}?", tenant=f"tnt_other{n % 50}")
+            await cache.begin(other, EXACT)
+            await cache.store(other, EXACT, answer("x" * 4096))
+            if await client.hget(cache.keys.incarnation, cache.keys.epoch("tnt_purged")) is None:
+                break
+        else:
+            pytest.fail("the purge epoch was never evicted")
+        await cache.store(purged, EXACT, answer("made before the purge"), None, consulted.fence)
+        assert await cache.lookup(purged, EXACT) is None
+    finally:
+        await client.aclose()

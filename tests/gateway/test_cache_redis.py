@@ -169,6 +169,9 @@ def test_a_tenant_delete_the_cache_redis_misses_commits_and_purges_it_later(
     while not purged():
         assert time.monotonic() < deadline, "the deleted tenant's cache was never purged"
         time.sleep(0.05)
-    tombstone = redis.Redis.from_url(cache_redis.url).get(Keyspace().epoch(tenant.tenant_id))
+    where = Keyspace()
+    tombstone = redis.Redis.from_url(cache_redis.url).hget(
+        where.incarnation, where.epoch(tenant.tenant_id)
+    )
     assert tombstone is not None and tombstone.startswith(b"gone:"), tombstone
     assert tenant.tenant_id not in gw.state.cache.deleted_tenants.pending
