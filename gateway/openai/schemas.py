@@ -148,9 +148,16 @@ class CompletionRequest(_Sampling, kw_only=True):
 
 
 def refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
-    """400 for parameters loramux does not implement, instead of ignoring them. Fields about
-    OpenAI's own service (`store`, `metadata`, `service_tier`, …) change no output here and are
-    ignored (docs/architecture.md, "Public API", lists them)."""
+    """400 for parameters loramux does not implement, instead of ignoring them, and for
+    `stream_options` on a request that does not stream (as OpenAI refuses it: its
+    `include_usage` would be dropped unseen). Fields about OpenAI's own service (`store`,
+    `metadata`, `service_tier`, …) change no output here and are ignored (docs/architecture.md,
+    "Public API", lists them)."""
+    if req.stream_options is not None and not req.stream:
+        raise BadRequest(
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            param="stream_options",
+        )
     if isinstance(req, ChatCompletionRequest):
         _refuse_unsupported_chat(req)
         return

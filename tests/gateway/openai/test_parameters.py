@@ -202,6 +202,29 @@ def test_stream_null_is_a_whole_response(api: httpx.Client, oai: openai.OpenAI) 
     assert r.json()["object"] == "text_completion"
 
 
+@pytest.mark.parametrize(
+    ("path", "prompt"),
+    [("/chat/completions", {"messages": MESSAGES}), ("/completions", {"prompt": "hi"})],
+)
+@pytest.mark.parametrize("stream", [False, None, ...], ids=["false", "null", "absent"])
+def test_stream_options_without_a_stream_is_refused_as_openai_refuses_it(
+    api: httpx.Client, path: str, prompt: dict[str, Any], stream: object
+) -> None:
+    """OpenAI answers 400 (param `stream_options`) when `stream` is not true: the client that
+    asked for a usage chunk is told it gets none. `stream_options: null` is no option at all.
+    The bug: a 200 that silently dropped `include_usage`."""
+    body: dict[str, Any] = {"model": "demo-model", "max_tokens": 2} | prompt
+    if stream is not ...:
+        body["stream"] = stream
+    r = api.post(path, json=body | {"stream_options": {"include_usage": True}})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "stream_options")
+    assert "only allowed when 'stream' is enabled" in error["message"]
+    r = api.post(path, json=body | {"stream_options": None})
+    assert r.status_code == 200, r.text
+
+
 UNSERVED: dict[str, tuple[str, dict[str, Any], str]] = {
     "audio output": (
         "chat",
