@@ -3,7 +3,8 @@
 Only the step thread touches the `LLMEngine`. Other threads talk to it through a command queue
 (add, abort) and receive deltas through each request's `asyncio.Queue`, fed with
 `call_soon_threadsafe`. A consumer that stops iterating (a client that disconnected) aborts
-its request, which frees its KV blocks.
+its request, which frees its KV blocks. A structured request's stream is registered before its
+grammar compiles (off the loop): an abort meanwhile is held for it and applied once it is added.
 
 Faults stay with the request they belong to: a request that cannot be added, or that the
 engine fails to compute, gets its error on its own stream and the loop goes on. Only what
@@ -24,7 +25,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loramux.engine.config import EngineConfig
@@ -76,6 +77,18 @@ class _Stream:
     delivered: bool = False
     """The step thread has handed it an output: it is never displaced after that (a choice
     aborted alone while its request waits has an output, though no sequence ran)."""
+    choices: int = 1
+    """The request's n."""
+    added: bool = False
+    """The step thread has taken its `_Add` (set there): aborts reach the engine from then on."""
+    held_aborts: set[int | None] = field(default_factory=set)
+    """Aborts the step thread took before its `_Add` (the request's grammar was compiling),
+    applied once it is added: the whole request (None) or choices below `choices`, so at
+    most n + 1 however many aborts came."""
+
+    def hold(self, choice: int | None) -> None:
+        if choice is None or 0 <= choice < self.choices:
+            self.held_aborts.add(choice)
 
 
 class AsyncEngine:
@@ -154,19 +167,23 @@ class AsyncEngine:
         does a queued request displaced by another owner's."""
         self._check_running()
         owner = _owner_of(request)
-        if request.params.structured is None:
-            checked = self.engine.checked(request)
-        else:
-            # Compiling a grammar takes up to seconds (large schemas): not on the event loop,
-            # nor on the step thread, which gets the compiled grammar with the request.
-            checked = await asyncio.to_thread(self.engine.checked, request)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), owner)
+        structured = request.params.structured is not None
+        checked = None if structured else self.engine.checked(request)
+        stream = _Stream(
+            asyncio.get_running_loop(), asyncio.Queue(), owner, choices=request.params.n
+        )
         with self._lock:
             displace = self._register(request.request_id, stream)
-        self.start()
-        self._commands.put(_Add(request, checked, displace))
-        finished = False
+        submitted = finished = False
         try:
+            if checked is None:
+                # Compiling a grammar takes up to seconds (large schemas): not on the event
+                # loop, nor on the step thread, which gets the compiled grammar with the
+                # request. The stream is registered first: an abort meanwhile is held for it.
+                checked = await asyncio.to_thread(self.engine.checked, request)
+            self.start()
+            self._commands.put(_Add(request, checked, displace))
+            submitted = True
             while not finished:
                 item = await stream.queue.get()
                 if stream.queued:
@@ -179,7 +196,7 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(request.request_id, None)
             self._unqueue(stream)
-            if not finished:
+            if submitted and not finished:
                 self._commands.put(_Abort(request.request_id))
 
     def _register(self, request_id: str, stream: _Stream) -> bool:
@@ -249,16 +266,29 @@ class AsyncEngine:
             elif isinstance(cmd, _Sweep):
                 self.engine.sweep_adapters()
             else:
-                final = self.engine.abort(cmd.request_id, cmd.choice)
-                if final is not None:
-                    self._deliver([final])
+                self._abort(cmd.request_id, cmd.choice)
+
+    def _abort(self, request_id: str, choice: int | None) -> None:
+        """Abort in the engine, and deliver the final output; held for a request still on its
+        way (its stream registered, its `_Add` not yet taken: `_add` applies it)."""
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None and not stream.added:
+            stream.hold(choice)
+            return
+        final = self.engine.abort(request_id, choice)
+        if final is not None:
+            self._deliver([final])
 
     def _add(self, cmd: _Add) -> None:
-        """Queue the request in the engine; if that raises, only this request's stream fails."""
+        """Queue the request in the engine, then apply the aborts held for it; if queueing
+        raises, only this request's stream fails."""
+        request_id = cmd.request.request_id
         with self._lock:
-            stream = self._streams.get(cmd.request.request_id)
+            stream = self._streams.get(request_id)
         if stream is None:
             return  # consumer already gone
+        stream.added = True
         if cmd.displace and not self._displace(stream.owner):
             overloaded = EngineOverloadedError("the engine queue is full; retry later")
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, overloaded)
@@ -266,12 +296,17 @@ class AsyncEngine:
         try:
             self.engine.add_request(cmd.request, checked=cmd.checked)
         except EngineError as exc:
-            log.info("request %s refused when queued: %s", cmd.request.request_id, exc)
+            log.info("request %s refused when queued: %s", request_id, exc)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+            return
         except Exception:
-            log.exception("request %s could not be queued", cmd.request.request_id)
+            log.exception("request %s could not be queued", request_id)
             failed = RequestFailedError("the engine could not queue this request")
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, failed)
+            return
+        held = stream.held_aborts
+        for choice in [None] if None in held else sorted(c for c in held if c is not None):
+            self._abort(request_id, choice)
 
     def _displace(self, owner: str) -> bool:
         """Refuse the newest queued request of the owner with the most, if `owner` may take its

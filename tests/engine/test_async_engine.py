@@ -12,6 +12,8 @@ from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.errors import InvalidRequestError, PromptTooLongError
 from loramux.engine.outputs import EngineRequest, RequestOutput
 from loramux.engine.sampling import SamplingParams
+from loramux.engine.sequence import FinishReason
+from loramux.engine.structured import StructuredOutput
 from tests.engine.conftest import make_engine
 
 
@@ -67,6 +69,47 @@ async def test_aborted_requests_free_every_block(engine: AsyncEngine) -> None:
     await _wait_idle(engine)
     stats = engine.stats()
     assert stats.kv_blocks_used == 0 and stats.kv_blocks_free == stats.kv_blocks_total
+
+
+async def _aborted_while_compiling(
+    engine: AsyncEngine, request: EngineRequest, choice: int | None = None
+) -> list[RequestOutput]:
+    """`request`'s outputs, aborted (or only its choice `choice`) while its grammar compiles."""
+    stream = engine.generate(request)
+    first = asyncio.ensure_future(anext(stream))
+    # One turn: generate runs to its compile on a worker thread; its request is not added
+    # until this test yields again, so the abort is on the step thread's queue first.
+    await asyncio.sleep(0)
+    assert not first.done()
+    engine.abort(request.request_id, choice)
+    return [await first] + [out async for out in stream]
+
+
+async def test_an_abort_while_the_grammar_compiles_stops_the_request_before_it_runs(
+    engine: AsyncEngine,
+) -> None:
+    """A structured request's grammar compiles off the event loop before the step thread has
+    the request; an abort meanwhile (its client left, or its gateway aborted it over the
+    engine service) ends it before it runs, its blocks freed. The bug: the step thread found
+    no such request and dropped the abort; the request then ran to its end for nobody."""
+    params = SamplingParams(max_tokens=48, structured=StructuredOutput("json_object"))
+    outs = await _aborted_while_compiling(engine, EngineRequest("c", params, prompt="Fill"))
+    assert [o.finish_reason for o in outs] == [FinishReason.ABORT]
+    assert outs[-1].usage is not None and outs[-1].usage.completion_tokens == 0
+    await _wait_idle(engine)
+    assert engine.stats().kv_blocks_used == 0
+
+
+async def test_a_choice_aborted_while_the_grammar_compiles_ends_alone(engine: AsyncEngine) -> None:
+    """A choice aborted alone (a stop string matched at the gateway) before its request was
+    added ends before it runs; the request's other choice runs as asked."""
+    structured = StructuredOutput("json_object")
+    params = SamplingParams(max_tokens=8, n=2, temperature=1.0, seed=3, structured=structured)
+    outs = await _aborted_while_compiling(engine, EngineRequest("c2", params, prompt="Hi"), 1)
+    ends = {o.index: o.finish_reason for o in outs if o.finish_reason is not None}
+    assert ends[1] is FinishReason.ABORT and ends[0] is not FinishReason.ABORT
+    assert not any(o.token_ids for o in outs if o.index == 1)
+    assert any(o.token_ids for o in outs if o.index == 0)
 
 
 async def test_same_seed_same_output_alone_and_in_a_busy_batch(engine: AsyncEngine) -> None:
