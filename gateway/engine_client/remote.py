@@ -30,10 +30,10 @@ from loramux.engine.errors import (
 )
 from loramux.engine.outputs import EngineRequest, EngineStats, RequestOutput
 from loramux.engine.sampling import SamplingParams
-from loramux.engine.sequence import FinishReason
 from loramux.engine.service.wire import UPLOAD_PART_BYTES, Delta, Generate
 from loramux.gateway.engine_client.base import EngineInfo, EngineTimeoutError, require_wire
-from loramux.gateway.engine_client.channel import Channel, StreamItem, StreamSink
+from loramux.gateway.engine_client.channel import Channel
+from loramux.gateway.engine_client.deltas import PushSink, next_delta, output_of
 from loramux.gateway.engine_client.routing import Endpoint, adapter_key, affinity_key, route
 from loramux.gateway.engine_client.uploads import send_adapter
 from loramux.gateway.settings import ENGINE_FIRST_OUTPUT_SECONDS
@@ -113,10 +113,10 @@ class RemoteEngineClient:
         try:
             while True:
                 finished = delta.usage is not None  # the request's last choice ended
-                yield _output(delta)
+                yield output_of(delta)
                 if finished:
                     return
-                delta = await _next(channel.streams[request.request_id])
+                delta = await next_delta(channel.streams[request.request_id])
         finally:
             self._close(channel, request.request_id, finished)
 
@@ -128,7 +128,7 @@ class RemoteEngineClient:
         request_id = request.request_id
         finished = False
         try:
-            push = _Push(sink, asyncio.get_running_loop().create_future())
+            push = PushSink(sink, asyncio.get_running_loop().create_future())
             push.put_nowait(delta)
             queue = channel.streams[request_id]
             while isinstance(queue, asyncio.Queue) and not queue.empty():  # arrived meanwhile
@@ -160,21 +160,27 @@ class RemoteEngineClient:
             channel.streams[request.request_id] = asyncio.Queue()
             try:
                 await channel.send(message)
-                first = await self._first_delta(channel, request.request_id)
+                # The engine has the request from here on: an abort goes to it at once (one
+                # that came while it was sent goes now), and the first delta is its end.
+                serving.channel = channel
+                if serving.aborted:
+                    channel.abort(request.request_id)
+                return await self._first_delta(channel, request.request_id)
             except BaseException:
+                serving.channel = None
                 del channel.streams[request.request_id]
                 raise
-            serving.channel = channel
-            return first
 
+        def abandoned() -> bool:
+            return serving.aborted
+
+        key = affinity_key(request)
         try:
-            delta = await self._on_engine(affinity_key(request), request.adapter, open_stream)
+            delta = await self._on_engine(key, request.adapter, open_stream, abandoned)
         except BaseException:
             del self._serving[request.request_id]
             raise
         assert serving.channel is not None
-        if serving.aborted:
-            serving.channel.abort(request.request_id)
         return serving.channel, delta
 
     def _close(self, channel: Channel, request_id: str, finished: bool) -> None:
@@ -192,7 +198,7 @@ class RemoteEngineClient:
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for wraps the wait in a task
             # of its own, one more task and loop turn on every request's way to its first token
             async with asyncio.timeout(self._first_output_seconds):
-                return await _next(channel.streams[request_id])
+                return await next_delta(channel.streams[request_id])
         except TimeoutError:
             channel.abort(request_id)
             raise EngineTimeoutError(
@@ -201,8 +207,9 @@ class RemoteEngineClient:
             ) from None
 
     async def abort(self, request_id: str, choice: int | None = None) -> None:
-        """Ask the engine serving `request_id` to abort it (or, once open, its choice `choice`);
-        the stream ends with the engine's final output. One still opening is aborted once open."""
+        """Ask the engine serving `request_id` to abort it (or, once sent, its choice `choice`);
+        the stream ends with the engine's final output. One not yet sent to an engine is
+        aborted once sent, and tried on no other engine when its engine fails."""
         serving = self._serving.get(request_id)
         if serving is None or serving.aborted or (choice is not None and serving.channel is None):
             return
@@ -262,18 +269,25 @@ class RemoteEngineClient:
 
     # -- routing and failover ------------------------------------------------------------------
     async def _on_engine(
-        self, key: str, digest: str | None, call: Callable[[Endpoint], Awaitable[T]]
+        self,
+        key: str,
+        digest: str | None,
+        call: Callable[[Endpoint], Awaitable[T]],
+        abandoned: Callable[[], bool] = lambda: False,
     ) -> T:
         """`call` on the engine routing picks for `key`, with `digest` present there; the next
-        engine in route order while one is unreachable, stopped or overloaded."""
+        engine in route order while one is unreachable, stopped or overloaded, unless the
+        caller has `abandoned()` the call meanwhile (its error is raised then)."""
         self._refresh_loads_soon()
         error: EngineError = EngineStoppedError("no engine is configured")
         for endpoint in route(self._endpoints, key):
             try:
                 return await self._with_adapter(endpoint, digest, call)
             except (EngineStoppedError, EngineOverloadedError) as exc:
-                log.warning("engine %s refused or failed (%s); trying the next", endpoint.url, exc)
                 error = exc
+                if abandoned():
+                    break
+                log.warning("engine %s refused or failed (%s); trying the next", endpoint.url, exc)
         raise error
 
     async def _with_adapter(
@@ -336,55 +350,11 @@ class RemoteEngineClient:
 
 @dataclass
 class _Serving:
-    """Where one request's stream runs (None while it opens), and whether it was aborted."""
+    """The channel of the engine that has one request (None until it was sent to one), and
+    whether it was aborted."""
 
     channel: Channel | None = None
     aborted: bool = False
-
-
-class _Push:
-    """A stream's sink on its channel, in place of its queue: each delta is handed to `sink`
-    as the channel's reader reads it; `done` ends with the last one, or with the stream's error
-    (or the sink's: the channel's reader, serving every stream, never sees it)."""
-
-    def __init__(self, sink: Callable[[RequestOutput], None], done: asyncio.Future[None]):
-        self.sink = sink
-        self.done = done
-
-    def put_nowait(self, item: StreamItem) -> None:
-        if self.done.done():
-            return
-        if isinstance(item, Exception):
-            self.done.set_exception(item)
-            return
-        try:
-            self.sink(_output(item))
-        except Exception as exc:
-            self.done.set_exception(exc)
-            return
-        if item.usage is not None:  # the request's last choice ended
-            self.done.set_result(None)
-
-
-async def _next(stream: StreamSink) -> Delta:
-    assert isinstance(stream, asyncio.Queue), "a stream read by its caller has a queue"
-    item = await stream.get()
-    if isinstance(item, Exception):
-        raise item
-    return item
-
-
-def _output(delta: Delta) -> RequestOutput:
-    reason = None if delta.finish_reason is None else FinishReason(delta.finish_reason)
-    return RequestOutput(
-        delta.ref,
-        delta.token_ids,
-        reason,
-        delta.usage,
-        index=delta.index,
-        logprobs=delta.logprobs,
-        timings=delta.timings,
-    )
 
 
 def _wire_params(params: SamplingParams) -> SamplingParams:

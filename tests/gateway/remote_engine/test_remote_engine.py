@@ -6,6 +6,9 @@ engines."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from loramux.engine.async_engine import AsyncEngine
+from loramux.engine.config import EngineConfig
 from loramux.engine.errors import (
     EngineStoppedError,
     InvalidRequestError,
@@ -23,7 +28,7 @@ from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.outputs import EngineRequest, RequestOutput
 from loramux.engine.prompt import prompt_token_ids
 from loramux.engine.sampling import SamplingParams
-from loramux.engine.service.runner import RunningEngineService
+from loramux.engine.service.runner import RunningEngineService, serve_engine_in_thread
 from loramux.engine.service.wire import (
     WIRE_VERSION,
     Call,
@@ -34,7 +39,7 @@ from loramux.engine.service.wire import (
 )
 from loramux.gateway.engine_client.base import EngineVersionError
 from loramux.gateway.engine_client.remote import RemoteEngineClient
-from loramux.gateway.engine_client.routing import Endpoint, route
+from loramux.gateway.engine_client.routing import Endpoint, affinity_key, route
 from tests.gateway.remote_engine.common import (
     CLASS_TREE,
     IMPORT_OS,
@@ -209,6 +214,86 @@ async def test_an_aborted_stream_ends_with_usage_counting_every_token_generated(
     assert final.usage.completion_tokens == len(tokens_of(outputs)) < 490
     [stats] = await client.stats()
     assert stats.running == stats.waiting == stats.kv_blocks_used == 0
+
+
+async def _until(what: str, done: Callable[[], Awaitable[bool]]) -> None:
+    deadline = time.monotonic() + 30
+    while not await done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def _prompt_preferring(url: str, endpoints: list[Endpoint]) -> list[int]:
+    """Prompt token ids whose request routing sends to `url` first."""
+    for first in range(1000):
+        ids = [first, *IMPORT_OS]
+        key = affinity_key(EngineRequest("k", PARAMS, prompt_token_ids=ids))
+        if route(endpoints, key)[0].url == url:
+            return ids
+    raise AssertionError(f"no prompt prefers {url}")
+
+
+async def test_a_request_aborted_while_queued_in_the_engine_ends_there_computing_nothing(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """The engine here runs one sequence at a time; a request queued behind a long one is
+    aborted in the engine at once: it ends with its final output, no token generated. The
+    bug: the client only remembered the abort until the request's first output, so the
+    engine prefilled it and generated a token for a client that had gone, who was billed."""
+    config = EngineConfig(
+        model=demo_model_dir, max_model_len=512, kv_cache_bytes=16 << 20, max_num_seqs=1
+    )
+    engine = AsyncEngine(LLMEngine(config))
+    with serve_engine_in_thread(engine, "demo", adapter_dir=tmp_path, token=ENGINE_TOKEN) as one:
+        remote = RemoteEngineClient([one.url], ENGINE_TOKEN)
+        long = SamplingParams(max_tokens=490, ignore_eos=True)
+        running = remote.generate(EngineRequest("running", long, prompt_token_ids=CLASS_TREE))
+        try:
+            await anext(running)
+            queued = asyncio.ensure_future(
+                collect(remote, EngineRequest("queued", PARAMS, prompt_token_ids=IMPORT_OS))
+            )
+
+            async def waits() -> bool:
+                [stats] = await remote.stats()
+                return stats.waiting == 1
+
+            await _until("the request to wait in the engine", waits)
+            await remote.abort("queued")
+            async with asyncio.timeout(30):
+                outputs = await queued
+            assert [o.finish_reason for o in outputs] == ["abort"]
+            assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 0
+        finally:
+            await running.aclose()  # type: ignore[attr-defined]
+            await remote.close()
+
+
+async def test_a_request_aborted_while_its_engine_fails_is_sent_to_no_other(
+    services: list[RunningEngineService],
+) -> None:
+    """A request aborted while it was being sent to an engine that turns out unreachable ends
+    with that engine's error; the next engine never gets it. The bug: it failed over to the
+    next engine, which computed it for a client that had gone."""
+    with socket.socket() as free:  # a port nobody listens on
+        free.bind(("127.0.0.1", 0))
+        dead = f"tcp://127.0.0.1:{free.getsockname()[1]}"
+    live = services[1]
+    ids = _prompt_preferring(dead, [Endpoint(dead), Endpoint(live.url)])
+    pair = RemoteEngineClient([dead, live.url], ENGINE_TOKEN)
+    before = live.engine.stats().generated_tokens
+    try:
+        opening = asyncio.ensure_future(
+            collect(pair, EngineRequest("gone", PARAMS, prompt_token_ids=ids))
+        )
+        await asyncio.sleep(0)  # it is being sent to the dead engine: waits for a connection
+        await pair.abort("gone")
+        with pytest.raises(EngineStoppedError):
+            await opening
+        assert live.engine.stats().generated_tokens == before
+        assert live.engine.stats().running == live.engine.stats().waiting == 0
+    finally:
+        await pair.close()
 
 
 async def test_requests_for_one_adapter_land_on_one_engine(
