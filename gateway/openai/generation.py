@@ -160,6 +160,8 @@ class Generation:
         self._submitted = False
         self._aborted = False
         self._deltas: asyncio.Queue[ChoiceDelta | None] = asyncio.Queue()
+        self._opened = asyncio.Event()
+        """Set at the run's first output, or at its end if it had none."""
         self.task = _spawn(self._run())
 
     @property
@@ -183,6 +185,12 @@ class Generation:
         return self.usage.cached_tokens if self.usage is not None else 0
 
     @property
+    def refused(self) -> GatewayError | None:
+        """The error that ended the run before its first output (the engine down, overloaded
+        or late; a request it refused), if one did: nothing of an answer was made."""
+        return self.error if self.ttft is None else None
+
+    @property
     def status(self) -> int:
         """200, 499 when the client left before the end, or the error's status."""
         if self.left:
@@ -196,6 +204,11 @@ class Generation:
             return
         self.left = True
         self._abort_engine()
+
+    async def opened(self) -> None:
+        """Returns once the run has had its first output, or has ended (and been billed)
+        without one."""
+        await self._opened.wait()
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """The choices' deltas as they arrive, ending once the run has ended and been billed."""
@@ -220,11 +233,13 @@ class Generation:
                 log.exception("finishing request %s failed", self.request.request_id)
             finally:
                 self.ended = True
+                self._opened.set()
                 self._deltas.put_nowait(None)
 
     def _take(self, out: RequestOutput) -> None:
         if self.ttft is None:
             self.ttft = time.perf_counter() - self.started
+            self._opened.set()
         self.usage = out.usage or self.usage
         self.timings = out.timings or self.timings
         choice = self.choices[out.index]

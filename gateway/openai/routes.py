@@ -25,6 +25,7 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 from loramux.gateway import tracing
 from loramux.gateway.api_docs import errors
 from loramux.gateway.auth.api_keys import Principal
+from loramux.gateway.errors import ClientClosedRequest
 from loramux.gateway.metrics.routes import ARRIVED
 from loramux.gateway.openai.body import CompletionRequestBody
 from loramux.gateway.openai.finish import Metering
@@ -104,19 +105,41 @@ async def _respond(
     finally:
         gone.cancel()
     request.state[METERED] = True
-    if (run := service.start(prepared)) is not None:
+    if (run := service.start(prepared)) is None:
+        request.state[HIT] = partial(service.end_hit, prepared)
+    elif prepared.stream:
+        request.state[RUN] = run
+        await _opened(run, request)
+    else:
         request.state[RUN] = run
         # One turn of the loop: the run's task sends the request to the engine now, so that
         # its prefill overlaps the start of the response.
         await asyncio.sleep(0)
-    else:
-        request.state[HIT] = partial(service.end_hit, prepared)
     headers = prepared.headers()
     if prepared.stream:
         headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
         return Stream(service.stream(prepared), media_type="text/event-stream", headers=headers)
     whole = await service.complete(prepared, partial(_client_gone, request))
     return Response(whole, media_type="application/json", headers=headers)
+
+
+async def _opened(run: Generation, request: Request[Any, Any, Any]) -> None:
+    """A stream's response starts once its run has had its first output (which its first
+    chunk waits for anyway): a run that ended before it, with the engine down, overloaded or
+    late, or the request refused there, is answered with its error's status, as a whole
+    response is, not with a 200 and an error event. A client that leaves meanwhile gets a 499
+    (its run is aborted with the response)."""
+    opened = asyncio.ensure_future(run.opened())
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({opened, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        opened.cancel()
+        gone.cancel()
+    if not opened.done():
+        raise ClientClosedRequest("the client closed the connection")
+    if run.refused is not None:
+        raise run.refused
 
 
 def end_runs_with_their_response(app: ASGIApp) -> ASGIApp:

@@ -1,5 +1,6 @@
-"""A real gateway on loopback: uvicorn, SQLite, the in-process engine on the demo model; a second
-one on PostgreSQL; and empty migrated databases (SQLite and PostgreSQL) for tests of the SQL
+"""A real gateway on loopback: uvicorn, SQLite, the in-process engine on the demo model; gateways
+of their own on engine services (two; one behind a relay that can cut it); a second one on
+PostgreSQL; and empty migrated databases (SQLite and PostgreSQL) for tests of the SQL
 parts alone."""
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from loramux.engine.service.runner import RunningEngineService
 from loramux.gateway.db.migrate import upgrade
 from loramux.gateway.db.session import create_engine, session_factory
+from loramux.gateway.engine_client.remote import RemoteEngineClient
 from loramux.gateway.server import RunningServer, engine_client, serve_in_thread
 from loramux.gateway.settings import EngineSettings, ServerSettings, Settings
-from tests.gateway.servers import ENGINE_TOKEN, engine_service, gateway_server
+from tests.gateway.servers import ENGINE_TOKEN, TcpRelay, engine_service, gateway_server
 from tests.migrations.test_revisions import new_postgres_database
 
 
@@ -58,6 +60,25 @@ def two_engine_gateway(
         monkeypatch.setenv("LORAMUX_ENGINE_TOKEN", ENGINE_TOKEN)
         with gateway_server(demo_model_dir, tmp_path / "gw", redis_url) as gw:
             yield [a, b], gw
+
+
+@pytest.fixture
+def relayed_gateway(
+    demo_model_dir: Path, tmp_path: Path, redis_url: str
+) -> Iterator[tuple[RunningServer, TcpRelay]]:
+    """A gateway whose engine service is reached through a relay the test can cut."""
+    with engine_service(demo_model_dir, tmp_path / "adapters") as service:
+        relay = TcpRelay(int(service.url.rsplit(":", 1)[1]))
+        try:
+            with gateway_server(
+                demo_model_dir,
+                tmp_path / "data",
+                redis_url,
+                client=lambda _: RemoteEngineClient([relay.url], ENGINE_TOKEN),
+            ) as gw:
+                yield gw, relay
+        finally:
+            relay.close()
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ import socket
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,10 +21,9 @@ from sqlalchemy import select
 
 from loramux.engine.outputs import EngineStats
 from loramux.gateway.db import UsageEvent
-from loramux.gateway.engine_client.remote import RemoteEngineClient
 from loramux.gateway.quotas.buckets import budget_period, scope_prefix
 from loramux.gateway.server import RunningServer
-from tests.gateway.servers import ENGINE_TOKEN, TcpRelay, engine_service, gateway_server
+from tests.gateway.servers import TcpRelay
 from tests.gateway.tenants import TenantKey, new_tenant
 
 MAX_TOKENS = 400
@@ -368,25 +366,6 @@ def test_non_streamed_requests_whose_clients_leave_are_aborted_and_billed(
         before.generated_tokens
     )
     assert ledger_spent(gateway, tenant) == billed(events)
-
-
-@pytest.fixture
-def relayed_gateway(
-    demo_model_dir: Path, tmp_path: Path, redis_url: str
-) -> Iterator[tuple[RunningServer, TcpRelay]]:
-    """A gateway whose engine service is reached through a relay the test can cut."""
-    with engine_service(demo_model_dir, tmp_path / "adapters") as service:
-        relay = TcpRelay(int(service.url.rsplit(":", 1)[1]))
-        try:
-            with gateway_server(
-                demo_model_dir,
-                tmp_path / "data",
-                redis_url,
-                client=lambda _: RemoteEngineClient([relay.url], ENGINE_TOKEN),
-            ) as gw:
-                yield gw, relay
-        finally:
-            relay.close()
 
 
 def test_a_request_that_fails_after_generation_started_is_billed_for_what_it_received(

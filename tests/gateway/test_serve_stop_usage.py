@@ -4,9 +4,9 @@ second signal; with one gateway process or several."""
 
 from __future__ import annotations
 
+import re
 import signal
 import sqlite3
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,7 +16,7 @@ import pytest
 from loramux.gateway.auth.admin_jwt import AdminAuth
 from loramux.gateway.serve import CLOSE_SECONDS
 from loramux.gateway.state import RUNS_END_SECONDS, USAGE_CLOSE_SECONDS
-from tests.gateway.serve_process import Serve, serve, wait_for
+from tests.gateway.serve_process import Serve, command_line, serve, wait_for
 from tests.gateway.servers import demo_env
 from tests.gateway.tenants import TenantKey, new_tenant
 
@@ -44,10 +44,10 @@ def _tenant(running: Serve) -> TenantKey:
         return new_tenant(admin, "stop")
 
 
-def _stream(url: str, key: str, started: threading.Event) -> str:
+def _stream(url: str, key: str) -> str:
     """How one long chat stream ended: `done`, `cut` (its connection closed before the end,
-    with or without an error event) or `refused`; `started` is set once its response began,
-    which is after the gateway handed it to the engine."""
+    with or without an error event, or before its response began) or `unstarted` (its run
+    ended before its first output, stopped with the gateway: answered with an error status)."""
     body = {
         "model": "demo-model",
         "messages": [{"role": "user", "content": "tell me a long story"}],
@@ -59,9 +59,8 @@ def _stream(url: str, key: str, started: threading.Event) -> str:
         with httpx.stream(
             "POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120
         ) as r:
-            started.set()
             if r.status_code != 200:
-                return "refused"
+                return "unstarted"
             last = ""
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -77,9 +76,10 @@ def _stop_with_streams_in_flight(running: Serve, *signals: signal.Signals) -> li
     every stream."""
     tenant = _tenant(running)
     with ThreadPoolExecutor(STREAMS) as pool:
-        started = [threading.Event() for _ in range(STREAMS)]
-        streams = [pool.submit(_stream, running.url, tenant.key, s) for s in started]
-        assert all(s.wait(120) for s in started), "the streams did not start"
+        streams = [pool.submit(_stream, running.url, tenant.key) for _ in range(STREAMS)]
+        # A stream's response begins with its first output: those queued behind the one the
+        # engine runs have none yet, but are in the engine.
+        wait_for(lambda: _in_engine(running) == STREAMS, 120, "every stream is in the engine")
         first, *again = signals
         running.proc.send_signal(first)
         wait_for(lambda: f"received {first.name}" in running.output(), 30, "serve is stopping")
@@ -87,10 +87,20 @@ def _stop_with_streams_in_flight(running: Serve, *signals: signal.Signals) -> li
             running.proc.send_signal(sig)
         assert running.proc.wait(timeout=120) == 0, running.output()
         ends = [s.result(timeout=60) for s in streams]
-    assert "refused" not in ends, ends
     rows = _usage_rows(running.data_dir, tenant.tenant_id)
     assert len(rows) == STREAMS, (ends, rows, running.output())
     return ends
+
+
+def _in_engine(running: Serve) -> int:
+    """Requests the engine child runs or queues (its /metrics; the health port is on its
+    command line)."""
+    cmd = command_line(running.child(" engine "))
+    port = re.search(r"--health-port (\d+)", cmd)
+    assert port is not None, cmd
+    text = httpx.get(f"http://127.0.0.1:{port[1]}/metrics", timeout=10).text
+    held = ("loramux_num_requests_running", "loramux_num_requests_waiting")
+    return sum(int(float(line.split()[1])) for line in text.splitlines() if line.startswith(held))
 
 
 def _usage_rows(data_dir: Path, tenant_id: str) -> list[tuple[int, int]]:
