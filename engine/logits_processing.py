@@ -101,8 +101,8 @@ def _bias(
             values.append(value)
     bias = torch.zeros(len(rows), vocab, dtype=torch.float32, device=device)
     index = (torch.tensor(row_ids).to(device), torch.tensor(token_ids).to(device))
-    # A repeated id adds its biases up (OpenAI's maps cannot repeat one).
-    bias.index_put_(index, torch.tensor(values, dtype=torch.float32).to(device), accumulate=True)
+    # A row's ids are distinct (SamplingParams refuses repeats): each bias stays in its bound.
+    bias.index_put_(index, torch.tensor(values, dtype=torch.float32).to(device))
     return bias
 
 

@@ -72,7 +72,8 @@ class SamplingParams:
     whose probability is below min_p times the most likely token's. No effect when greedy."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs, at most 300, each bias in [-100, 100], added to those tokens'
-    logits. Ids must be in [0, vocab): the engine checks them when the request is admitted."""
+    logits; each id at most once. Ids must be in [0, vocab): the engine checks them when the
+    request is admitted."""
     logprobs: bool = False
     """Return each generated token's logprob (`RequestOutput.logprobs`, see `TokenLogprob` for
     which distribution they are of)."""
@@ -148,6 +149,7 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries"
             )
+        seen: set[int] = set()
         for entry in self.logit_bias:
             if not isinstance(entry, tuple | list) or len(entry) != 2:
                 raise InvalidRequestError("logit_bias must be a list of (token id, bias) pairs")
@@ -159,6 +161,11 @@ class SamplingParams:
                     "logit_bias needs token ids >= 0 and biases in [-100, 100], got "
                     f"{number_text(token_id)}: {number_text(bias)}"
                 )
+            if token_id in seen:  # one token's biases would add up past the bound
+                raise InvalidRequestError(
+                    f"logit_bias holds token id {number_text(token_id)} more than once"
+                )
+            seen.add(token_id)
 
     @property
     def greedy(self) -> bool:

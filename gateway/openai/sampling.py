@@ -79,14 +79,19 @@ def _logprobs(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, int
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    """Keys are token ids written as decimal strings, each in [0, vocab_size)."""
+    """Keys are token ids written as decimal strings, each in [0, vocab_size), without leading
+    zeros: "7" and "07" would be two keys of one token, their biases added past the bound."""
     if not bias:
         return ()
     entries = []
     for key, value in bias.items():
-        if not (key.isascii() and key.isdecimal()) or len(key) > 10 or int(key) >= vocab_size:
+        if (
+            not (key.isascii() and key.isdecimal() and len(key) <= 10 and key == str(int(key)))
+            or int(key) >= vocab_size
+        ):
             raise BadRequest(
-                f"logit_bias keys must be token ids from 0 to {vocab_size - 1}, got {key[:32]!r}",
+                f"logit_bias keys must be token ids from 0 to {vocab_size - 1} without leading "
+                f"zeros, got {key[:32]!r}",
                 param="logit_bias",
             )
         entries.append((int(key), float(value)))

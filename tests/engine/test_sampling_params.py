@@ -35,6 +35,8 @@ HUGE = 10**400
         ({"logit_bias": ((5,),)}, "logit_bias"),
         ({"logit_bias": "5:1"}, "logit_bias"),
         ({"logit_bias": tuple((i, 1.0) for i in range(301))}, "logit_bias"),
+        ({"logit_bias": ((7, 100.0), (7, 100.0))}, "logit_bias"),  # would add up to 200
+        ({"logit_bias": ((7, 100.0), (3, 1.0), (7, -100.0))}, "logit_bias"),  # would cancel
         ({"logprobs": 1}, "logprobs"),
         ({"logprobs": "true"}, "logprobs"),
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),

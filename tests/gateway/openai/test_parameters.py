@@ -40,6 +40,11 @@ REFUSED: dict[str, tuple[bytes, str]] = {
     "logit_bias key in fullwidth digits": (raw(logit_bias=bias({"１２": 1})), "logit_bias"),
     "logit_bias key past the vocabulary": (raw(logit_bias=bias({"10000000": 1})), "logit_bias"),
     "logit_bias value above 100": (raw(logit_bias=bias({"5": 101})), "logit_bias"),
+    "logit_bias keys aliasing one token": (
+        raw(logit_bias=bias({"7".zfill(width): 100 for width in range(1, 11)})),
+        "logit_bias",
+    ),
+    "logit_bias key with a leading zero": (raw(logit_bias=bias({"07": 1})), "logit_bias"),
     "logit_bias value 1e400": (raw(logit_bias='{"5": 1e400}'), "logit_bias"),
     "logit_bias value NaN": (raw(logit_bias='{"5": NaN}'), ""),
     "logit_bias not an object": (raw(logit_bias="[1, 2]"), "logit_bias"),
@@ -126,6 +131,20 @@ def test_a_hostile_parameter_is_refused_naming_it_and_nothing_is_queued(
     after = stats(gateway)
     assert after.prompt_tokens_computed == before.prompt_tokens_computed
     assert after.waiting == after.running == 0
+
+
+def test_logit_bias_keys_aliasing_one_token_are_refused_on_completions_too(
+    api: httpx.Client,
+) -> None:
+    """ "7" and "07" name one token: taken both, their biases would add up past [-100, 100]
+    (or cancel out)."""
+    for aliases in ({"7": 100, "07": 100}, {"7": 100, "0000000007": -100}):
+        body = {"model": "demo-model", "prompt": "hi", "max_tokens": 1, "logit_bias": aliases}
+        r = api.post("/completions", json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "logit_bias"
+    body = {"model": "demo-model", "prompt": "hi", "max_tokens": 1, "logit_bias": {"0": 1}}
+    assert api.post("/completions", json=body).status_code == 200, "0 is written canonically"
 
 
 def test_a_million_logit_bias_entries_are_refused_unread(api: httpx.Client) -> None:
