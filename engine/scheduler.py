@@ -125,7 +125,8 @@ class SequenceUpdate:
 @dataclass
 class SchedulerStats:
     prefix_cache_hit_tokens: int = 0
-    """Prompt tokens served from the prefix cache at admission (before any token was made)."""
+    """Prompt tokens served from the prefix cache at requests' first admission (readmissions
+    after a preemption find their own blocks: not counted)."""
     prefix_cache_query_tokens: int = 0
     """Prompt tokens looked up in the prefix cache at those admissions."""
     prompt_tokens_computed: int = 0
@@ -312,12 +313,13 @@ class Scheduler:
         """Move an admitted request to running: pin its adapter, attach its cached prefix, grow."""
         assert seq.num_pending_tokens == 0, "admitted with a token still on the device"
         self._count(seq, -1)
-        if seq.scheduled_time is None:
-            seq.scheduled_time = time.time()  # when a step first computes it
         if self.adapters is not None:
             self.adapters.acquire(seq)
         self.block_manager.allocate(seq, allocation)
-        if seq.num_completion_tokens == 0:
+        if seq.scheduled_time is None:  # its first admission, not one after a preemption
+            seq.scheduled_time = time.time()  # when a step first computes it
+            # Readmitted, it finds its own blocks from before the preemption: not cached for
+            # the client (and telling it so would tell it that others' load preempted it).
             seq.num_cached_tokens = allocation.num_cached_tokens
             self.stats.prefix_cache_hit_tokens += allocation.num_cached_tokens
             self.stats.prefix_cache_query_tokens += seq.num_prompt_tokens

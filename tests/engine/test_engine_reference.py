@@ -80,6 +80,34 @@ def test_shared_prefix_computes_only_the_suffix(
     assert tokens == hf_greedy(hf_model, second, 8)
 
 
+def test_a_prompt_nobody_sent_before_reports_no_cached_tokens_after_a_preemption(
+    demo_model_dir: Path,
+) -> None:
+    """Three tenants' (salts') new prompts on a KV pool too small for all three: the newest is
+    preempted mid-prefill and recomputed, partly from its own blocks. Reporting those as
+    `cached_tokens` would call a prompt no request ever sent cached, and tell its tenant that
+    other tenants' load preempted it."""
+    engine = make_engine(
+        demo_model_dir, max_model_len=256, num_kv_blocks=20, max_num_batched_tokens=64
+    )
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    requests = [
+        EngineRequest(
+            f"r{i}",
+            params,
+            prompt_token_ids=[(i * 7 + j) % 4000 + 5 for j in range(150)],
+            cache_salt=f"t{i}",
+        )
+        for i in range(3)
+    ]
+    out = run_to_completion(engine, requests)
+    stats = engine.stats()
+    assert stats.preemptions > 0, "the KV pool was meant to force a preemption mid-prefill"
+    usage = {r: o[-1].usage for r, o in out.items()}
+    assert {r: u.cached_tokens if u else None for r, u in usage.items()} == dict.fromkeys(out, 0)
+    assert stats.prefix_cache_hit_tokens == 0
+
+
 def test_prefix_cache_distinguishes_adapter_identity(demo_model_dir: Path, tokenizer: Any) -> None:
     engine = make_engine(demo_model_dir)
     prompt = _prompts(tokenizer, 16, seed=3)[-1][:40]

@@ -58,6 +58,21 @@ def test_newest_running_sequence_is_preempted_when_blocks_run_out() -> None:
     assert sched.waiting[0].request_id == "s2" and sched.waiting[0].num_computed_tokens == 0
 
 
+def test_a_sequence_readmitted_after_a_preemption_counts_no_cache_hit_for_its_own_blocks() -> None:
+    """s2 is preempted mid-prefill with one full block computed; readmitted, it finds that block
+    in the prefix cache, but no request sent its prompt before: nothing was cached for it."""
+    sched = _scheduler(4, 4, max_num_batched_tokens=8)
+    s1, s2 = _seq(1, 4, max_tokens=2), _seq(2, 12)
+    sched.add(s1)
+    sched.add(s2)
+    assert _advance(sched) == [("s1", 4), ("s2", 4)], "s2's first block is computed"
+    assert _advance(sched) == [("s1", 1)], "s2 needs 2 more blocks, 1 is free: preempted"
+    assert s1.is_finished and sched.stats.preemptions == 1
+    assert _advance(sched) == [("s2", 8)], "readmitted, its first block from the cache"
+    assert s2.num_cached_tokens == 0
+    assert (sched.stats.prefix_cache_hit_tokens, sched.stats.prefix_cache_query_tokens) == (0, 16)
+
+
 def test_postprocess_appends_tokens_and_finishes_on_stop_tokens_and_lengths() -> None:
     sched = _scheduler(16, 4, max_num_batched_tokens=64)
     stops, short, long = _seq(1, 3), _seq(2, 3, max_tokens=2), _seq(3, 3)
