@@ -275,11 +275,12 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
+        # `checked` found the adapter servable, but a retire (and the sweep dropping it, as no
+        # request used it yet) may have come since: the request would wait for it forever.
+        if request.adapter is not None and (self.lora is None or not self.lora.add_users(choices)):
+            raise UnknownAdapterError(f"adapter {request.adapter!r} is not loaded")
         choices[0].forks = choices[1:]
         self.outputs.add(choices)
-        if self.lora is not None:
-            for seq in choices:
-                self.lora.add_user(seq)
         self.scheduler.add(choices[0])
 
     def abort(self, request_id: str, choice: int | None = None) -> RequestOutput | None:

@@ -157,14 +157,23 @@ class LoraManager:
             return digest in self._folders
 
     # -- sequences (step thread) -------------------------------------------------------------
-    def add_user(self, seq: Sequence) -> None:
-        if seq.adapter_id != BASE_ADAPTER:
-            if seq.adapter_id not in self._users:  # a failed load is retried for new requests
-                with self._lock:
-                    self.host.forget_failure(seq.adapter_id)
-            self._users[seq.adapter_id] = self._users.get(seq.adapter_id, 0) + 1
-            stats = self.stats.setdefault(seq.adapter_id, AdapterStats())
-            stats.requests += seq.index == 0  # a request's other choices are users, not requests
+    def add_users(self, choices: list[Sequence]) -> bool:
+        """Count a new request's choices as users of their adapter, unless it is not servable
+        (retired, or retired and dropped, since the request was checked): then False, and none
+        counted. Checked and counted under the lock `retire` takes: a request is never queued
+        for an adapter a sweep has dropped (it would wait for it forever), and the sweep drops
+        none a request counted here still uses."""
+        digest = choices[0].adapter_id
+        if digest == BASE_ADAPTER:
+            return True
+        with self._lock:
+            if digest not in self._folders or digest in self._retired:
+                return False
+            if digest not in self._users:  # a failed load is retried for new requests
+                self.host.forget_failure(digest)
+            self._users[digest] = self._users.get(digest, 0) + len(choices)
+        self.stats.setdefault(digest, AdapterStats()).requests += 1
+        return True
 
     def remove_user(self, seq: Sequence) -> None:
         digest = seq.adapter_id
@@ -188,6 +197,8 @@ class LoraManager:
         if digest == BASE_ADAPTER or digest in self._slot_of:
             return Readiness.READY
         with self._lock:
+            if digest not in self._folders:  # nothing can load it: waiting would be forever
+                return Readiness.FAILED
             adapter = self.host.get(digest)
             if adapter is None and self.host.failed(digest):
                 return Readiness.FAILED

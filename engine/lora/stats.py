@@ -17,8 +17,9 @@ class Readiness(enum.Enum):
     pinned): the adapters running sequences pin must finish first."""
     FAILED = "failed"
     """Its weights could not be read from its folder (deleted, unreadable, or changed on disk
-    since it was registered): the request fails; a request arriving after the last one
-    waiting for it has ended tries loading it again."""
+    since it was registered), or it is not registered at all (nothing would ever load it): the
+    request fails; a request arriving after the last one waiting for it has ended tries
+    loading it again."""
 
 
 @dataclass

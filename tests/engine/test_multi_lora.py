@@ -13,8 +13,10 @@ from peft import PeftModel
 
 from loramux.engine.errors import InvalidRequestError, UnknownAdapterError
 from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.lora.stats import Readiness
 from loramux.engine.outputs import EngineRequest
 from loramux.engine.sampling import SamplingParams
+from loramux.engine.sequence import Sequence
 from tests.engine.conftest import hf_greedy, make_engine, run_to_completion
 
 MAX_TOKENS = 12
@@ -220,6 +222,41 @@ def test_unknown_adapter_is_refused(demo_model_dir: Path) -> None:
     with pytest.raises(UnknownAdapterError):
         engine.add_request(EngineRequest("x", SamplingParams(), prompt="hi", adapter="0" * 64))
     assert not engine.has_work
+
+
+def test_a_request_checked_before_its_adapter_was_retired_is_refused_when_queued(
+    demo_model_dir: Path, demo_adapter_dirs: list[Path]
+) -> None:
+    """The async facade checks a request (compiling its schema off the step thread, for up to
+    seconds) before it queues it. A retire meanwhile refuses it when it is queued: whether the
+    adapter was already dropped (no request used it: the request would wait for it forever)
+    or another request still uses it. And a sequence naming a dropped adapter is never left
+    waiting for it to load."""
+    engine = make_engine(demo_model_dir)
+    assert engine.lora is not None
+    used, unused = (engine.register_adapter(f) for f in demo_adapter_dirs[:2])
+    params = SamplingParams(max_tokens=4)
+    running = EngineRequest("running", params, prompt_token_ids=_prompt(1), adapter=used)
+    engine.add_request(running)
+    late = [
+        EngineRequest(f"late-{i}", params, prompt_token_ids=_prompt(2), adapter=digest)
+        for i, digest in enumerate((used, unused))
+    ]
+    checked = [engine.checked(request) for request in late]
+    for digest in (used, unused):
+        engine.retire_adapter(digest)
+    engine.sweep_adapters()
+    assert engine.lora.holds(used) and not engine.lora.holds(unused), "unused: dropped"
+    for request, check in zip(late, checked, strict=True):
+        with pytest.raises(UnknownAdapterError):
+            engine.add_request(request, checked=check)
+    assert engine.stats().waiting == 1, "the running request alone"
+    while engine.has_work:
+        engine.step()
+    engine.sweep_adapters()
+    assert not engine.lora.holds(used), "dropped after its last request"
+    dropped = Sequence("orphan", [1, 2, 3], params, adapter_id=unused)
+    assert engine.lora.readiness(dropped) is Readiness.FAILED
 
 
 def test_base_output_unchanged_with_lora_enabled(

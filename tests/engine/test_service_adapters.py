@@ -6,6 +6,7 @@ an adapter leaves on disk."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.config import EngineConfig
 from loramux.engine.errors import EngineOverloadedError
 from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.sampling import SamplingParams
 from loramux.engine.service import serve_engine_in_thread
 from loramux.engine.service.runner import RunningEngineService
 from loramux.engine.service.upload_parts import MAX_GATEWAY_UPLOADS, UploadParts
@@ -28,10 +30,13 @@ from loramux.engine.service.uploads import MAX_ADAPTER_MB
 from loramux.engine.service.wire import (
     Call,
     Delta,
+    Failed,
     Prefetch,
     Reply,
+    ToGateway,
     encode,
 )
+from loramux.engine.structured import StructuredOutput
 from tests.engine import service_peer
 from tests.engine.service_peer import (
     TOKEN,
@@ -39,6 +44,8 @@ from tests.engine.service_peer import (
     adapter_digest,
     failure_of,
     gateway_at,
+    generate,
+    stats_of,
     upload_folder,
 )
 
@@ -325,3 +332,44 @@ def test_uploads_under_way_are_bounded_in_number_per_gateway(
         assert other.call("abort-upload", digest=digests[-1]) == Reply("call-abort-upload", True)
     for digest in digests[:-1]:
         assert gateway.call("abort-upload", digest=digest) == Reply("call-abort-upload", True)
+
+
+def test_an_adapter_retired_while_a_request_for_it_is_checked_ends_the_request(
+    gateway: Gateway, demo_adapter_dirs: list[Path], demo_model_dir: Path
+) -> None:
+    """A structured request's schema is compiled off the step thread after its adapter was
+    found servable; a retire landing meanwhile drops the adapter (no request uses it yet). The
+    request then ends, refused as unknown_adapter (a gateway uploads the adapter again, or
+    answers 404 once it was deleted), or served had it been queued first; it never waits for
+    an adapter the engine no longer has, with the step loop spinning."""
+    folder = demo_adapter_dirs[11]
+    digest = adapter_digest(folder, demo_model_dir)
+    assert isinstance(upload_folder(gateway, digest, folder), Reply)
+    # An enum of 5,000 strings, a schema not compiled before: about half a second to compile.
+    values = [f"retire{i}_{i * 7}" for i in range(5000)]
+    schema = {"type": "object", "properties": {"a": {"enum": values}}, "required": ["a"]}
+    structured = StructuredOutput("json_schema", json.dumps(schema))
+    params = SamplingParams(max_tokens=8, structured=structured)
+    gateway.send(generate("retired-mid-check", adapter=digest, params=params))
+    # A round trip: the service has handed the request's check to a thread (which finds the
+    # adapter servable, then compiles the schema) before the retire arrives.
+    assert isinstance(gateway.call("info"), Reply)
+    gateway.send(Call(TOKEN, "call-retire", "retire", digest=digest))
+    retired = Reply("call-retire", True)
+    received: list[ToGateway] = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (_last(received) and retired in received):
+        if gateway.unread or gateway.socket.poll(500):
+            received.append(gateway.receive())
+    assert retired in received
+    last = _last(received)
+    assert last is not None, f"the request never ended: {stats_of(gateway)}"
+    assert isinstance(last, Delta) or last.code == "unknown_adapter", last
+    stats = stats_of(gateway)
+    assert (stats["waiting"], stats["running"], stats["kv_blocks_used"]) == (0, 0, 0), stats
+
+
+def _last(received: list[ToGateway]) -> Delta | Failed | None:
+    """The request's last message (a Failed, or the Delta with its usage), if it came."""
+    ends = [m for m in received if isinstance(m, Failed) or (isinstance(m, Delta) and m.usage)]
+    return ends[0] if ends else None

@@ -144,7 +144,7 @@ def test_a_retired_adapter_gives_its_memory_back_when_its_last_request_ends(
 ) -> None:
     lm = manager(2 * FULL_16)
     digest = register(lm, tmp_path / "a", 16, 0)
-    lm.add_user(seq(digest, "r"))
+    assert lm.add_users([seq(digest, "r")])
     lm.acquire(seq(digest, "r"))
     lm.retire(digest)
     lm.sweep()
