@@ -378,6 +378,9 @@ class LLMEngine:
             log.warning("request %s: grammar failed: %s", seq.request_id, seq.grammar.error)
             error = f"{GRAMMAR_FAILED}: {seq.grammar.error.strip()}"
             return self._fail(seq, error, StructuredOutputFailedError)
+        forcing = seq.grammar.forcing_error() if seq.grammar and update.finish is None else ""
+        if forcing:  # what follows is too long to mask: see engine.structured.grammar
+            return self._fail(seq, f"{GRAMMAR_FAILED}: {forcing}", StructuredOutputFailedError)
         try:
             if self.lora is not None:
                 self.lora.count_tokens(seq.adapter_id, 1)

@@ -8,6 +8,13 @@ limits (`LIMITS`) cap the lexer's and parser's work while computing each token's
 each schema first, in a child process bounded in time (gateway.schema_checks): what
 reaches the engine compiled there in under a second without a tokenizer.
 
+Text the grammar forces (a `const`, an `enum` of one value, a property name, a fixed `pattern`)
+is outside the fuel: every mask inside a forced run tokenizes all the rest of the run again, so
+a run of n bytes costs each of its tokens time in proportion to n (99,000 bytes: 0.2-0.4 s a
+mask, every step, for every row of the request). A grammar may force at most `MAX_FORCED_BYTES`
+in a row: one that forces more from its start is refused at admission, one that comes to force
+more later (one branch of an `anyOf`) fails its request when the token that led there lands.
+
 Compiling runs on the caller's thread at admission (`LLEngine.validate`; the async facade runs
 it off the event loop), never on the step thread for a request whose grammar was just validated:
 results are cached by schema text, and the step thread only copies the cached matcher.
@@ -34,6 +41,12 @@ log = logging.getLogger(__name__)
 
 CACHE_ENTRIES = 256
 """Compiled grammars kept, least recently used dropped first."""
+
+MAX_FORCED_BYTES = 4096
+"""Most bytes of output a grammar may force in a row (the module docstring says why). Each mask
+in a run this long takes the library about 2-7 ms on this project's 2-core machine, near its
+fuel's per-token bound; OpenAI's strict mode caps all of a schema's names and enum values
+together at 15,000 characters."""
 
 
 class CompiledGrammar:
@@ -78,6 +91,31 @@ class GrammarMatcher:
     def error(self) -> str:
         """Why the matcher failed; empty while it has not."""
         return self._panic or self.ll.get_error()
+
+    def forcing_error(self) -> str:
+        """Why the output cannot go on from here: the grammar now forces more than
+        `MAX_FORCED_BYTES` bytes in a row, or the library failed computing them; empty when it
+        can. Ask after each landed token that does not end the sequence."""
+        try:
+            return forced_text_error(self.ll)
+        except BaseException as exc:
+            if not is_panic(exc):
+                raise
+            return f"the grammar library failed: {exc}"
+
+
+def forced_text_error(matcher: llguidance.LLMatcher) -> str:
+    """Why `matcher`'s grammar cannot be served from its state: it forces more than
+    `MAX_FORCED_BYTES` bytes of output in a row; empty when it does not, or when computing the
+    run failed (the matcher's own error says why). The library computes the forced run once
+    and keeps it (the masks that follow use it)."""
+    forced = len(matcher.compute_ff_bytes())
+    if forced <= MAX_FORCED_BYTES or matcher.is_error():
+        return ""
+    return (
+        f"the JSON schema forces at least {forced:,} bytes of output in a row (a long const, "
+        f"enum value, property name or fixed pattern); at most {MAX_FORCED_BYTES:,} are served"
+    )
 
 
 class GrammarCompiler:
@@ -161,8 +199,11 @@ class GrammarCompiler:
             raise StructuredOutputError(f"the JSON schema cannot be compiled: {error}")
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=LIMITS)
         # Some grammars fail only when first asked for a mask (a $ref that refers only to
-        # itself): ask once here, on a copy, so they are refused at admission.
+        # itself): ask once here, on a copy, so they are refused at admission. A long forced
+        # run is refused before that mask would tokenize it.
         probe = matcher.deep_copy()
+        if forcing := forced_text_error(probe):
+            raise StructuredOutputError(forcing)
         first = probe.compute_bitmask()
         error = matcher.get_error() or probe.get_error()
         if error:
@@ -177,6 +218,8 @@ class GrammarCompiler:
             raise StructuredOutputError(
                 f"the JSON schema cannot be compiled: {probe.get_error() or 'no token fits'}"
             )
+        if forcing := forced_text_error(probe):
+            raise StructuredOutputError(forcing)
         return matcher
 
 

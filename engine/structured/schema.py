@@ -48,7 +48,8 @@ JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 """llguidance's default limits (building a grammar's lexer: ~20 ms of fuel; one token's mask:
 ~15 ms of lexer fuel and ~2.5 ms of parser items; 500,000 grammar symbols), with error messages
-that do not echo parser state."""
+that do not echo parser state. Text the grammar forces is outside the fuel: the engine bounds
+it (engine.structured.grammar.MAX_FORCED_BYTES)."""
 
 
 def grammar_text(spec: StructuredOutput) -> str:

@@ -92,14 +92,19 @@ FAILS_MID_RUN = _object(
     ["a", "b"],
 )
 """Compiles, and its first token is accepted; once `a` is chosen, the grammar forces 100,000
-items, past the parser's item limit: the request's own schema fails it mid-generation."""
+items, more text in a row than the engine serves (engine.structured.grammar.MAX_FORCED_BYTES)
+and past the parser's item limit: the request's own schema fails it mid-generation."""
+
+FORCES_MID_RUN = {"anyOf": [{"const": "a" + " " * 20_000}, {"const": "b" + " " * 20_000}]}
+"""Forces only `"` at first; once `a` or `b` is chosen, 20,000 spaces: past the engine's bound
+on forced text (engine.structured.grammar.MAX_FORCED_BYTES), so the request fails there."""
 
 DEAD_END = {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}
 """Compiles, and its first mask and token are fine; once `{"a":` is forced, the value of `a`
 (a reference to itself) has no way forward: computing that mask fails the grammar
 (NoExtensionBias), and the failed mask allows only EOS."""
 
-FAILING_MID_RUN = {"Too many items": FAILS_MID_RUN, "NoExtensionBias": DEAD_END}
+FAILING_MID_RUN = {"bytes of output in a row": FAILS_MID_RUN, "NoExtensionBias": DEAD_END}
 """Schemas whose grammar fails mid-generation, by the reason the library gives."""
 
 SCHEMAS: dict[str, dict[str, Any]] = {

@@ -26,6 +26,7 @@ from loramux.engine.structured.grammar import CACHE_ENTRIES, GrammarCompiler
 from tests.engine.conftest import make_engine, run_to_completion
 from tests.engine.structured_schemas import (
     FAILING_MID_RUN,
+    FORCES_MID_RUN,
     NESTED,
     RECURSIVE,
     SCHEMAS,
@@ -228,8 +229,11 @@ def test_preempted_recomputed_or_overlapped_constrained_requests_stay_valid_and_
         ('{"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"}', "cannot be compiled"),
         ('{"type": "string", "format": "no-such-format"}', "cannot be compiled"),
         ('{"not": {"type": "string"}}', "cannot be compiled"),
-        # passes the first mask; its first token forces past the parser's item limit
-        ('{"type": "array", "items": {"const": 1}, "minItems": 100000}', "Too many items"),
+        # each mask of a forced run tokenizes all the rest of it: past 4,096 bytes, refused
+        ('{"const": "' + " " * 20_000 + '"}', "forces at least 20,002 bytes of output in a row"),
+        ('{"type": "string", "pattern": "^x{5000}$"}', "forces at least 5,002 bytes"),
+        # 100,000 items forced (the parser's item limit stops counting them first)
+        ('{"type": "array", "items": {"const": 1}, "minItems": 100000}', "bytes of output in a"),
     ],
 )
 def test_an_uncompilable_schema_is_refused_before_anything_is_queued(
@@ -266,6 +270,33 @@ def test_a_grammar_failing_mid_generation_fails_its_request_alone_as_the_schemas
         StructuredOutputFailedError,
     ), last
     assert reason in (last.error or "")
+    assert outputs["beside"][-1].finish_reason is FinishReason.LENGTH
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_a_grammar_that_comes_to_force_a_long_run_fails_its_request_there(
+    engine: LLMEngine,
+) -> None:
+    """A grammar may force at most MAX_FORCED_BYTES in a row: past that, each mask of the run
+    tokenized all the rest of it again (99,000 spaces: 0.2-0.4 s a mask, for every row of the
+    request, every step, and the whole batch waited). One that forces more only after its first
+    tokens (one branch of an `anyOf`) passes admission, and fails its own request, as its
+    schema's fault, when the token that led there lands; the request beside it is served."""
+    n = 4
+    spec = _constrained(FORCES_MID_RUN)
+    bound = EngineRequest(
+        "forces", SamplingParams(max_tokens=20, n=n, structured=spec), prompt_token_ids=[5, 6, 7]
+    )
+    free = EngineRequest("beside", SamplingParams(max_tokens=6), prompt_token_ids=[5, 6, 8])
+    outputs = run_to_completion(engine, [bound, free])
+    last = outputs["forces"][-1]
+    assert (last.finish_reason, last.error_type) == (
+        FinishReason.ERROR,
+        StructuredOutputFailedError,
+    ), last
+    assert "forces at least 20,00" in (last.error or ""), last.error
+    assert "at most 4,096 are served" in (last.error or "")
+    assert sum(len(o.token_ids) for o in outputs["forces"]) <= 2 * n, "decoded into the run"
     assert outputs["beside"][-1].finish_reason is FinishReason.LENGTH
     assert engine.stats().kv_blocks_used == 0
 

@@ -217,22 +217,32 @@ def test_the_output_keeps_the_schemas_property_order(api: httpx.Client) -> None:
     assert list(json.loads(choice["message"]["content"])) == ["reasoning", "answer"], choice
 
 
+FORCED_RUNS = {
+    "items": {"type": "array", "items": {"const": 1}, "minItems": 100_000},
+    "const": {"const": " " * 99_000},
+}
+
+
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_schema_whose_first_token_forces_past_the_limits_is_a_400(
-    api: httpx.Client, stream: bool
+@pytest.mark.parametrize("forced", FORCED_RUNS)
+def test_a_schema_that_forces_a_long_run_is_a_400(
+    api: httpx.Client, stream: bool, forced: str
 ) -> None:
-    """100,000 forced items pass the grammar's first mask, then run past the parser's item
-    limit on the first token: the engine refuses it at admission (a stream too: its response
-    starts with its first output). The bug: the request was admitted and failed on the step
-    thread with a 500 `request_failed` (the server's fault)."""
-    schema = {"type": "array", "items": {"const": 1}, "minItems": 100_000}
+    """A grammar forcing more than 4,096 bytes in a row from its start is refused at admission
+    (a stream too: its response starts with its first output), with the reason. The bugs:
+    100,000 forced items were admitted and failed on the step thread with a 500
+    `request_failed` (the server's fault); a 99,000-space `const` passed the gateway's check
+    and was served, each of its masks tokenizing all the rest of the run again (0.2-0.4 s, for
+    every row, every step), and every other tenant's request waited for those steps."""
+    schema = FORCED_RUNS[forced]
     body = {"model": "demo-model", "messages": [{"role": "user", "content": "hi"}]}
     body |= {"response_format": strict("many", schema), "max_tokens": 10, "stream": stream}
     r = api.post("/chat/completions", json=body)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert (error["type"], error["param"]) == ("invalid_request_error", "response_format")
-    assert "Too many items" in error["message"]
+    assert "bytes of output in a row" in error["message"]
+    assert "at most 4,096 are served" in error["message"]
 
 
 @pytest.mark.parametrize("reason", FAILING_MID_RUN)

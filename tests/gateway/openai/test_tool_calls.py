@@ -374,9 +374,9 @@ def test_auto_reads_the_adapters_call_whole_streamed_and_from_the_cache(
 
 
 def test_a_forced_call_the_engines_probe_refuses_is_a_400_naming_tools(api: httpx.Client) -> None:
-    """Bug: the engine's compile probe refuses this forced call's schema (a run past the
-    parser's item limit at the first token; the gateway's own check, with no tokenizer, passes
-    it), and the 400 named `response_format`, which the request does not have."""
+    """Bug: the engine's compile probe refuses this forced call's schema (it forces more text
+    in a row than the engine serves; the gateway's own check, with no tokenizer, passes it),
+    and the 400 named `response_format`, which the request does not have."""
     parameters = {
         "type": "object",
         "properties": {"b": {"type": "array", "items": {"const": 1}, "minItems": 100_000}},
@@ -395,4 +395,5 @@ def test_a_forced_call_the_engines_probe_refuses_is_a_400_naming_tools(api: http
     streamed = api.post("/chat/completions", json={**body, "stream": True})
     events = [json.loads(e) for e in streamed.text.split("data: ")[1:] if e.startswith("{")]
     errors = [whole.json()["error"], *(e["error"] for e in events if "error" in e)]
-    assert [(e["param"], "Too many items" in e["message"]) for e in errors] == [("tools", True)] * 2
+    refused = [(e["param"], "bytes of output in a row" in e["message"]) for e in errors]
+    assert refused == [("tools", True)] * 2
