@@ -14,11 +14,21 @@ then every stream gets EngineStoppedError, `running` turns false, and new reques
 The queue (`max_num_seqs + max_waiting` requests) is shared between owners (tenants): when it
 is full, a request of an owner with fewer requests queued than another may take the place of
 that owner's newest queued request, which is refused instead (engine.queue_share).
+
+A structured output's grammar compiles (up to seconds for a large schema) on threads of its own
+(`COMPILE_THREADS`), owners in turn (engine.fair_pool), never on the event loop nor the step
+thread; a request whose grammar is already compiled is checked at once, on the event loop, as
+an unconstrained one is. So one owner's new schemas delay its own requests and other owners'
+new schemas by at most one compile of each owner ahead, never a schema already compiled, nor
+adapter registrations (`register_adapter` runs on the loop's default executor, which compiles
+used to fill first come, first served: 16 distinct schemas of a second each held another
+owner's compiled schema for 11-16 s).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -36,13 +46,19 @@ from loramux.engine.errors import (
     InvalidRequestError,
     RequestFailedError,
 )
+from loramux.engine.fair_pool import Backlogged, FairPool
 from loramux.engine.llm_engine import Checked, LLMEngine
 from loramux.engine.lora.stats import AdapterStats
 from loramux.engine.outputs import MAX_CACHE_SALT_CHARS, EngineRequest, EngineStats, RequestOutput
 from loramux.engine.queue_share import NO_OWNER, displaced, may_displace
 from loramux.engine.sequence import FinishReason
+from loramux.engine.structured.grammar import NotCompiled
 
 log = logging.getLogger(__name__)
+
+COMPILE_THREADS = 2
+"""Threads compiling structured outputs' grammars (the library releases the interpreter lock
+while it compiles)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +120,13 @@ class AsyncEngine:
         self._stopping = False
         self._step_since: float | None = None
         """When the step thread began its current step (None between steps)."""
+        self._compiles = FairPool(
+            COMPILE_THREADS,
+            "loramux-grammar",
+            engine.config.max_waiting + engine.config.max_num_seqs,
+        )
+        """Grammar compiles, owners in turn; an owner may have as many waiting as the queue
+        holds requests."""
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -116,6 +139,7 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         self._stopping = True
+        self._compiles.close()
         self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -167,8 +191,7 @@ class AsyncEngine:
         does a queued request displaced by another owner's."""
         self._check_running()
         owner = _owner_of(request)
-        structured = request.params.structured is not None
-        checked = None if structured else self.engine.checked(request)
+        checked = self._checked_at_once(request)
         stream = _Stream(
             asyncio.get_running_loop(), asyncio.Queue(), owner, choices=request.params.n
         )
@@ -180,7 +203,7 @@ class AsyncEngine:
                 # Compiling a grammar takes up to seconds (large schemas): not on the event
                 # loop, nor on the step thread, which gets the compiled grammar with the
                 # request. The stream is registered first: an abort meanwhile is held for it.
-                checked = await asyncio.to_thread(self.engine.checked, request)
+                checked = await self._compiled(request, owner)
             self.start()
             self._commands.put(_Add(request, checked, displace))
             submitted = True
@@ -198,6 +221,28 @@ class AsyncEngine:
             self._unqueue(stream)
             if submitted and not finished:
                 self._commands.put(_Abort(request.request_id))
+
+    def _checked_at_once(self, request: EngineRequest) -> Checked | None:
+        """The request checked (LLMEngine.checked) when that needs no grammar compile; None
+        when it does (`_compiled`)."""
+        with contextlib.suppress(NotCompiled):
+            return self.engine.checked(request, compile=False)
+        return None
+
+    async def _compiled(self, request: EngineRequest, owner: str) -> Checked:
+        """The request checked, its grammar compiled on a compile thread in `owner`'s turn.
+        EngineOverloadedError when the owner's compiles waiting fill the queue."""
+        try:
+            job = self._compiles.run(owner, self.engine.checked, request)
+        except Backlogged:
+            raise EngineOverloadedError(
+                "this owner's schemas waiting to compile fill the engine queue; retry later"
+            ) from None
+        return await job
+
+    def compiles_waiting(self) -> int:
+        """Grammar compiles not started yet."""
+        return self._compiles.waiting()
 
     def _register(self, request_id: str, stream: _Stream) -> bool:
         """Take the stream (under `_lock`, which the step loop takes to fail every stream: none

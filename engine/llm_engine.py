@@ -77,8 +77,7 @@ STEP_FAILED = "the engine failed while computing this request; the error is in t
 
 
 class Checked(NamedTuple):
-    """A request as `LLMEngine.checked` finds it: its prompt's ids, and its structured output
-    compiled (None without one)."""
+    """A request as `LLMEngine.checked` finds it: prompt ids, compiled grammar (or None)."""
 
     prompt_ids: list[int]
     grammar: CompiledGrammar | None
@@ -197,10 +196,11 @@ class LLMEngine:
         """Token ids of the request's prompt; raises InvalidRequestError and queues nothing."""
         return self.checked(request).prompt_ids
 
-    def checked(self, request: EngineRequest) -> Checked:
+    def checked(self, request: EngineRequest, compile: bool = True) -> Checked:
         """The request's prompt ids and compiled structured output, if any; raises
         InvalidRequestError and queues nothing. Compiling takes time: call it off the step
-        thread (the async facade does) and hand both to `add_request`."""
+        thread (the async facade does) and hand both to `add_request`. With `compile` False, a
+        grammar not compiled yet raises NotCompiled (grammar.GrammarCompiler.compiled)."""
         if request.adapter is not None and (
             self.lora is None or not self.lora.is_servable(request.adapter)
         ):
@@ -214,9 +214,9 @@ class LLMEngine:
         ids = prompt_token_ids(
             self.tokenizer, request, self.model_config.vocab_size, self.max_model_len
         )
-        return Checked(ids, self._compiled_grammar(request))
+        return Checked(ids, self._compiled_grammar(request, compile))
 
-    def _compiled_grammar(self, request: EngineRequest) -> CompiledGrammar | None:
+    def _compiled_grammar(self, request: EngineRequest, compile: bool) -> CompiledGrammar | None:
         """The request's structured output compiled (cached after the first time); raises
         StructuredOutputError when it cannot be."""
         spec = request.params.structured
@@ -224,7 +224,7 @@ class LLMEngine:
             return None
         if self.grammars is None:
             raise StructuredOutputError("this model's tokenizer does not support structured output")
-        return self.grammars.compile(spec)
+        return self.grammars.compile(spec) if compile else self.grammars.compiled(spec)
 
     def _check_sampling(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids in the vocabulary, n in a step."""
@@ -255,7 +255,7 @@ class LLMEngine:
         if self.outputs.open_choices(request.request_id):
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         if checked is None and prompt_ids is not None:
-            checked = Checked(prompt_ids, self._compiled_grammar(request))
+            checked = Checked(prompt_ids, self._compiled_grammar(request, True))
         ids, compiled = checked if checked is not None else self.checked(request)
         params = request.params
         stop_ids = frozenset(params.stop_token_ids) | (

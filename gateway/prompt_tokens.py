@@ -3,7 +3,7 @@ so the engine never handles text.
 
 Prompts are chat-templated and tokenized once per request, on a small pool of threads (one
 tokenizer per thread: a Rust tokenizer must not be used from two threads at once), never on the
-event loop. The threads serve tenants in turn (gateway.fair_pool): one tenant's burst of prompts
+event loop. The threads serve tenants in turn (engine.fair_pool): one tenant's burst of prompts
 waits behind itself, not in front of every other tenant's. A prompt longer than the context could hold, were every token the vocabulary's
 longest, is refused before it is tokenized: tokenizing costs time in proportion to the text (a
 megabyte, about a third of a second of a tokenizer thread), and it could not fit. Generated ids
@@ -25,10 +25,10 @@ from transformers import AutoTokenizer
 from loramux.engine.chat_prompt import chat_template
 from loramux.engine.detokenizer import IncrementalDetokenizer, rust_decoder
 from loramux.engine.errors import PromptTooLongError
+from loramux.engine.fair_pool import Backlogged, FairPool
 from loramux.engine.outputs import EngineRequest
 from loramux.engine.prompt import prompt_token_ids
 from loramux.gateway.errors import ClientClosedRequest, RateLimited
-from loramux.gateway.fair_pool import Backlogged, FairPool
 from loramux.gateway.schema_checks import SchemaChecks
 
 T = TypeVar("T")

@@ -16,8 +16,9 @@ in a row: one that forces more from its start is refused at admission, one that 
 more later (one branch of an `anyOf`) fails its request when the token that led there lands.
 
 Compiling runs on the caller's thread at admission (`LLEngine.validate`; the async facade runs
-it off the event loop), never on the step thread for a request whose grammar was just validated:
-results are cached by schema text, and the step thread only copies the cached matcher.
+it on threads of its own, owners in turn, and a grammar already compiled at once), never on the
+step thread for a request whose grammar was just validated: results are cached by schema text,
+and the step thread only copies the cached matcher.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ MAX_FORCED_BYTES = 4096
 in a run this long takes the library about 2-7 ms on this project's 2-core machine, near its
 fuel's per-token bound; OpenAI's strict mode caps all of a schema's names and enum values
 together at 15,000 characters."""
+
+
+class NotCompiled(LookupError):
+    """A grammar asked for from the cache alone is not there (`GrammarCompiler.compiled`)."""
 
 
 class CompiledGrammar:
@@ -184,6 +189,17 @@ class GrammarCompiler:
         """Whether `spec`'s grammar is in the cache (`compile` would not compile it)."""
         with self._lock:
             return spec.cache_key in self._cache
+
+    def compiled(self, spec: StructuredOutput) -> CompiledGrammar:
+        """`spec`'s grammar from the cache, never compiling it: NotCompiled when it is not
+        there (`compile` would take time)."""
+        key = spec.cache_key
+        with self._lock:
+            found = self._cache.get(key)
+            if found is None:
+                raise NotCompiled(f"the {spec.kind} grammar is not compiled yet")
+            self._cache.move_to_end(key)
+            return found
 
     def _matcher(self, grammar: str) -> llguidance.LLMatcher:
         try:

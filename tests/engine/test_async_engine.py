@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import llguidance
 import pytest
 
-from loramux.engine.async_engine import AsyncEngine
+from loramux.engine.async_engine import COMPILE_THREADS, AsyncEngine
 from loramux.engine.errors import InvalidRequestError, PromptTooLongError
 from loramux.engine.outputs import EngineRequest, RequestOutput
 from loramux.engine.sampling import SamplingParams
@@ -278,3 +283,56 @@ async def test_an_idle_engine_drops_a_retired_adapter_at_once(
     assert engine.retire_adapter(digest)
     assert await asyncio.wait_for(dropped, 10) == digest
     assert not lora.holds(digest)
+
+
+async def test_compiles_take_owners_in_turn_and_hold_up_no_compiled_grammar(
+    demo_model_dir: Path, demo_adapter_dirs: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Owner A's new schemas hold every compile thread (held with an event inside the grammar
+    library) with more waiting. Meanwhile owner B's request whose grammar is compiled is served
+    and an adapter registers; B's new schema compiles before A's last. The bug: every
+    structured request, compiled or not, was checked on the loop's default executor (a few
+    threads, first come first served), which adapter registrations share too: all three waited
+    behind every compile of A's sent before them."""
+    facade = AsyncEngine(make_engine(demo_model_dir, max_loras=2))
+    facade.start()
+    release, started = threading.Event(), []
+    validate = llguidance.LLMatcher.validate_grammar
+
+    def held(grammar: str, *args: Any, **kwargs: Any) -> Any:
+        started.append(marker.group() if (marker := re.search(r"(held|new)-\d", grammar)) else "")
+        if "held-" in grammar:
+            release.wait(60)
+        return validate(grammar, *args, **kwargs)
+
+    def request(request_id: str, owner: str, structured: StructuredOutput) -> EngineRequest:
+        params = SamplingParams(max_tokens=1, structured=structured)
+        return EngineRequest(request_id, params, prompt_token_ids=[5, 6, 7], owner=owner)
+
+    def const(text: str) -> StructuredOutput:
+        return StructuredOutput("json_schema", json.dumps({"const": text}))
+
+    json_object = StructuredOutput("json_object")
+    try:
+        await _collect(facade, request("b-warm", "b", json_object))  # compiled, cached
+        monkeypatch.setattr(llguidance.LLMatcher, "validate_grammar", staticmethod(held))
+        flood = COMPILE_THREADS + 4
+        floods = [
+            asyncio.create_task(_collect(facade, request(f"a{i}", "a", const(f"held-{i}"))))
+            for i in range(flood)
+        ]
+        async with asyncio.timeout(60):
+            while len(started) < COMPILE_THREADS:  # every compile thread is held
+                await asyncio.sleep(0.01)
+            outputs = await _collect(facade, request("b-compiled", "b", json_object))
+            assert outputs[-1].finished and outputs[-1].error is None
+            await facade.register_adapter(demo_adapter_dirs[0])
+            new = asyncio.create_task(_collect(facade, request("b-new", "b", const("new-0"))))
+            while facade.compiles_waiting() < flood - COMPILE_THREADS + 1:  # B's is waiting
+                await asyncio.sleep(0.01)
+            release.set()
+            await asyncio.gather(new, *floods)
+    finally:
+        release.set()
+        facade.shutdown()
+    assert started.index("new-0") < started.index(f"held-{flood - 1}"), started

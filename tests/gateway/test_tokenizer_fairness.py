@@ -1,5 +1,5 @@
 """One tenant flooding the gateway's tokenizer threads does not hold up another tenant's prompt:
-the threads take tenants in turn (gateway.fair_pool). The flood's prompts are each just under
+the threads take tenants in turn (engine.fair_pool). The flood's prompts are each just under
 the characters the context could hold and far over its tokens, so each is tokenized
 (milliseconds of a tokenizer thread) before it is refused: the costliest request a tenant can
 send without reaching the engine, and one its rate limit does not stop (admission comes after

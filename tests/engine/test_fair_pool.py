@@ -1,6 +1,7 @@
-"""The tokenizer threads serve tenants in turn (gateway.fair_pool): one owner's backlog does not
-hold up another owner's next job, a job whose caller left is never run, and errors reach the
-caller. Real threads; the one thread is held busy with an event so that jobs queue up."""
+"""Threads that serve tenants in turn (engine.fair_pool: the gateway's tokenizer threads, the
+engine's grammar compiles): one owner's backlog does not hold up another owner's next job, a
+job whose caller left is never run, and errors reach the caller. Real threads; the one thread
+is held busy with an event so that jobs queue up."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from loramux.gateway.fair_pool import Backlogged, FairPool
+from loramux.engine.fair_pool import Backlogged, FairPool
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
-"""Threads that serve their callers in turn: each owner's jobs (a tenant's prompts to tokenize)
-wait in a queue of their own, and a free thread takes the next job of the next owner with work
-waiting, round robin. An owner that sends many prompts at once, or huge ones, delays its own
-requests; every other owner's next job waits for at most one job of each owner ahead of it.
+"""Threads that serve their callers in turn: each owner's jobs (a tenant's prompts to tokenize
+in the gateway, its schemas to compile in the engine: engine.async_engine) wait in a queue of
+their own, and a free thread takes the next job of the next owner with work waiting, round
+robin. An owner that sends many prompts at once, or huge ones, delays its own requests; every
+other owner's next job waits for at most one job of each owner ahead of it.
 With one queue for all, a short prompt waited behind every prompt sent before it, whoever sent
 them, and a tenant refused for its rate limit (admission comes after tokenizing) still filled it.
 
