@@ -217,14 +217,14 @@ class LLMEngine:
         return Checked(ids, self._compiled_grammar(request, compile))
 
     def _compiled_grammar(self, request: EngineRequest, compile: bool) -> CompiledGrammar | None:
-        """The request's structured output compiled (cached after the first time); raises
-        StructuredOutputError when it cannot be."""
-        spec = request.params.structured
-        if spec is None:
+        """The request's structured output compiled (cached after the first time, for its owner
+        alone: GrammarCompiler.compile); raises StructuredOutputError when it cannot be."""
+        if (spec := request.params.structured) is None:
             return None
-        if self.grammars is None:
+        if (grammars := self.grammars) is None:
             raise StructuredOutputError("this model's tokenizer does not support structured output")
-        return self.grammars.compile(spec) if compile else self.grammars.compiled(spec)
+        owner = request.owner
+        return grammars.compile(spec, owner) if compile else grammars.compiled(spec, owner)
 
     def _check_sampling(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids in the vocabulary, n in a step."""

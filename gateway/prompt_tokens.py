@@ -91,10 +91,10 @@ class PromptTokens:
         if oversized and not self._normalizes:
             self._refuse(prompt_chars(request, len))
         spec = request.params.structured
-        if spec is not None and self.schemas.knows(spec):
-            self.schemas.check(spec)  # answered from the verdicts kept, at once
+        if spec is not None and self.schemas.knows(spec, owner):
+            self.schemas.check(spec, owner)  # answered from the owner's verdicts kept, at once
         elif spec is not None:
-            await self._in_turn(self._schema_pool, owner, gone, self.schemas.check, spec)
+            await self._in_turn(self._schema_pool, owner, gone, self.schemas.check, spec, owner)
         ids: list[int] = await self._in_turn(
             self._pool, owner, gone, self._prompt_ids, request, oversized
         )

@@ -63,7 +63,9 @@ class SchemaChecks:
         self._idle: queue.Queue[_Child | None] = queue.Queue()
         for _ in range(workers):
             self._idle.put(None)  # started when first needed
-        self._verdicts: OrderedDict[StructuredOutput, str | None] = OrderedDict()
+        self._verdicts: OrderedDict[tuple[str | None, StructuredOutput], str | None] = OrderedDict()
+        """By scope (a tenant) and schema: a verdict kept for one tenant answered another's
+        check at once, which told it that someone had just sent the schema it guessed."""
         self._verdict_chars = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -71,33 +73,36 @@ class SchemaChecks:
         self.started = 0
         """Checking processes started so far (each refused timeout replaces one)."""
 
-    def knows(self, spec: StructuredOutput) -> bool:
-        """Whether `spec`'s verdict is kept (then `check` answers at once)."""
+    def knows(self, spec: StructuredOutput, scope: str | None = None) -> bool:
+        """Whether `spec`'s verdict is kept for `scope` (then `check` answers at once)."""
         with self._lock:
-            return spec in self._verdicts
+            return (scope, spec) in self._verdicts
 
-    def check(self, spec: StructuredOutput) -> None:
-        """Raise StructuredOutputError when `spec` cannot be served (blocks: not on the loop)."""
+    def check(self, spec: StructuredOutput, scope: str | None = None) -> None:
+        """Raise StructuredOutputError when `spec` cannot be served (blocks: not on the loop).
+        The verdict is kept for `scope` alone."""
+        key = (scope, spec)
         with self._lock:
-            known = spec in self._verdicts
-            verdict = self._verdicts.get(spec)
+            known = key in self._verdicts
+            verdict = self._verdicts.get(key)
             if known:
-                self._verdicts.move_to_end(spec)
+                self._verdicts.move_to_end(key)
         if not known:
             verdict, lasting = self._run(spec)
             if lasting:
-                self._remember(spec, verdict)
+                self._remember(key, verdict)
         if verdict is not None:
             raise StructuredOutputError(verdict)
 
-    def _remember(self, spec: StructuredOutput, verdict: str | None) -> None:
+    def _remember(self, key: tuple[str | None, StructuredOutput], verdict: str | None) -> None:
+        spec = key[1]
         with self._lock:
-            if spec in self._verdicts:
+            if key in self._verdicts:
                 return
-            self._verdicts[spec] = verdict
+            self._verdicts[key] = verdict
             self._verdict_chars += len(spec.json_schema or "")
             while len(self._verdicts) > VERDICTS or self._verdict_chars > VERDICT_CHARS:
-                dropped, _ = self._verdicts.popitem(last=False)
+                (_, dropped), _ = self._verdicts.popitem(last=False)
                 self._verdict_chars -= len(dropped.json_schema or "")
 
     def close(self) -> None:

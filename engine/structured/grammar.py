@@ -123,6 +123,10 @@ def forced_text_error(matcher: llguidance.LLMatcher) -> str:
     )
 
 
+_Key = tuple[str | None, str, str | None]
+"""A cached grammar's scope (its owner), then its spec's cache key."""
+
+
 class GrammarCompiler:
     """Compiles structured outputs for one tokenizer; safe from any thread.
 
@@ -148,17 +152,21 @@ class GrammarCompiler:
         self._tokenizer = llguidance.LLTokenizer(
             _text_only_tokenizer_json(tokenizer), n_vocab=vocab_size, eos_token=sorted(eos_ids)
         )
-        self._cache: OrderedDict[tuple[str, str | None], CompiledGrammar] = OrderedDict()
-        self._compiling: dict[tuple[str, str | None], Future[CompiledGrammar]] = {}
+        self._cache: OrderedDict[_Key, CompiledGrammar] = OrderedDict()
+        self._compiling: dict[_Key, Future[CompiledGrammar]] = {}
         self._lock = threading.Lock()
         self.compiles = 0
         """Grammars compiled so far (each schema once while it stays cached)."""
 
-    def compile(self, spec: StructuredOutput) -> CompiledGrammar:
+    def compile(self, spec: StructuredOutput, scope: str | None = None) -> CompiledGrammar:
         """The grammar of `spec`, from the cache or compiled now; StructuredOutputError says why
         it cannot be. Callers asking for a schema being compiled wait for that compile and
-        share its result (or its error): concurrent requests with one schema compile it once."""
-        key = spec.cache_key
+        share its result (or its error): concurrent requests with one schema compile it once.
+
+        The cache is kept per `scope` (the request's owner, a tenant): a grammar one owner
+        compiled is compiled again for another, whose request would otherwise be checked at
+        once, not after a compile, and so tell it which schemas others had just used."""
+        key = (scope, *spec.cache_key)
         with self._lock:
             found = self._cache.get(key)
             if found is not None:
@@ -185,15 +193,15 @@ class GrammarCompiler:
         mine.set_result(compiled)
         return compiled
 
-    def cached(self, spec: StructuredOutput) -> bool:
-        """Whether `spec`'s grammar is in the cache (`compile` would not compile it)."""
+    def cached(self, spec: StructuredOutput, scope: str | None = None) -> bool:
+        """Whether `spec`'s grammar is in `scope`'s cache (`compile` would not compile it)."""
         with self._lock:
-            return spec.cache_key in self._cache
+            return (scope, *spec.cache_key) in self._cache
 
-    def compiled(self, spec: StructuredOutput) -> CompiledGrammar:
-        """`spec`'s grammar from the cache, never compiling it: NotCompiled when it is not
-        there (`compile` would take time)."""
-        key = spec.cache_key
+    def compiled(self, spec: StructuredOutput, scope: str | None = None) -> CompiledGrammar:
+        """`spec`'s grammar from `scope`'s cache, never compiling it: NotCompiled when it is
+        not there (`compile` would take time)."""
+        key = (scope, *spec.cache_key)
         with self._lock:
             found = self._cache.get(key)
             if found is None:

@@ -61,6 +61,23 @@ def test_a_check_past_the_bound_is_refused_its_process_replaced_and_its_verdict_
         checks.close()
 
 
+def test_a_verdict_is_kept_for_its_tenant_alone() -> None:
+    """Verdicts kept for one tenant answered another's check at once (no process spent), so a
+    tenant could tell from the time its check took whether someone had just sent the schema it
+    guessed. The other tenant's check is its own, run again."""
+    checks = SchemaChecks(workers=1, seconds=0.5)
+    try:
+        with pytest.raises(StructuredOutputError, match="too complex"):
+            checks.check(spec_of(patterns_schema(22)), "tenant-a")
+        assert checks.started == 1 and checks.knows(spec_of(patterns_schema(22)), "tenant-a")
+        assert not checks.knows(spec_of(patterns_schema(22)), "tenant-b")
+        with pytest.raises(StructuredOutputError, match="too complex"):
+            checks.check(spec_of(patterns_schema(22)), "tenant-b")  # checked again, for b
+        assert checks.started == 2, "b's verdict was a's, answered at once"
+    finally:
+        checks.close()
+
+
 def test_a_checking_process_ends_with_its_parent_even_in_the_middle_of_a_check() -> None:
     """The gateway worker killed while a hostile schema is being checked: the checking process
     does not go on for minutes (or forever) on its own."""
@@ -193,12 +210,12 @@ def test_a_childs_death_is_not_remembered_and_verdicts_are_bounded_by_their_text
             child.process.kill()
             with pytest.raises(StructuredOutputError, match="checking it failed"):
                 checking.result(timeout=60)
-        assert slow not in checks._verdicts
+        assert not checks.knows(slow)
         monkeypatch.setattr("loramux.gateway.schema_checks.VERDICT_CHARS", 400)
         specs = [spec_of(GOOD | {"title": "x" * 100 + str(i)}) for i in range(4)]
         for spec in specs:
             checks.check(spec)
-        assert list(checks._verdicts) == specs[-2:]
+        assert [spec for _, spec in checks._verdicts] == specs[-2:]
         assert checks._verdict_chars == sum(len(s.json_schema or "") for s in specs[-2:])
     finally:
         checks.close()
