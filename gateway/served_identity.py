@@ -1,6 +1,9 @@
 """What decides a response besides its request, as the engine reports it: the base model's
 identity and the engine's build (EngineInfo). The response cache keys entries by the identity
-and `system_fingerprint` hashes both, so they must be the engine's own.
+and `system_fingerprint` hashes both, so they must be the engine's own. With several engines
+(LORAMUX_ENGINE_URLS) they are the first admitted engine's, and the engine client refuses any
+engine that serves another model (gateway.engine_client.admission), so they are every serving
+engine's.
 
 A gateway whose engine does not answer at its start (an external engine still loading its
 model) starts degraded, with a stand-in of its own (`ServedIdentity.stand_in`): an identity no
@@ -19,7 +22,7 @@ from pathlib import Path
 from loramux.engine.errors import EngineError, EngineStoppedError
 from loramux.engine.identity import engine_build
 from loramux.engine.model.config import ModelConfig
-from loramux.gateway.engine_client.base import EngineClient, EngineInfo
+from loramux.gateway.engine_client.base import EngineClient, EngineInfo, EngineVersionError
 from loramux.gateway.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -88,8 +91,9 @@ async def confirm_identity(
     engine: EngineClient, identity: ServedIdentity, assumed: EngineInfo
 ) -> None:
     """Asks the engine for its info until it answers, then takes its identity and build;
-    until then the gateway is not ready (/ready 503). An engine that refuses it (of another
-    release, or holding another token) is logged as an error, once per reason. An engine
+    until then the gateway is not ready (/ready 503). An engine that refuses it (holding another
+    token) is logged as an error, once per reason; one of another release is logged by the
+    engine client, which refuses it by URL (gateway.engine_client.admission). An engine
     serving another model, context or vocabulary than the gateway assumed is logged as an
     error: the gateway's tokenizer and limits stay what it started with."""
     reported = ""
@@ -97,9 +101,9 @@ async def confirm_identity(
         try:
             info = await engine.info()
             break
-        except EngineStoppedError as exc:  # not up yet
-            log.debug("the engine's identity is not known yet: %s", exc)
-        except EngineError as exc:  # another release, another token: the operator's to fix
+        except (EngineStoppedError, EngineVersionError) as exc:  # not up yet, or refused by
+            log.debug("the engine's identity is not known yet: %s", exc)  # the client (logged)
+        except EngineError as exc:  # another token: the operator's to fix
             if str(exc) != reported:
                 log.error("%s; this gateway stays not ready until it is fixed", exc)
                 reported = str(exc)

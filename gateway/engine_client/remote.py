@@ -3,7 +3,9 @@
 
 Each call is routed (gateway.engine_client.routing) and fails over to the next engine while the
 chosen one is unreachable, stopped or overloaded; an engine that fails is passed over for a short
-while. Typed engine errors come back as the same classes the engine raised. Adapters travel on
+while. An engine is used only once admitted on its current connection
+(gateway.engine_client.admission): one that serves another model than the others is refused.
+Typed engine errors come back as the same classes the engine raised. Adapters travel on
 demand: `ensure_adapter` remembers the adapter's folder, and an engine that is about to serve a
 digest it is not known to hold gets the files first; an engine that answers "unknown adapter"
 (it restarted) gets them again, once, and the call is retried.
@@ -31,7 +33,12 @@ from loramux.engine.errors import (
 from loramux.engine.outputs import EngineRequest, EngineStats, RequestOutput
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.service.wire import UPLOAD_PART_BYTES, Delta, Generate
-from loramux.gateway.engine_client.base import EngineInfo, EngineTimeoutError, require_wire
+from loramux.gateway.engine_client.admission import Admission
+from loramux.gateway.engine_client.base import (
+    EngineInfo,
+    EngineTimeoutError,
+    EngineVersionError,
+)
 from loramux.gateway.engine_client.channel import Channel
 from loramux.gateway.engine_client.deltas import PushSink, next_delta, output_of
 from loramux.gateway.engine_client.routing import Endpoint, adapter_key, affinity_key, route
@@ -66,6 +73,7 @@ class RemoteEngineClient:
         """The weights each part of an adapter upload carries (engine.service.wire)."""
         self._context: zmq.asyncio.Context | None = None
         self._channels: dict[str, Channel] = {}
+        self._admission = Admission(self._channel)
         self._folders: dict[str, Path] = {}
         """Adapter folders given to `ensure_adapter`, by digest: what can be uploaded."""
         self._upload_locks: dict[str, asyncio.Lock] = {}
@@ -75,9 +83,9 @@ class RemoteEngineClient:
         self._refresh: asyncio.Task[list[EngineStats | None]] | None = None
 
     async def start(self) -> None:
-        """Connect, and learn which adapters each engine already serves (engines that do not
-        answer are marked down for now)."""
-        await asyncio.gather(*(self._learn_adapters(e) for e in self._endpoints))
+        """Connect, and admit each engine that answers (the first in LORAMUX_ENGINE_URLS order
+        sets the model all must serve); the others are admitted once they answer."""
+        await self._admission.start(self._endpoints)
 
     async def close(self) -> None:
         if self._refresh is not None:
@@ -97,13 +105,9 @@ class RemoteEngineClient:
         return channel
 
     async def info(self) -> EngineInfo:
-        async def call(endpoint: Endpoint) -> EngineInfo:
-            body = require_wire(
-                endpoint.url, await self._channel(endpoint).call("info", CALL_SECONDS)
-            )
-            return EngineInfo.of(body)
-
-        return await self._on_engine("info", None, call)
+        """The model every engine serves: that of the first engine admitted (an engine serving
+        another is refused). EngineStoppedError while none answers."""
+        return await self._admission.served_model(self._endpoints)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Typed errors are raised before the first delta; closing early aborts the engine's
@@ -257,6 +261,7 @@ class RemoteEngineClient:
 
         async def of(endpoint: Endpoint) -> str | None:
             try:
+                await self._admission.admit(endpoint)
                 return str(await self._channel(endpoint).call("metrics", PROBE_SECONDS))
             except EngineError:
                 return None
@@ -275,15 +280,19 @@ class RemoteEngineClient:
         call: Callable[[Endpoint], Awaitable[T]],
         abandoned: Callable[[], bool] = lambda: False,
     ) -> T:
-        """`call` on the engine routing picks for `key`, with `digest` present there; the next
-        engine in route order while one is unreachable, stopped or overloaded, unless the
-        caller has `abandoned()` the call meanwhile (its error is raised then)."""
+        """`call` on the engine routing picks for `key`, admitted and with `digest` present
+        there; the next engine in route order while one is unreachable, stopped, overloaded or
+        refused, unless the caller has `abandoned()` the call meanwhile (its error is raised
+        then)."""
         self._refresh_loads_soon()
-        error: EngineError = EngineStoppedError("no engine is configured")
+        error: EngineError = EngineStoppedError(
+            "no engine serves this gateway's model: the others were refused (see its log)"
+        )
         for endpoint in route(self._endpoints, key):
             try:
+                await self._admission.admit(endpoint)
                 return await self._with_adapter(endpoint, digest, call)
-            except (EngineStoppedError, EngineOverloadedError) as exc:
+            except (EngineStoppedError, EngineOverloadedError, EngineVersionError) as exc:
                 error = exc
                 if abandoned():
                     break
@@ -331,7 +340,9 @@ class RemoteEngineClient:
             self._refresh = asyncio.create_task(self.stats())
 
     async def _stats_of(self, endpoint: Endpoint) -> EngineStats | None:
+        """None while the engine does not answer, or is refused."""
         try:
+            await self._admission.admit(endpoint)
             body = await self._channel(endpoint).call("stats", PROBE_SECONDS)
         except EngineError:
             return None
@@ -339,13 +350,6 @@ class RemoteEngineClient:
         endpoint.load = stats.running + stats.waiting
         endpoint.down_until = 0.0
         return stats
-
-    async def _learn_adapters(self, endpoint: Endpoint) -> None:
-        try:
-            digests = await self._channel(endpoint).call("adapters", PROBE_SECONDS)
-        except EngineError:
-            return
-        endpoint.adapters.update(digests)
 
 
 @dataclass

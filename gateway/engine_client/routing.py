@@ -35,14 +35,20 @@ class Endpoint:
     adapters: set[str] = field(default_factory=set)
     max_adapter_bytes: int | None = None
     """The largest adapter it takes (config and weights, uploaded in parts), once learned."""
+    judged: bool = False
+    """Admitted or refused on its current connection (gateway.engine_client.admission)."""
+    refused: str | None = None
+    """Why this client refused it (it serves another model), until a connection is admitted:
+    a refused engine is never routed to."""
 
     def is_down(self, now: float) -> bool:
         return now < self.down_until
 
     def mark_down(self) -> None:
         self.down_until = time.monotonic() + DOWN_SECONDS
-        self.adapters.clear()  # it may come back as a fresh process
+        self.adapters.clear()  # it may come back as a fresh process, of another model
         self.max_adapter_bytes = None
+        self.judged = False
 
 
 def adapter_key(digest: str) -> str:
@@ -65,11 +71,13 @@ def _score(url: str, key: str) -> int:
 
 
 def route(endpoints: list[Endpoint], key: str) -> list[Endpoint]:
-    """Every endpoint in the order to try them: the preferred one (or the least loaded when the
-    preferred is much busier), the other live ones by load, then those marked down."""
+    """Every endpoint not refused in the order to try them: the preferred one (or the least
+    loaded when the preferred is much busier), the other live ones by load, then those marked
+    down."""
     now = time.monotonic()
-    live = [e for e in endpoints if not e.is_down(now)]
-    down = sorted((e for e in endpoints if e.is_down(now)), key=lambda e: e.down_until)
+    usable = [e for e in endpoints if e.refused is None]
+    live = [e for e in usable if not e.is_down(now)]
+    down = sorted((e for e in usable if e.is_down(now)), key=lambda e: e.down_until)
     if not live:
         return down
     preferred = max(live, key=lambda e: _score(e.url, key))
