@@ -9,8 +9,12 @@ bounded by its context), so the first engine admitted sets it (at the start, the
 LORAMUX_ENGINE_URLS order that answers) and an engine that speaks another channel version, or
 serves another checkpoint (model identity), `max_model_len` or vocabulary, is refused: logged
 as an error naming it and what differs, it is sent nothing and counts as down (no stats, no
-metrics) until a later connection to it is admitted. Once admitted, the client learns which
-adapters the engine already holds.
+metrics) until a later connection to it is admitted.
+
+An admitted engine is then sent the retires it missed while this client could not reach it (a
+partition, a paused process: one that restarted lost its adapters anyway), so that a deleted
+adapter's weights leave every engine, and the client learns which adapters it holds. The
+retires owed are kept per engine, at most MAX_OWED_RETIRES each.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from loramux.engine.errors import EngineStoppedError
+from loramux.engine.errors import EngineError, EngineStoppedError
 from loramux.gateway.engine_client.base import EngineInfo, EngineVersionError, require_wire
 from loramux.gateway.engine_client.channel import Channel
 from loramux.gateway.engine_client.routing import Endpoint
@@ -28,6 +32,8 @@ from loramux.gateway.engine_client.routing import Endpoint
 log = logging.getLogger(__name__)
 
 PROBE_SECONDS = 5.0
+MAX_OWED_RETIRES = 4096
+"""Retires kept for one engine that missed them; past it the oldest is dropped (logged)."""
 
 
 class EngineRefusedError(EngineStoppedError):
@@ -44,6 +50,8 @@ class Admission:
         """What every engine must serve: the `info` of the first engine admitted."""
         self._model_url = ""
         self._locks: dict[str, asyncio.Lock] = {}
+        self._owed: dict[str, dict[str, None]] = {}
+        """The digests each engine (by URL) missed the retire of, oldest first."""
 
     async def start(self, endpoints: list[Endpoint]) -> None:
         """Admit every engine that answers, asked together; the first of them in
@@ -92,6 +100,25 @@ class Admission:
             raise EngineRefusedError(endpoint.refused)
         return True
 
+    def owe_retire(self, endpoint: Endpoint, digest: str) -> None:
+        """`endpoint` missed the retire of `digest`: it is sent before its next admission."""
+        owed = self._owed.setdefault(endpoint.url, {})
+        owed[digest] = None
+        if len(owed) > MAX_OWED_RETIRES:
+            dropped = next(iter(owed))
+            del owed[dropped]
+            log.error(
+                "engine %s missed more than %d retires: adapter %s stays on it until it restarts",
+                endpoint.url,
+                MAX_OWED_RETIRES,
+                dropped,
+            )
+
+    def forgive_retire(self, digest: str) -> None:
+        """`digest` is served again (its files were published anew): no engine owes its retire."""
+        for owed in self._owed.values():
+            owed.pop(digest, None)
+
     async def _info(self, endpoint: Endpoint) -> EngineInfo:
         """The engine's `info`; EngineVersionError (the engine refused) for another release."""
         reply = await self._channel(endpoint).call("info", PROBE_SECONDS)
@@ -134,7 +161,19 @@ class Admission:
         endpoint.refused, endpoint.judged = str(error), True
 
     async def _settle(self, endpoint: Endpoint) -> None:
-        """Learn which adapters the judged engine holds, then take it in."""
-        digests = await self._channel(endpoint).call("adapters", PROBE_SECONDS)
-        endpoint.adapters.update(digests)
+        """Send the judged engine the retires it missed, learn which adapters it holds, then
+        take it in."""
+        channel, owed = self._channel(endpoint), self._owed.get(endpoint.url, {})
+        for digest in list(owed):
+            try:
+                await channel.call("retire", PROBE_SECONDS, digest=digest)
+                log.info("retired adapter %s on %s, which missed its retire", digest, endpoint.url)
+            except EngineStoppedError:
+                raise
+            except EngineError as exc:  # never holds the engine back
+                log.error(
+                    "engine %s refused the retire of adapter %s: %s", endpoint.url, digest, exc
+                )
+            owed.pop(digest, None)
+        endpoint.adapters.update(await channel.call("adapters", PROBE_SECONDS))
         endpoint.refused, endpoint.judged = None, True

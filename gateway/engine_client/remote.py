@@ -224,6 +224,7 @@ class RemoteEngineClient:
     async def ensure_adapter(self, digest: str, folder: Path) -> None:
         """Remember the adapter's files and upload them to its preferred engine if it lacks them."""
         self._folders[digest] = folder
+        self._admission.forgive_retire(digest)
 
         async def nothing(endpoint: Endpoint) -> None:
             return None
@@ -238,7 +239,8 @@ class RemoteEngineClient:
             self._channel(first).prefetch(digest)
 
     async def retire_adapter(self, digest: str) -> None:
-        """Retire on every engine that answers; this client uploads `digest` nowhere any more."""
+        """Retire on every engine; one that does not answer is sent the retire before it is used
+        again. This client uploads `digest` nowhere any more."""
         self._folders.pop(digest, None)
 
         async def retire(endpoint: Endpoint) -> None:
@@ -246,7 +248,8 @@ class RemoteEngineClient:
             try:
                 await self._channel(endpoint).call("retire", CALL_SECONDS, digest=digest)
             except EngineStoppedError:
-                log.warning("could not retire adapter %s on %s", digest, endpoint.url)
+                self._admission.owe_retire(endpoint, digest)
+                log.warning("could not retire adapter %s on %s yet", digest, endpoint.url)
 
         await asyncio.gather(*(retire(e) for e in self._endpoints))
 
@@ -285,9 +288,7 @@ class RemoteEngineClient:
         refused, unless the caller has `abandoned()` the call meanwhile (its error is raised
         then)."""
         self._refresh_loads_soon()
-        error: EngineError = EngineStoppedError(
-            "no engine serves this gateway's model: the others were refused (see its log)"
-        )
+        error: EngineError = EngineStoppedError("no engine serves this gateway's model")
         for endpoint in route(self._endpoints, key):
             try:
                 await self._admission.admit(endpoint)

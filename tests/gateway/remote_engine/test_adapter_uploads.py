@@ -1,10 +1,11 @@
 """Adapters sent to a remote engine: refused before they leave when over its limit, in
-parts of at most a frame, retired or given up while they upload; and calls cancelled as
-their answer arrives."""
+parts of at most a frame, retired or given up while they upload, retired on an engine that was
+unreachable once it is back; and calls cancelled as their answer arrives."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ from tests.gateway.remote_engine.common import (
     run_locally,
     tokens_of,
 )
-from tests.gateway.servers import ENGINE_TOKEN, engine_service
+from tests.gateway.servers import ENGINE_TOKEN, TcpRelay, engine_service
 
 
 async def test_an_adapter_over_the_engines_limit_is_refused_before_it_is_sent(
@@ -161,3 +162,36 @@ async def test_an_upload_given_up_is_dropped_by_the_engine_at_once(
                     await asyncio.sleep(0.01)
         finally:
             await client.close()
+
+
+async def test_a_retire_an_unreachable_engine_missed_is_sent_once_it_is_back(
+    services: list[RunningEngineService], demo_adapter_dirs: list[Path]
+) -> None:
+    """An adapter deleted while one engine of two is unreachable (a partition, a paused
+    process: it did not restart, so it still holds the adapter). Bug: the retire it missed was
+    logged and forgotten, and the deleted tenant's weights stayed loaded, and on that engine's
+    disk, for as long as it ran. Now the engine is sent it when it is back, before anything
+    else is routed to it."""
+    a, b = services
+    folder = demo_adapter_dirs[7]
+    relay = TcpRelay(int(b.url.rsplit(":", 1)[1]))
+    pair = RemoteEngineClient([a.url, relay.url], ENGINE_TOKEN)
+    lora = b.engine.engine.lora
+    assert lora is not None
+    try:
+        digest = await b.engine.register_adapter(folder)  # another gateway's upload served there
+        await pair.start()
+        await pair.ensure_adapter(digest, folder)
+        relay.block()  # b unreachable from this gateway
+        await pair.retire_adapter(digest)  # its delete
+        assert lora.is_servable(digest)
+        relay.unblock()
+        deadline = time.monotonic() + 30
+        while lora.is_servable(digest):
+            assert time.monotonic() < deadline, "engine b still serves the deleted adapter"
+            await pair.stats()  # what a live gateway asks every engine (/health, /metrics)
+            await asyncio.sleep(0.05)
+        assert all(s is not None for s in await pair.stats())
+    finally:
+        await pair.close()
+        relay.close()
