@@ -179,15 +179,15 @@ async def _budget_used(
 
 async def engine_health(src: DashboardSources) -> list[EngineHealth]:
     """One line per engine, in engine order (the panel's `#<index in LORAMUX_ENGINE_URLS>`);
-    an engine that cannot answer is down."""
-    if not await src.engine.ready():
-        return [EngineHealth(False, 0, 0, 0, 0)]
+    an engine that cannot answer is down, every one of them when none can. A single line,
+    down, when no engine is known (none of Ray Serve's replicas is running)."""
+    stats = await src.engine.stats()
     return [
         EngineHealth(False, 0, 0, 0, 0)
         if s is None
         else EngineHealth(True, s.running, s.waiting, s.kv_blocks_used, s.kv_blocks_total)
-        for s in await src.engine.stats()
-    ]
+        for s in stats
+    ] or [EngineHealth(False, 0, 0, 0, 0)]
 
 
 async def quotas_across_tenants(

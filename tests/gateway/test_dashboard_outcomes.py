@@ -284,6 +284,24 @@ def test_an_admin_sees_each_engine_at_its_index_while_one_before_it_is_down(
         wait_for(lambda: states() == [("0", "down"), ("1", "up")], 30, "#0 down, #1 up")
 
 
+def test_an_admin_sees_every_engine_down_when_all_are_down(
+    two_engine_gateway: tuple[list[RunningEngineService], RunningServer],
+) -> None:
+    """Both engines of LORAMUX_ENGINE_URLS down: the panel showed a single row, #0 down, as if
+    the gateway had one engine. Each engine keeps its row."""
+    engines, gw = two_engine_gateway
+    with signed_in(gw, gw.state.admin.mint("test-admin", ttl_seconds=600)) as dashboard:
+
+        def states() -> list[tuple[str, str]]:
+            page = dashboard.get("/dashboard", params={"days": 1}).text
+            return re.findall(r'<td>#(\d+)</td><td data-testid="engine-state">(\w+)<', page)
+
+        wait_for(lambda: states() == [("0", "up"), ("1", "up")], 30, "#0 up, #1 up")
+        for engine in engines:
+            engine.stop()
+        wait_for(lambda: states() == [("0", "down"), ("1", "down")], 30, "#0 down, #1 down")
+
+
 @pytest.mark.parametrize(
     "params", [{"to": "9999-12-31"}, {"from": "9999-12-31", "to": "9999-12-31"}]
 )
