@@ -3,7 +3,9 @@
 Liveness asks "should this process be restarted?", readiness "should it get traffic?". While the
 engine is down — dead and being restarted by serve, or, with LORAMUX_ENGINE_URLS, unreachable —
 /ready answers 503 and /health 200 with `status: degraded`: a restart of the whole service would
-only lengthen the outage. /health answers 503 when a supervised child keeps failing to stay up.
+only lengthen the outage. With several engines, /ready answers 200 while one of them answers
+(it serves), and /health says `degraded` while one of them does not, naming which. /health
+answers 503 when a supervised child keeps failing to stay up.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from loramux.cache.response_cache import ResponseCache
+from loramux.engine.outputs import EngineStats
 from loramux.engine.service.health import UNAUTHORIZED, scrape_allowed
 from loramux.gateway.engine_client.base import EngineClient
 from loramux.gateway.metrics import Degradation, Metrics
@@ -86,7 +89,8 @@ def _observed(asked: asyncio.Future[Any]) -> None:
 class Probes:
     """What liveness and readiness look at."""
 
-    engine_up: Coalesced[bool]
+    engines: Coalesced[list[EngineStats | None]]
+    """Each engine's stats in engine order, None for one that does not answer."""
     readiness: Coalesced[dict[str, bool]]
     children: Supervisor | None
     """The child processes `loramux serve` supervises; None in other setups."""
@@ -118,10 +122,10 @@ def health_router(gw: GatewayState) -> Router:
         checks["engine"] = checks["engine"] and gw.identity.confirmed
         return checks
 
-    engine_up, ready_checks = Coalesced(lambda: gw.engine.ready()), Coalesced(readiness)
+    engine_stats, ready_checks = Coalesced(lambda: gw.engine.stats()), Coalesced(readiness)
 
     def probes() -> Probes:  # the children are the state's when asked (serve sets them later)
-        return Probes(engine_up, ready_checks, gw.children)
+        return Probes(engine_stats, ready_checks, gw.children)
 
     engines = Coalesced(lambda: gw.engine.metrics())
     token = gw.settings.server.metrics_token
@@ -138,15 +142,20 @@ def health_router(gw: GatewayState) -> Router:
 
 @get("/health", include_in_schema=False)
 async def health(probes: NamedDependency[Probes]) -> Response[dict[str, Any]]:
-    """Liveness: 200 while this process serves, or is bringing a child process back (a degraded
-    state that /ready reports as not ready); 503 once a child it supervises keeps failing, when
-    only restarting the whole service can help. The body says what is down:
-    `status` ok | degraded | failing, `engine` up | down, `pid` (which worker answered), and under `loramux serve` the state of
-    each child process (up, pid, restarts, why it last exited, failing)."""
-    engine_up = await probes.engine_up.get()
-    body: dict[str, Any] = {"engine": "up" if engine_up else "down", "pid": os.getpid()}
+    """Liveness: 200 while this process serves, or is bringing a child process back or waits
+    for an engine (a degraded state); 503 once a child it supervises keeps failing, when only
+    restarting the whole service can help. The body says what is down: `status` ok | degraded
+    | failing; `engine` up (every engine answers) | degraded (some do) | down (none does);
+    `engines`, each engine's up | down in engine order (its index in LORAMUX_ENGINE_URLS);
+    `pid` (which worker answered); and under `loramux serve` the state of each child process
+    (up, pid, restarts, why it last exited, failing)."""
+    engines = ["down" if s is None else "up" for s in await probes.engines.get()]
+    engine = (
+        "up" if engines and "down" not in engines else "degraded" if "up" in engines else "down"
+    )
+    body: dict[str, Any] = {"engine": engine, "engines": engines, "pid": os.getpid()}
     failing = False
-    down = not engine_up
+    down = engine != "up"
     if probes.children is not None:
         body["children"] = probes.children.report()
         failing = probes.children.failing

@@ -1,6 +1,6 @@
-"""Liveness (/health) against the in-thread gateway: what it says while all is well, and that it
-fails once a child process serve supervises keeps dying; readiness (/ready) while the database
-does not answer."""
+"""Liveness (/health) against the in-thread gateway: what it says while all is well, while one
+engine of several is down, and that it fails once a child process serve supervises keeps dying;
+readiness (/ready) while the database does not answer."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 from sqlalchemy import make_url
 
+from loramux.engine.service.runner import RunningEngineService
 from loramux.gateway.db.migrate import upgrade
 from loramux.gateway.health import READY_PROBE_SECONDS
 from loramux.gateway.server import RunningServer, engine_client, serve_in_thread
@@ -27,7 +28,31 @@ async def _ready() -> bool:
 def test_health_says_ok_and_engine_up(gateway: RunningServer) -> None:
     r = httpx.get(f"{gateway.url}/health", timeout=10)
     assert r.status_code == 200
-    assert r.json() == {"status": "ok", "engine": "up", "pid": os.getpid()}  # served in-thread
+    body = {"status": "ok", "engine": "up", "engines": ["up"], "pid": os.getpid()}  # in-thread
+    assert r.json() == body
+
+
+def test_health_says_degraded_and_which_engine_is_down_while_one_of_several_is(
+    two_engine_gateway: tuple[list[RunningEngineService], RunningServer],
+) -> None:
+    """Engine #0 of two down for good. Bug: /health said `ok`, engine `up` (it asked whether
+    any engine answers), while README says such an engine makes it say `degraded`. Now it says
+    so and which engine is down; /ready stays 200, as the other engine serves."""
+    engines, gw = two_engine_gateway
+
+    def health() -> dict:
+        response = httpx.get(f"{gw.url}/health", timeout=30)
+        assert response.status_code == 200
+        return dict(response.json())
+
+    assert health()["engines"] == ["up", "up"]
+    engines[0].stop()
+    wait_for(lambda: health()["engines"] == ["down", "up"], 30, "/health names engine #0 down")
+    assert health()["status"] == "degraded" and health()["engine"] == "degraded"
+    assert httpx.get(f"{gw.url}/ready", timeout=30).status_code == 200
+    engines[1].stop()
+    wait_for(lambda: health()["engine"] == "down", 30, "/health says every engine is down")
+    assert health()["engines"] == ["down", "down"] and health()["status"] == "degraded"
 
 
 def test_health_fails_once_a_supervised_child_keeps_dying(gateway: RunningServer) -> None:
