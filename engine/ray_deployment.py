@@ -87,6 +87,14 @@ class ReplicaStats:
     """The local adapter store this replica serves from."""
 
 
+@dataclass(frozen=True)
+class ReplicaMetrics:
+    """One engine replica's Prometheus text (engine.metrics), named by the replica's id."""
+
+    replica: str
+    text: str
+
+
 class StreamReplicaRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """Ray Serve's power-of-two-choices routing (adapter affinity through multiplexing), except
     that `abort(request_id, choice)` goes to the replica running that request's stream: a
@@ -276,17 +284,16 @@ class EngineReplica:
         }
 
     async def stats(self) -> ReplicaStats:
-        context = serve.get_replica_context()
         return ReplicaStats(
-            context.replica_tag if context is not None else "",
+            _replica_id(),
             os.getpid(),
             dict(self.served),
             asdict(self.engine.stats()),
             "" if self.store is None else str(self.store.root),
         )
 
-    async def metrics(self) -> str:
-        return self.engine.engine.metrics.render()
+    async def metrics(self) -> ReplicaMetrics:
+        return ReplicaMetrics(_replica_id(), self.engine.engine.metrics.render())
 
     async def check_health(self) -> None:
         """Ray Serve's health check: a replica whose step thread died is restarted."""
@@ -343,3 +350,10 @@ def engine_deployment(
         request_router_config={"request_router_class": StreamReplicaRouter},
     )(EngineReplica)
     return deployment.bind(config, model_name, adapter_dir, adapter_source)
+
+
+def _replica_id() -> str:
+    """Ray Serve's unique id of this replica ("" outside a replica): a replica started in its
+    place gets another."""
+    context = serve.get_replica_context()
+    return context.replica_tag if context is not None else ""

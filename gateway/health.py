@@ -101,8 +101,8 @@ class MetricSources:
     """Where /metrics reads the gauges it refreshes before rendering."""
 
     metrics: Metrics
-    engines: Coalesced[list[str | None]]
-    """Each engine's metrics text in engine order, None for one that does not answer."""
+    engines: Coalesced[dict[str, str | None]]
+    """Each engine's metrics text by its label, None for one that does not answer."""
     cache: ResponseCache
     quotas: QuotaService
     usage: UsageRecorder

@@ -113,9 +113,10 @@ class EngineClient(Protocol):
         (an empty list: none is known)."""
         ...
 
-    async def metrics(self) -> list[str | None]:
-        """Each engine's Prometheus text (engine.metrics), in engine order (its index in
-        LORAMUX_ENGINE_URLS), None for one that does not answer: the index labels its series."""
+    async def metrics(self) -> dict[str, str | None]:
+        """Each engine's Prometheus text (engine.metrics) by the label of its series, which no
+        other engine ever takes: its index in LORAMUX_ENGINE_URLS (None for one that does not
+        answer), or a Ray Serve replica's id."""
         ...
 
     async def ready(self) -> bool: ...

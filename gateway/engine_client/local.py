@@ -69,8 +69,8 @@ class LocalEngineClient:
     async def stats(self) -> list[EngineStats | None]:
         return [self.engine.stats()]
 
-    async def metrics(self) -> list[str | None]:
-        return [self.engine.engine.metrics.render()]
+    async def metrics(self) -> dict[str, str | None]:
+        return {"0": self.engine.engine.metrics.render()}
 
     async def ready(self) -> bool:
         return self.engine.running

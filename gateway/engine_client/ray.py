@@ -21,7 +21,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from loramux.engine.errors import EngineError, EngineStoppedError
 from loramux.engine.outputs import EngineRequest, EngineStats, RequestOutput, Usage
-from loramux.engine.ray_deployment import BASE_MODEL_ID, ReplicaStats
+from loramux.engine.ray_deployment import BASE_MODEL_ID, ReplicaMetrics, ReplicaStats
 from loramux.engine.sequence import FinishReason
 from loramux.gateway.engine_client.base import EngineInfo, EngineTimeoutError
 
@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 START_ATTEMPTS = 3
 """Replicas tried for a request that fails before its first output."""
+PROBE_SECONDS = 5.0
+"""How long `stats` and `metrics` wait for every replica's answer."""
 
 
 class RayEngineClient:
@@ -159,11 +161,16 @@ class RayEngineClient:
         its files there go (engine.ray_deployment RETIRE_CHECK_SECONDS)."""
 
     async def stats(self) -> list[EngineStats | None]:
-        return [EngineStats(**s.engine) for s in await self.replica_stats()]
+        """Every running replica's stats, by replica id; None for each that failed to answer."""
+        answers = await self._every_replica("stats")
+        found = sorted((a for a in answers if isinstance(a, ReplicaStats)), key=lambda s: s.replica)
+        failed: list[EngineStats | None] = [None for a in answers if isinstance(a, Exception)]
+        return [EngineStats(**s.engine) for s in found] + failed
 
     async def replica_stats(self, digests: list[str] | None = None) -> list[ReplicaStats]:
         """The stats of the replicas reached by one call per digest (each goes to a replica
-        that holds it), and one call without a digest; one entry per replica."""
+        that holds it, as Ray Serve routes it), and one call without a digest; one entry per
+        replica."""
         calls = [self._call("stats")]
         for digest in digests or []:
             calls.append(self._call("stats", digest))
@@ -172,8 +179,23 @@ class RayEngineClient:
             found[s.replica] = s
         return sorted(found.values(), key=lambda s: s.replica)
 
-    async def metrics(self) -> list[str | None]:
-        return [await self._call("metrics")]
+    async def metrics(self) -> dict[str, str | None]:
+        """Every running replica's Prometheus text, by replica id (a replica started in the
+        place of another has its own series: none goes backwards)."""
+        answers = await self._every_replica("metrics")
+        return {a.replica: a.text for a in answers if isinstance(a, ReplicaMetrics)}
+
+    async def _every_replica(self, method: str) -> list[Any]:
+        """`method`'s answer from every running replica (Ray Serve's broadcast), an exception in
+        place of one that failed; none when no replica runs or they did not all answer within
+        PROBE_SECONDS."""
+        try:
+            return await self.handle.broadcast(method).results_async(
+                timeout_s=PROBE_SECONDS, return_exceptions=True
+            )
+        except Exception as exc:  # Ray Serve's: no replica is running, or TimeoutError
+            log.warning("the engine replicas did not answer %s: %r", method, exc)
+            return []
 
     async def ready(self) -> bool:
         try:

@@ -258,9 +258,9 @@ class RemoteEngineClient:
         answer (and fresh loads for routing)."""
         return list(await asyncio.gather(*(self._stats_of(e) for e in self._endpoints)))
 
-    async def metrics(self) -> list[str | None]:
-        """The Prometheus text of each engine, in LORAMUX_ENGINE_URLS order; None where one does
-        not answer, so that the next keeps its index."""
+    async def metrics(self) -> dict[str, str | None]:
+        """The Prometheus text of each engine by its index in LORAMUX_ENGINE_URLS; None where
+        one does not answer."""
 
         async def of(endpoint: Endpoint) -> str | None:
             try:
@@ -269,7 +269,8 @@ class RemoteEngineClient:
             except EngineError:
                 return None
 
-        return list(await asyncio.gather(*(of(e) for e in self._endpoints)))
+        texts = await asyncio.gather(*(of(e) for e in self._endpoints))
+        return {str(index): text for index, text in enumerate(texts)}
 
     async def ready(self) -> bool:
         """At least one engine answers."""

@@ -36,7 +36,7 @@ class Metrics:
         self.exposed.register(self.degradation)
         self.exposed.register(self.engines)
 
-    def render(self, degradation: Degradation, engine_texts: list[str | None]) -> bytes:
+    def render(self, degradation: Degradation, engine_texts: dict[str, str | None]) -> bytes:
         """The exposition text, with the counts and engines' series read for this scrape."""
         self.degradation.update(degradation)
         self.engines.update(engine_texts)

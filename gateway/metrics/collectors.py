@@ -88,18 +88,18 @@ class DegradationCollector(Collector):
 @dataclass(eq=False)
 class EngineSeries(Collector):
     """The engines' series as of the last `update`, each sample labelled `engine` with the
-    engine's index in LORAMUX_ENGINE_URLS (0 for the in-process one), as vLLM labels them.
-    An engine that did not answer is None in `texts` and has no series: the engines after it
-    keep their index, never taking its label."""
+    engine's label (EngineClient.metrics: its index in LORAMUX_ENGINE_URLS, 0 for the
+    in-process one, or a Ray Serve replica's id), as vLLM labels them. An engine that did not
+    answer is None in `texts` and has no series; no other engine takes its label."""
 
-    texts: list[str | None] = field(default_factory=list)
+    texts: dict[str, str | None] = field(default_factory=dict)
 
-    def update(self, texts: list[str | None]) -> None:
+    def update(self, texts: dict[str, str | None]) -> None:
         self.texts = texts
 
     def collect(self) -> Iterator[Metric]:
         merged: dict[str, Metric] = {}
-        for index, text in enumerate(self.texts):
+        for label, text in self.texts.items():
             if text is None:
                 continue
             for family in text_string_to_metric_families(text):
@@ -107,6 +107,6 @@ class EngineSeries(Collector):
                     family.name, Metric(family.name, family.documentation, family.type)
                 )
                 for s in family.samples:
-                    labels = s.labels | {"engine": str(index)}
+                    labels = s.labels | {"engine": label}
                     into.add_sample(s.name, labels, s.value, s.timestamp, s.exemplar)
         yield from merged.values()

@@ -157,7 +157,7 @@ def test_every_series_is_documented(load: dict[str, Any]) -> None:
 def test_cache_writes_a_purge_refused_are_exposed() -> None:
     """Bug: the cache counted the writes its purge fence refused (`CacheStats.fenced`), and
     no series exposed them."""
-    text = Metrics().render(Degradation(0, {}, 0, {}, {}, cache_fenced=2), []).decode()
+    text = Metrics().render(Degradation(0, {}, 0, {}, {}, cache_fenced=2), {}).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert [s.value for s in families["loramux_response_cache_fenced"].samples] == [2.0]
 
@@ -229,7 +229,7 @@ def test_scrapes_without_pause_reach_the_engines_at_most_once_an_interval(
     asked: list[float] = []
     real = engine.metrics
 
-    async def metrics() -> list[str]:  # the real one, counted
+    async def metrics() -> dict[str, str | None]:  # the real one, counted
         asked.append(time.monotonic())
         return await real()
 

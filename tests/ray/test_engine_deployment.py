@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from loramux.adapters.base_spec import BaseModelSpec
 from loramux.adapters.store import AdapterStore
@@ -137,6 +138,35 @@ async def test_requests_for_an_adapter_keep_landing_on_its_replica_and_equal_pef
 
     expected = peft_greedy(demo_model_dir, ray_engines.adapter_dirs, asks + more)
     assert got == expected[len(asks) :]
+
+
+async def test_stats_and_metrics_reach_every_replica_each_under_its_own_label(
+    ray_engines: RayEngines,
+) -> None:
+    """Bug: `stats` and `metrics` were one handle call, which reaches one replica: the
+    dashboard showed one of three, and /metrics labelled whichever answered engine="0", so its
+    counters jumped between replicas' values (going down) and the others' tokens were missing.
+    Now both ask every replica (Ray Serve's broadcast), metrics by replica id."""
+    engines = ray_engines
+    await asyncio.gather(
+        *(generate(engines, f"every-{i}", d, i) for i, d in enumerate(engines.digests))
+    )
+    assert len(set((await holders(engines)).values())) > 1  # more than one replica worked
+    stats = await engines.client.stats()
+    texts = await engines.client.metrics()
+    assert len(stats) == ENGINE_REPLICAS and all(s is not None for s in stats)
+    replicas = {s.replica for s in await engines.client.replica_stats(engines.digests)}
+    assert set(texts) == replicas and len(replicas) == ENGINE_REPLICAS
+    generated = sum(
+        s.value
+        for text in texts.values()
+        for f in text_string_to_metric_families(text or "")
+        if f.name == "loramux_generation_tokens"
+        for s in f.samples
+        if s.name == "loramux_generation_tokens_total"
+    )
+    assert generated == sum(s.generated_tokens for s in stats if s is not None)
+    assert sum(1 for s in stats if s is not None and s.generated_tokens) > 1
 
 
 async def test_a_replica_serves_an_adapter_stored_after_it_started(
