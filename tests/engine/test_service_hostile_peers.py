@@ -222,6 +222,7 @@ def test_a_gateway_that_falls_behind_is_told_which_requests_it_lost(
     def small_buffers(server: service_module.EngineServer) -> None:
         setup(server)
         server._socket.setsockopt(zmq.SNDBUF, 4096)
+        server._socket.setsockopt(zmq.SNDHWM, 1)  # libzmq's own queue fills at once too
 
     monkeypatch.setattr(service_module.EngineServer, "__post_init__", small_buffers)
     config = EngineConfig(model=demo_model_dir, max_model_len=2048, kv_cache_bytes=96 << 20)
