@@ -34,11 +34,13 @@ class Metering:
         completion = run.completion_tokens
         await p.admission.settle((p.prompt_tokens if completion else 0) + completion)
 
-    async def settle_hit(self, p: Prepared, served: bool) -> None:
+    async def settle_hit(self, p: Prepared, served: bool, first_sent: float | None) -> None:
         """A cache hit's end, metered and settled once, by whichever comes first: its replay's
         end, or its response's (a response can end before its replay starts: a client gone
         when the response starts). `served`: replayed to its end; else the client left (499).
-        A cache hit consumes no tokens."""
+        `first_sent` (time.perf_counter): when its replay's first part went out, its time to
+        first token whether or not the client stayed to the end, as for a run. A cache hit
+        consumes no tokens."""
         hit = p.cache.hit
         assert hit is not None, "settle_hit settles a cache hit"
         if p.ended:
@@ -46,7 +48,7 @@ class Metering:
         p.ended = True
         r = hit.response
         status, finish = (200, r.finish_reason) if served else (499, "abort")
-        ttft = time.perf_counter() - p.started if served else None
+        ttft = first_sent - p.started if first_sent is not None else None
         try:
             self._meter(p, 0, 0, 0, status, ttft, finish)
             usage = (p.prompt_tokens, r.completion_tokens)

@@ -309,24 +309,26 @@ class CompletionService:
     async def _replay(self, p: Prepared, hit: CacheHit) -> AsyncIterator[Part | Ending]:
         answer = replayed(hit.response, p.meta.kind)
         served = False
+        first_sent: float | None = None  # its TTFT, kept by a client that leaves mid-replay
         try:
             pacing = p.cache.policy.pacing
             for part, delay in replay_parts(answer, hit.response.completion_tokens, pacing):
                 if delay:
                     await asyncio.sleep(delay)
+                first_sent = time.perf_counter() if first_sent is None else first_sent
                 yield part
             # This request's prompt: a semantic hit's cached answer came from another one.
             usage = Usage.of(p.prompt_tokens, hit.response.completion_tokens, 0)
             yield Ending([answer], usage)
             served = True
         finally:
-            await self.metering.settle_hit(p, served)
+            await self.metering.settle_hit(p, served, first_sent)
 
     async def end_hit(self, p: Prepared) -> None:
         """A cache hit's response ended: metered (a 499) and settled unless its replay ended
         first. A stream whose response never started is never read, so its replay never
         starts, nor ends; whoever sends a hit's response calls this once it has ended."""
-        await self.metering.settle_hit(p, served=False)
+        await self.metering.settle_hit(p, served=False, first_sent=None)
 
     async def complete(
         self, p: Prepared, client_gone: Callable[[], Awaitable[None]]

@@ -190,6 +190,37 @@ def test_latency_and_time_to_first_token_count_from_the_requests_arrival(
     assert UPLOAD_SECONDS * 1000 <= event.ttft_ms <= event.latency_ms <= elapsed_ms
 
 
+def test_a_paced_cache_hits_time_to_first_token_is_its_first_pieces(
+    gateway: RunningServer, admin: httpx.Client
+) -> None:
+    """A paced hit sends its first piece at once and the rest a gap apart: its time to first
+    token is when that first piece went, not the replay's end, whether its client reads to the
+    end or leaves after the first piece (a 499 that keeps its time to first token, as a run's
+    does)."""
+    tenant = new_tenant(admin, "paced")
+    pacing = {"hit_pacing": "paced", "hit_tokens_per_second": 10}
+    assert admin.put(f"/admin/tenants/{tenant.tenant_id}/cache", json=pacing).status_code == 200
+    question = chat(stream=False) | {"max_tokens": 8}
+    auth = {"authorization": f"Bearer {tenant.key}"}
+    url = f"{gateway.url}/v1/chat/completions"
+    miss = httpx.post(url, json=question, headers=auth, timeout=60).json()
+    pieces = min(miss["usage"]["completion_tokens"], len(miss["choices"][0]["message"]["content"]))
+    assert pieces >= 4
+    for leave in (False, True):
+        with httpx.stream("POST", url, json=question | {"stream": True}, headers=auth) as r:
+            assert r.headers["x-cache"] == "exact"
+            for line in r.iter_lines():
+                if leave and line.startswith("data: {") and '"content"' in line:
+                    break  # its first piece, of text
+    events = [e for e in usage_events(gateway, tenant, 3) if e.cache == "exact"]
+    read, left = sorted(events, key=lambda e: e.status)
+    assert (read.status, left.status) == (200, 499)
+    assert read.ttft_ms is not None and left.ttft_ms is not None
+    # The pieces after the first were sent at least a gap (100 ms) apart, after its first.
+    assert read.latency_ms - read.ttft_ms >= (pieces - 2) * 100
+    assert left.ttft_ms <= left.latency_ms
+
+
 def test_a_stream_closed_midway_is_billed_for_every_token_generated(
     gateway: RunningServer, admin: httpx.Client
 ) -> None:
