@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from loramux.engine.metrics import REQUEST_BUCKETS, TTFT_BUCKETS
-from loramux.gateway.metrics.routes import CHAT, COMPLETIONS
+from loramux.gateway.metrics.routes import CHAT, COMPLETIONS, ROUTE_LABELS
 
 COMPLETION_ROUTES = (CHAT, COMPLETIONS)
 FINISH_REASONS = ("stop", "length", "tool_calls", "abort", "error")
@@ -35,6 +35,8 @@ class HttpFamilies:
             buckets=REQUEST_BUCKETS,
             registry=r,
         )
+        for route in ROUTE_LABELS:
+            self.duration.labels(route)
 
 
 class CompletionFamilies:
@@ -62,6 +64,8 @@ class CompletionFamilies:
         for route in COMPLETION_ROUTES:
             for reason in FINISH_REASONS:
                 self.finished.labels(route, reason)
+            for kind in MODEL_KINDS:
+                self.ttft.labels(route, kind)
         for kind in MODEL_KINDS:
             for direction in ("prompt", "completion"):
                 self.tokens.labels(kind, direction)

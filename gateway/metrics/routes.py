@@ -11,6 +11,8 @@ ARRIVED = "arrived"
 it) is kept in its scope's state: every time a request is billed or measured with counts from
 there, as its client's clock does."""
 ROUTES = (CHAT, COMPLETIONS, "/v1/models", "/health", "/ready", "/metrics", "/dashboard")
+ROUTE_LABELS = (*ROUTES, "/admin", "other")
+"""Every value `route_label` returns."""
 
 
 def route_label(path: str) -> str:

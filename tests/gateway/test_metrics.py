@@ -162,6 +162,25 @@ def test_cache_writes_a_purge_refused_are_exposed() -> None:
     assert [s.value for s in families["loramux_response_cache_fenced"].samples] == [2.0]
 
 
+def test_series_whose_labels_are_known_in_advance_are_exposed_from_the_start() -> None:
+    """A fresh gateway's histograms by route and model kind are there at 0 before any request,
+    so a rate over them (a base-only deployment's adapter TTFT) is 0, not missing."""
+    text = Metrics().render(Degradation(0, {}, 0, {}), {}).decode()
+    counts = {
+        (s.name, frozenset(s.labels.items())): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name.endswith("_count")
+    }
+    for route in (CHAT, "/v1/completions"):
+        for kind in ("base", "adapter"):
+            labels = frozenset({("route", route), ("model_kind", kind)})
+            assert counts[("loramux_gateway_time_to_first_token_seconds_count", labels)] == 0
+    for route in (CHAT, "/v1/models", "/health", "/ready", "/metrics", "/admin", "other"):
+        labels = frozenset({("route", route)})
+        assert counts[("loramux_http_request_duration_seconds_count", labels)] == 0, route
+
+
 def test_finish_reasons_count_aborts_apart_from_errors(load: dict[str, Any]) -> None:
     finished = {
         reason: grew(load, "loramux_request_success_total", route=CHAT, finished_reason=reason)
