@@ -37,6 +37,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from loramux.engine.config import EngineConfig
 from loramux.engine.errors import (
@@ -55,6 +56,10 @@ from loramux.engine.sequence import FinishReason
 from loramux.engine.structured.grammar import NotCompiled
 
 log = logging.getLogger(__name__)
+
+STALL_SECONDS = 600.0
+"""One step this long is a hung engine, not a slow one: a step takes milliseconds to seconds,
+its first ones on a GPU up to a few minutes while Triton compiles and tunes kernels."""
 
 COMPILE_THREADS = 2
 """Threads compiling structured outputs' grammars (the library releases the interpreter lock
@@ -155,6 +160,15 @@ class AsyncEngine:
         included; 0 between steps."""
         since = self._step_since
         return 0.0 if since is None else time.monotonic() - since
+
+    @property
+    def health(self) -> Literal["ok", "stopped", "stalled"]:
+        """`stopped` once the step thread ended or failed, `stalled` while one step has run
+        longer than STALL_SECONDS (hung); either way it serves nothing. What the engine's
+        /health says, and its stats calls refuse (a gateway then counts it down)."""
+        if not self.running:
+            return "stopped"
+        return "stalled" if self.stalled_for() > STALL_SECONDS else "ok"
 
     @property
     def tokenizer(self) -> object:

@@ -1,7 +1,9 @@
 """The engine's one HTTP endpoint, for orchestrators and scrapers only (no requests):
 
 GET /health    200 while the step loop runs; 503 once it stopped, or while one step has taken
-               longer than STALL_SECONDS (hung: serve's supervisor then restarts the engine)
+               longer than async_engine.STALL_SECONDS (hung: serve's supervisor then restarts
+               the engine). Gateways ask the same over the channel: its stats call is refused
+               meanwhile (server), so they count the engine down.
 GET /metrics   the engine's Prometheus metrics (engine.metrics), as gateways also get them;
                with a metrics token (LORAMUX_METRICS_TOKEN), only for `Bearer <token>` (401)
 """
@@ -18,18 +20,11 @@ from loramux.engine.async_engine import AsyncEngine
 
 Engine = NamedDependency[AsyncEngine]
 
-STALL_SECONDS = 600.0
-"""One step this long is a hung engine, not a slow one: a step takes milliseconds to seconds,
-its first ones on a GPU up to a few minutes while Triton compiles and tunes kernels."""
-
 
 @get("/health")
 async def health(engine: Engine) -> Response[dict[str, str]]:
-    if not engine.running:
-        return Response({"status": "stopped"}, status_code=503)
-    if engine.stalled_for() > STALL_SECONDS:
-        return Response({"status": "stalled"}, status_code=503)
-    return Response({"status": "ok"}, status_code=200)
+    state = engine.health
+    return Response({"status": state}, status_code=200 if state == "ok" else 503)
 
 
 @get("/metrics")

@@ -42,7 +42,7 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from loramux.engine.async_engine import AsyncEngine
-from loramux.engine.errors import InvalidRequestError
+from loramux.engine.errors import EngineStoppedError, InvalidRequestError
 from loramux.engine.identity import engine_build
 from loramux.engine.outputs import EngineRequest, RequestOutput
 from loramux.engine.service.curve import (
@@ -363,7 +363,9 @@ class EngineServer:
                 "build": engine_build(),
                 "max_adapter_bytes": self.uploads.max_adapter_bytes,
             }
-        if call.op == "stats":
+        if call.op == "stats":  # what gateways probe: an engine that serves nothing is down
+            if engine.health != "ok":
+                raise EngineStoppedError(f"the engine's step loop is {engine.health}")
             return asdict(engine.stats())
         if call.op == "metrics":
             return engine.engine.metrics.render()

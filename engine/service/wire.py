@@ -23,9 +23,10 @@ Delta that carries `usage`.
     any of them, refused                          Failed(ref, call, kind, code, message)
 
 Requests carry token ids and outputs carry token ids: the engine never sees text. `Call.op` is
-one of `info`, `stats`, `metrics` (the engine's Prometheus text), `adapters` (the digests it
-serves), `register-part`, `abort-upload` and `retire`. Every typed error has one stable `code`, so the client
-re-raises the same class.
+one of `info`, `stats` (refused, `engine_stopped`, while the step loop has stopped or is
+stalled: what gateways probe), `metrics` (the engine's Prometheus text), `adapters` (the
+digests it serves), `register-part`, `abort-upload` and `retire`. Every typed error has one
+stable `code`, so the client re-raises the same class.
 
 No frame is larger than MAX_FRAME_BYTES (the engine's socket drops a connection that sends
 one, and with it every stream of that gateway): an adapter travels as `register-part` calls

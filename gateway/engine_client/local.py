@@ -67,10 +67,11 @@ class LocalEngineClient:
         self.engine.retire_adapter(digest)
 
     async def stats(self) -> list[EngineStats | None]:
-        return [self.engine.stats()]
+        """None (down) while the engine serves nothing: its step loop stopped or stalled."""
+        return [self.engine.stats() if self.engine.health == "ok" else None]
 
     async def metrics(self) -> dict[str, str | None]:
         return {"0": self.engine.engine.metrics.render()}
 
     async def ready(self) -> bool:
-        return self.engine.running
+        return self.engine.health == "ok"

@@ -15,9 +15,9 @@ import httpx
 import pytest
 import zmq
 
+from loramux.engine import async_engine
 from loramux.engine.identity import engine_build, model_identity
 from loramux.engine.sampling import SamplingParams
-from loramux.engine.service import health
 from loramux.engine.service.runner import RunningEngineService
 from loramux.engine.service.uploads import MAX_ADAPTER_MB
 from loramux.engine.service.wire import (
@@ -135,10 +135,10 @@ def test_health_says_stalled_while_one_step_takes_too_long(
     gateway: Gateway, service: RunningEngineService, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A step thread stuck in one step (a deadlock, a hung device) kept /health at 200, so
-    nothing ever restarted the engine. It says 503 `stalled` while stuck, and 200 again once
-    the step ends. The stuck step is the real one, held at its start until released (the
+    nothing ever restarted the engine. It says 503 `stalled` while stuck (and refuses the stats
+    call gateways probe it with), and 200 again once the step ends. The stuck step is the real one, held at its start until released (the
     fault injected; what it computes is untouched)."""
-    monkeypatch.setattr(health, "STALL_SECONDS", 0.2)
+    monkeypatch.setattr(async_engine, "STALL_SECONDS", 0.2)
     url, release, real_step = (
         f"{service.health_url}/health",
         threading.Event(),
@@ -156,12 +156,19 @@ def test_health_says_stalled_while_one_step_takes_too_long(
         assert time.monotonic() < deadline, "health never said the step stalled"
         time.sleep(0.05)
     assert answer.status_code == 503 and answer.json() == {"status": "stalled"}
+    # What gateways probe says the same: the stats call is refused while the step is stuck.
+    refused = failure_of(gateway.call("stats"))
+    assert (refused.code, refused.message) == (
+        "engine_stopped",
+        "the engine's step loop is stalled",
+    )
     release.set()
     received = [gateway.receive()]
     while isinstance(received[-1], Delta) and received[-1].finish_reason is None:
         received.append(gateway.receive())
     assert received[-1].finish_reason == "length"  # type: ignore[union-attr]
     assert httpx.get(url).json() == {"status": "ok"}
+    assert isinstance(gateway.call("stats"), Reply)
 
 
 def test_a_request_the_engine_cannot_compute_fails_alone_with_request_failed(

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 from sqlalchemy import make_url
 
 from loramux.engine.service.runner import RunningEngineService
@@ -16,8 +18,10 @@ from loramux.gateway.health import READY_PROBE_SECONDS
 from loramux.gateway.server import RunningServer, engine_client, serve_in_thread
 from loramux.gateway.settings import EngineSettings, ServerSettings, Settings
 from loramux.gateway.supervisor import FAILING_EXITS, ChildSpec, SupervisedChild, Supervisor
+from tests.gateway.conftest import admin_client
 from tests.gateway.serve_process import wait_for
-from tests.gateway.servers import TcpRelay
+from tests.gateway.servers import ENGINE_TOKEN, TcpRelay, engine_service, gateway_server
+from tests.gateway.tenants import new_tenant
 from tests.migrations.test_revisions import new_postgres_database
 
 
@@ -53,6 +57,39 @@ def test_health_says_degraded_and_which_engine_is_down_while_one_of_several_is(
     engines[1].stop()
     wait_for(lambda: health()["engine"] == "down", 30, "/health says every engine is down")
     assert health()["engines"] == ["down", "down"] and health()["status"] == "degraded"
+
+
+def test_health_and_ready_say_an_engine_whose_step_loop_failed_is_down(
+    demo_model_dir: Path, tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An external engine whose step thread failed (a device error) refuses every request and
+    its own /health says `stopped`. Bug: the gateway asked it only for stats, which its event
+    loop still answered, so /health said engine `up` and /ready 200, and a load balancer kept
+    sending traffic that all failed. The engine now refuses stats while it serves nothing."""
+    with engine_service(demo_model_dir, tmp_path / "adapters") as service:
+        monkeypatch.setenv("LORAMUX_ENGINE_URLS", service.url)
+        monkeypatch.setenv("LORAMUX_ENGINE_TOKEN", ENGINE_TOKEN)
+        with gateway_server(demo_model_dir, tmp_path / "gw", redis_url) as gw:
+            with admin_client(gw) as admin:
+                tenant = new_tenant(admin, "health")
+
+            def health() -> dict[str, Any]:
+                return dict(httpx.get(f"{gw.url}/health", timeout=30).json())
+
+            assert health()["engines"] == ["up"]
+
+            def device_lost() -> Any:
+                raise RuntimeError("device lost")
+
+            monkeypatch.setattr(service.engine.engine, "step", device_lost)
+            body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
+            auth = {"authorization": f"Bearer {tenant.key}", "cache-control": "no-store"}
+            r = httpx.post(f"{gw.url}/v1/chat/completions", json=body, headers=auth, timeout=60)
+            assert r.status_code == 503, r.text
+            assert httpx.get(f"{service.health_url}/health").json() == {"status": "stopped"}
+            wait_for(lambda: health()["engines"] == ["down"], 30, "/health says the engine is down")
+            assert (health()["status"], health()["engine"]) == ("degraded", "down")
+            assert httpx.get(f"{gw.url}/ready", timeout=30).status_code == 503
 
 
 def test_health_fails_once_a_supervised_child_keeps_dying(gateway: RunningServer) -> None:
