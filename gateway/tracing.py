@@ -31,8 +31,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.propagate import extract
+from opentelemetry.context import Context
 from opentelemetry.trace import NoOpTracerProvider, ProxyTracerProvider, Span, SpanKind
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from loramux.engine.outputs import RequestTimings
 from loramux.engine.sampling import SamplingParams
@@ -44,6 +45,8 @@ TRACER = trace.get_tracer("loramux.gateway")
 
 OPERATIONS = {"chat": "chat", "text": "text_completion"}
 """gen_ai.operation.name of a completion of each kind."""
+
+TRACE_CONTEXT = TraceContextTextMapPropagator()
 
 
 def configure() -> bool:
@@ -80,7 +83,7 @@ def request_span(
     operation: str, route: str, request_id: str, headers: Mapping[str, str]
 ) -> Iterator[Span]:
     """The SERVER span of one completion request, continuing the caller's trace when its
-    headers carry one (`traceparent`)."""
+    headers carry one (`callers_trace`)."""
     attributes = {
         "gen_ai.operation.name": operation,
         "gen_ai.provider.name": "loramux",
@@ -89,9 +92,17 @@ def request_span(
         "loramux.request_id": request_id,
     }
     with TRACER.start_as_current_span(
-        operation, context=extract(headers), kind=SpanKind.SERVER, attributes=attributes
+        operation, context=callers_trace(headers), kind=SpanKind.SERVER, attributes=attributes
     ) as span:
         yield span
+
+
+def callers_trace(headers: Mapping[str, str]) -> Context:
+    """The caller's trace to continue: `traceparent`'s ids and flags, nothing else. Its
+    `tracestate` and `baggage` are text the tenant wrote: the SDK copies a tracestate into every
+    span of the request, and exports it with each."""
+    traceparent = headers.get("traceparent")
+    return TRACE_CONTEXT.extract({"traceparent": traceparent} if traceparent else {})
 
 
 def step(name: str) -> contextlib.AbstractContextManager[Span]:

@@ -155,3 +155,28 @@ def test_a_streamed_request_continues_the_callers_trace(
     root = next(s for s in found if s.kind is SpanKind.SERVER)
     assert root.context.trace_id == int(trace_id, 16)
     assert "engine" in children(found, root)
+
+
+def test_a_callers_tracestate_and_baggage_reach_no_span(
+    gateway: RunningServer, tenant: TenantKey, spans: InMemorySpanExporter
+) -> None:
+    """The trace is continued from `traceparent`'s ids alone. Bug: the caller's `tracestate`
+    was taken too, and the SDK copied it into every span of the request, so whatever a tenant
+    wrote there reached the trace backend with each."""
+    trace_id = uuid.uuid4().hex
+    headers = {
+        "authorization": f"Bearer {tenant.key}",
+        "cache-control": "no-store",
+        "traceparent": f"00-{trace_id}-{'2' * 16}-01",
+        "tracestate": "acme=tenant-wrote-this",
+        "baggage": "user=tenant-wrote-this-too",
+    }
+    body = {"model": "demo-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    url = f"{gateway.url}/v1/chat/completions"
+    r = httpx.post(url, json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    found = request_spans(spans, r.headers["x-request-id"])
+    assert {s.context.trace_id for s in found} == {int(trace_id, 16)}  # the caller's trace
+    assert {s.name: s.context.trace_state.to_header() for s in found} == {s.name: "" for s in found}
+    for span in found:
+        assert "tenant-wrote" not in str(dict(span.attributes or {})), span.name
