@@ -125,6 +125,41 @@ def _patterns(control_tokens: tuple[str, ...]) -> tuple[re.Pattern[str], re.Patt
     return in_user_text, in_prompt
 
 
+_NAME_PROBES: dict[str, list[dict[str, str]]] = {
+    "system": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    "user": [{"role": "user", "content": "Hi"}],
+    "assistant": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Bye"},
+    ],
+}
+"""For each role, a short conversation every template takes, whose message of that role gets a
+`name` to see whether the template writes it (roles alternate, a system message comes first)."""
+
+
+def named_roles(tokenizer: Any) -> frozenset[str]:
+    """The roles (system, user, assistant) whose message `name` the tokenizer's chat template
+    writes into the prompt: the role's probe conversation renders differently with a name on
+    that role's message. Most templates (Llama 3's, Qwen's ChatML) write none. A role whose
+    probe the template refuses (Gemma's refuses a system message) counts as writing none."""
+    if not chat_template(tokenizer):
+        return frozenset()
+    roles = set()
+    for role, conversation in _NAME_PROBES.items():
+        named = [m | {"name": "Probe_Name"} if m["role"] == role else m for m in conversation]
+        try:
+            renders = [
+                tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+                for c in (conversation, named)
+            ]
+        except TemplateError:
+            continue
+        if renders[0] != renders[1]:
+            roles.add(role)
+    return frozenset(roles)
+
+
 def chat_template(tokenizer: Any) -> str:
     """The template `apply_chat_template` uses, or "" for a tokenizer without one."""
     try:

@@ -137,7 +137,7 @@ def cache_request(
     messages = None
     if request.messages is not None:
         messages = tuple((str(m["role"]), str(m["content"])) for m in request.messages)
-        params["tool_turns"] = _tool_turns(request.messages)
+        params |= _beyond_pairs(request.messages)
     prompt: str | tuple[int, ...] | None = request.prompt
     if request.prompt_token_ids is not None:
         prompt = tuple(request.prompt_token_ids)
@@ -152,6 +152,11 @@ def cache_request(
     )
 
 
+def _beyond_pairs(messages: list[dict[str, Any]]) -> dict[str, str | None]:
+    """What the messages give the template beyond (role, content) pairs: tool turns, names."""
+    return {"tool_turns": _tool_turns(messages), "names": _names(messages)}
+
+
 def _tool_turns(messages: list[dict[str, Any]]) -> str | None:
     """The calls and call ids of a history's tool turns, which (role, content) pairs miss, as the
     template takes them. A call's arguments keep the client's key order: the template writes
@@ -162,6 +167,13 @@ def _tool_turns(messages: list[dict[str, Any]]) -> str | None:
         if "tool_calls" in m or "tool_call_id" in m
     ]
     return json.dumps(turns, separators=(",", ":")) if turns else None
+
+
+def _names(messages: list[dict[str, Any]]) -> str | None:
+    """Each named message's index and `name`, which (role, content) pairs miss: a template that
+    writes names makes them part of the prompt (the gateway refuses them for one that does not)."""
+    names = [[i, m["name"]] for i, m in enumerate(messages) if "name" in m]
+    return json.dumps(names, separators=(",", ":"), ensure_ascii=False) if names else None
 
 
 def _canonical(value: dict[str, Any] | None) -> str | None:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from transformers import AutoTokenizer
 
-from loramux.engine.chat_prompt import chat_template
+from loramux.engine.chat_prompt import chat_template, named_roles
 from loramux.engine.detokenizer import IncrementalDetokenizer, rust_decoder
 from loramux.engine.errors import PromptTooLongError
 from loramux.engine.fair_pool import Backlogged, FairPool
@@ -65,6 +65,9 @@ class PromptTokens:
         self.chat_template = chat_template(self._loop_tokenizer)
         """The model's chat template ("" without one): `gateway.openai.tools.tool_call_format`
         reads from it how the model writes tool calls."""
+        self.named_roles = named_roles(self._loop_tokenizer)
+        """The roles whose message `name` the chat template writes (probed once, at start): a
+        name in another role would change nothing, and is refused (`gateway.openai.prompt`)."""
         backend = getattr(self._loop_tokenizer, "backend_tokenizer", None)
         self.max_prompt_chars = max_model_len * token_chars(backend) if backend else None
         """Characters a prompt that fits can have at most (None: not known, not checked)."""
@@ -190,13 +193,14 @@ def token_chars(backend: Any) -> int:
 
 def prompt_chars(request: EngineRequest, measure: Callable[[str], int]) -> int:
     """Characters of the request's prompt text by `measure`: the prompt, or the messages'
-    contents with their tool calls and the tools as JSON (0 for token ids)."""
+    contents and names with their tool calls and the tools as JSON (0 for token ids)."""
     if request.prompt is not None:
         return measure(request.prompt)
     chars = measure(json.dumps(request.tools, ensure_ascii=False)) if request.tools else 0
     for m in request.messages or ():
         content = m.get("content")
         chars += measure(content) if isinstance(content, str) else 0
+        chars += measure(m["name"]) if isinstance(m.get("name"), str) else 0
         if m.get("tool_calls"):
             chars += measure(json.dumps(m["tool_calls"], ensure_ascii=False))
     return chars

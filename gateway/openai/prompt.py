@@ -22,11 +22,14 @@ def engine_prompt(
     req: ChatCompletionRequest | CompletionRequest,
     template_tools: list[dict[str, Any]] | None = None,
     fmt: ToolCallFormat | None = None,
+    named_roles: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """The EngineRequest fields that carry the prompt: `messages` (with the `tools` the
-    template renders), `prompt` or `prompt_token_ids`. `fmt` is the model's tool-call format."""
+    template renders), `prompt` or `prompt_token_ids`. `fmt` is the model's tool-call format;
+    `named_roles` the roles whose `name` its chat template writes (`PromptTokens.named_roles`)."""
     if isinstance(req, ChatCompletionRequest):
-        return {"messages": chat_messages(req.messages, fmt), "tools": template_tools}
+        messages = chat_messages(req.messages, fmt, named_roles)
+        return {"messages": messages, "tools": template_tools}
     return _completion_prompt(req.prompt)
 
 
@@ -38,10 +41,13 @@ context refused them."""
 
 
 def chat_messages(
-    messages: list[ChatMessage], fmt: ToolCallFormat | None = None
+    messages: list[ChatMessage],
+    fmt: ToolCallFormat | None = None,
+    named_roles: frozenset[str] = frozenset(),
 ) -> list[dict[str, Any]]:
-    """Messages as chat templates take them: roles system/user/assistant/tool, text content, an
-    assistant turn's `tool_calls` with arguments as objects, a tool turn's `tool_call_id`."""
+    """Messages as chat templates take them: roles system/user/assistant/tool, text content, a
+    `name` in `named_roles` (a 400 in another: the template would drop it unseen), an assistant
+    turn's `tool_calls` with arguments as objects, a tool turn's `tool_call_id`."""
     if not messages:
         raise BadRequest("messages must contain at least one message", param="messages")
     if len(messages) > MAX_MESSAGES:
@@ -49,16 +55,25 @@ def chat_messages(
             f"messages must contain at most {MAX_MESSAGES} messages, got {len(messages)}",
             param="messages",
         )
-    return [_message(m, i, fmt) for i, m in enumerate(messages)]
+    return [_message(m, i, fmt, named_roles) for i, m in enumerate(messages)]
 
 
-def _message(m: ChatMessage, i: int, fmt: ToolCallFormat | None) -> dict[str, Any]:
+def _message(
+    m: ChatMessage, i: int, fmt: ToolCallFormat | None, named_roles: frozenset[str]
+) -> dict[str, Any]:
     role = "system" if m.role == "developer" else m.role
     if role not in ROLES:
         raise BadRequest(
             f"messages[{i}].role '{m.role}' is not supported", param=f"messages[{i}].role"
         )
     out: dict[str, Any] = {"role": role, "content": _text(m.content, i)}
+    if m.name is not None:
+        if role not in named_roles:
+            raise BadRequest(
+                f"this model's chat template does not write the name of a {m.role} message",
+                param=f"messages[{i}].name",
+            )
+        out["name"] = m.name
     if m.tool_calls:
         if role != "assistant":
             raise BadRequest(

@@ -60,6 +60,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    """The speaker: passed to a chat template that writes it, else refused (never dropped)."""
     tool_calls: list[ToolCall] | None = None
     """The calls an assistant turn made."""
     tool_call_id: str | None = None

@@ -189,7 +189,8 @@ class CompletionService:
         forced = tools.plan.forced_schema
         params = sampling_params(req, requested or 1, self.limits.vocab_size, forced)
         salt = cache_salt(owner := principal.tenant_id, principal.tenant_settings)
-        prompt = engine_prompt(req, tools.plan.template_tools, self.tool_format)
+        named = self.prompts.named_roles
+        prompt = engine_prompt(req, tools.plan.template_tools, self.tool_format, named)
         text_request = EngineRequest(
             request_id, params, adapter=model.digest, cache_salt=salt, owner=owner, **prompt
         )

@@ -95,3 +95,17 @@ def test_the_cache_request_carries_tenant_adapter_messages_and_params() -> None:
     assert params["response_format"] == '{"type":"json_object"}'
     text = cache_request("t", "m", EngineRequest("r2", SamplingParams(), prompt_token_ids=[1, 2]))
     assert (text.kind, text.prompt, text.adapter) == ("text", (1, 2), "base")
+
+
+def test_a_message_name_is_part_of_the_key() -> None:
+    """A template that writes names makes them part of the prompt: two speakers asking the same
+    are two requests (the bug: the key held (role, content) pairs alone)."""
+
+    def asked_by(name: str | None) -> EngineRequest:
+        message: dict[str, Any] = {"role": "user", "content": "Who am I?"}
+        message |= {"name": name} if name is not None else {}
+        return EngineRequest("r", SamplingParams(), messages=[message])
+
+    keys = {cache_request("t", "m", asked_by(name)) for name in ("Alice", "Bob", None)}
+    assert len(keys) == 3
+    assert cache_request("t", "m", asked_by("Alice")) == cache_request("t", "m", asked_by("Alice"))

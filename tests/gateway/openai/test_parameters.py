@@ -13,6 +13,9 @@ import openai
 import pytest
 
 from loramux.engine.outputs import EngineStats
+from loramux.gateway.errors import BadRequest
+from loramux.gateway.openai.prompt import chat_messages
+from loramux.gateway.openai.schemas import ChatMessage
 from loramux.gateway.server import RunningServer
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -262,6 +265,12 @@ UNSERVED: dict[str, tuple[str, dict[str, Any], str]] = {
         "prediction",
     ),
     "functions": ("chat", {"functions": [{"name": "f"}]}, "functions"),
+    # the demo's ChatML, like Llama 3's and Qwen's templates, writes no message's name
+    "a speaker's name": (
+        "chat",
+        {"messages": [{"role": "user", "name": "Alice", "content": "Who am I?"}]},
+        "messages[0].name",
+    ),
     "echo": ("text", {"echo": True}, "echo"),
     "suffix": ("text", {"suffix": "end"}, "suffix"),
     "best_of": ("text", {"best_of": 2}, "best_of"),
@@ -273,8 +282,9 @@ def test_an_openai_field_that_would_change_the_output_is_refused_naming_it(
     api: httpx.Client, case: str
 ) -> None:
     """A field OpenAI serves and loramux does not is a 400 naming it, never ignored: the client
-    would miss its `message.audio`, or take an answer as searched. The bug: audio output and web
-    search were answered with 200, without either."""
+    would miss its `message.audio`, or take an answer as searched. The bugs: audio output and web
+    search were answered with 200, without either; a message's `name` was dropped before the
+    chat template, so two speakers made one prompt."""
     kind, field, param = UNSERVED[case]
     if kind == "chat":
         r = api.post(
@@ -284,6 +294,18 @@ def test_an_openai_field_that_would_change_the_output_is_refused_naming_it(
         r = api.post("/completions", json={"model": "demo-model", "prompt": "hi"} | field)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_a_name_reaches_a_template_that_writes_it() -> None:
+    """A template that writes names (`PromptTokens.named_roles`) gets each message's `name`;
+    in a role it writes none for, the name is refused, never dropped."""
+    alice = ChatMessage(role="user", content="Who am I?", name="Alice")
+    bob = ChatMessage(role="assistant", content="Hi", name="Bob")
+    messages = chat_messages([alice], named_roles=frozenset({"user"}))
+    assert messages == [{"role": "user", "content": "Who am I?", "name": "Alice"}]
+    with pytest.raises(BadRequest) as refused:
+        chat_messages([alice, bob], named_roles=frozenset({"user"}))
+    assert refused.value.param == "messages[1].name"
 
 
 def test_openai_fields_that_leave_the_output_alone_are_served(api: httpx.Client) -> None:
