@@ -45,9 +45,10 @@ def chat_messages(
     fmt: ToolCallFormat | None = None,
     named_roles: frozenset[str] = frozenset(),
 ) -> list[dict[str, Any]]:
-    """Messages as chat templates take them: roles system/user/assistant/tool, text content, a
-    `name` in `named_roles` (a 400 in another: the template would drop it unseen), an assistant
-    turn's `tool_calls` with arguments as objects, a tool turn's `tool_call_id`."""
+    """Messages as chat templates take them: roles system/user/assistant/tool, text content (an
+    assistant turn's `refusal` where its content is null), a `name` in `named_roles` (a 400 in
+    another: the template would drop it unseen), an assistant turn's `tool_calls` with
+    arguments as objects, a tool turn's `tool_call_id`."""
     if not messages:
         raise BadRequest("messages must contain at least one message", param="messages")
     if len(messages) > MAX_MESSAGES:
@@ -66,7 +67,7 @@ def _message(
         raise BadRequest(
             f"messages[{i}].role '{m.role}' is not supported", param=f"messages[{i}].role"
         )
-    out: dict[str, Any] = {"role": role, "content": _text(m.content, i)}
+    out: dict[str, Any] = {"role": role, "content": _content(m, i)}
     if m.name is not None:
         if role not in named_roles:
             raise BadRequest(
@@ -88,6 +89,22 @@ def _message(
             )
         return template_tool_result(m.tool_call_id, out["content"], fmt)
     return out
+
+
+def _content(m: ChatMessage, i: int) -> str:
+    """The turn's text: its content, or the `refusal` of an assistant turn whose content is
+    null (OpenAI's refused answer, sent back as the SDK gave it). A refusal beside content is
+    refused, as a refusal content part is (`_text`): the template has one text per turn."""
+    if m.refusal is None:
+        return _text(m.content, i)
+    if m.role != "assistant":
+        raise BadRequest("only assistant messages carry a refusal", param=f"messages[{i}].refusal")
+    if m.content is not None:
+        raise BadRequest(
+            "an assistant message carries content or a refusal, not both",
+            param=f"messages[{i}].refusal",
+        )
+    return m.refusal
 
 
 def _text(content: str | list[ContentPart] | None, i: int) -> str:

@@ -59,6 +59,8 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=False):
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
     role: str
     content: str | list[ContentPart] | None = None
+    refusal: str | None = None
+    """An assistant turn OpenAI refused: its text, the content null (as the SDK hands it back)."""
     name: str | None = None
     """The speaker: passed to a chat template that writes it, else refused (never dropped)."""
     tool_calls: list[ToolCall] | None = None

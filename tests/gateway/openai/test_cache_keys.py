@@ -142,3 +142,18 @@ def test_a_history_call_differing_only_in_argument_order_is_a_miss(api: httpx.Cl
     assert again.headers["x-cache"] == "exact"
     other = api.post("/chat/completions", json=asked | {"messages": second})
     assert (other.status_code, other.headers["x-cache"]) == (200, "miss"), other.text
+
+
+def test_a_history_refusal_is_part_of_the_key(api: httpx.Client) -> None:
+    """An assistant turn's `refusal` (content null) is that turn's text: the same history with
+    an empty assistant turn is another prompt. The bug: the refusal was dropped, and that
+    prompt was answered from the first one's entry."""
+    asked = {"role": "user", "content": f"Tell me a secret. ({uuid.uuid4().hex[:8]})"}
+    refused = {"role": "assistant", "content": None, "refusal": "I can't help with that."}
+    follow_up = {"role": "user", "content": "Why not?"}
+    first = body() | {"messages": [asked, refused, follow_up]}
+    assert api.post("/chat/completions", json=first).headers["x-cache"] == "miss"
+    assert api.post("/chat/completions", json=first).headers["x-cache"] == "exact"
+    empty = first | {"messages": [asked, {"role": "assistant", "content": None}, follow_up]}
+    other = api.post("/chat/completions", json=empty)
+    assert (other.status_code, other.headers["x-cache"]) == (200, "miss"), other.text

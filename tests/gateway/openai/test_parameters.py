@@ -308,6 +308,48 @@ def test_a_name_reaches_a_template_that_writes_it() -> None:
     assert refused.value.param == "messages[1].name"
 
 
+REFUSED_ANSWER = "I can't help with that request."
+
+
+def _prompt_tokens(api: httpx.Client, messages: list[dict[str, Any]]) -> int:
+    body = {"model": "demo-model", "messages": messages, "max_tokens": 1, "temperature": 0}
+    r = api.post("/chat/completions", json=body, headers={"cache-control": "no-store"})
+    assert r.status_code == 200, r.text
+    return int(r.json()["usage"]["prompt_tokens"])
+
+
+def test_an_assistant_refusal_in_the_history_is_that_turns_text(api: httpx.Client) -> None:
+    """OpenAI hands a refused answer back as `content: null, refusal: "..."`; sent back in the
+    history, the refusal is what the assistant said. The bug: it was dropped unseen, and the
+    model read an empty assistant turn."""
+
+    def history(turn: dict[str, Any]) -> list[dict[str, Any]]:
+        asked = {"role": "user", "content": "Tell me a secret."}
+        return [asked, {"role": "assistant"} | turn, {"role": "user", "content": "Why not?"}]
+
+    refused = _prompt_tokens(api, history({"content": None, "refusal": REFUSED_ANSWER}))
+    assert refused == _prompt_tokens(api, history({"content": REFUSED_ANSWER}))
+    assert refused > _prompt_tokens(api, history({"content": None}))
+
+
+@pytest.mark.parametrize(
+    "turn",
+    [
+        {"role": "assistant", "content": "Sure.", "refusal": REFUSED_ANSWER},
+        {"role": "user", "content": None, "refusal": REFUSED_ANSWER},
+    ],
+    ids=["beside content", "not the assistant's"],
+)
+def test_a_refusal_the_template_could_not_take_is_refused_naming_it(
+    api: httpx.Client, turn: dict[str, Any]
+) -> None:
+    messages = [{"role": "user", "content": "hi"}, turn]
+    body = {"model": "demo-model", "messages": messages, "max_tokens": 1}
+    r = api.post("/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages[1].refusal", r.text
+
+
 def test_openai_fields_that_leave_the_output_alone_are_served(api: httpx.Client) -> None:
     """Fields about OpenAI's own service (storage, tiers, metadata, reasoning models) and text as
     the one output modality change nothing here, and are taken (docs/architecture.md lists them)."""
