@@ -53,6 +53,11 @@ class Draft:
     schema_param: str = "response_format"
     """The field whose schema constrains the output: `tools` for a forced tool call."""
 
+    @property
+    def prompt_param(self) -> str:
+        """The field that holds the prompt: `messages`, or a completion's `prompt`."""
+        return "prompt" if self.text_request.messages is None else "messages"
+
 
 @dataclass(frozen=True)
 class Tokenized:

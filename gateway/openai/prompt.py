@@ -7,7 +7,6 @@ from typing import Any
 
 from loramux.gateway.errors import BadRequest
 from loramux.gateway.openai.schemas import (
-    INT32_MAX,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -20,17 +19,19 @@ ROLES = ("system", "user", "assistant", "tool")
 
 def engine_prompt(
     req: ChatCompletionRequest | CompletionRequest,
+    vocab_size: int,
     template_tools: list[dict[str, Any]] | None = None,
     fmt: ToolCallFormat | None = None,
     named_roles: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """The EngineRequest fields that carry the prompt: `messages` (with the `tools` the
-    template renders), `prompt` or `prompt_token_ids`. `fmt` is the model's tool-call format;
-    `named_roles` the roles whose `name` its chat template writes (`PromptTokens.named_roles`)."""
+    template renders), `prompt` or `prompt_token_ids` (each below `vocab_size`). `fmt` is the
+    model's tool-call format; `named_roles` the roles whose `name` its chat template writes
+    (`PromptTokens.named_roles`)."""
     if isinstance(req, ChatCompletionRequest):
         messages = chat_messages(req.messages, fmt, named_roles)
         return {"messages": messages, "tools": template_tools}
-    return _completion_prompt(req.prompt)
+    return _completion_prompt(req.prompt, vocab_size)
 
 
 MAX_MESSAGES = 2048
@@ -123,15 +124,20 @@ def _text(content: str | list[ContentPart] | None, i: int) -> str:
     return "".join(texts)
 
 
-def _completion_prompt(prompt: str | list[Any], nested: bool = False) -> dict[str, Any]:
+def _completion_prompt(
+    prompt: str | list[Any], vocab_size: int, nested: bool = False
+) -> dict[str, Any]:
     if isinstance(prompt, str):
         return {"prompt": prompt}
     if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if not all(0 <= t <= INT32_MAX for t in prompt):
-            raise BadRequest("prompt token ids must be between 0 and 2^31 - 1", param="prompt")
+        if not all(0 <= t < vocab_size for t in prompt):
+            raise BadRequest(
+                f"prompt token ids must be from 0 to {vocab_size - 1}, this model's vocabulary",
+                param="prompt",
+            )
         return {"prompt_token_ids": list(prompt)}
     if len(prompt) == 1 and not nested and isinstance(prompt[0], str | list):
-        return _completion_prompt(prompt[0], nested=True)
+        return _completion_prompt(prompt[0], vocab_size, nested=True)
     raise BadRequest(
         "prompt must be a string, a list of token ids, or a list holding one of those",
         param="prompt",

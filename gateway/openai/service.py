@@ -32,19 +32,14 @@ from functools import partial
 from loramux.adapters.store import AdapterStore
 from loramux.cache.response_cache import ResponseCache
 from loramux.cache.types import CacheHit, CachePolicy, CacheRequest, Consulted
-from loramux.engine.errors import PromptTooLongError
+from loramux.engine.errors import InvalidRequestError, PromptTooLongError
 from loramux.engine.outputs import EngineRequest
 from loramux.engine.structured import StructuredOutputError
 from loramux.gateway import tracing
 from loramux.gateway.auth.api_keys import Principal
 from loramux.gateway.catalog import ModelCatalog, ResolvedModel
 from loramux.gateway.engine_client.base import EngineClient
-from loramux.gateway.errors import (
-    BadRequest,
-    ClientClosedRequest,
-    InsufficientQuota,
-    RateLimited,
-)
+from loramux.gateway.errors import BadRequest, ClientClosedRequest, InsufficientQuota, RateLimited
 from loramux.gateway.metrics import completion_route
 from loramux.gateway.openai.cache_plan import cache_plan
 from loramux.gateway.openai.finish import Metering
@@ -190,7 +185,9 @@ class CompletionService:
         params = sampling_params(req, requested or 1, self.limits.vocab_size, forced)
         salt = cache_salt(owner := principal.tenant_id, principal.tenant_settings)
         named = self.prompts.named_roles
-        prompt = engine_prompt(req, tools.plan.template_tools, self.tool_format, named)
+        prompt = engine_prompt(
+            req, self.limits.vocab_size, tools.plan.template_tools, self.tool_format, named
+        )
         text_request = EngineRequest(
             request_id, params, adapter=model.digest, cache_salt=salt, owner=owner, **prompt
         )
@@ -208,6 +205,8 @@ class CompletionService:
             raise self._too_long(draft, exc) from None
         except StructuredOutputError as exc:
             raise BadRequest(str(exc), param=draft.schema_param) from None
+        except InvalidRequestError as exc:  # an empty prompt; messages the template refused
+            raise BadRequest(str(exc), param=draft.prompt_param) from None
         except RateLimited as refused:  # the tenant's bound of prompts waiting (backlog)
             self.metering.metrics.admission.quota_refusals.labels(refused.refusal).inc()
             raise
@@ -227,8 +226,7 @@ class CompletionService:
                 f"this model's maximum context length is {self.limits.max_model_len} tokens; the "
                 f"prompt has {exc.prompt_tokens} tokens, which leave no room for a completion"
             )
-        param = "prompt" if draft.text_request.messages is None else "messages"
-        return BadRequest(message, param=param, code="context_length_exceeded")
+        return BadRequest(message, param=draft.prompt_param, code="context_length_exceeded")
 
     async def _refuse_early(self, principal: Principal) -> None:
         """The 429 a request gets before its prompt is tokenized, when its principal's limits

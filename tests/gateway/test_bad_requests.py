@@ -11,6 +11,7 @@ import httpx
 import pytest
 from litestar.serialization import encode_json
 
+from loramux.engine.demo_model import VOCAB_SIZE
 from loramux.gateway.errors import BadRequest
 from loramux.gateway.openai.body import nests_deeper_than
 from loramux.gateway.openai.prompt import MAX_MESSAGES
@@ -179,6 +180,25 @@ def test_bad_completion_prompt(gateway: RunningServer, tenant: TenantKey, prompt
     )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [[-1], [VOCAB_SIZE], [10**6], [[5, VOCAB_SIZE]], [2**31], "", [""]],
+    ids=["negative", "vocab-size", "million", "nested", "int32", "empty", "nested-empty"],
+)
+def test_a_prompt_the_model_cannot_take_is_refused_naming_prompt(
+    gateway: RunningServer, tenant: TenantKey, prompt: Any
+) -> None:
+    """Token ids past the vocabulary and an empty prompt are the `prompt`'s fault. The bug: the
+    engine's refusal of them came back with `param: null`, while a negative id named it."""
+    r = httpx.post(
+        f"{gateway.url}/v1/completions",
+        json={"model": "demo-model", "prompt": prompt, "max_tokens": 2},
+        headers={"authorization": f"Bearer {tenant.key}"},
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "prompt", r.text
 
 
 NUMERIC_FIELDS = [
