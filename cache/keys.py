@@ -38,10 +38,11 @@ from typing import Any
 
 from loramux.cache.types import CacheRequest, Fence
 
-KEY_VERSION = 4
+KEY_VERSION = 5
 """Bumped when the key derivation or an entry's format changes, so old entries are never
 misread (2: schemas and tools keep their key order; 3: so do the arguments of a history's tool
-calls; 4: an entry keeps the `system_fingerprint` it was made under)."""
+calls; 4: an entry keeps the `system_fingerprint` it was made under; 5: an entry's chat logprobs
+leave out the tokens its content does not show, the end of turn)."""
 
 
 def glob_escape(text: str) -> str:

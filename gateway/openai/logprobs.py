@@ -47,6 +47,10 @@ class TokenPieces:
         self._byte_level = backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
         self._pieces: dict[int, tuple[str, list[int]]] = {}
         self._names: dict[int, str] = {}
+        decoder = getattr(tokenizer, "added_tokens_decoder", {})
+        self._unshown = frozenset(i for i, t in decoder.items() if t.special)
+        """Ids whose text the output leaves out: special tokens, which the detokenizer skips
+        (`skip_special_tokens`), the end of a turn among them."""
 
     def piece(self, token_id: int) -> tuple[str, list[int]]:
         """The token's text (a partial character as U+FFFD) and bytes."""
@@ -85,9 +89,14 @@ class TokenPieces:
     def chat_entries(
         self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]
     ) -> list[TokenLogprobEntry]:
-        """A chat choice's `logprobs.content` for these tokens."""
+        """A chat choice's `logprobs.content` for these tokens, but those the content does not
+        show (special tokens: the end of turn), so that the entries' bytes join to the content,
+        as OpenAI's do. The tokens still count in `usage.completion_tokens`; the legacy API
+        lists them (`text_logprobs`), as OpenAI's does."""
         entries = []
         for token_id, lp in zip(token_ids, logprobs, strict=True):
+            if token_id in self._unshown:
+                continue
             top = [TopLogprob(self.name(t), p, self.piece(t)[1]) for t, p in lp.top]
             entries.append(
                 TokenLogprobEntry(self.name(token_id), lp.logprob, self.piece(token_id)[1], top)

@@ -134,7 +134,10 @@ def _logprobs(got: ChoiceDelta | ChoiceRun, kind: Kind, pieces: TokenPieces) -> 
         return None if isinstance(got, ChoiceDelta) else _empty(kind)
     ids = got.token_ids[: len(got.logprobs)]
     if kind == "chat":
-        return ChoiceLogprobs(pieces.chat_entries(ids, got.logprobs))
+        entries = pieces.chat_entries(ids, got.logprobs)
+        if not entries and isinstance(got, ChoiceDelta):
+            return None  # a delta of tokens the content does not show (the end of turn)
+        return ChoiceLogprobs(entries)
     return pieces.text_logprobs(ids, got.logprobs, got.offsets[: len(ids)])
 
 

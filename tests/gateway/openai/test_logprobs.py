@@ -5,11 +5,14 @@ The values themselves are the engine's (tests/engine); here, that the API carrie
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 import httpx
 import openai
 import pytest
+
+from loramux.engine.demo_model import IM_END_ID
 
 MESSAGES = [{"role": "user", "content": "Describe the sea in one sentence."}]
 
@@ -26,7 +29,9 @@ def test_chat_logprobs_through_the_openai_client(oai: openai.OpenAI) -> None:
     choice = out.choices[0]
     assert choice.logprobs is not None and choice.logprobs.content
     entries = choice.logprobs.content
-    assert out.usage is not None and len(entries) == out.usage.completion_tokens
+    # every generated token is billed; the end of turn is no token of the content
+    ended_turn = choice.finish_reason == "stop"
+    assert out.usage is not None and len(entries) + ended_turn == out.usage.completion_tokens
     for entry in entries:
         assert entry.logprob <= 0.0 and entry.bytes is not None
         assert len(entry.top_logprobs) == 5
@@ -34,9 +39,8 @@ def test_chat_logprobs_through_the_openai_client(oai: openai.OpenAI) -> None:
         assert top == sorted(top, reverse=True)
         # greedy: the chosen token is the most likely one
         assert (entry.token, entry.logprob) == (entry.top_logprobs[0].token, top[0])
-    if choice.finish_reason == "length":  # no end-of-sequence token among the entries
-        text = bytes(b for e in entries for b in e.bytes or []).decode()
-        assert text == choice.message.content
+    text = bytes(b for e in entries for b in e.bytes or []).decode()
+    assert text == choice.message.content
 
 
 def test_streamed_chat_logprobs_equal_the_whole_responses(api: httpx.Client) -> None:
@@ -59,6 +63,64 @@ def test_streamed_chat_logprobs_equal_the_whole_responses(api: httpx.Client) -> 
                 for choice in json.loads(line.removeprefix("data: "))["choices"]:
                     streamed += (choice["logprobs"] or {}).get("content") or []
     assert streamed == whole["choices"][0]["logprobs"]["content"]
+
+
+def _chat_logprobs(api: httpx.Client, body: dict[str, Any], **headers: str) -> dict[str, Any]:
+    """A chat choice's content, logprobs entries, finish reason and the response's cache
+    outcome and completion tokens, whole or gathered from its stream."""
+    if not body.get("stream"):
+        r = api.post("/chat/completions", json=body, headers=headers)
+        choice = r.json()["choices"][0]
+        return {
+            "content": choice["message"]["content"],
+            "entries": choice["logprobs"]["content"],
+            "finish": choice["finish_reason"],
+            "x-cache": r.headers["x-cache"],
+            "completion_tokens": r.json()["usage"]["completion_tokens"],
+        }
+    out: dict[str, Any] = {"content": "", "entries": []}
+    with api.stream("POST", "/chat/completions", json=body, headers=headers) as r:
+        out["x-cache"] = r.headers["x-cache"]
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            out["completion_tokens"] = (chunk["usage"] or {}).get("completion_tokens")
+            for choice in chunk["choices"]:
+                out["content"] += choice["delta"].get("content") or ""
+                out["entries"] += (choice["logprobs"] or {}).get("content") or []
+                out["finish"] = choice["finish_reason"] or out.get("finish")
+    return out
+
+
+def test_chat_logprobs_leave_out_the_end_of_turn_the_content_does_not_show(
+    api: httpx.Client,
+) -> None:
+    """OpenAI's chat logprobs list the content's tokens: their bytes joined are the content.
+    Whole, streamed, and replayed from the cache. The bug: a choice that ended at the end of
+    turn listed `<|im_end|>` too, whose bytes the content does not hold. The token is still
+    billed as generated."""
+    body = {
+        "model": "demo-model",
+        "messages": [{"role": "user", "content": f"Say nothing. ({uuid.uuid4().hex[:8]})"}],
+        "max_tokens": 5,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "logit_bias": {str(IM_END_ID): 100},  # the turn ends at once
+    }
+    streamed = body | {"stream": True, "stream_options": {"include_usage": True}}
+    answers = [
+        _chat_logprobs(api, body),
+        _chat_logprobs(api, body),
+        _chat_logprobs(api, streamed, **{"cache-control": "no-store"}),
+        _chat_logprobs(api, streamed),
+    ]
+    assert [a["x-cache"] for a in answers] == ["miss", "exact", "bypass", "exact"]
+    for answer in answers:
+        assert (answer["finish"], answer["completion_tokens"]) == ("stop", 1), answer
+        joined = b"".join(bytes(e["bytes"]) for e in answer["entries"])
+        assert joined.decode() == answer["content"] == "", answer
 
 
 def test_completion_logprobs_in_the_legacy_format(oai: openai.OpenAI) -> None:

@@ -10,6 +10,7 @@ import pytest
 from tokenizers import Tokenizer, models
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from loramux.engine.demo_model import IM_END_ID
 from loramux.engine.outputs import TokenLogprob
 from loramux.gateway.openai.logprobs import TokenPieces
 
@@ -72,6 +73,21 @@ def test_chat_entries_carry_the_top_alternatives_in_order(
         (pieces.piece(5)[0], -0.5),
         (pieces.piece(6)[0], -1.5),
     ]
+
+
+def test_chat_entries_leave_out_the_tokens_the_content_does_not_show(
+    demo_pieces: tuple[TokenPieces, object],
+) -> None:
+    """The detokenizer skips special tokens, so chat entries do too: the bytes of the entries
+    of a turn that ended at <|im_end|> join to its text. Legacy logprobs keep every token."""
+    pieces, tokenizer = demo_pieces
+    ids = [*tokenizer.encode("calm sea", add_special_tokens=False), IM_END_ID]  # type: ignore[attr-defined]
+    logprobs = [TokenLogprob(-0.5, [(t, -0.5), (IM_END_ID, -1.0)]) for t in ids]
+    entries = pieces.chat_entries(ids, logprobs)
+    assert b"".join(bytes(e.bytes or []) for e in entries) == b"calm sea"
+    assert entries[-1].top_logprobs[1].token == "<|im_end|>"  # an alternative, not content
+    legacy = pieces.text_logprobs(ids, logprobs, list(range(len(ids))))
+    assert legacy.tokens[-1] == "<|im_end|>"
 
 
 def test_legacy_top_logprobs_keep_the_likelier_of_two_tokens_named_alike() -> None:
