@@ -171,7 +171,7 @@ def _tool_turns(messages: list[dict[str, Any]]) -> str | None:
 
 def _names(messages: list[dict[str, Any]]) -> str | None:
     """Each named message's index and `name`, which (role, content) pairs miss: a template that
-    writes names makes them part of the prompt (the gateway refuses them for one that does not)."""
+    writes names makes them part of the prompt."""
     names = [[i, m["name"]] for i, m in enumerate(messages) if "name" in m]
     return json.dumps(names, separators=(",", ":"), ensure_ascii=False) if names else None
 

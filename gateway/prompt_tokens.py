@@ -67,7 +67,7 @@ class PromptTokens:
         reads from it how the model writes tool calls."""
         self.named_roles = named_roles(self._loop_tokenizer)
         """The roles whose message `name` the chat template writes (probed once, at start): a
-        name in another role would change nothing, and is refused (`gateway.openai.prompt`)."""
+        name in another role changes nothing, and is not passed (`gateway.openai.prompt`)."""
         backend = getattr(self._loop_tokenizer, "backend_tokenizer", None)
         self.max_prompt_chars = max_model_len * token_chars(backend) if backend else None
         """Characters a prompt that fits can have at most (None: not known, not checked)."""

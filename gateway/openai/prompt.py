@@ -47,8 +47,8 @@ def chat_messages(
     named_roles: frozenset[str] = frozenset(),
 ) -> list[dict[str, Any]]:
     """Messages as chat templates take them: roles system/user/assistant/tool, text content (an
-    assistant turn's `refusal` where its content is null), a `name` in `named_roles` (a 400 in
-    another: the template would drop it unseen), an assistant turn's `tool_calls` with
+    assistant turn's `refusal` where its content is null), a `name` in `named_roles` (in another
+    role the template writes none: served as OpenAI-compatible servers do, see docs), an assistant turn's `tool_calls` with
     arguments as objects, a tool turn's `tool_call_id`."""
     if not messages:
         raise BadRequest("messages must contain at least one message", param="messages")
@@ -69,12 +69,7 @@ def _message(
             f"messages[{i}].role '{m.role}' is not supported", param=f"messages[{i}].role"
         )
     out: dict[str, Any] = {"role": role, "content": _content(m, i)}
-    if m.name is not None:
-        if role not in named_roles:
-            raise BadRequest(
-                f"this model's chat template does not write the name of a {m.role} message",
-                param=f"messages[{i}].name",
-            )
+    if m.name is not None and role in named_roles:
         out["name"] = m.name
     if m.tool_calls:
         if role != "assistant":

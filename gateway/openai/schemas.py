@@ -62,7 +62,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
     refusal: str | None = None
     """An assistant turn OpenAI refused: its text, the content null (as the SDK hands it back)."""
     name: str | None = None
-    """The speaker: passed to a chat template that writes it, else refused (never dropped)."""
+    """The speaker: passed to a chat template that writes it (`named_roles`)."""
     tool_calls: list[ToolCall] | None = None
     """The calls an assistant turn made."""
     tool_call_id: str | None = None

@@ -13,7 +13,6 @@ import openai
 import pytest
 
 from loramux.engine.outputs import EngineStats
-from loramux.gateway.errors import BadRequest
 from loramux.gateway.openai.prompt import chat_messages
 from loramux.gateway.openai.schemas import ChatMessage
 from loramux.gateway.server import RunningServer
@@ -265,12 +264,6 @@ UNSERVED: dict[str, tuple[str, dict[str, Any], str]] = {
         "prediction",
     ),
     "functions": ("chat", {"functions": [{"name": "f"}]}, "functions"),
-    # the demo's ChatML, like Llama 3's and Qwen's templates, writes no message's name
-    "a speaker's name": (
-        "chat",
-        {"messages": [{"role": "user", "name": "Alice", "content": "Who am I?"}]},
-        "messages[0].name",
-    ),
     "echo": ("text", {"echo": True}, "echo"),
     "suffix": ("text", {"suffix": "end"}, "suffix"),
     "best_of": ("text", {"best_of": 2}, "best_of"),
@@ -283,8 +276,7 @@ def test_an_openai_field_that_would_change_the_output_is_refused_naming_it(
 ) -> None:
     """A field OpenAI serves and loramux does not is a 400 naming it, never ignored: the client
     would miss its `message.audio`, or take an answer as searched. The bugs: audio output and web
-    search were answered with 200, without either; a message's `name` was dropped before the
-    chat template, so two speakers made one prompt."""
+    search were answered with 200, without either."""
     kind, field, param = UNSERVED[case]
     if kind == "chat":
         r = api.post(
@@ -298,14 +290,24 @@ def test_an_openai_field_that_would_change_the_output_is_refused_naming_it(
 
 def test_a_name_reaches_a_template_that_writes_it() -> None:
     """A template that writes names (`PromptTokens.named_roles`) gets each message's `name`;
-    in a role it writes none for, the name is refused, never dropped."""
+    in a role it writes none for, the message is served without it (clients such as multi-agent
+    frameworks send names on every message; OpenAI-compatible servers take them). The bug: the
+    name was dropped before every template, those that write names included."""
     alice = ChatMessage(role="user", content="Who am I?", name="Alice")
     bob = ChatMessage(role="assistant", content="Hi", name="Bob")
-    messages = chat_messages([alice], named_roles=frozenset({"user"}))
-    assert messages == [{"role": "user", "content": "Who am I?", "name": "Alice"}]
-    with pytest.raises(BadRequest) as refused:
-        chat_messages([alice, bob], named_roles=frozenset({"user"}))
-    assert refused.value.param == "messages[1].name"
+    messages = chat_messages([alice, bob], named_roles=frozenset({"user"}))
+    assert messages == [
+        {"role": "user", "content": "Who am I?", "name": "Alice"},
+        {"role": "assistant", "content": "Hi"},
+    ]
+
+
+def test_a_speakers_name_is_served_by_a_template_that_writes_none(api: httpx.Client) -> None:
+    """The demo's ChatML, like Llama 3's and Qwen's templates, writes no name: a named message
+    is answered (200), as by OpenAI-compatible servers, not refused."""
+    named = [{"role": "user", "name": "Alice", "content": "Who am I?"}]
+    r = api.post("/chat/completions", json={"model": "demo-model", "messages": named})
+    assert r.status_code == 200, r.text
 
 
 REFUSED_ANSWER = "I can't help with that request."
