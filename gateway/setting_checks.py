@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from loramux.engine.config import MAX_CPU_THREADS
@@ -176,3 +177,19 @@ def check_admin_secret(secret: str, source: str) -> None:
             f"{source} must be at least {MIN_SECRET_BYTES} bytes (it is "
             f"{len(secret.encode())}); generate one with `openssl rand -hex 32`"
         )
+
+
+def admin_public_key_pem(value: str) -> str:
+    """The PEM text LORAMUX_ADMIN_PUBLIC_KEY gives: the value itself when it is PEM (it starts
+    with `-----BEGIN`), else the file it names. PEM text is never tried as a path: a key whose
+    base64 runs over 255 characters between two `/` (about one in twenty) made that try fail
+    with ENAMETOOLONG, and the gateway could not start."""
+    if value.lstrip().startswith("-----BEGIN"):
+        return value
+    try:
+        return Path(value).read_text()
+    except OSError as exc:
+        raise ConfigError(
+            f"LORAMUX_ADMIN_PUBLIC_KEY must be a PEM public key (its text, from -----BEGIN, or "
+            f"a file holding it): {value!r} is no file that can be read ({exc.strerror})"
+        ) from None

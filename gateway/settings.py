@@ -193,7 +193,8 @@ class ServerSettings:
     admin_public_key: str | None = field(
         default_factory=lambda: env_value("ADMIN_PUBLIC_KEY", None)
     )
-    """LORAMUX_ADMIN_PUBLIC_KEY: PEM public key; when set, admin JWTs are RS256, minted elsewhere."""
+    """LORAMUX_ADMIN_PUBLIC_KEY: RSA public key in PEM, its text (from -----BEGIN) or a file's
+    path; when set, admin JWTs are RS256, minted elsewhere."""
     admin_token_max_ttl: int = field(
         default_factory=lambda: env_value("ADMIN_TOKEN_MAX_TTL", 24 * 3600, int)
     )

@@ -31,7 +31,7 @@ from loramux.gateway.prompt_tokens import PromptTokens
 from loramux.gateway.quotas import QuotaService
 from loramux.gateway.runs_in_flight import RunsInFlight
 from loramux.gateway.served_identity import ServedIdentity, confirm_identity, engine_info
-from loramux.gateway.setting_checks import check_admin_secret
+from loramux.gateway.setting_checks import admin_public_key_pem, check_admin_secret
 from loramux.gateway.settings import Settings, private_folder
 from loramux.gateway.supervisor import Supervisor
 from loramux.gateway.usage import UsageRecorder
@@ -146,8 +146,7 @@ def admin_secret(settings: Settings) -> str:
 def admin_auth(settings: Settings) -> AdminAuth:
     max_ttl = settings.server.admin_token_max_ttl
     if settings.server.admin_public_key:
-        key = settings.server.admin_public_key
-        pem = Path(key).read_text() if Path(key).is_file() else key
+        pem = admin_public_key_pem(settings.server.admin_public_key)
         return AdminAuth(None, "RS256", pem, max_ttl=max_ttl)
     return AdminAuth(admin_secret(settings), "HS256", max_ttl=max_ttl)
 

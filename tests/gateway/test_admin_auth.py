@@ -13,13 +13,15 @@ from pathlib import Path
 import httpx
 import jwt
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 
 from loramux.gateway.auth.admin_jwt import AUDIENCE, CLOCK_SKEW_SECONDS, DEFAULT_MAX_TTL
 from loramux.gateway.cli import main
 from loramux.gateway.server import RunningServer
 from loramux.gateway.setting_checks import ConfigError
 from loramux.gateway.settings import ServerSettings, Settings
-from loramux.gateway.state import admin_secret
+from loramux.gateway.state import admin_auth, admin_secret
 from tests.gateway.conftest import admin_client, json_of
 
 MAX_TTL = DEFAULT_MAX_TTL  # the test gateway leaves LORAMUX_ADMIN_TOKEN_MAX_TTL unset
@@ -234,3 +236,37 @@ def test_an_admin_secret_under_32_bytes_is_refused_at_start(
     (tmp_path / "admin_secret").write_text("changeme\n")
     with pytest.raises(ConfigError, match="admin_secret must be at least 32 bytes"):
         admin_secret(settings)
+
+
+@pytest.fixture(scope="module")
+def rsa_key() -> tuple[rsa.RSAPrivateKey, str]:
+    """An RSA key and its public PEM, one whose base64 runs over 255 characters between two
+    `/` (about one key in twenty): taken for a path, a component of it is too long a name."""
+    while True:
+        private = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        pem = (
+            private.public_key()
+            .public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
+            .decode()
+        )
+        if max(len(part) for part in pem.split("/")) > 255:
+            return private, pem
+
+
+def rs256(private: rsa.RSAPrivateKey, **changes: object) -> str:
+    return jwt.encode(claims(**changes), private, algorithm="RS256")
+
+
+def test_an_rs256_public_key_is_taken_as_its_pem_text_or_a_file_holding_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rsa_key: tuple[rsa.RSAPrivateKey, str]
+) -> None:
+    """PEM text is never tried as a path: this key's made that try fail (ENAMETOOLONG), so the
+    gateway could not start with it."""
+    private, pem = rsa_key
+    (tmp_path / "admin.pem").write_text(pem)
+    for value in (pem, str(tmp_path / "admin.pem")):
+        monkeypatch.setenv("LORAMUX_ADMIN_PUBLIC_KEY", value)
+        auth = admin_auth(Settings(data_dir=tmp_path))
+        assert auth.verify(f"Bearer {rs256(private, sub='idp')}").subject == "idp"
