@@ -19,6 +19,7 @@ from loramux.gateway.setting_checks import (
     QUOTA_BOUNDS,
     SERVER_BOUNDS,
     ConfigError,
+    admin_public_key_pem,
     check_admin_secret,
     check_bounds,
     env_value,
@@ -251,6 +252,8 @@ class ServerSettings:
         check_bounds(self, SERVER_BOUNDS)
         if self.admin_secret is not None:
             check_admin_secret(self.admin_secret, "LORAMUX_ADMIN_SECRET")
+        if self.admin_public_key is not None:
+            admin_public_key_pem(self.admin_public_key)  # refused now, not at every token
 
 
 @dataclass(frozen=True)

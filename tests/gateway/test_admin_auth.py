@@ -14,7 +14,7 @@ import httpx
 import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from loramux.gateway.auth.admin_jwt import AUDIENCE, CLOCK_SKEW_SECONDS, DEFAULT_MAX_TTL
 from loramux.gateway.cli import main
@@ -270,3 +270,26 @@ def test_an_rs256_public_key_is_taken_as_its_pem_text_or_a_file_holding_it(
         monkeypatch.setenv("LORAMUX_ADMIN_PUBLIC_KEY", value)
         auth = admin_auth(Settings(data_dir=tmp_path))
         assert auth.verify(f"Bearer {rs256(private, sub='idp')}").subject == "idp"
+
+
+def test_an_admin_public_key_that_gives_no_rsa_key_is_refused_when_settings_are_read(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Taken as it was, a mistyped path or text that is no key let the gateway start and then
+    refuse every admin token. Refused by the variable's name now, before anything starts."""
+    (tmp_path / "garbage.pem").write_text("not a key\n")
+    ec_key = ec.generate_private_key(ec.SECP256R1()).public_key()
+    ec_pem = ec_key.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    ).decode()
+    for value, why in (
+        (str(tmp_path / "no-such-admin.pem"), "no file that can be read"),
+        ("not a key", "no file that can be read"),
+        (str(tmp_path), "no file that can be read"),
+        (str(tmp_path / "garbage.pem"), "the file .* holds none"),
+        ("-----BEGIN PUBLIC KEY-----\nbm90IGEga2V5\n-----END PUBLIC KEY-----\n", "value holds"),
+        (ec_pem, "the value holds none"),
+    ):
+        monkeypatch.setenv("LORAMUX_ADMIN_PUBLIC_KEY", value)
+        with pytest.raises(ConfigError, match=f"LORAMUX_ADMIN_PUBLIC_KEY must be .*{why}"):
+            ServerSettings()
