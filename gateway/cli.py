@@ -143,6 +143,11 @@ def _admin_token(args: argparse.Namespace) -> None:
     from loramux.gateway.state import admin_auth
 
     auth = admin_auth(Settings())
+    if auth.algorithm != "HS256":
+        sys.exit(
+            "loramux admin-token: admin tokens are RS256 (LORAMUX_ADMIN_PUBLIC_KEY is set): "
+            "mint them where the private key is"
+        )
     if not 1 <= args.ttl <= auth.max_ttl:
         sys.exit(
             f"loramux admin-token: --ttl must be 1 to {auth.max_ttl} seconds "

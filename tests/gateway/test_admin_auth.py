@@ -293,3 +293,21 @@ def test_an_admin_public_key_that_gives_no_rsa_key_is_refused_when_settings_are_
         monkeypatch.setenv("LORAMUX_ADMIN_PUBLIC_KEY", value)
         with pytest.raises(ConfigError, match=f"LORAMUX_ADMIN_PUBLIC_KEY must be .*{why}"):
             ServerSettings()
+
+
+def test_the_cli_says_in_one_line_that_it_cannot_mint_rs256_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    rsa_key: tuple[rsa.RSAPrivateKey, str],
+) -> None:
+    """RS256 admin tokens are minted where the private key is; `admin-token` said so with a
+    traceback (a ValueError from the minting)."""
+    monkeypatch.setenv("LORAMUX_ADMIN_PUBLIC_KEY", rsa_key[1])
+    monkeypatch.setenv("LORAMUX_DATA_DIR", str(tmp_path))
+    with pytest.raises(SystemExit) as exited:
+        main(["admin-token"])
+    assert isinstance(exited.value.code, str)
+    assert exited.value.code.startswith("loramux admin-token: admin tokens are RS256")
+    assert "\n" not in exited.value.code
+    assert capsys.readouterr().out == ""
