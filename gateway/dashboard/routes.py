@@ -116,7 +116,7 @@ class DashboardController(Controller):
             response = _page(sign_in_page(exc.message), status=401)
             response.delete_cookie(COOKIE, path=self.path)
             return response
-        shown = chosen_tenant(viewer.tenant_id, tenant)
+        shown = await chosen_tenant(dashboard, viewer.tenant_id, tenant)
         now = datetime.now(UTC)
         window = window_of(days, start, end, now)
         view = await load_view(dashboard, shown, window, now, _own_key(viewer), live=not paused)
@@ -134,7 +134,7 @@ class DashboardController(Controller):
     ) -> dict[str, Any]:
         """The page's numbers as JSON; 401 without a valid session."""
         viewer = await current_viewer(dashboard, request.cookies.get(COOKIE))
-        shown = chosen_tenant(viewer.tenant_id, tenant)
+        shown = await chosen_tenant(dashboard, viewer.tenant_id, tenant)
         now = datetime.now(UTC)
         window = window_of(days, start, end, now)
         return view_json(await load_view(dashboard, shown, window, now, _own_key(viewer)))

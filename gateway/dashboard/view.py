@@ -146,13 +146,21 @@ class DashboardView:
         return self.window.start
 
 
-def chosen_tenant(viewer_tenant: str | None, requested: str | None) -> str | None:
-    """The tenant to show: a tenant sees only itself (asking for another is refused, 403); an
-    admin sees the one it asks for, or every tenant."""
+async def chosen_tenant(
+    src: DashboardSources, viewer_tenant: str | None, requested: str | None
+) -> str | None:
+    """The tenant to show: a tenant sees only itself, by its id or name (asking for another is
+    refused, 403, alike whether that one exists or not); an admin sees the one it asks for,
+    or every tenant."""
     if viewer_tenant is None:
         return requested or None
     if requested and requested != viewer_tenant:
-        raise PermissionDenied("a tenant sees its own usage only", param="tenant")
+        async with src.sessions() as session:
+            named = await tenant_id_of(session, requested)
+        if named != viewer_tenant:
+            raise PermissionDenied(
+                "a tenant sees its own usage only", param="tenant", code="not_your_tenant"
+            )
     return viewer_tenant
 
 

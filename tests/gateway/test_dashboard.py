@@ -162,6 +162,26 @@ def test_a_tenant_cannot_see_another_tenants_data(gateway: RunningServer, traffi
             assert traffic.b.tenant_name not in r.text
 
 
+def test_a_tenant_names_itself_by_id_or_name_and_no_other(
+    gateway: RunningServer, traffic: Traffic
+) -> None:
+    """A tenant is addressed by id or name wherever one is taken: its own name in `?tenant=`
+    was refused 403. Another tenant's name still is, in the very words a name no tenant has
+    gets, so the refusal says nothing of whether that tenant exists."""
+    with signed_in(gateway, traffic.a.key) as client:
+        for ref in (traffic.a.tenant_id, traffic.a.tenant_name):
+            own = client.get("/dashboard/data", params={"tenant": ref})
+            assert own.status_code == 200, own.text
+            assert json_of(own)["tenant"]["id"] == traffic.a.tenant_id
+        refusals = []
+        for ref in (traffic.b.tenant_name, traffic.b.tenant_id, "no-such-tenant-name"):
+            r = client.get("/dashboard/data", params={"tenant": ref})
+            assert r.status_code == 403, r.text
+            refusals.append(json_of(r)["error"])
+    assert refusals[0] == refusals[1] == refusals[2]
+    assert refusals[0]["code"] == "not_your_tenant"
+
+
 def test_an_admin_sees_every_tenant(
     gateway: RunningServer, admin_token: str, traffic: Traffic
 ) -> None:
