@@ -119,7 +119,13 @@ def _engine(args: argparse.Namespace) -> None:
     run_engine_service(
         settings.engine.engine_config(ensure_model(settings)),
         settings.model_name,
-        Listen(args.address, args.health_host, args.health_port, settings.server.metrics_token),
+        Listen(
+            args.address,
+            args.health_host,
+            args.health_port,
+            settings.server.metrics_token,
+            settings.server.max_header_kb,
+        ),
         adapter_dir=settings.data_dir / "engine-adapters",
         token=settings.server.engine_token,
         log_level=args.log_level,

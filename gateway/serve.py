@@ -28,6 +28,7 @@ from typing import Any
 
 import uvicorn
 
+from loramux.engine.http_heads import head_limited_http
 from loramux.gateway.engine_child import engine_child
 from loramux.gateway.redis_server import redis_child
 from loramux.gateway.serve_workers import (
@@ -178,6 +179,7 @@ async def _serve(
         log_level="info",
         lifespan="on",
         timeout_graceful_shutdown=settings.server.stop_grace_seconds,
+        http=head_limited_http(settings.server.max_header_kb),
     )
     await stop.serve(_Server(config), sockets)
 

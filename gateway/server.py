@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import uvicorn
 
 from loramux.engine.async_engine import AsyncEngine
+from loramux.engine.http_heads import head_limited_http
 from loramux.gateway.app import create_app
 from loramux.gateway.engine_client.base import EngineClient
 from loramux.gateway.engine_client.local import LocalEngineClient
@@ -79,7 +80,12 @@ def serve_in_thread(
     loop = asyncio.new_event_loop()
     state = loop.run_until_complete(build_state(settings, client, model_dir, redis_url))
     config = uvicorn.Config(
-        create_app(state), host="127.0.0.1", port=port, log_level="warning", lifespan="on"
+        create_app(state),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        lifespan="on",
+        http=head_limited_http(settings.server.max_header_kb),
     )
     server = uvicorn.Server(config)
     thread, port = start_in_thread(server, loop)

@@ -142,6 +142,7 @@ SERVER_BOUNDS = {
     "admin_token_max_ttl": Bound("ADMIN_TOKEN_MAX_TTL", 1, 366 * 24 * HOUR),
     "max_upload_mb": Bound("MAX_UPLOAD_MB", 1),
     "max_body_kb": Bound("MAX_BODY_KB", 1),  # -1 answered every request with a body 413
+    "max_header_kb": Bound("MAX_HEADER_KB", 1),  # 0 would answer every request 431
     "default_max_tokens": Bound("DEFAULT_MAX_TOKENS", 1),
     "usage_max_buffered": Bound("USAGE_MAX_BUFFERED", 1),
     "demo_adapters": Bound("DEMO_ADAPTERS", 0),

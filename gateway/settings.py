@@ -229,6 +229,10 @@ class ServerSettings:
     """LORAMUX_MAX_UPLOAD_MB: largest adapter upload accepted."""
     max_body_kb: int = field(default_factory=lambda: env_value("MAX_BODY_KB", 1024, int))
     """LORAMUX_MAX_BODY_KB: largest API request body accepted (413 beyond)."""
+    # engine.http_heads.MAX_HEAD_KB, not imported here: it imports uvicorn (a third of a second).
+    max_header_kb: int = field(default_factory=lambda: env_value("MAX_HEADER_KB", 64, int))
+    """LORAMUX_MAX_HEADER_KB: largest request line and headers of a request to a gateway or an
+    engine's health endpoint (431 beyond, and the connection closed)."""
     default_max_tokens: int = field(
         default_factory=lambda: env_value("DEFAULT_MAX_TOKENS", 1024, int)
     )

@@ -19,6 +19,7 @@ import uvicorn
 
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.config import EngineConfig
+from loramux.engine.http_heads import MAX_HEAD_KB, head_limited_http
 from loramux.engine.service.health import create_health_app
 from loramux.engine.service.server import HEARTBEAT_TIMEOUT_MS, EngineServer
 from loramux.engine.service.uploads import MAX_ADAPTER_MB
@@ -39,6 +40,8 @@ class Listen:
     """The HTTP health and metrics endpoint; 0 picks a free port."""
     metrics_token: str | None = None
     """LORAMUX_METRICS_TOKEN: /metrics answers only `Bearer <token>` (engine.service.health)."""
+    max_head_kb: int = MAX_HEAD_KB
+    """LORAMUX_MAX_HEADER_KB: the longest head (request line and headers) the endpoint reads."""
 
 
 async def serve_engine(
@@ -73,6 +76,7 @@ async def serve_engine(
         port=listen.health_port,
         log_level=log_level,
         lifespan="off",
+        http=head_limited_http(listen.max_head_kb),
     )
     health = uvicorn.Server(config)
     engine.start()

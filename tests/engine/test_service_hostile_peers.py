@@ -18,6 +18,7 @@ import zmq
 
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.config import EngineConfig
+from loramux.engine.http_heads import MAX_HEAD_KB
 from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.sampling import SamplingParams
 from loramux.engine.service import serve_engine_in_thread
@@ -40,6 +41,7 @@ from tests.engine.service_peer import (
     generate,
     wait_idle,
 )
+from tests.raw_http import Connection, head
 
 # The service and a gateway socket on it, as fixtures here (not in the engine conftest, which the
 # GPU suite loads on an image without pyzmq or uvicorn).
@@ -111,6 +113,19 @@ def test_every_message_needs_the_token(gateway: Gateway, service: RunningEngineS
         assert (failed.call, failed.code) == (True, "unauthorized")
         assert failure_of(gateway.stream("anon", token=wrong)).code == "unauthorized"
     assert httpx.get(f"{service.health_url}/health").status_code == 200  # needs none
+
+
+def test_a_request_head_over_the_bound_is_refused_by_the_health_endpoint(
+    service: RunningEngineService,
+) -> None:
+    """Its HTTP endpoint read a head of any length whole (uvicorn's httptools bounds none)."""
+    bound = MAX_HEAD_KB << 10
+    with Connection(service.health_url) as http:
+        http.send(head("/health", bound))
+        assert http.answer().status == 200
+        http.send(head("/health", bound + 1))
+        assert http.answer().status == 431
+        assert http.closed()
 
 
 def test_an_abort_without_the_token_changes_nothing(gateway: Gateway) -> None:

@@ -18,6 +18,7 @@ from loramux.gateway.openai.prompt import MAX_MESSAGES
 from loramux.gateway.server import RunningServer
 from tests.gateway.conftest import admin_client
 from tests.gateway.tenants import TenantKey, new_tenant
+from tests.raw_http import Connection, head
 
 OK = {"model": "demo-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -356,3 +357,21 @@ def test_an_error_quoting_a_lone_surrogate_is_still_written() -> None:
     body = json.loads(encode_json(error.body()))
     assert body["error"]["message"] == "the option '\\udc80x' is not supported"
     assert body["error"]["param"] == "\\udc80"
+
+
+@pytest.mark.parametrize("path", ["/admin/tenants", "/v1/models"])
+def test_a_request_head_over_the_bound_is_refused_431_and_its_connection_closed(
+    gateway: RunningServer, path: str
+) -> None:
+    """Bodies were bounded, heads not: uvicorn's httptools read a stranger's 32 MiB
+    `Authorization` whole, and only then was it answered 401. A head (request line and
+    headers) of LORAMUX_MAX_HEADER_KB is served; one byte more is 431."""
+    bound = gateway.state.settings.server.max_header_kb << 10
+    with Connection(gateway.url) as http:
+        http.send(head(path, bound, authorization=True))
+        assert http.answer().status == 401
+        http.send(head(path, bound + 1, authorization=True))
+        refused = http.answer()
+        assert refused.status == 431
+        assert refused.json()["error"]["code"] == "headers_too_large"
+        assert http.closed()

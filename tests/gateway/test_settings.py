@@ -235,6 +235,7 @@ def test_a_port_out_of_range_is_refused_before_serve_starts_anything(
         ("ADMIN_TOKEN_MAX_TTL", "0"),
         ("MAX_UPLOAD_MB", "0"),
         ("MAX_BODY_KB", "-1"),
+        ("MAX_HEADER_KB", "0"),
         ("DEFAULT_MAX_TOKENS", "0"),
         ("USAGE_MAX_BUFFERED", "-3"),
         ("DEMO_ADAPTERS", "-1"),
