@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from loramux.gateway.auth.admin_jwt import AUDIENCE, CLOCK_SKEW_SECONDS, DEFAULT_MAX_TTL
 from loramux.gateway.cli import main
+from loramux.gateway.errors import Unauthorized
 from loramux.gateway.server import RunningServer
 from loramux.gateway.setting_checks import ConfigError
 from loramux.gateway.settings import ServerSettings, Settings
@@ -311,3 +312,33 @@ def test_the_cli_says_in_one_line_that_it_cannot_mint_rs256_tokens(
     assert exited.value.code.startswith("loramux admin-token: admin tokens are RS256")
     assert "\n" not in exited.value.code
     assert capsys.readouterr().out == ""
+
+
+def test_an_rs256_token_is_taken_with_the_claims_the_readme_lists(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rsa_key: tuple[rsa.RSAPrivateKey, str]
+) -> None:
+    """What an externally minted token must carry (README, "Operators manage ..."): the table
+    there and these cases say the same."""
+    private, pem = rsa_key
+    monkeypatch.setenv("LORAMUX_ADMIN_PUBLIC_KEY", pem)
+    auth = admin_auth(Settings(data_dir=tmp_path))
+    now = int(time.time())
+    taken = [{}, {"aud": ["other", AUDIENCE]}, {"nbf": now}, {"jti": "x", "scope": "any"}]
+    for changes in taken:
+        assert auth.verify(f"Bearer {rs256(private, **changes)}").subject == "mallory"
+    refused: list[dict[str, object]] = [
+        {"aud": "other"},
+        {"role": None},
+        {"role": "user"},
+        {"sub": 7},
+        {"iat": float(now)},
+        {"exp": str(now + 60)},
+        {"exp": now + MAX_TTL + CLOCK_SKEW_SECONDS + 60},
+        {"nbf": now + 600},
+        {"jti": 7},
+    ]
+    for changes in refused:
+        with pytest.raises(Unauthorized):
+            auth.verify(f"Bearer {rs256(private, **changes)}")
+    with pytest.raises(Unauthorized):  # the algorithm is pinned: not HS256 keyed by the PEM
+        auth.verify(f"Bearer {jwt.encode(claims(), 'k' * 32, algorithm='HS256')}")
