@@ -164,10 +164,11 @@ def _admin_token(args: argparse.Namespace) -> None:
 
 def _migrate(args: argparse.Namespace) -> None:
     from loramux.gateway.db.migrate import upgrade
+    from loramux.gateway.db.session import url_for_logs
 
     settings = Settings()
     upgrade(settings.database_url)
-    log.info("database at %s is up to date", settings.database_url)
+    log.info("database at %s is up to date", url_for_logs(settings.database_url))
 
 
 Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"

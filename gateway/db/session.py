@@ -38,6 +38,11 @@ def async_url(url: str) -> str:
     return url
 
 
+def url_for_logs(url: str) -> str:
+    """`url` as a log line may show it: its password, if any, written `***`."""
+    return make_url(url).render_as_string(hide_password=True)
+
+
 def prepare_sqlite_file(url: str) -> None:
     """For a SQLite URL, create the database file (and its folder) readable by this user only,
     0600 (0700): it holds API-key hashes and every tenant's usage. An existing file, or a

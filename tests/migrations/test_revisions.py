@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import secrets
 import subprocess
@@ -19,6 +20,7 @@ from sqlalchemy import DateTime, column, insert, inspect, pool, select, table, t
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from loramux.gateway.cli import main
 from loramux.gateway.db import Base, FirstStart, Tenant
 from loramux.gateway.db.first_start import FIRST_START_ROW
 from loramux.gateway.db.migrate import alembic_config, current, downgrade, upgrade, with_connection
@@ -136,6 +138,27 @@ def test_upgrade_works_from_any_directory_and_creates_the_sqlite_folder(
     url = f"sqlite:///{tmp_path / 'new' / 'data' / 'loramux.db'}"
     upgrade(url)
     assert current(url) == HEAD
+
+
+def test_loramux_migrate_says_where_it_migrated_without_the_password(
+    postgres_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Its one line ("database at ... is up to date") held the URL as given, password and all:
+    compose runs it with the PostgreSQL password in the URL, so it went to the container's log."""
+    password = "migrate-password-not-logged"
+    url = make_url(new_postgres_database(postgres_url)).set(password=password)
+    monkeypatch.setenv("LORAMUX_DATABASE_URL", url.render_as_string(hide_password=False))
+    monkeypatch.setenv("LORAMUX_DATA_DIR", str(tmp_path / "data"))
+    with caplog.at_level(logging.INFO, logger="loramux"):
+        main(["migrate"])
+    assert current(url.render_as_string(hide_password=False)) == HEAD
+    said = caplog.text + "".join(capsys.readouterr())
+    assert f"database at {url.render_as_string()} is up to date" in said
+    assert password not in said
 
 
 BEFORE_EVENT_IDS = "908a988c24bb"
