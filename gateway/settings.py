@@ -254,6 +254,13 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         check_bounds(self, SERVER_BOUNDS)
+        store = None if self.adapter_store_url == "db" else self.adapter_store_url
+        if self.database_url is not None or store is not None:
+            # Imported only with a URL to check: engines, on the GPU image too, need no SQLAlchemy.
+            from loramux.gateway.db.session import check_database_url
+
+            check_database_url(self.database_url, "DATABASE_URL")
+            check_database_url(store, "ADAPTER_STORE_URL")
         if self.admin_secret is not None:
             check_admin_secret(self.admin_secret, "LORAMUX_ADMIN_SECRET")
         if self.admin_public_key is not None:

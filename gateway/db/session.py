@@ -10,13 +10,15 @@ from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import ExceptionContext, make_url
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
     async_sessionmaker,
     create_async_engine,
 )
+
+from loramux.gateway.setting_checks import ConfigError
 
 log = logging.getLogger(__name__)
 STATEMENT_SECONDS = 30.0
@@ -36,6 +38,30 @@ def async_url(url: str) -> str:
     if url.startswith(("postgresql:", "postgres:")):
         return "postgresql+asyncpg:" + url.split(":", 1)[1]
     return url
+
+
+DATABASE_URLS = "sqlite:///PATH or postgresql://USER:PASSWORD@HOST/DATABASE"
+
+
+def check_database_url(url: str | None, variable: str) -> None:
+    """ConfigError naming LORAMUX_`variable` when `url` (None: unset) is no SQLAlchemy URL, or
+    names a database SQLAlchemy has no dialect for: found where the settings are read, not by
+    a traceback once serve has started its redis-server and engine. The message never holds
+    the URL, whose password make_url could not find in it."""
+    if url is None:
+        return
+    try:
+        make_url(async_url(url)).get_dialect()
+    except NoSuchModuleError:
+        scheme = url.partition(":")[0]
+        raise ConfigError(
+            f"LORAMUX_{variable} names a database SQLAlchemy does not know ({scheme!r}); "
+            f"expected {DATABASE_URLS}"
+        ) from None
+    except (ArgumentError, ValueError):  # ValueError: a port that is no number
+        raise ConfigError(
+            f"LORAMUX_{variable} is not a database URL; expected {DATABASE_URLS}"
+        ) from None
 
 
 def url_for_logs(url: str) -> str:

@@ -9,7 +9,7 @@ import pytest
 
 from loramux.engine.config import EngineConfig
 from loramux.gateway import serve_workers
-from loramux.gateway.cli import build_parser
+from loramux.gateway.cli import build_parser, main
 from loramux.gateway.engine_child import engine_child
 from loramux.gateway.serve_workers import (
     available_cores,
@@ -254,6 +254,29 @@ def test_a_size_count_or_timeout_out_of_its_bounds_is_refused_by_name(
     """LORAMUX_MAX_BODY_KB=-1 was served, answering every request with a body 413;
     LORAMUX_ENGINE_THREADS=0 was taken as unset by serve and refused by `loramux engine`."""
     assert f"LORAMUX_{name} must be" in _refused(monkeypatch, name, value)
+
+
+@pytest.mark.parametrize("name", ["DATABASE_URL", "ADAPTER_STORE_URL"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "not-a-url",
+        "postgresql://loramux:hunter2@db:five432/loramux",  # a port that is no number
+        "postgresq://loramux:hunter2@db/loramux",  # no such database
+    ],
+)
+def test_a_database_url_that_cannot_be_used_is_refused_by_name_without_its_password(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str, value: str
+) -> None:
+    """It passed the settings: `loramux migrate` ended in SQLAlchemy's traceback (which, for an
+    unparsable URL, some versions print with the URL in it), and serve only after its
+    redis-server and engine had started."""
+    message = _refused(monkeypatch, name, value)
+    assert f"LORAMUX_{name} " in message and "hunter2" not in message
+    monkeypatch.setenv("LORAMUX_DATA_DIR", str(tmp_path))
+    with pytest.raises(SystemExit) as exited:
+        main(["migrate"])
+    assert str(exited.value.code).startswith(f"loramux migrate: LORAMUX_{name} ")
 
 
 def test_engine_threads_0_is_refused_alike_by_serve_and_the_engine(
