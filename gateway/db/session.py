@@ -96,9 +96,11 @@ def _owner_only(file: Path) -> None:
 
 def create_engine(url: str) -> AsyncEngine:
     prepare_sqlite_file(url)
-    postgres = make_url(url).get_backend_name() == "postgresql"
+    # By the dialect the URL is run with: `postgres://` is PostgreSQL too (its backend name is not).
+    driven = make_url(async_url(url))
+    postgres = driven.get_backend_name() == "postgresql"
     bounds = {"timeout": CONNECT_SECONDS, "command_timeout": STATEMENT_SECONDS} if postgres else {}
-    engine = create_async_engine(async_url(url), pool_pre_ping=True, connect_args=bounds)
+    engine = create_async_engine(driven, pool_pre_ping=True, connect_args=bounds)
     event.listen(engine.sync_engine, "handle_error", _timeout_is_unavailable)
     if engine.dialect.name == "sqlite":
 

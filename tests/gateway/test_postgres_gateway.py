@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy import select, text
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from loramux.gateway.db import Tenant
@@ -120,21 +121,24 @@ def test_text_postgresql_cannot_store_is_the_clients_400(pg_gateway: RunningServ
     assert error is not None and (error.status, error.code) == (400, "invalid_request")
 
 
+@pytest.mark.parametrize("scheme", ["postgresql", "postgres"])
 async def test_a_statement_the_database_does_not_answer_is_a_503(
-    pg_gateway: RunningServer, postgres_url: str, monkeypatch: pytest.MonkeyPatch
+    pg_gateway: RunningServer, postgres_url: str, monkeypatch: pytest.MonkeyPatch, scheme: str
 ) -> None:
     """A statement PostgreSQL does not answer (here: it waits on a lock another connection
     holds; a hung server or a cut-off network alike) waited forever, holding its request, or
     the usage flush, for good. asyncpg cancels it after STATEMENT_SECONDS, and the error is
-    the database's 503, not a 500."""
+    the database's 503, not a 500. A `postgres://` URL (many providers' spelling) got no
+    bounds at all: they were given by the URL's backend name, "postgres" there."""
     monkeypatch.setattr(db_session, "STATEMENT_SECONDS", 0.5)
-    holder, waiter = db_session.create_engine(postgres_url), db_session.create_engine(postgres_url)
+    url = make_url(postgres_url).set(drivername=scheme).render_as_string(hide_password=False)
+    holder, waiter = db_session.create_engine(postgres_url), db_session.create_engine(url)
     try:
         async with holder.begin() as locked:
             await locked.execute(text("LOCK TABLE tenants IN ACCESS EXCLUSIVE MODE"))
             with pytest.raises(DBAPIError) as caught:
-                async with waiter.connect() as reader:
-                    await reader.execute(select(Tenant.id).limit(1))
+                async with waiter.connect() as reader:  # unbounded, it waited for good: fail
+                    await asyncio.wait_for(reader.execute(select(Tenant.id).limit(1)), 60)
         error = to_gateway_error(caught.value)
         assert error is not None and (error.status, error.code) == (503, "database_unavailable")
         async with waiter.connect() as reader:  # the pool recovers once the lock is gone
