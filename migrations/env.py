@@ -15,12 +15,13 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from loramux.gateway.db import Base
-from loramux.gateway.db.migrate import with_connection
+from loramux.gateway.db.migrate import sqlite_migration_lock, with_connection
 from loramux.gateway.settings import Settings
 
 MIGRATION_LOCK_KEY = 0x6C6D78_6D6967
 """PostgreSQL advisory lock held while migrating: gateways starting together migrate one at a time,
-and the ones that wait find the schema at head and do nothing."""
+and the ones that wait find the schema at head and do nothing. A SQLite file has a lock file
+beside it to the same end (`sqlite_migration_lock`), taken before its version is read."""
 
 
 def run_migrations(connection: Connection) -> None:
@@ -36,4 +37,6 @@ def run_migrations(connection: Connection) -> None:
 
 if context.is_offline_mode():
     raise SystemExit("loramux migrations run online only: drop --sql")
-with_connection(context.config.attributes.get("url") or Settings().database_url, run_migrations)
+url = context.config.attributes.get("url") or Settings().database_url
+with sqlite_migration_lock(url):
+    with_connection(url, run_migrations)

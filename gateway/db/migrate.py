@@ -8,9 +8,12 @@ from one thread at a time (Alembic's migration context is process-global).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import os
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -18,12 +21,12 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import make_url, pool
+from sqlalchemy import pool
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from loramux import migrations
-from loramux.gateway.db.session import async_url, prepare_sqlite_file
+from loramux.gateway.db.session import async_url, prepare_sqlite_file, sqlite_file
 from loramux.gateway.setting_checks import StartError
 
 T = TypeVar("T")
@@ -40,7 +43,8 @@ def alembic_config(url: str) -> Config:
 def upgrade(url: str) -> None:
     """Migrate to the newest revision (a StartError, changing nothing, when the database is
     newer than this release). Idempotent: at head already, nothing changes, so this is
-    safe on every start; on PostgreSQL concurrent callers take turns (advisory lock).
+    safe on every start; concurrent callers take turns (`migrations/env.py`: PostgreSQL's
+    advisory lock, or `sqlite_migration_lock`).
 
     A SQLite file is created owner-only first (`prepare_sqlite_file`), and switched to WAL
     once migrated (`use_wal`)."""
@@ -70,11 +74,11 @@ def use_wal(url: str, attempts: int = 50) -> None:
     that the gateway's connections (which ask for it too) find it done: two connections
     switching a new database at once can fail with "database is locked" at once, without
     waiting, as SQLite avoids a deadlock; the one that lost tries again here."""
-    parsed = make_url(url)
-    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+    path = sqlite_file(url)
+    if path is None:
         return
     for attempt in range(attempts):
-        connection = sqlite3.connect(str(parsed.database), timeout=5)
+        connection = sqlite3.connect(path, timeout=5)
         try:
             connection.execute("PRAGMA journal_mode=WAL")
             return
@@ -84,6 +88,26 @@ def use_wal(url: str, attempts: int = 50) -> None:
         finally:
             connection.close()
         time.sleep(0.01 * (attempt + 1))
+
+
+@contextlib.contextmanager
+def sqlite_migration_lock(url: str) -> Iterator[None]:
+    """For a SQLite file, an exclusive flock on `<file>-migrations.lock` beside it, held while
+    the block runs: gateways starting together on a new database (a shared volume) migrate
+    one at a time, as PostgreSQL's advisory lock makes them, and those that waited find it at
+    head; without it all but one failed, "table tenants already exists". Other URLs, and
+    in-memory SQLite (no other process can open it), take no lock."""
+    path = sqlite_file(url)
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    lock = os.open(path.with_name(path.name + "-migrations.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(lock)  # which releases the flock
 
 
 def downgrade(url: str, revision: str) -> None:

@@ -69,14 +69,21 @@ def url_for_logs(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
+def sqlite_file(url: str) -> Path | None:
+    """The database file of a SQLite URL; None for other URLs and in-memory SQLite."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return Path(str(parsed.database))
+
+
 def prepare_sqlite_file(url: str) -> None:
     """For a SQLite URL, create the database file (and its folder) readable by this user only,
     0600 (0700): it holds API-key hashes and every tenant's usage. An existing file, or a
     companion file, readable by others is tightened. Other URLs: nothing to do."""
-    parsed = make_url(url)
-    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+    path = sqlite_file(url)
+    if path is None:
         return
-    path = Path(str(parsed.database))
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
     for file in (path, *(path.with_name(path.name + suffix) for suffix in SQLITE_COMPANIONS)):

@@ -120,15 +120,45 @@ def test_downgrade_to_base_drops_every_table_and_upgrade_rebuilds_them(
     assert schema_diff(empty_database) == []
 
 
-def test_gateways_starting_together_on_postgresql_migrate_one_at_a_time(
-    postgres_url: str,
-) -> None:
-    url = new_postgres_database(postgres_url)
-    migrate = [sys.executable, "-c", f"from gateway.db.migrate import upgrade; upgrade({url!r})"]
-    processes = [subprocess.Popen(migrate, cwd=REPO) for _ in range(3)]
-    assert [p.wait(timeout=120) for p in processes] == [0, 0, 0]
-    assert current(url) == HEAD
-    assert schema_diff(url) == []
+MIGRATE_AT_GO = """
+import sys
+from loramux.gateway.db.migrate import upgrade
+print("ready", flush=True)
+sys.stdin.readline()
+upgrade(sys.argv[1])
+"""
+"""A gateway's migration at its start, once "go" is read: all start at once, Alembic imported."""
+
+
+def test_gateways_starting_together_migrate_one_at_a_time(empty_database: str) -> None:
+    """On SQLite (gateways sharing a volume) they did not take turns, as only PostgreSQL's
+    advisory lock existed: all but one failed with "table tenants already exists"."""
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", MIGRATE_AT_GO, empty_database],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    try:
+        for process in processes:
+            assert process.stdout is not None and process.stdout.readline() == "ready\n"
+        for process in processes:
+            assert process.stdin is not None
+            process.stdin.write("go\n")
+            process.stdin.flush()
+        errors = [process.communicate(timeout=120)[1] for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    assert [p.returncode for p in processes] == [0] * 4, [e[-600:] for e in errors]
+    assert current(empty_database) == HEAD
+    assert schema_diff(empty_database) == []
 
 
 def test_upgrade_works_from_any_directory_and_creates_the_sqlite_folder(
