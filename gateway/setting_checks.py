@@ -210,3 +210,21 @@ def admin_public_key_pem(value: str) -> str:
     return key.public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     ).decode()
+
+
+def check_engine_url(url: str) -> None:
+    """ConfigError naming LORAMUX_ENGINE_URLS when `url` is no address an engine listens on
+    (`loramux engine --address`): tcp://HOST:PORT, or ipc://PATH. ZeroMQ refused one (" tcp://…"
+    after a comma and a space, a missing port) only when the engine client connected, in a
+    traceback, after serve had started its redis-server."""
+    scheme, _, rest = url.partition("://")
+    host, _, port = rest.rpartition(":")
+    named = host not in ("", "*") and not any(c.isspace() for c in host)
+    if (scheme == "ipc" and rest) or (
+        scheme == "tcp" and named and port.isdigit() and PORTS.admits(int(port))
+    ):
+        return
+    raise ConfigError(
+        f"LORAMUX_ENGINE_URLS holds {url!r}, which is no engine address: tcp://HOST:PORT or "
+        "ipc:///PATH"
+    )

@@ -22,6 +22,7 @@ from loramux.gateway.setting_checks import (
     admin_public_key_pem,
     check_admin_secret,
     check_bounds,
+    check_engine_url,
     env_value,
 )
 
@@ -202,10 +203,11 @@ class ServerSettings:
     """LORAMUX_ADMIN_TOKEN_MAX_TTL: longest lifetime in seconds of an admin JWT, minted or accepted (exp - iat and exp - now)."""
     engine_urls: tuple[str, ...] = field(
         default_factory=lambda: tuple(
-            u for u in env_value("ENGINE_URLS", "").split(",") if u.strip()
+            u.strip() for u in env_value("ENGINE_URLS", "").split(",") if u.strip()
         )
     )
-    """LORAMUX_ENGINE_URLS: comma-separated engine services; unset: `serve` starts its own."""
+    """LORAMUX_ENGINE_URLS: comma-separated engine services (tcp://HOST:PORT or ipc:///PATH,
+    spaces around each ignored); unset: `serve` starts its own."""
     engine_token: str | None = field(default_factory=lambda: env_value("ENGINE_TOKEN", None))
     """LORAMUX_ENGINE_TOKEN: shared secret of gateways and engine services; unset: no check."""
     metrics_token: str | None = field(default_factory=lambda: env_value("METRICS_TOKEN", None))
@@ -254,6 +256,8 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         check_bounds(self, SERVER_BOUNDS)
+        for url in self.engine_urls:
+            check_engine_url(url)
         store = None if self.adapter_store_url == "db" else self.adapter_store_url
         if self.database_url is not None or store is not None:
             # Imported only with a URL to check: engines, on the GPU image too, need no SQLAlchemy.

@@ -75,7 +75,19 @@ class Channel:
         self._calls: dict[str, asyncio.Future[Any]] = {}
         self._refs = itertools.count()
         self._connected = asyncio.Event()
+        self._refused_logged = -REFUSED_LOG_SECONDS
         self.socket = context.socket(zmq.DEALER)
+        try:
+            self._monitor = self._connect(endpoint.url, token)
+        except BaseException:
+            # A socket left open keeps its context's term() (the client's close) waiting for good.
+            self.socket.close(linger=0)
+            raise
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+
+    def _connect(self, url: str, token: str | None) -> zmq.asyncio.Socket:
+        """Set the socket's options, start its monitor and connect it to `url`; returns the
+        monitor's socket, which is closed again when the connect raises."""
         for option, value in (
             (zmq.LINGER, 0),
             (zmq.IMMEDIATE, 1),
@@ -87,14 +99,18 @@ class Channel:
             (zmq.MAXMSGSIZE, MAX_TO_GATEWAY_BYTES),
         ):
             self.socket.setsockopt(option, value)
-        if token and uses_curve(endpoint.url, token):
+        if token and uses_curve(url, token):
             secure_gateway(self.socket, CurveKeys.of(token))
-        self._monitor = self.socket.get_monitor_socket(
+        monitor = self.socket.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
         )
-        self._refused_logged = -REFUSED_LOG_SECONDS
-        self.socket.connect(endpoint.url)
-        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+        try:
+            self.socket.connect(url)
+        except BaseException:
+            self.socket.disable_monitor()
+            monitor.close(linger=0)
+            raise
+        return monitor
 
     def close(self) -> None:
         for task in self._tasks:

@@ -256,6 +256,26 @@ def test_a_size_count_or_timeout_out_of_its_bounds_is_refused_by_name(
     assert f"LORAMUX_{name} must be" in _refused(monkeypatch, name, value)
 
 
+def test_engine_urls_are_read_without_the_spaces_around_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ "tcp://a:8100, tcp://b:8100" kept " tcp://b:8100", which ZeroMQ refuses ("Protocol not
+    supported"): serve ended in that traceback."""
+    monkeypatch.setenv("LORAMUX_ENGINE_URLS", " tcp://a:8100, ipc:///run/engine.sock ,")
+    assert Settings().server.engine_urls == ("tcp://a:8100", "ipc:///run/engine.sock")
+
+
+@pytest.mark.parametrize(
+    "value", ["tcp://engine", "tcp://engine:http", "tcp://*:8100", "engine:8100", "http://e:8100"]
+)
+def test_an_engine_url_that_is_no_engine_address_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    assert f"LORAMUX_ENGINE_URLS holds {value!r}" in _refused(monkeypatch, "ENGINE_URLS", value)
+    with pytest.raises(ConfigError, match="LORAMUX_ENGINE_URLS"):
+        ServerSettings(engine_urls=("ipc:///run/engine.sock", value))
+
+
 @pytest.mark.parametrize("name", ["DATABASE_URL", "ADAPTER_STORE_URL"])
 @pytest.mark.parametrize(
     "value",

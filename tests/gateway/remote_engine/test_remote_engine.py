@@ -6,7 +6,9 @@ engines."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -136,6 +138,23 @@ async def test_an_engine_of_another_channel_version_is_refused_by_name() -> None
         await client.close()
         old_engine.close(linger=0)
         context.term()
+
+
+def test_a_client_whose_engine_address_zeromq_refuses_still_closes() -> None:
+    """The channel whose connect raised left its socket open, so the client's close waited in
+    the ZeroMQ context's term() for good: serve never ended after such a failed start."""
+    closed = threading.Event()
+
+    async def fail_then_close() -> None:
+        client = RemoteEngineClient(["tcp://127.0.0.1"])  # no port: refused by connect
+        await client.start()
+        with contextlib.suppress(zmq.ZMQError):
+            await client.info()
+        await client.close()
+        closed.set()
+
+    threading.Thread(target=asyncio.run, args=(fail_then_close(),), daemon=True).start()
+    assert closed.wait(60)
 
 
 async def test_a_wrong_token_is_refused(
