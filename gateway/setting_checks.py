@@ -228,3 +228,21 @@ def check_engine_url(url: str) -> None:
         f"LORAMUX_ENGINE_URLS holds {url!r}, which is no engine address: tcp://HOST:PORT or "
         "ipc:///PATH"
     )
+
+
+MAX_USAGE_MODEL = 200
+"""The longest model name usage records (`usage_events.model` and the rollups' `model`, in
+gateway.db): an adapter's name always fits (`ResolvedModel.billed_as`), and a longer base
+model id is refused here. Kept here, not with those columns, so that reading the settings
+needs no SQLAlchemy (engines, on the GPU image too, read them)."""
+
+
+def check_model_name(name: str, source: str) -> None:
+    """ConfigError naming `source` when `name`, the base model's id in the API, is longer than
+    usage can record (`MAX_USAGE_MODEL`): PostgreSQL refused every event of the base model, so
+    its requests were served and never billed."""
+    if len(name) > MAX_USAGE_MODEL:
+        raise ConfigError(
+            f"{source} is {len(name)} characters long; the base model's id, which usage "
+            f"records, may have at most {MAX_USAGE_MODEL}: set LORAMUX_MODEL_NAME to a shorter one"
+        )

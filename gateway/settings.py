@@ -23,6 +23,7 @@ from loramux.gateway.setting_checks import (
     check_admin_secret,
     check_bounds,
     check_engine_url,
+    check_model_name,
     env_value,
 )
 
@@ -332,6 +333,13 @@ class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
     quotas: QuotaSettings = field(default_factory=QuotaSettings)
     cache: CacheSettings = field(default_factory=CacheSettings)
+
+    def __post_init__(self) -> None:
+        if self.server.model_name:
+            check_model_name(self.model_name, "LORAMUX_MODEL_NAME")
+        else:
+            folder = f"the model folder's name (LORAMUX_MODEL={self.model_dir}"
+            check_model_name(self.model_name, f"{folder}; LORAMUX_MODEL_NAME unset)")
 
     @property
     def database_url(self) -> str:

@@ -7,6 +7,7 @@ from sqlalchemy import BigInteger, DateTime, Float, Integer, String
 from sqlalchemy.orm import Mapped, mapped_column
 
 from loramux.gateway.db.base import Base, utcnow
+from loramux.gateway.setting_checks import MAX_USAGE_MODEL
 
 
 def new_event_id() -> str:
@@ -34,7 +35,7 @@ class UsageEvent(Base):
     request_id: Mapped[str] = mapped_column(String(64))
     tenant_id: Mapped[str] = mapped_column(String(32), index=True)
     key_id: Mapped[str] = mapped_column(String(32))
-    model: Mapped[str] = mapped_column(String(200))
+    model: Mapped[str] = mapped_column(String(MAX_USAGE_MODEL))
     """The model that answered, however the request named it: the adapter's name (`shared/…`
     for a shared one) or the base model's id (`ResolvedModel.billed_as`); empty when the request
     was refused before its model was resolved. Rows written by earlier releases hold the name

@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import BigInteger, Column, DateTime, Float, PrimaryKeyConstraint, String, Table
 
 from loramux.gateway.db.base import Base
+from loramux.gateway.setting_checks import MAX_USAGE_MODEL
 
 BOUNDS_MS: tuple[float, ...] = (
     5, 10, 20, 50, 100, 200, 350, 500, 750, 1000, 1500, 2000, 3000, 5000, 10000, 20000, 60000,
@@ -69,7 +70,7 @@ def _rollup_table(name: str) -> Table:
         Column("bucket", DateTime(timezone=True), nullable=False, index=True),
         Column("tenant_id", String(32), nullable=False),
         Column("key_id", String(32), nullable=False),
-        Column("model", String(200), nullable=False),
+        Column("model", String(MAX_USAGE_MODEL), nullable=False),
         *(Column(c, integer, nullable=False, default=0) for c in COUNTERS),
         *(Column(c, Float(), nullable=False, default=0.0) for c in SUMS),
         *(Column(c, integer, nullable=False, default=0) for c in LATENCY_BINS + TTFT_BINS),

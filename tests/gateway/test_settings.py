@@ -17,7 +17,7 @@ from loramux.gateway.serve_workers import (
     default_workers,
     own_cgroup,
 )
-from loramux.gateway.setting_checks import ConfigError
+from loramux.gateway.setting_checks import MAX_USAGE_MODEL, ConfigError
 from loramux.gateway.settings import EngineSettings, ServerSettings, Settings
 
 MODEL = Path("model")
@@ -274,6 +274,22 @@ def test_an_engine_url_that_is_no_engine_address_is_refused_by_name(
     assert f"LORAMUX_ENGINE_URLS holds {value!r}" in _refused(monkeypatch, "ENGINE_URLS", value)
     with pytest.raises(ConfigError, match="LORAMUX_ENGINE_URLS"):
         ServerSettings(engine_urls=("ipc:///run/engine.sock", value))
+
+
+def test_a_base_model_id_longer_than_usage_stores_is_refused_naming_where_it_came_from(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Usage records the base model's id in a column of MAX_USAGE_MODEL characters: PostgreSQL
+    refused every event of a longer one, so its requests were served and never billed."""
+    longest = "m" * MAX_USAGE_MODEL
+    monkeypatch.setenv("LORAMUX_MODEL_NAME", longest)
+    assert Settings().model_name == longest
+    message = _refused(monkeypatch, "MODEL_NAME", longest + "m")
+    assert message.startswith(f"LORAMUX_MODEL_NAME is {MAX_USAGE_MODEL + 1} characters long")
+    monkeypatch.delenv("LORAMUX_MODEL_NAME")
+    message = _refused(monkeypatch, "MODEL", str(tmp_path / (longest + "m")))
+    assert message.startswith("the model folder's name (LORAMUX_MODEL=")
+    assert "LORAMUX_MODEL_NAME unset" in message
 
 
 @pytest.mark.parametrize("name", ["DATABASE_URL", "ADAPTER_STORE_URL"])
