@@ -1,12 +1,14 @@
 """First start on embedded defaults: a demo tenant with a key (printed once) and shared demo
 adapters; a first start that was stopped midway is finished by the next start. A database has
-one first start, marked in it (`first_start`), whatever tenants it holds later."""
+one first start, marked in it (`first_start`), whatever tenants it holds later; one that holds
+tenants but no mark is in use already, and is marked with nothing made."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -28,8 +30,8 @@ uploaded: a start that finds it finishes what a stopped first start left undone.
 
 
 async def first_start(gw: GatewayState, model_dir: Path, url: str) -> None:
-    """On a database whose first start was not done (no `FirstStart` mark), create tenant
-    `demo` and its key and print the key (once, with an example request to `url`, where serve
+    """On a database whose first start was not done (no `FirstStart` mark, and no tenant:
+    `_claim`), create tenant `demo` and its key and print the key (once, with an example request to `url`, where serve
     listens) right after the commit; then, with the demo model, upload shared demo adapters,
     which takes seconds each. A first start stopped before its end (SIGTERM while uploading)
     left a tenant whose key nobody had seen; now the key is shown first, and the next start
@@ -46,7 +48,7 @@ async def first_start(gw: GatewayState, model_dir: Path, url: str) -> None:
         log.info("finishing the first start, which was stopped before it ended")
     else:
         key = await _create_demo_tenant(gw, pending)
-        if key is None:  # another gateway on this database made it
+        if key is None:  # another gateway on this database made it, or it is in use
             return
         _print_key(key, [gw.model_name, *names], url)
     if names:
@@ -68,13 +70,13 @@ async def _create_demo_tenant(gw: GatewayState, pending: Path) -> NewKey | None:
     """Tenant `demo` and its API key, committed together with the first start's mark, and
     audited (actor `first-start`) as an admin's `tenant.create` and `key.create`: the key's
     secret is in the result only (the database keeps its hash). None, with nothing made, when
-    another gateway on this database claimed the first start (`_claim`); PENDING is made once
-    this one has."""
+    another gateway on this database claimed the first start, or the database is in use
+    (`_claim`); PENDING is made once this one has."""
     key = mint_key()
     audit_log = AuditLog(gw.sessions)
     async with gw.sessions() as session:
         if not await _claim(session):
-            return None  # closing the session rolls its transaction back
+            return None  # closing the session rolls back what it left open
         pending.touch()
         async with audit_log.audited(FIRST_START, "tenant.create") as entry:
             entry.detail = {"name": "demo"}
@@ -95,11 +97,20 @@ async def _claim(session: AsyncSession) -> bool:
     another gateway's is there. Gateways starting together on a new database (compose's
     `--scale gateway=N`) all see no mark: the first insert holds the others' (PostgreSQL's
     primary key, SQLite's write lock) until its transaction ends, and once it commits theirs
-    fail here, instead of their tenant `demo` breaking the unique name and their start."""
+    fail here, instead of their tenant `demo` breaking the unique name and their start.
+
+    False too, with the mark committed, when the database holds tenants: it is in use (migrated
+    and run without serve, by `loramux ray-serve`), and has had its first start, as the
+    migration that added the mark holds. A tenant `demo` was made there, unasked, or, when an
+    operator had one, broke the unique name and every start of serve."""
     session.add(FirstStart(id=FIRST_START_ROW))
     try:
         await session.flush()
     except IntegrityError:
+        return False
+    if await session.scalar(select(Tenant.id).limit(1)) is not None:
+        await session.commit()
+        log.info("the database holds tenants already: no demo tenant is made")
         return False
     return True
 

@@ -16,8 +16,9 @@ from sqlalchemy import delete, func, select
 
 from loramux.gateway.admin.paging import Paging
 from loramux.gateway.audit.service import AuditLog
-from loramux.gateway.db import AdapterVersion, ApiKey, Tenant
+from loramux.gateway.db import AdapterVersion, ApiKey, FirstStart, Tenant
 from loramux.gateway.db.adapter import SHARED_OWNER
+from loramux.gateway.db.first_start import FIRST_START_ROW
 from loramux.gateway.db.migrate import upgrade
 from loramux.gateway.demo_setup import PENDING, first_start
 from loramux.gateway.server import engine_client
@@ -211,3 +212,25 @@ async def test_gateways_starting_together_on_a_new_database_make_one_demo_tenant
     async with two_gateways[1].sessions() as session:
         assert list(await session.scalars(select(Tenant.name))) == ["demo"]
     assert len(set(re.findall(r"lmx-[\w.-]+", out.getvalue()))) == 1
+
+
+@pytest.mark.parametrize("name", ["demo", "acme"])
+async def test_a_database_in_use_without_the_mark_is_marked_and_given_no_demo_tenant(
+    two_gateways: list[GatewayState], name: str
+) -> None:
+    """A database migrated empty and used without serve (`loramux ray-serve` runs no first
+    start) holds tenants and no mark. serve on it added tenant `demo`, its key printed, to a
+    database in use; where an admin had named a tenant `demo`, the unique name raised an
+    IntegrityError out of every start. The migration that added the mark holds that a database
+    with tenants has had its first start; so does serve now."""
+    admins, starting = two_gateways
+    async with admins.sessions() as session, session.begin():
+        session.add(Tenant(name=name))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        await first_start(starting, starting.settings.model_dir, URL)
+    assert "lmx-" not in out.getvalue()
+    async with starting.sessions() as session:
+        assert list(await session.scalars(select(Tenant.name))) == [name]
+        assert await session.get(FirstStart, FIRST_START_ROW) is not None
+    assert not (starting.settings.data_dir / PENDING).exists()
