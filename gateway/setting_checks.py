@@ -7,12 +7,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-
-from cryptography.exceptions import UnsupportedAlgorithm
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
 
 from loramux.engine.config import MAX_CPU_THREADS
 
@@ -182,34 +177,6 @@ def check_admin_secret(secret: str, source: str) -> None:
             f"{source} must be at least {MIN_SECRET_BYTES} bytes (it is "
             f"{len(secret.encode())}); generate one with `openssl rand -hex 32`"
         )
-
-
-def admin_public_key_pem(value: str) -> str:
-    """The RSA public key LORAMUX_ADMIN_PUBLIC_KEY gives, in PEM: the value itself when it is
-    PEM (it starts with `-----BEGIN`), else the file it names. PEM text is never tried as a
-    path: a key whose base64 runs over 255 characters between two `/` (about one in twenty)
-    made that try fail with ENAMETOOLONG, and the gateway could not start. A value that gives
-    no RSA public key is a ConfigError: taken as it was, every admin token was refused."""
-    wanted = "an RSA public key in PEM (its text, from -----BEGIN, or a file holding it)"
-    if value.lstrip().startswith("-----BEGIN"):
-        pem, source = value.encode(), "the value"
-    else:
-        try:
-            pem, source = Path(value).read_bytes(), f"the file {value!r}"
-        except OSError as exc:
-            raise ConfigError(
-                f"LORAMUX_ADMIN_PUBLIC_KEY must be {wanted}: {value!r} is no file that can be "
-                f"read ({exc.strerror})"
-            ) from None
-    try:
-        key = serialization.load_pem_public_key(pem)
-    except (ValueError, UnsupportedAlgorithm):
-        key = None
-    if not isinstance(key, rsa.RSAPublicKey):
-        raise ConfigError(f"LORAMUX_ADMIN_PUBLIC_KEY must be {wanted}: {source} holds none")
-    return key.public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    ).decode()
 
 
 def check_engine_url(url: str) -> None:

@@ -19,7 +19,6 @@ from loramux.gateway.setting_checks import (
     QUOTA_BOUNDS,
     SERVER_BOUNDS,
     ConfigError,
-    admin_public_key_pem,
     check_admin_secret,
     check_bounds,
     check_engine_url,
@@ -269,6 +268,8 @@ class ServerSettings:
         if self.admin_secret is not None:
             check_admin_secret(self.admin_secret, "LORAMUX_ADMIN_SECRET")
         if self.admin_public_key is not None:
+            from loramux.gateway.auth.admin_key import admin_public_key_pem
+
             admin_public_key_pem(self.admin_public_key)  # refused now, not at every token
 
 

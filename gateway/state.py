@@ -22,6 +22,7 @@ from loramux.gateway.access_log import redact_access_log
 from loramux.gateway.adapters.shared_store import SharedAdapterStore
 from loramux.gateway.adapters.sweep import sweep_leftovers
 from loramux.gateway.auth.admin_jwt import AdminAuth
+from loramux.gateway.auth.admin_key import admin_public_key_pem
 from loramux.gateway.auth.api_keys import ApiKeyAuth
 from loramux.gateway.catalog import ModelCatalog
 from loramux.gateway.db.session import create_engine, session_factory
@@ -31,7 +32,7 @@ from loramux.gateway.prompt_tokens import PromptTokens
 from loramux.gateway.quotas import QuotaService
 from loramux.gateway.runs_in_flight import RunsInFlight
 from loramux.gateway.served_identity import ServedIdentity, confirm_identity, engine_info
-from loramux.gateway.setting_checks import admin_public_key_pem, check_admin_secret
+from loramux.gateway.setting_checks import check_admin_secret
 from loramux.gateway.settings import Settings, private_folder
 from loramux.gateway.supervisor import Supervisor
 from loramux.gateway.usage import UsageRecorder
